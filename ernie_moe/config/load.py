@@ -1,0 +1,138 @@
+"""YAML + ``section.key=value`` overrides -> a validated :class:`Config`.
+
+Every problem becomes a :class:`ConfigError` whose message is one paragraph a user can act on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from .schema import Config
+
+_SCIENTIFIC = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
+
+
+class ConfigError(ValueError):
+    """A config the trainer cannot run; the message says what to change."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist.")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {err}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections, not {type(raw).__name__}.")
+    for item in overrides:
+        _apply_override(raw, item)
+    cfg = build(Config, raw, "")
+    from .validate import validate
+
+    validate(cfg)
+    return cfg
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override '{item}' must look like section.key=value (e.g. training.max_steps=20).")
+    parts = key.strip().split(".")
+    if len(parts) < 2:
+        raise ConfigError(f"override '{item}' names no section; write e.g. training.{parts[0]}={value}.")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{item}': '{part}' is a value, not a section.")
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError:
+        node[parts[-1]] = value
+
+
+def build(cls, raw, where: str):
+    """Build dataclass ``cls`` from a mapping, checking every key and type."""
+    label = where or "the config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{label} must be a mapping of keys, got {raw!r}.")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(fields)}."
+            raise ConfigError(f"unknown key '{_join(where, key)}'.{hint}")
+        name = _join(where, key)
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            values[key] = build(hint, value if value is not None else {}, name)
+            continue
+        values[key] = _coerce(value, hint, name)
+        choices = fields[key].metadata.get("choices")
+        if choices and values[key] not in choices:
+            options = ", ".join(repr(c) for c in choices)
+            raise ConfigError(f"{name} = {value!r} is not one of {options}.")
+    return cls(**values)
+
+
+def _join(where: str, key) -> str:
+    return f"{where}.{key}" if where else str(key)
+
+
+def _coerce(value, hint, name: str):
+    """Accept ``value`` when it fits ``hint`` (YAML rules: an int is a valid float, nothing else converts)."""
+    for option in _union_members(hint):
+        ok, converted = _fits(value, option)
+        if ok:
+            return converted
+    raise ConfigError(f"{name} = {value!r} has the wrong type: expected {_describe(hint)}.")
+
+
+def _union_members(hint):
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _fits(value, hint):
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            return False, None
+        items = [_fits(v, item) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
+            value = float(value)  # PyYAML reads "1e-3" (no dot) as a string
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else None
+    if hint is str:
+        return isinstance(value, str), value
+    raise TypeError(f"unsupported config type {hint}")
+
+
+def _describe(hint) -> str:
+    names = []
+    for option in _union_members(hint):
+        if typing.get_origin(option) is list:
+            names.append(f"a list of {typing.get_args(option)[0].__name__}")
+        else:
+            names.append({bool: "true/false", int: "an integer", float: "a number", str: "a string"}[option])
+    return " or ".join(names)

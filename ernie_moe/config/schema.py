@@ -1,0 +1,168 @@
+"""Typed configuration sections.
+
+Field names follow the ERNIE 4.5 model config (``model``) and the PaddleNLP / PaddleFormers
+trainer arguments (``training``, ``parallel``) so that users can carry their settings over.
+A field's ``choices`` metadata lists the values it accepts; its docstring is the README's reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def choice(default, *options, doc=""):
+    return field(default=default, metadata={"choices": options, "doc": doc})
+
+
+def opt(default, doc=""):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class VisionConfig:
+    depth: int = opt(2, "ViT blocks")
+    embed_dim: int = opt(32, "ViT width (= model.pixel_hidden_size)")
+    num_heads: int = opt(2, "ViT attention heads")
+    mlp_ratio: float = opt(2.0, "ViT MLP width / embed_dim")
+    patch_size: int = opt(14, "square patch side in pixels")
+    spatial_merge_size: int = opt(2, "patches merged per side by the adapter")
+    in_channels: int = opt(3, "image channels")
+    hidden_act: str = choice("quick_gelu", "quick_gelu", "gelu", doc="ViT MLP activation")
+    rope_theta: float = opt(10000.0, "base of the ViT's 2D rotary positions")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = opt(128, "token vocabulary (must cover the tokenizer)")
+    hidden_size: int = opt(64, "decoder width")
+    intermediate_size: int = opt(128, "dense SwiGLU width")
+    num_hidden_layers: int = opt(2, "decoder layers")
+    num_attention_heads: int = opt(4, "query heads")
+    num_key_value_heads: int = opt(2, "key/value heads (grouped-query attention)")
+    head_dim: int = opt(16, "width of one attention head")
+    max_position_embeddings: int = opt(4096, "longest position the rotary tables cover")
+    rope_theta: float = opt(10000.0, "rotary base")
+    rms_norm_eps: float = opt(1e-5, "RMSNorm epsilon")
+    tie_word_embeddings: bool = opt(True, "share the embedding and LM-head matrix")
+    initializer_range: float = opt(0.02, "std of the normal weight init")
+    rope_3d: bool = opt(True, "3D (t, h, w) rotary positions for image tokens")
+    freq_allocation: int = opt(2, "rotary frequency slots (of head_dim/2) given to the t axis")
+    moe_num_experts: list[int] = opt([4, 4], "routed experts per modality: [text, vision], or [shared pool]")
+    moe_intermediate_size: list[int] = opt([64, 32], "expert width per modality: [text, vision]")
+    moe_k: int = opt(2, "experts chosen per token")
+    moe_layer_start_index: int | list[int] = opt(1, "first MoE layer (per modality when a list)")
+    moe_layer_end_index: int | list[int] = opt(-1, "last MoE layer, -1 = last layer (per modality when a list)")
+    moe_layer_interval: int = opt(1, "layer i is MoE when (i + 1) % interval == 0 and inside the range")
+    moe_num_shared_experts: int = opt(1, "shared experts, each of width moe_intermediate_size[0]")
+    moe_capacity: list[float] = opt([], "[train, eval, eval_when_tokens_lt_experts] capacity factors; [] = dropless")
+    moe_gate_act: str = choice("softmax", "softmax", "sigmoid", doc="router score function")
+    moe_norm_gate_logits: bool = opt(True, "renormalise the top-k weights to sum to 1")
+    moe_use_hard_gate: bool = opt(True, "modality-isolated routing: text tokens to text experts, images to vision")
+    moe_use_aux_free: bool = opt(False, "aux-loss-free balancing with a correction bias")
+    moe_aux_free_update_coef: float = opt(1e-3, "step size of the correction-bias update")
+    moe_aux_loss_lambda: float | list[float] = opt(1e-2, "load-balance loss weight (per modality when a list)")
+    moe_z_loss_lambda: float | list[float] = opt(1e-4, "router z-loss weight (per modality when a list)")
+    moe_orthogonal_loss_lambda: float | list[float] = opt(1e-2, "router orthogonal loss weight")
+    im_patch_id: int = opt(4, "token id of the image placeholder (must equal the tokenizer's)")
+    spatial_conv_size: int = opt(2, "adapter: patches merged per side")
+    temporal_conv_size: int = opt(2, "adapter: frames merged in time (a still image repeats its frame)")
+    pixel_hidden_size: int = opt(32, "ViT output width fed to the adapter")
+    vision_config: VisionConfig = field(default_factory=VisionConfig, metadata={"doc": "the ViT encoder"})
+
+    @property
+    def num_modalities(self) -> int:
+        """Expert groups: 2 = text and vision experts, 1 = one pool for every token."""
+        return len(self.moe_num_experts)
+
+    def moe_layer_range(self) -> tuple[list[int], list[int]]:
+        """(starts, ends) per modality, with -1 resolved to the last layer."""
+        n = self.num_modalities
+        starts = _per_modality(self.moe_layer_start_index, n)
+        ends = [e if e >= 0 else self.num_hidden_layers + e for e in _per_modality(self.moe_layer_end_index, n)]
+        return [int(s) for s in starts], [int(e) for e in ends]
+
+    def moe_modalities_at(self, layer: int) -> list[int]:
+        """Modalities whose experts exist in decoder layer ``layer`` (empty list = dense layer)."""
+        if (layer + 1) % self.moe_layer_interval != 0:
+            return []
+        starts, ends = self.moe_layer_range()
+        return [m for m in range(self.num_modalities) if starts[m] <= layer <= ends[m]]
+
+    def loss_weight(self, name: str, modality: int) -> float:
+        return float(_per_modality(getattr(self, name), self.num_modalities)[modality])
+
+
+def _per_modality(value, n: int) -> list:
+    if isinstance(value, list):
+        return value if len(value) == n else [value[0]] * n
+    return [value] * n
+
+
+@dataclass
+class DataConfig:
+    dataset: str = choice("synthetic", "synthetic", "jsonl", doc="bundled synthetic shapes, or JSONL files")
+    train_path: str = opt("", "JSONL training file (dataset: jsonl)")
+    eval_path: str = opt("", "JSONL held-out file (dataset: jsonl); empty = no evaluation")
+    tokenizer_path: str = opt("", "directory with tokenizer.model (SentencePiece); empty = built-in")
+    max_seq_len: int = opt(64, "tokens per packed row")
+    overlong: str = choice("truncate", "truncate", "skip", doc="what happens to a sample longer than max_seq_len")
+    image_size: int = opt(56, "synthetic images: side in pixels")
+    max_image_side: int = opt(448, "JSONL images: longest side after resizing (rounded to patch x merge)")
+    num_train_samples: int = opt(20000, "synthetic training samples per epoch")
+    num_eval_samples: int = opt(256, "synthetic held-out samples")
+    blank_images: bool = opt(False, "replace every image with zeros (control run: vision carries no signal)")
+
+
+@dataclass
+class TrainingConfig:
+    output_dir: str = opt("output/vl_moe", "where metrics, VisualDL logs and the final model go")
+    seed: int = opt(42, "seed for weights and data order")
+    max_steps: int = opt(300, "optimizer steps")
+    per_device_train_batch_size: int = opt(8, "packed rows per micro-batch per data-parallel rank")
+    per_device_eval_batch_size: int = opt(16, "packed rows per evaluation batch")
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
+    learning_rate: float = opt(3e-3, "peak learning rate")
+    min_lr: float = opt(3e-4, "final learning rate of cosine / linear / wsd")
+    lr_scheduler_type: str = choice("cosine", "cosine", "linear", "constant", "wsd", doc="schedule after warmup")
+    warmup_steps: int = opt(20, "linear warmup steps")
+    wsd_decay_ratio: float = opt(0.1, "wsd: fraction of max_steps spent decaying")
+    weight_decay: float = opt(0.1, "AdamW decay (not on norms, biases, router bias)")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.95, "AdamW beta2")
+    adam_epsilon: float = opt(1e-8, "AdamW epsilon")
+    max_grad_norm: float = opt(1.0, "global-norm clipping; 0 = off")
+    moe_gate_lr_ratio: float = opt(1.0, "router learning rate = learning_rate x this")
+    token_balance_loss: bool = opt(False, "divide the gradient by a fixed token count instead of the step's")
+    token_balance_seqlen: int = opt(0, "that fixed count; 0 = max_seq_len x per_device_train_batch_size")
+    eval_steps: int = opt(100, "evaluate every N steps and at the end; 0 = only at the end")
+    max_eval_batches: int = opt(0, "cap on evaluation batches; 0 = the whole held-out set")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_degree: int = opt(1, "tensor-parallel ranks")
+    pipeline_parallel_degree: int = opt(1, "pipeline stages")
+    virtual_pp_degree: int = opt(1, "interleaved stages per pipeline rank")
+    sharding_parallel_degree: int = opt(1, "optimizer-sharding ranks")
+    sharding: str = choice("", "", "stage1", "stage2", doc="sharding stage")
+    expert_parallel_degree: int = opt(1, "ranks the experts are split over")
+    moe_group: str = choice("ep", "ep", "mp", doc="where expert ranks come from")
+    sequence_parallel: bool = opt(False, "split activations along the sequence inside tensor parallel")
+
+
+@dataclass
+class LoggingConfig:
+    logging_steps: int = opt(10, "log every N optimizer steps")
+    visualdl: bool = opt(True, "write VisualDL scalars under output_dir/visualdl")
+    progress_bar: bool = opt(True, "tqdm progress bar on rank 0")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

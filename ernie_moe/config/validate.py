@@ -1,0 +1,148 @@
+"""Cross-field checks: values that are each well typed but cannot work together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .load import ConfigError
+from .schema import Config, ModelConfig
+
+
+def validate(cfg: Config) -> None:
+    _check_model(cfg.model)
+    _check_data(cfg)
+    _check_training(cfg)
+    _check_parallel(cfg)
+    if cfg.logging.logging_steps < 1:
+        raise ConfigError("logging.logging_steps must be at least 1.")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_model(m: ModelConfig) -> None:
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "moe_k", "moe_layer_interval"):
+        _require(getattr(m, name) >= 1, f"model.{name} must be at least 1, got {getattr(m, name)}.")
+    _require(m.num_attention_heads % m.num_key_value_heads == 0,
+             f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of model.num_key_value_heads "
+             f"({m.num_key_value_heads}) for grouped-query attention.")
+    _require(m.head_dim % 2 == 0, f"model.head_dim ({m.head_dim}) must be even for rotary embeddings.")
+    if m.rope_3d:
+        half = m.head_dim // 2
+        _require(0 < m.freq_allocation < half and (half - m.freq_allocation) % 2 == 0,
+                 f"model.freq_allocation ({m.freq_allocation}) must be between 1 and head_dim/2 - 1 ({half - 1}) and "
+                 f"leave an even number of slots for the h and w axes.")
+    _require(0 <= m.im_patch_id < m.vocab_size,
+             f"model.im_patch_id ({m.im_patch_id}) must be a token id below vocab_size.")
+
+    groups = len(m.moe_num_experts)
+    _require(groups in (1, 2),
+             f"model.moe_num_experts must list 1 or 2 counts ([text, vision]), got {m.moe_num_experts}.")
+    _require(len(m.moe_intermediate_size) == groups,
+             f"model.moe_intermediate_size {m.moe_intermediate_size} must have one width per entry of "
+             f"model.moe_num_experts {m.moe_num_experts}.")
+    _require(all(n >= 1 for n in m.moe_num_experts + m.moe_intermediate_size),
+             "model.moe_num_experts and model.moe_intermediate_size entries must be at least 1.")
+    smallest = min(m.moe_num_experts) if m.moe_use_hard_gate else sum(m.moe_num_experts)
+    _require(m.moe_k <= smallest,
+             f"model.moe_k ({m.moe_k}) is larger than a modality's expert count {m.moe_num_experts}; "
+             f"lower moe_k or add experts.")
+    _require(m.moe_num_shared_experts >= 0, "model.moe_num_shared_experts cannot be negative.")
+    _require(len(m.moe_capacity) in (0, 3) and all(c > 0 for c in m.moe_capacity),
+             f"model.moe_capacity must be [] (dropless) or three positive factors [train, eval, eval_small], "
+             f"got {m.moe_capacity}.")
+    _require(m.moe_aux_free_update_coef >= 0, "model.moe_aux_free_update_coef cannot be negative.")
+    for name in ("moe_aux_loss_lambda", "moe_z_loss_lambda", "moe_orthogonal_loss_lambda"):
+        value = getattr(m, name)
+        if isinstance(value, list):
+            _require(len(value) == groups, f"model.{name} {value} must have one weight per modality ({groups}).")
+
+    layers = m.num_hidden_layers
+    starts, ends = m.moe_layer_range()
+    for start, end in zip(starts, ends):
+        _require(0 <= start < layers and 0 <= end < layers and start <= end,
+                 f"MoE layer range start={m.moe_layer_start_index} end={m.moe_layer_end_index} lies outside the "
+                 f"model's {layers} layers (valid indices 0..{layers - 1}, end -1 = last layer).")
+    if len(set(zip(starts, ends))) > 1:
+        _require(m.moe_num_shared_experts > 0,
+                 "per-modality MoE layer ranges leave some layers without experts for one modality; those tokens "
+                 "use the shared experts, so model.moe_num_shared_experts must be at least 1.")
+
+    v = m.vision_config
+    _require(v.depth >= 1 and v.embed_dim >= 1 and v.num_heads >= 1 and v.patch_size >= 1,
+             "model.vision_config depth, embed_dim, num_heads and patch_size must be at least 1.")
+    _require(v.embed_dim % v.num_heads == 0 and (v.embed_dim // v.num_heads) % 4 == 0,
+             f"model.vision_config.embed_dim ({v.embed_dim}) / num_heads ({v.num_heads}) must be a multiple of 4 "
+             f"(2D rotary positions split each head between the h and w axes).")
+    _require(m.pixel_hidden_size == v.embed_dim,
+             f"model.pixel_hidden_size ({m.pixel_hidden_size}) must equal model.vision_config.embed_dim "
+             f"({v.embed_dim}).")
+    _require(m.spatial_conv_size == v.spatial_merge_size,
+             f"model.spatial_conv_size ({m.spatial_conv_size}) must equal model.vision_config.spatial_merge_size "
+             f"({v.spatial_merge_size}).")
+    _require(m.temporal_conv_size in (1, 2), "model.temporal_conv_size must be 1 or 2.")
+
+
+def _check_data(cfg: Config) -> None:
+    d, v = cfg.data, cfg.model.vision_config
+    _require(d.max_seq_len >= 8, f"data.max_seq_len ({d.max_seq_len}) must be at least 8.")
+    _require(d.max_seq_len <= cfg.model.max_position_embeddings,
+             f"data.max_seq_len ({d.max_seq_len}) exceeds model.max_position_embeddings "
+             f"({cfg.model.max_position_embeddings}).")
+    unit = v.patch_size * v.spatial_merge_size
+    if d.dataset == "synthetic":
+        _require(d.image_size % unit == 0 and d.image_size >= 2 * unit,
+                 f"data.image_size ({d.image_size}) must be a multiple of patch_size x spatial_merge_size ({unit}) "
+                 f"and at least {2 * unit}.")
+        _require(d.num_train_samples >= 1 and d.num_eval_samples >= 0,
+                 "data.num_train_samples must be at least 1 and data.num_eval_samples not negative.")
+    else:
+        _require(bool(d.train_path), "data.dataset is 'jsonl' but data.train_path is empty.")
+        for name in ("train_path", "eval_path"):
+            path = getattr(d, name)
+            _require(not path or Path(path).is_file(), f"data.{name} '{path}' does not exist.")
+        _require(d.max_image_side >= unit, f"data.max_image_side must be at least {unit} pixels.")
+    if d.tokenizer_path:
+        _require((Path(d.tokenizer_path) / "tokenizer.model").is_file(),
+                 f"data.tokenizer_path '{d.tokenizer_path}' holds no tokenizer.model (SentencePiece).")
+
+
+def _check_training(cfg: Config) -> None:
+    t = cfg.training
+    for name in ("max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+                 "gradient_accumulation_steps"):
+        _require(getattr(t, name) >= 1, f"training.{name} must be at least 1, got {getattr(t, name)}.")
+    _require(t.learning_rate > 0 and 0 <= t.min_lr <= t.learning_rate,
+             f"training.learning_rate ({t.learning_rate}) must be positive and training.min_lr ({t.min_lr}) "
+             f"between 0 and it.")
+    _require(0 <= t.warmup_steps <= t.max_steps,
+             f"training.warmup_steps ({t.warmup_steps}) must be between 0 and max_steps ({t.max_steps}).")
+    _require(0 < t.wsd_decay_ratio <= 1, "training.wsd_decay_ratio must be in (0, 1].")
+    _require(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1, "training.adam_beta1/adam_beta2 must be in [0, 1).")
+    _require(t.weight_decay >= 0 and t.max_grad_norm >= 0 and t.moe_gate_lr_ratio >= 0,
+             "training.weight_decay, max_grad_norm and moe_gate_lr_ratio cannot be negative.")
+    _require(t.eval_steps >= 0 and t.max_eval_batches >= 0 and t.token_balance_seqlen >= 0,
+             "training.eval_steps, max_eval_batches and token_balance_seqlen cannot be negative.")
+
+
+def _check_parallel(cfg: Config) -> None:
+    p = cfg.parallel
+    degrees = {
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "virtual_pp_degree": p.virtual_pp_degree,
+        "sharding_parallel_degree": p.sharding_parallel_degree,
+        "expert_parallel_degree": p.expert_parallel_degree,
+    }
+    for name, value in degrees.items():
+        _require(value >= 1, f"parallel.{name} must be at least 1, got {value}.")
+    # This release trains data-parallel only; the other degrees are accepted as 1 so configs stay portable.
+    for name, value in degrees.items():
+        _require(value == 1, f"parallel.{name} = {value}: this release runs data parallel only (every launched "
+                             f"process is a data-parallel rank); set it to 1.")
+    _require(not p.sharding and not p.sequence_parallel,
+             "parallel.sharding and parallel.sequence_parallel need sharding / tensor parallel ranks; this release "
+             "runs data parallel only.")

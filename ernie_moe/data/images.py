@@ -1,0 +1,36 @@
+"""Image preprocessing: resize to whole merge blocks, normalise, cut into flattened patches."""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
+STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
+
+
+def fit_size(height: int, width: int, unit: int, max_side: int) -> tuple[int, int]:
+    """Nearest size whose sides are multiples of ``unit`` with the longest side at most ``max_side``."""
+    scale = min(1.0, max_side / max(height, width))
+
+    def snap(side):
+        return max(unit, int(round(side * scale / unit)) * unit)
+
+    return snap(height), snap(width)
+
+
+def prepare(image: np.ndarray, unit: int, max_side: int) -> np.ndarray:
+    """uint8 HxWxC -> float32 HxWxC normalised, sides a multiple of ``unit``."""
+    h, w = fit_size(image.shape[0], image.shape[1], unit, max_side)
+    if (h, w) != image.shape[:2]:
+        image = np.asarray(Image.fromarray(image).resize((w, h), Image.BICUBIC))
+    return (image.astype(np.float32) / 255.0 - MEAN) / STD
+
+
+def patchify(image: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """HxWxC -> (patches ``[h*w, C*patch*patch]`` in merge-block order, grid ``[1, h, w]``)."""
+    height, width, channels = image.shape
+    gh, gw = height // patch, width // patch
+    x = image.transpose(2, 0, 1).reshape(channels, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.transpose(1, 4, 2, 5, 0, 3, 6)  # block row, block col, row in block, col in block, C, p, p
+    return x.reshape(gh * gw, channels * patch * patch), np.array([1, gh, gw], np.int64)

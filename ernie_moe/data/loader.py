@@ -1,0 +1,102 @@
+"""Data sources, tokenizer choice, the deterministic row stream and batching."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import paddle
+
+from ..model.ernie_vl import Batch
+from . import synthetic
+from .jsonl import JsonlDataset
+from .packing import BadSample, Encoder, Row, pack
+from .tokenizer import ByteTokenizer, SentencePieceTokenizer, WordTokenizer
+
+
+def build_tokenizer(cfg):
+    d = cfg.data
+    if d.tokenizer_path:
+        if not (Path(d.tokenizer_path) / "tokenizer.model").is_file():
+            raise FileNotFoundError(f"data.tokenizer_path '{d.tokenizer_path}' has no tokenizer.model")
+        return SentencePieceTokenizer(d.tokenizer_path, cfg.model.im_patch_id)
+    if d.dataset == "synthetic":
+        return WordTokenizer(synthetic.vocabulary())
+    return ByteTokenizer()
+
+
+def build_datasets(cfg):
+    d = cfg.data
+    if d.dataset == "synthetic":
+        train = synthetic.SyntheticShapes(cfg.training.seed, "train", d.num_train_samples, d.image_size,
+                                          d.blank_images)
+        held_out = synthetic.SyntheticShapes(cfg.training.seed, "eval", d.num_eval_samples, d.image_size,
+                                             d.blank_images)
+        return train, held_out if d.num_eval_samples else None
+    return JsonlDataset(d.train_path), JsonlDataset(d.eval_path) if d.eval_path else None
+
+
+def sample_order(seed: int, epoch: int, size: int) -> np.ndarray:
+    """The permutation of epoch ``epoch``: a function of (seed, epoch) only."""
+    return np.random.default_rng([seed, epoch]).permutation(size)
+
+
+class RowStream:
+    """Packed rows of a dataset, in an order that does not depend on how many processes read it."""
+
+    def __init__(self, dataset, tokenizer, cfg, stats: Counter, shuffle: bool):
+        self.dataset, self.tokenizer, self.stats, self.shuffle = dataset, tokenizer, stats, shuffle
+        self.seed = cfg.training.seed
+        self.max_seq_len = cfg.data.max_seq_len
+        self.encoder = Encoder(tokenizer, cfg.model, cfg.data.max_seq_len, cfg.data.overlong,
+                               cfg.data.max_image_side, stats)
+
+    def _samples(self):
+        epoch = 0
+        while True:
+            order = sample_order(self.seed, epoch, len(self.dataset)) if self.shuffle else range(len(self.dataset))
+            usable = 0
+            for index in order:
+                try:
+                    yield self.encoder(self.dataset[int(index)])
+                    usable += 1
+                except BadSample as bad:
+                    self.stats[bad.reason] += 1
+            if not self.shuffle:
+                return
+            if not usable:
+                raise RuntimeError(f"no usable sample in the training data; skipped: {dict(self.stats)}")
+            epoch += 1
+
+    def __iter__(self):
+        return pack(self._samples(), self.max_seq_len, self.tokenizer.pad_id)
+
+
+def rank_batches(rows, global_rows: int, rank: int, world: int, drop_last: bool = True):
+    """Cut the row stream into global batches of ``global_rows`` and yield this rank's contiguous share."""
+    per_rank = global_rows // world
+    batch: list[Row] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) == global_rows:
+            yield batch[rank * per_rank: (rank + 1) * per_rank]
+            batch = []
+    if batch and not drop_last:
+        share = -(-len(batch) // world)
+        yield batch[rank * share: (rank + 1) * share]
+
+
+def collate(rows: list[Row]) -> Batch:
+    patches = [p for row in rows for p in row.patches]
+    grids = [g for row in rows for g in row.grids]
+    channels = patches[0].shape[1] if patches else 0
+    return Batch(
+        input_ids=paddle.to_tensor(np.stack([r.input_ids for r in rows])),
+        labels=paddle.to_tensor(np.stack([r.labels for r in rows])),
+        token_type_ids=paddle.to_tensor(np.stack([r.token_type_ids for r in rows])),
+        position_ids=paddle.to_tensor(np.stack([r.position_ids for r in rows])),
+        doc_ids=paddle.to_tensor(np.stack([r.doc_ids for r in rows])),
+        pixel_patches=paddle.to_tensor(np.concatenate(patches) if patches else np.zeros([0, channels], np.float32)),
+        grid_thw=np.stack(grids) if grids else np.zeros([0, 3], np.int64),
+    )

@@ -1,0 +1,83 @@
+"""Tokenizers that need no download: a word vocabulary, raw bytes, or a local SentencePiece model.
+
+All share ids 0-4 for ``<pad> <s> </s> <unk> <image>`` where they define them; the image placeholder
+id must equal ``model.im_patch_id``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIALS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
+
+
+class WordTokenizer:
+    """Whitespace-separated words from a fixed vocabulary (the synthetic data's)."""
+
+    def __init__(self, words: list[str]):
+        self.vocab = list(SPECIALS) + [w for w in words if w not in SPECIALS]
+        self.ids = {w: i for i, w in enumerate(self.vocab)}
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id, self.image_token_id = range(5)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.ids.get(word, self.unk_id) for word in text.split()]
+
+    def decode(self, ids) -> str:
+        return " ".join(self.vocab[i] for i in ids)
+
+    def save(self, directory: Path) -> None:
+        (Path(directory) / "vocab.json").write_text(json.dumps(self.vocab, indent=0))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past the special ids: any text, 261 ids."""
+
+    def __init__(self):
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id, self.image_token_id = range(5)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(SPECIALS) + 256
+
+    def encode(self, text: str) -> list[int]:
+        return [len(SPECIALS) + b for b in text.encode("utf-8")]
+
+    def decode(self, ids) -> str:
+        return bytes(i - len(SPECIALS) for i in ids if i >= len(SPECIALS)).decode("utf-8", errors="replace")
+
+    def save(self, directory: Path) -> None:
+        (Path(directory) / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByteTokenizer"}))
+
+
+class SentencePieceTokenizer:
+    """A local ``tokenizer.model``; special ids come from the model, the image placeholder from the config."""
+
+    def __init__(self, directory: str, image_token_id: int):
+        import sentencepiece
+
+        path = Path(directory) / "tokenizer.model"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.model in '{directory}'")
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        self.path = path
+        self.pad_id = max(self.sp.pad_id(), 0)
+        self.bos_id, self.eos_id, self.unk_id = self.sp.bos_id(), self.sp.eos_id(), self.sp.unk_id()
+        self.image_token_id = image_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def save(self, directory: Path) -> None:
+        (Path(directory) / "tokenizer.model").write_bytes(self.path.read_bytes())

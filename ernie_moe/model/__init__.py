@@ -1,0 +1,1 @@
+"""The single-device multimodal MoE model (``ernie_vl``) and its parts."""

@@ -1,0 +1,56 @@
+"""Grouped-query self-attention with fused QKV, and the attention core shared with the ViT."""
+
+from __future__ import annotations
+
+import math
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from .rope import apply_rotary
+
+
+def core_attention(q, k, v, allowed: paddle.Tensor) -> paddle.Tensor:
+    """softmax(q k^T / sqrt(d)) v over ``[batch, seq, heads, dim]``; ``allowed [batch, 1, q, k]`` is boolean.
+
+    Key/value heads are repeated to match the query heads (grouped-query attention).
+    """
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k = paddle.repeat_interleave(k, groups, axis=2)
+        v = paddle.repeat_interleave(v, groups, axis=2)
+    q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))
+    scores = paddle.matmul(q, k, transpose_y=True).astype("float32") / math.sqrt(q.shape[-1])
+    scores = paddle.where(allowed, scores, paddle.full_like(scores, float("-inf")))
+    probs = F.softmax(scores, axis=-1).astype(v.dtype)
+    return paddle.matmul(probs, v).transpose([0, 2, 1, 3])
+
+
+def causal_document_mask(doc_ids: paddle.Tensor) -> paddle.Tensor:
+    """Packed rows: token i sees token j when j <= i and both belong to the same document."""
+    seq = doc_ids.shape[1]
+    causal = paddle.tril(paddle.ones([seq, seq], dtype="bool"))
+    same_doc = doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)
+    return paddle.logical_and(same_doc, causal).unsqueeze(1)
+
+
+class Attention(nn.Layer):
+    def __init__(self, plan, cfg):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = plan.column_linear(cfg.hidden_size, qkv_out)
+        self.o_proj = plan.row_linear(self.num_heads * self.head_dim, cfg.hidden_size)
+
+    def forward(self, x, angles, allowed):
+        batch, seq = x.shape[0], x.shape[1]
+        qkv = self.qkv_proj(x).reshape([batch, seq, -1, self.head_dim])
+        heads = qkv.shape[2]
+        q_heads = heads * self.num_heads // (self.num_heads + 2 * self.num_kv_heads)
+        kv_heads = (heads - q_heads) // 2
+        q, k, v = paddle.split(qkv, [q_heads, kv_heads, kv_heads], axis=2)
+        out = core_attention(apply_rotary(q, angles), apply_rotary(k, angles), v, allowed)
+        return self.o_proj(out.reshape([batch, seq, -1]))

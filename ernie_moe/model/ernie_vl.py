@@ -1,0 +1,102 @@
+"""The ERNIE-4.5-VL-style multimodal MoE language model, written for one device.
+
+Parameter names follow PaddleFormers' Paddle layout (``model.layers.{i}.self_attn.qkv_proj``,
+``model.layers.{i}.mlp.experts.{j}``, ``model.resampler_model``, ``vision_model``, ``lm_head``) so that
+checkpoints convert by renaming and transposing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+from paddle import nn
+
+from ..parallel.plan import SingleDevicePlan
+from .attention import causal_document_mask
+from .decoder import DecoderLayer
+from .layers import RMSNorm
+from .rope import rope_angles
+from .vision import Adapter, VisionTransformer
+
+
+@dataclass
+class Batch:
+    """One micro-batch. ``token_type_ids``: 0 text, 1 image, 2 video, -1 padding."""
+
+    input_ids: paddle.Tensor  # [batch, seq] int64
+    labels: paddle.Tensor  # [batch, seq] int64, next token or -100
+    token_type_ids: paddle.Tensor  # [batch, seq] int64
+    position_ids: paddle.Tensor  # [batch, seq, 3] int64 (t, h, w)
+    doc_ids: paddle.Tensor  # [batch, seq] int64, packed document of each position
+    pixel_patches: paddle.Tensor  # [patches, channels * patch * patch] float32
+    grid_thw: np.ndarray  # [images, 3] patches per image along t, h, w
+
+
+@dataclass
+class ModelOutput:
+    loss_sum: paddle.Tensor  # summed cross-entropy over label tokens
+    num_label_tokens: int
+    router_loss: paddle.Tensor  # weighted router losses of every MoE layer, summed
+    logits: paddle.Tensor | None = None
+
+
+class ErnieVLModel(nn.Layer):
+    def __init__(self, plan, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = plan.embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.LayerList([DecoderLayer(plan, cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.resampler_model = Adapter(cfg)
+
+    def forward(self, embeddings, batch: Batch):
+        t_slots = self.cfg.freq_allocation if self.cfg.rope_3d else None
+        angles = rope_angles(batch.position_ids, self.cfg.head_dim, self.cfg.rope_theta, t_slots)
+        allowed = causal_document_mask(batch.doc_ids)
+        x, router_loss = embeddings, paddle.zeros([], dtype="float32")
+        for layer in self.layers:
+            x, layer_loss = layer(x, batch.token_type_ids, angles, allowed)
+            router_loss = router_loss + layer_loss
+        return self.norm(x), router_loss
+
+
+class ErnieMoEForConditionalGeneration(nn.Layer):
+    def __init__(self, cfg, plan=None):
+        super().__init__()
+        self.cfg = cfg
+        self.plan = plan or SingleDevicePlan(cfg.initializer_range)
+        self.vision_model = VisionTransformer(cfg.vision_config)
+        self.model = ErnieVLModel(self.plan, cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = self.plan.column_linear(cfg.hidden_size, cfg.vocab_size)
+
+    def moe_layers(self):
+        return [layer.mlp for layer in self.model.layers if layer.is_moe]
+
+    def embed(self, batch: Batch) -> paddle.Tensor:
+        """Token embeddings with image features written at the image placeholder positions."""
+        embeddings = self.model.embed_tokens(batch.input_ids)
+        slots = paddle.nonzero((batch.input_ids == self.cfg.im_patch_id).flatten()).flatten()
+        if batch.pixel_patches.shape[0] == 0 and slots.shape[0] == 0:
+            return embeddings
+        features = self.model.resampler_model(self.vision_model(batch.pixel_patches, batch.grid_thw), batch.grid_thw)
+        if features.shape[0] != slots.shape[0]:
+            raise ValueError(f"the batch has {slots.shape[0]} image placeholder tokens but its images give "
+                             f"{features.shape[0]} features")
+        shape = embeddings.shape
+        flat = paddle.scatter(embeddings.reshape([-1, shape[-1]]), slots, features.astype(embeddings.dtype))
+        return flat.reshape(shape)
+
+    def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        if self.cfg.tie_word_embeddings:
+            return paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
+        return self.lm_head(hidden)
+
+    def forward(self, batch: Batch, return_logits: bool = False) -> ModelOutput:
+        hidden, router_loss = self.model(self.embed(batch), batch)
+        logits = self.logits(hidden)
+        loss_sum = self.plan.cross_entropy_sum(logits, batch.labels)
+        num_label_tokens = int((batch.labels != -100).sum())
+        return ModelOutput(loss_sum, num_label_tokens, router_loss, logits if return_logits else None)

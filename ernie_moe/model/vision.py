@@ -1,0 +1,150 @@
+"""Vision side: a ViT over flattened patches with 2D rotary positions, and the adapter to the LM width.
+
+Patches of one image arrive in merge-block order: for each frame, for each (merge x merge) block in
+row-major order, the block's patches in row-major order. So every run of ``merge**2`` consecutive
+patches is one spatial neighbourhood and the adapter's spatial merge is a reshape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from .attention import core_attention
+from .layers import RMSNorm
+from .rope import apply_rotary, rope_angles
+
+
+def patch_positions(grid_thw: np.ndarray, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """(t, h, w) position ``[patches, 3]`` and image index ``[patches]`` of every patch, in merge-block order."""
+    positions, owners = [], []
+    for image, (t, h, w) in enumerate(np.asarray(grid_thw, dtype=np.int64)):
+        bh, bw, dh, dw = np.meshgrid(np.arange(h // merge), np.arange(w // merge), np.arange(merge),
+                                     np.arange(merge), indexing="ij")
+        rows, cols = (bh * merge + dh).reshape(-1), (bw * merge + dw).reshape(-1)
+        for frame in range(t):
+            positions.append(np.stack([np.full_like(rows, frame), rows, cols], axis=-1))
+            owners.append(np.full(rows.shape, image))
+    if not positions:
+        return np.zeros([0, 3], np.int64), np.zeros([0], np.int64)
+    return np.concatenate(positions), np.concatenate(owners)
+
+
+def quick_gelu(x):
+    return x * F.sigmoid(1.702 * x)
+
+
+class VisionAttention(nn.Layer):
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, angles, allowed):
+        n = x.shape[0]
+        q, k, v = paddle.chunk(self.qkv(x).reshape([1, n, 3 * self.num_heads, -1]), 3, axis=2)
+        out = core_attention(apply_rotary(q, angles), apply_rotary(k, angles), v, allowed)
+        return self.proj(out.reshape([n, -1]))
+
+
+class VisionMLP(nn.Layer):
+    def __init__(self, cfg):
+        super().__init__()
+        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
+        self.fc1 = nn.Linear(cfg.embed_dim, hidden)
+        self.fc2 = nn.Linear(hidden, cfg.embed_dim)
+        self.act = quick_gelu if cfg.hidden_act == "quick_gelu" else F.gelu
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Layer):
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.embed_dim, epsilon=1e-6)
+        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads)
+        self.norm2 = nn.LayerNorm(cfg.embed_dim, epsilon=1e-6)
+        self.mlp = VisionMLP(cfg)
+
+    def forward(self, x, angles, allowed):
+        x = x + self.attn(self.norm1(x), angles, allowed)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Layer):
+    def __init__(self, cfg):
+        super().__init__()
+        self.proj = nn.Linear(cfg.in_channels * cfg.patch_size ** 2, cfg.embed_dim, bias_attr=False)
+
+    def forward(self, patches):
+        return self.proj(patches)
+
+
+class VisionTransformer(nn.Layer):
+    """Bidirectional attention inside each image; no attention across images."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.LayerList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.ln = nn.LayerNorm(cfg.embed_dim, epsilon=1e-6)
+
+    def forward(self, patches: paddle.Tensor, grid_thw: np.ndarray) -> paddle.Tensor:
+        positions, owners = patch_positions(grid_thw, self.cfg.spatial_merge_size)
+        head_dim = self.cfg.embed_dim // self.cfg.num_heads
+        positions[:, 0] = 0  # frames share 2D positions; the LM's 3D RoPE orders them in time
+        angles = rope_angles(paddle.to_tensor(positions)[None], head_dim, self.cfg.rope_theta, t_slots=0)
+        owner = paddle.to_tensor(owners)
+        allowed = (owner.unsqueeze(1) == owner.unsqueeze(0))[None, None]
+        x = self.patch_embed(patches)
+        for block in self.blocks:
+            x = block(x, angles, allowed)
+        return self.ln(x)
+
+
+def image_token_count(grid_thw, merge: int, temporal: int) -> int:
+    """LM placeholder tokens one image (t, h, w patches) becomes after the adapter's merges."""
+    t, h, w = (int(v) for v in grid_thw)
+    return -(-t // temporal) * (h // merge) * (w // merge)
+
+
+class Adapter(nn.Layer):
+    """ERNIE's resampler: spatial merge -> MLP, temporal merge -> MLP, then to the LM width."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.merge = cfg.spatial_conv_size
+        self.temporal = cfg.temporal_conv_size
+        width = cfg.pixel_hidden_size * self.merge ** 2
+        self.spatial_linear = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width),
+                                            nn.LayerNorm(width))
+        if self.temporal > 1:
+            self.temporal_linear = nn.Sequential(nn.Linear(width * self.temporal, width), nn.GELU(),
+                                                 nn.Linear(width, width), nn.LayerNorm(width))
+        self.mlp = nn.Linear(width, cfg.hidden_size)
+        self.after_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, features: paddle.Tensor, grid_thw: np.ndarray) -> paddle.Tensor:
+        x = self.spatial_linear(features.reshape([-1, features.shape[-1] * self.merge ** 2]))
+        if self.temporal > 1:
+            x = self.temporal_linear(self._merge_frames(x, grid_thw))
+        return self.after_norm(self.mlp(x))
+
+    def _merge_frames(self, x, grid_thw):
+        """Concatenate each group of ``temporal`` consecutive frames; a short last group repeats its frame."""
+        pieces, start = [], 0
+        for t, h, w in np.asarray(grid_thw, dtype=np.int64):
+            per_frame = (h // self.merge) * (w // self.merge)
+            frames = x[start: start + t * per_frame].reshape([t, per_frame, -1])
+            start += t * per_frame
+            missing = -t % self.temporal
+            if missing:
+                frames = paddle.concat([frames] + [frames[-1:]] * missing, axis=0)
+            grouped = frames.reshape([-1, self.temporal, per_frame, frames.shape[-1]]).transpose([0, 2, 1, 3])
+            pieces.append(grouped.reshape([-1, self.temporal * frames.shape[-1]]))
+        return paddle.concat(pieces, axis=0)

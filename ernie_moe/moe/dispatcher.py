@@ -1,0 +1,54 @@
+"""Token dispatch: sort (token, choice) pairs by expert, drop what exceeds capacity, gather, combine.
+
+``LocalDispatcher`` keeps every expert in this process. An expert-parallel dispatcher keeps the same
+``dispatch`` / ``combine`` contract and moves the per-expert slices between ranks with all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import paddle
+
+
+@dataclass
+class DispatchState:
+    token_index: paddle.Tensor  # [kept] destination row of each dispatched copy
+    weights: paddle.Tensor  # [kept] its mixing weight
+    routed: paddle.Tensor  # [experts] copies each expert was chosen for (before capacity)
+    kept: paddle.Tensor  # [experts] copies each expert processes
+
+
+class LocalDispatcher:
+    def dispatch(self, x: paddle.Tensor, token_index: paddle.Tensor, expert_ids: paddle.Tensor,
+                 weights: paddle.Tensor, num_experts: int, capacity: paddle.Tensor | None):
+        """Split ``x`` rows into one slice per expert.
+
+        ``expert_ids``/``weights`` are ``[tokens, k]``; ``capacity`` ``[experts]`` or None for dropless.
+        Choices are ordered k-major, so every token's first choice claims a slot before any second choice.
+        """
+        k = expert_ids.shape[1]
+        flat_expert = expert_ids.T.flatten()
+        flat_token = paddle.tile(token_index, [k])
+        flat_weight = weights.T.flatten()
+        order = paddle.argsort(flat_expert, stable=True)
+        sorted_expert = paddle.gather(flat_expert, order)
+        routed = paddle.bincount(flat_expert, minlength=num_experts)
+        if capacity is not None:
+            first = paddle.cumsum(routed) - routed
+            rank_in_expert = paddle.arange(sorted_expert.shape[0]) - paddle.gather(first, sorted_expert)
+            keep = rank_in_expert < paddle.gather(capacity, sorted_expert)
+            order = paddle.masked_select(order, keep)
+            kept = paddle.bincount(paddle.gather(flat_expert, order), minlength=num_experts)
+        else:
+            kept = routed
+        state = DispatchState(paddle.gather(flat_token, order), paddle.gather(flat_weight, order), routed, kept)
+        inputs = paddle.gather(x, state.token_index)
+        return paddle.split(inputs, kept.tolist(), axis=0), state
+
+    def combine(self, expert_outputs: list[paddle.Tensor], state: DispatchState, num_rows: int) -> paddle.Tensor:
+        """Weighted sum of each token's expert outputs; dropped choices contribute nothing."""
+        out = paddle.concat(expert_outputs, axis=0)
+        weighted = out * state.weights.unsqueeze(-1).astype(out.dtype)
+        zeros = paddle.zeros([num_rows, out.shape[-1]], dtype=out.dtype)
+        return paddle.index_add(zeros, state.token_index, 0, weighted)

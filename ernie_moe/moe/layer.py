@@ -1,0 +1,155 @@
+"""The heterogeneous multimodal MoE block: router -> dispatcher -> experts -> combine, plus shared experts."""
+
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+
+from ..model.layers import SwiGLUMLP
+from .experts import Experts
+from .router import Router
+from .stats import ExpertStats
+
+TEXT, VISION = 0, 1
+
+
+class MoEStatics(nn.Layer):
+    """Holds ERNIE's ``e_score_correction_bias`` [groups, max experts]: trained by a rule, not by gradients."""
+
+    def __init__(self, groups: int, max_experts: int):
+        super().__init__()
+        self.e_score_correction_bias = self.create_parameter(
+            [groups, max_experts], dtype="float32", default_initializer=nn.initializer.Constant(0.0))
+        self.e_score_correction_bias.stop_gradient = True
+
+
+class MoELayer(nn.Layer):
+    """Routes each modality's tokens to its own experts.
+
+    ``modalities`` lists the modalities that have experts in this layer. With ``moe_use_hard_gate`` and two
+    expert groups, group m serves modality m (video counts as image); otherwise one group serves every
+    token. Tokens of a modality without experts here get only the shared experts.
+    """
+
+    def __init__(self, plan, cfg, modalities: list[int], layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        counts, widths = list(cfg.moe_num_experts), list(cfg.moe_intermediate_size)
+        self.hard_gate = cfg.moe_use_hard_gate and len(counts) == 2
+        if self.hard_gate:
+            self.group_modality = [m for m in (TEXT, VISION) if m in modalities]
+            counts = [counts[m] for m in self.group_modality]
+            widths = [widths[m] for m in self.group_modality]
+            self.router_counts = counts
+        else:
+            self.group_modality = [None]
+            self.router_counts = [sum(counts)]
+        self.expert_offsets = [sum(counts[:g]) for g in range(len(counts))] if self.hard_gate else [0]
+        self.num_experts = sum(counts)
+        self.capacity_factors = list(cfg.moe_capacity)
+        self.loss_weights = [
+            {name: cfg.loss_weight(f"moe_{name}_lambda", self._weight_modality(g))
+             for name in ("aux_loss", "z_loss", "orthogonal_loss")}
+            for g in range(len(self.router_counts))
+        ]
+
+        self.gate = Router(cfg.hidden_size, self.router_counts, cfg.moe_k, cfg.moe_gate_act, cfg.moe_norm_gate_logits)
+        self.experts = Experts(plan, cfg.hidden_size, counts, widths)
+        self.shared_experts = (
+            SwiGLUMLP(plan, cfg.hidden_size, cfg.moe_intermediate_size[0] * cfg.moe_num_shared_experts)
+            if cfg.moe_num_shared_experts else None
+        )
+        self.moe_statics = None
+        if cfg.moe_use_aux_free:
+            self.moe_statics = MoEStatics(len(self.router_counts), max(self.router_counts))
+        self.aux_free_coef = cfg.moe_aux_free_update_coef
+        self.dispatcher = plan.dispatcher()
+        self.stats = ExpertStats(self.router_counts)
+
+    def _weight_modality(self, group: int) -> int:
+        modality = self.group_modality[group]
+        return TEXT if modality is None else modality
+
+    def forward(self, x: paddle.Tensor, token_type_ids: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """``x [batch, seq, hidden]`` -> (output, weighted router loss of this layer)."""
+        shape = x.shape
+        flat = x.reshape([-1, shape[-1]])
+        types = token_type_ids.flatten()
+
+        ids, weights, routed_tokens, capacities = [], [], [], []
+        router_loss = paddle.zeros([], dtype="float32")
+        for g, modality in enumerate(self.group_modality):
+            token_index = self._tokens_of(types, modality)
+            if token_index.shape[0] == 0:
+                continue
+            bias = None
+            if self.moe_statics is not None:
+                bias = self.moe_statics.e_score_correction_bias[g, : self.router_counts[g]]
+            routing = self.gate(flat, token_index, g, bias)
+            group_losses = self.gate.losses(routing, g)
+            for name, value in group_losses.items():
+                router_loss = router_loss + self.loss_weights[g][name] * value
+            if self.training:
+                self.stats.record_losses(g, group_losses)
+            ids.append(routing.expert_ids + self.expert_offsets[g])
+            weights.append(routing.weights)
+            routed_tokens.append(token_index)
+            capacities.append(self._capacity(token_index.shape[0], self.router_counts[g]))
+
+        out = paddle.zeros_like(flat)
+        if ids:
+            capacity = None
+            if self.capacity_factors:
+                capacity = paddle.to_tensor([c for g, c in enumerate(capacities) for _ in range(self.router_counts[g])],
+                                            dtype="int64")
+            inputs, state = self.dispatcher.dispatch(
+                flat, paddle.concat(routed_tokens), paddle.concat(ids), paddle.concat(weights),
+                self.num_experts, capacity)
+            outputs, idle_zero = self.experts(inputs)
+            out = self.dispatcher.combine(outputs, state, flat.shape[0])
+            if idle_zero is not None:
+                out = out + idle_zero
+            if self.training:
+                self.stats.record_routing(state.routed, state.kept)
+        else:
+            # No routed token here: keep every expert in the graph for gradient synchronisation.
+            _, idle_zero = self.experts([flat[:0]] * self.num_experts)
+            out = out + idle_zero
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.reshape(shape), router_loss
+
+    @staticmethod
+    def _tokens_of(types: paddle.Tensor, modality: int | None) -> paddle.Tensor:
+        if modality is None:
+            mask = types >= 0  # every real token; padding is marked -1
+        elif modality == TEXT:
+            mask = types == 0
+        else:
+            mask = types >= 1  # image and video tokens share the vision experts
+        return paddle.nonzero(mask).flatten()
+
+    def _capacity(self, num_tokens: int, num_experts: int) -> int:
+        """``int(factor * tokens // experts)``, factor by mode: [train, eval, eval with fewer tokens than experts]."""
+        if not self.capacity_factors:
+            return 0
+        if self.training:
+            factor = self.capacity_factors[0]
+        else:
+            factor = self.capacity_factors[2] if num_tokens < num_experts else self.capacity_factors[1]
+        return int(factor * num_tokens // num_experts)
+
+    @paddle.no_grad()
+    def update_correction_bias(self, usage: paddle.Tensor) -> None:
+        """Aux-loss-free balancing after an optimizer step: ``bias += coef * sign(mean_usage - usage)`` per group.
+
+        ``usage`` is the per-expert token count since the last update, already summed over the ranks that
+        saw different tokens.
+        """
+        if self.moe_statics is None:
+            return
+        bias = self.moe_statics.e_score_correction_bias
+        for g, n in enumerate(self.router_counts):
+            offset = self.expert_offsets[g]
+            counts = usage[offset: offset + n].astype("float32")
+            bias[g, :n] = bias[g, :n] + self.aux_free_coef * paddle.sign(counts.mean() - counts)

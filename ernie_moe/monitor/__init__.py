@@ -1,0 +1,1 @@
+"""Metrics: JSONL and VisualDL writers, expert-balance summaries."""

@@ -1,0 +1,50 @@
+"""Where metrics go: ``metrics.jsonl`` (one object per logging step) and VisualDL scalars, rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str, visualdl: bool, enabled: bool):
+        self.enabled = enabled
+        self.writer = None
+        self.file = None
+        if not enabled:
+            return
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        self.file = open(Path(output_dir) / "metrics.jsonl", "a")
+        if visualdl:
+            from visualdl import LogWriter
+
+            self.writer = LogWriter(logdir=str(Path(output_dir) / "visualdl"))
+
+    def log(self, step: int, metrics: dict, prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    tag = key if "/" in key else f"{prefix}/{key}"
+                    self.writer.add_scalar(tag=tag, value=value, step=step)
+
+    def text(self, tag: str, text: str) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag=tag, text_string=text, step=0)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    return round(value, 8) if isinstance(value, float) else value

@@ -1,0 +1,5 @@
+"""Optimizer, schedules, evaluation and the trainer loop."""
+
+from .trainer import Trainer
+
+__all__ = ["Trainer"]

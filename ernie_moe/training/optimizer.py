@@ -1,0 +1,50 @@
+"""AdamW with ERNIE's parameter groups, and global-norm gradient clipping that reports the norm."""
+
+from __future__ import annotations
+
+import paddle
+
+from .schedule import WarmupDecay
+
+
+def is_router(name: str) -> bool:
+    return ".mlp.gate.weight" in name
+
+
+def no_decay(name: str, param) -> bool:
+    """Norm weights, biases and other vectors are not decayed."""
+    return len(param.shape) < 2 or name.endswith(".bias")
+
+
+def build_optimizer(model, training_cfg):
+    t = training_cfg
+    params = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
+    for name, param in params:
+        if is_router(name):
+            param.optimize_attr["learning_rate"] = t.moe_gate_lr_ratio
+    decayed = {p.name for n, p in params if not no_decay(n, p)}
+    scheduler = WarmupDecay(t)
+    optimizer = paddle.optimizer.AdamW(
+        learning_rate=scheduler,
+        parameters=[p for _, p in params],
+        beta1=t.adam_beta1,
+        beta2=t.adam_beta2,
+        epsilon=t.adam_epsilon,
+        weight_decay=t.weight_decay,
+        apply_decay_param_fun=lambda name: name in decayed,
+    )
+    return optimizer, scheduler
+
+
+@paddle.no_grad()
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """Scale gradients so their global L2 norm is at most ``max_norm`` (0 = no clipping); returns the norm."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = paddle.sqrt(paddle.add_n([(g.astype("float32") ** 2).sum() for g in grads]))
+    if max_norm > 0:
+        scale = paddle.clip(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.multiply_(scale.astype(g.dtype))
+    return float(norm)

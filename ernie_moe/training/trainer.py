@@ -1,0 +1,169 @@
+"""The training loop: build everything from the config, then step, log, evaluate and save."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import paddle
+import yaml
+from tqdm import tqdm
+
+from ..checkpoint import save_model
+from ..config import Config, ConfigError
+from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
+from ..model.ernie_vl import ErnieMoEForConditionalGeneration
+from ..monitor.expert_balance import summarize
+from ..monitor.metrics import MetricsLogger
+from ..parallel import init_distributed, wrap_model
+from .evaluate import evaluate
+from .optimizer import build_optimizer, clip_grad_norm
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        t = cfg.training
+        self.env = init_distributed(cfg.parallel)
+        paddle.seed(t.seed)
+        self.tokenizer = build_tokenizer(cfg)
+        check_tokenizer(self.tokenizer, cfg.model)
+        self.model = ErnieMoEForConditionalGeneration(cfg.model)
+        self.ddp = wrap_model(self.model, self.env)
+        self.optimizer, self.scheduler = build_optimizer(self.model, t)
+
+        self.data_stats: Counter = Counter()
+        train_set, self.eval_set = build_datasets(cfg)
+        rows = RowStream(train_set, self.tokenizer, cfg, self.data_stats, shuffle=True)
+        self.global_rows = t.per_device_train_batch_size * self.env.world_size
+        self.batches = rank_batches(rows, self.global_rows, self.env.rank, self.env.world_size)
+        self.logger = MetricsLogger(t.output_dir, cfg.logging.visualdl, self.env.is_main)
+        self.step = 0
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict:
+        t, log_every = self.cfg.training, self.cfg.logging.logging_steps
+        self._write_run_config()
+        bar = tqdm(total=t.max_steps, disable=not (self.env.is_main and self.cfg.logging.progress_bar),
+                   mininterval=2.0, dynamic_ncols=True, desc="train")
+        window, last_eval, started = Counter(), {}, time.time()
+        for self.step in range(1, t.max_steps + 1):
+            window.update(self.train_step())
+            bar.update(1)
+            if self.step % log_every == 0 or self.step == t.max_steps:
+                metrics = self._window_metrics(window)
+                self.logger.log(self.step, metrics)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
+                window = Counter()
+            if (t.eval_steps and self.step % t.eval_steps == 0) or self.step == t.max_steps:
+                last_eval = self.evaluate()
+                self.logger.log(self.step, last_eval, prefix="eval")
+        bar.close()
+        summary = {"steps": self.step, "train_time_s": time.time() - started, **last_eval,
+                   **{f"data/{k}": v for k, v in sorted(self.data_stats.items())}}
+        self._finish(summary)
+        return summary
+
+    def train_step(self) -> dict:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
+        t, env = self.cfg.training, self.env
+        started = time.time()
+        micro_batches = [collate(next(self.batches)) for _ in range(t.gradient_accumulation_steps)]
+        local = paddle.to_tensor([float((b.labels != -100).sum()) for b in micro_batches]).sum()
+        tokens = float(env.all_reduce_sum(paddle.to_tensor([sum(float((b.token_type_ids >= 0).sum())
+                                                                  for b in micro_batches)]))[0])
+        # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.
+        label_tokens = float(env.all_reduce_sum(local.reshape([1]))[0])
+        denominator = self._loss_denominator(label_tokens)
+        lm_sum, router_sum = 0.0, 0.0
+        for i, batch in enumerate(micro_batches):
+            sync_later = env.world_size > 1 and i < len(micro_batches) - 1
+            with self.ddp.no_sync() if sync_later else contextlib.nullcontext():
+                out = self.ddp(batch)
+                # fleet's data-parallel wrapper averages gradients over ranks, hence the world-size factor.
+                loss = out.loss_sum * (env.world_size / denominator) + out.router_loss / len(micro_batches)
+                loss.backward()
+            lm_sum += float(out.loss_sum)
+            router_sum += float(out.router_loss)
+        grad_norm = clip_grad_norm(self.model.parameters(), t.max_grad_norm)
+        lr = self.optimizer.get_lr()
+        self.optimizer.step()
+        self.optimizer.clear_grad()
+        self.scheduler.step()
+        self._update_router_bias()
+        totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches)], dtype="float64")
+        lm_sum, router_mean = env.all_reduce_sum(totals).numpy().tolist()
+        return {"lm_loss_sum": lm_sum, "label_tokens": label_tokens, "router_loss": router_mean / env.world_size,
+                "tokens": tokens, "rows": self.global_rows * len(micro_batches), "grad_norm": grad_norm, "lr": lr,
+                "time": time.time() - started, "steps": 1}
+
+    def evaluate(self) -> dict:
+        if self.eval_set is None:
+            return {}
+        rows = RowStream(self.eval_set, self.tokenizer, self.cfg, Counter(), shuffle=False)
+        global_rows = self.cfg.training.per_device_eval_batch_size * self.env.world_size
+        batches = rank_batches(rows, global_rows, self.env.rank, self.env.world_size, drop_last=False)
+        return evaluate(self.model, batches, self.env, self.cfg.training.max_eval_batches)
+
+    # -------------------------------------------------------------- helpers
+    def _loss_denominator(self, label_tokens: float) -> float:
+        t = self.cfg.training
+        if t.token_balance_loss:
+            per_micro = t.token_balance_seqlen or self.cfg.data.max_seq_len * t.per_device_train_batch_size
+            return float(per_micro * t.gradient_accumulation_steps * self.env.world_size)
+        return max(label_tokens, 1.0)
+
+    def _update_router_bias(self) -> None:
+        for moe in self.model.moe_layers():
+            if moe.moe_statics is not None:
+                moe.update_correction_bias(self.env.all_reduce_sum(moe.stats.pop_usage()))
+            else:
+                moe.stats.pop_usage()
+
+    def _window_metrics(self, window: Counter) -> dict:
+        for moe in self.model.moe_layers():
+            moe.stats.all_reduce(self.env.all_reduce_sum)
+        steps = window["steps"]
+        lm_loss = window["lm_loss_sum"] / max(window["label_tokens"], 1.0)
+        router_loss = window["router_loss"] / steps
+        metrics = {"loss": lm_loss + router_loss, "lm_loss": lm_loss, "router_loss": router_loss}
+        metrics.update(summarize(self.model.moe_layers()))
+        metrics.update({
+            "lr": window["lr"] / steps,
+            "grad_norm": window["grad_norm"] / steps,
+            "tokens_per_sec": window["tokens"] / window["time"],
+            "samples_per_sec": window["rows"] / window["time"],
+            "step_time_s": window["time"] / steps,
+        })
+        metrics.update({f"data/skipped_{k}": v for k, v in self.data_stats.items()})
+        return metrics
+
+    def _write_run_config(self) -> None:
+        if not self.env.is_main:
+            return
+        out = Path(self.cfg.training.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False)
+        (out / "run_config.yaml").write_text(text)
+        self.logger.text("config", f"```yaml\n{text}```")
+
+    def _finish(self, summary: dict) -> None:
+        if self.env.is_main:
+            final = Path(self.cfg.training.output_dir) / "final_model"
+            save_model(self.model, self.cfg.model, str(final), self.tokenizer)
+            summary["model_dir"] = str(final)
+            (Path(self.cfg.training.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.logger.close()
+
+
+def check_tokenizer(tokenizer, model_cfg) -> None:
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
+                          f"{model_cfg.vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size}.")
+    if tokenizer.image_token_id != model_cfg.im_patch_id:
+        raise ConfigError(f"the tokenizer's image placeholder id is {tokenizer.image_token_id} but model.im_patch_id "
+                          f"is {model_cfg.im_patch_id}; set model.im_patch_id={tokenizer.image_token_id}.")

@@ -1,0 +1,45 @@
+"""Train the multimodal MoE model: ``python -m paddle.distributed.launch run_trainer.py --config FILE [k=v ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="YAML config (see configs/vl_moe.yaml)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.max_steps=20")
+    args = parser.parse_args(argv)
+
+    from ernie_moe.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from ernie_moe.training import Trainer
+
+        trainer = Trainer(cfg)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    summary = trainer.train()
+    if trainer.env.is_main:
+        print(format_summary(summary), flush=True)
+    return 0
+
+
+def format_summary(summary: dict) -> str:
+    parts = [f"done: {summary['steps']} steps in {summary['train_time_s']:.0f}s"]
+    for key in ("eval_loss", "eval_caption_accuracy", "eval_token_accuracy"):
+        if key in summary:
+            parts.append(f"{key} {summary[key]:.4f}")
+    skipped = {k: v for k, v in summary.items() if k.startswith("data/")}
+    if skipped:
+        parts.append("skipped samples " + ", ".join(f"{k[5:]}={v}" for k, v in skipped.items()))
+    if "model_dir" in summary:
+        parts.append(f"model saved to {summary['model_dir']}")
+    return " | ".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

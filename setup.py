@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ernie_moe",
+    version="0.1.0",
+    description="PaddlePaddle training for ERNIE-4.5-VL-style heterogeneous multimodal mixture-of-experts models",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["ernie_moe", "ernie_moe.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "numpy>=1.24,<2",
+        "pyyaml>=6",
+        "visualdl>=2.5.3",
+        "safetensors>=0.4",
+        "sentencepiece>=0.2",
+        "pillow>=10",
+        "tqdm>=4.60",
+        "protobuf>=3.20",
+    ],
+    extras_require={
+        # GPU users install paddlepaddle-gpu themselves; the CPU wheel is opt-in so it never replaces it.
+        "cpu": ["paddlepaddle==3.3.1"],
+        "test": ["pytest>=7", "ruff>=0.5"],
+    },
+)

@@ -1,0 +1,85 @@
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from ernie_moe.config import ConfigError, load_config
+
+
+def test_default_config_loads_with_typed_sections():
+    cfg = load_config(ROOT / "configs" / "vl_moe.yaml")
+    assert cfg.model.moe_num_experts == [4, 4]
+    assert isinstance(cfg.training.learning_rate, float)
+    assert cfg.model.vision_config.patch_size == 14
+
+
+def test_overrides_follow_yaml_types():
+    cfg = load_config(ROOT / "configs" / "vl_moe.yaml", [
+        "training.max_steps=20", "model.hidden_size=32", "training.learning_rate=1e-3",
+        "model.moe_capacity=[1.5, 2, 2]", "model.vision_config.depth=1", "logging.visualdl=false",
+    ])
+    assert cfg.training.max_steps == 20 and cfg.model.hidden_size == 32
+    assert cfg.training.learning_rate == pytest.approx(1e-3)
+    assert cfg.model.moe_capacity == [1.5, 2.0, 2.0]
+    assert cfg.model.vision_config.depth == 1 and cfg.logging.visualdl is False
+
+
+@pytest.mark.parametrize("override, words", [
+    ("model.hiden_size=3", ["unknown key 'model.hiden_size'", "hidden_size"]),
+    ("trainig.max_steps=3", ["unknown key 'trainig'", "training"]),
+    ("training.max_steps=abc", ["training.max_steps", "integer"]),
+    ("training.learning_rate=true", ["training.learning_rate", "number"]),
+    ("model.moe_num_experts=4", ["model.moe_num_experts", "list of int"]),
+    ("training.lr_scheduler_type=cosin", ["lr_scheduler_type", "'cosine'"]),
+    ("model.num_key_value_heads=3", ["num_attention_heads (4)", "num_key_value_heads (3)"]),
+    ("model.moe_k=5", ["moe_k (5)", "expert count"]),
+    ("model.moe_layer_start_index=7", ["outside the model's 2 layers"]),
+    ("model.moe_layer_end_index=[1, 9]", ["outside the model's 2 layers"]),
+    ("model.moe_intermediate_size=[8]", ["one width per entry"]),
+    ("model.pixel_hidden_size=48", ["pixel_hidden_size (48)", "embed_dim (32)"]),
+    ("data.image_size=50", ["data.image_size (50)", "multiple of"]),
+    ("training.min_lr=1.0", ["min_lr"]),
+    ("parallel.tensor_parallel_degree=2", ["tensor_parallel_degree = 2", "data parallel only"]),
+    ("training.max_steps", ["section.key=value"]),
+])
+def test_bad_values_name_the_key(override, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs" / "vl_moe.yaml", [override])
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(listing)
+
+
+def test_moe_layer_rule():
+    cfg = load_config(None, ["model.num_hidden_layers=8", "model.moe_layer_interval=2",
+                             "model.moe_layer_start_index=2", "model.moe_layer_end_index=6"]).model
+    # (i + 1) % 2 == 0 and 2 <= i <= 6 -> layers 3 and 5
+    assert [i for i in range(8) if cfg.moe_modalities_at(i)] == [3, 5]
+    per_modality = load_config(None, ["model.num_hidden_layers=4", "model.moe_layer_start_index=[1, 2]",
+                                      "model.moe_layer_end_index=[3, 2]"]).model
+    assert [per_modality.moe_modalities_at(i) for i in range(4)] == [[], [0], [0, 1], [0]]
+
+
+def test_cli_reports_config_errors_without_traceback(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "run_trainer.py"), "--config",
+                             str(ROOT / "configs" / "vl_moe.yaml"), "model.moe_k=9"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert "config error: model.moe_k (9)" in result.stderr
+    assert "Traceback" not in result.stderr
+    missing = subprocess.run([sys.executable, str(ROOT / "run_trainer.py"), "--config", "missing.yaml"],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr

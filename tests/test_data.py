@@ -1,0 +1,164 @@
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ernie_moe.config import load_config
+from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
+from ernie_moe.data.images import patchify
+from ernie_moe.data.jsonl import JsonlDataset
+from ernie_moe.data.packing import IGNORE, BadSample, Encoder
+from ernie_moe.data.sample import Chunk, Sample
+from ernie_moe.data.synthetic import SyntheticShapes
+from ernie_moe.data.tokenizer import SentencePieceTokenizer
+from ernie_moe.model.vision import image_token_count, patch_positions
+
+
+def test_patchify_orders_patches_in_merge_blocks():
+    h, w, p = 4 * 14, 6 * 14, 14
+    image = np.zeros((h, w, 3), np.float32)
+    for r in range(4):
+        for c in range(6):
+            image[r * p:(r + 1) * p, c * p:(c + 1) * p] = r * 10 + c  # every patch holds its (row, col)
+    patches, grid = patchify(image, p, 2)
+    assert grid.tolist() == [1, 4, 6] and patches.shape == (24, 3 * 14 * 14)
+    ids = patches[:, 0].astype(int)
+    positions, owners = patch_positions(grid[None], 2)
+    np.testing.assert_array_equal(ids, positions[:, 1] * 10 + positions[:, 2])
+    assert ids[:8].tolist() == [0, 1, 10, 11, 2, 3, 12, 13]  # first two 2x2 blocks
+    assert (owners == 0).all()
+    assert image_token_count(grid, 2, 2) == 6
+
+
+def test_synthetic_samples_are_deterministic_and_captioned():
+    a = SyntheticShapes(7, "train", 100, 84)
+    b = SyntheticShapes(7, "train", 100, 84)
+    np.testing.assert_array_equal(a[3].images[0], b[3].images[0])
+    assert [c.text for c in a[3].chunks] == [c.text for c in b[3].chunks]
+    held_out = SyntheticShapes(7, "eval", 100, 84)
+    assert not np.array_equal(a[3].images[0], held_out[3].images[0])
+    scored = [c.text.strip() for c in a[3].chunks if c.scored]
+    d = a.describe(3)
+    assert scored and set(scored) <= {d["color"], d["shape"], "top", "middle", "bottom", "left", "center", "right"}
+    assert len(scored) == 4 and {c.scored for c in a[3].chunks} == {"", "color", "shape", "row", "column"}
+    blank = SyntheticShapes(7, "train", 100, 84, blank_images=True)
+    assert blank[3].images[0].max() == 0
+
+
+def test_packed_rows_label_only_text_and_isolate_documents(tiny_cfg):
+    tok = build_tokenizer(tiny_cfg)
+    train, _ = build_datasets(tiny_cfg)
+    row = next(iter(RowStream(train, tok, tiny_cfg, Counter(), shuffle=True)))
+    images = row.token_type_ids == 1
+    labelled = row.labels != IGNORE
+    # labels are the next token, only where that token is text
+    np.testing.assert_array_equal(row.labels[labelled], row.input_ids[1:][labelled[:-1]])
+    nxt_is_image = np.append(images[1:], False)
+    assert not (labelled & nxt_is_image).any()
+    # no label crosses a document boundary
+    boundary = np.append(row.doc_ids[1:] != row.doc_ids[:-1], True)
+    assert not (labelled & boundary).any()
+    assert (row.token_type_ids[row.input_ids == tok.pad_id] == -1).all()
+    # text tokens after an image continue one past the image's largest position
+    first_doc = row.doc_ids == 0
+    pos = row.position_ids[first_doc]
+    last_image = np.nonzero(images[first_doc])[0][-1]
+    assert pos[last_image + 1, 0] == pos[: last_image + 1].max() + 1
+
+
+def test_sample_order_does_not_depend_on_world_size(tiny_cfg):
+    tok = build_tokenizer(tiny_cfg)
+    train, _ = build_datasets(tiny_cfg)
+
+    def shares(world):
+        per_rank = []
+        for rank in range(world):
+            stream = RowStream(train, tok, tiny_cfg, Counter(), shuffle=True)
+            batches = rank_batches(stream, 4, rank, world)
+            per_rank.append([[r.input_ids.tolist() for r in next(batches)] for _ in range(3)])
+        return [sum((per_rank[r][step] for r in range(world)), []) for step in range(3)]
+
+    assert shares(1) == shares(2) == shares(4)
+
+
+def test_collate_builds_a_model_batch(tiny_cfg):
+    tok = build_tokenizer(tiny_cfg)
+    train, _ = build_datasets(tiny_cfg)
+    rows = list(next(rank_batches(RowStream(train, tok, tiny_cfg, Counter(), True), 2, 0, 1)))
+    batch = collate(rows)
+    assert batch.input_ids.shape == [2, tiny_cfg.data.max_seq_len]
+    assert batch.position_ids.shape == [2, tiny_cfg.data.max_seq_len, 3]
+    placeholders = int((batch.input_ids == tok.image_token_id).sum())
+    assert placeholders == sum(image_token_count(g, 2, 2) for g in batch.grid_thw)
+    assert batch.pixel_patches.shape[0] == int(batch.grid_thw.prod(axis=1).sum())
+
+
+@pytest.fixture
+def jsonl_dir(tmp_path):
+    Image.fromarray(np.full((40, 60, 3), 200, np.uint8)).save(tmp_path / "ok.png")
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    lines = [
+        {"image": "ok.png", "text": "a grey picture"},
+        {"image": "missing.png", "text": "lost"},
+        {"image": "broken.png", "text": "corrupt"},
+        {"image": "ok.png", "text": "   "},
+        "{not json",
+        {"images": ["ok.png"], "messages": [{"role": "user", "content": "<image>\nWhat is it?"},
+                                            {"role": "assistant", "content": "Grey."}]},
+        {"images": [], "messages": [{"role": "user", "content": "<image> two"},
+                                    {"role": "assistant", "content": "x"}]},
+        {"image": "ok.png", "text": "word " * 200},
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def test_bad_jsonl_records_are_skipped_and_counted(jsonl_dir):
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={jsonl_dir}", "model.vocab_size=300",
+                             "data.max_seq_len=128", "data.overlong=skip"])
+    stats = Counter()
+    rows = list(RowStream(JsonlDataset(str(jsonl_dir)), build_tokenizer(cfg), cfg, stats, shuffle=False))
+    assert dict(stats) == {"missing_image": 1, "corrupt_image": 1, "empty_text": 1, "bad_json": 1,
+                           "image_count_mismatch": 1, "overlong_skipped": 1}
+    docs = sum(int(r.doc_ids.max()) + (0 if (r.token_type_ids == -1).any() else 1) for r in rows)
+    assert docs == 2
+
+
+def test_chat_records_train_only_on_assistant_turns(jsonl_dir):
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={jsonl_dir}", "model.vocab_size=300"])
+    tok = build_tokenizer(cfg)
+    encoded = Encoder(tok, cfg.model, 512, "truncate", 448, Counter())(JsonlDataset(str(jsonl_dir))[5])
+    trained = tok.decode(encoded.input_ids[encoded.target])
+    assert trained.startswith("Grey.")
+    assert "What is it" not in trained
+
+
+def test_overlong_samples_are_truncated_and_counted(jsonl_dir):
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={jsonl_dir}", "model.vocab_size=300"])
+    stats = Counter()
+    encoder = Encoder(build_tokenizer(cfg), cfg.model, 64, "truncate", 448, stats)
+    encoded = encoder(JsonlDataset(str(jsonl_dir))[7])
+    assert len(encoded) == 64 and stats["overlong_truncated"] == 1
+    # an image that does not fit cannot be truncated: the sample is skipped instead
+    tiny = Encoder(build_tokenizer(cfg), cfg.model, 8, "truncate", 448, stats)
+    big = Sample(images=[np.zeros((112, 112, 3), np.uint8)], chunks=[Chunk(image=0), Chunk(text="x", loss=True)])
+    with pytest.raises(BadSample) as err:
+        tiny(big)
+    assert err.value.reason == "overlong_skipped"
+
+
+def test_sentencepiece_tokenizer_loads_from_a_local_directory(tmp_path):
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"a red circle number {i} at the top left" for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=40,
+                                   bos_id=1, eos_id=2, unk_id=3, pad_id=0)
+    tok = SentencePieceTokenizer(str(tmp_path), image_token_id=4)
+    ids = tok.encode("a red circle")
+    assert tok.decode(ids) == "a red circle" and tok.vocab_size == 40 and tok.bos_id == 1
+    cfg = load_config(None, [f"data.tokenizer_path={tmp_path}"])
+    assert isinstance(build_tokenizer(cfg), SentencePieceTokenizer)

@@ -1,0 +1,156 @@
+import numpy as np
+import paddle
+import pytest
+
+from ernie_moe.config import load_config
+from ernie_moe.moe.layer import MoELayer
+from ernie_moe.parallel import SingleDevicePlan
+
+
+def make_layer(*overrides, seed=0):
+    cfg = load_config(None, ["model.hidden_size=16", "model.moe_num_experts=[4, 3]",
+                             "model.moe_intermediate_size=[8, 6]", "model.moe_k=2", *overrides]).model
+    paddle.seed(seed)
+    layer = MoELayer(SingleDevicePlan(), cfg, [0, 1], layer_idx=1)
+    return layer, cfg
+
+
+def inputs(n=24, seed=1, vision_every=3):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, n, 16)).astype(np.float32)
+    types = np.array([[1 if i % vision_every == 0 else 0 for i in range(n)]])
+    return x, types
+
+
+def np_swiglu(expert, x):
+    w1 = expert.up_gate_proj.weight.numpy()
+    gate, up = np.split(x @ w1, 2, axis=-1)
+    return ((gate / (1 + np.exp(-gate))) * up) @ expert.down_proj.weight.numpy()
+
+
+def reference(layer, x, types, capacity=None, bias=None):
+    """Plain loop over tokens: route within the token's modality, keep first-come choices under capacity."""
+    flat, t = x.reshape(-1, x.shape[-1]), types.reshape(-1)
+    out = np.zeros_like(flat)
+    offsets = {0: 0, 1: layer.router_counts[0]}
+    used = np.zeros(layer.num_experts, int)
+    choices = []
+    for g in (0, 1):
+        rows = np.nonzero((t == 0) if g == 0 else (t >= 1))[0]
+        w = layer.gate.weight_of(g).numpy()
+        logits = flat[rows] @ w
+        probs = np.exp(logits - logits.max(1, keepdims=True))
+        probs /= probs.sum(1, keepdims=True)
+        score = probs + (bias[g, : w.shape[1]] if bias is not None else 0)
+        top = np.argsort(-score, axis=1, kind="stable")[:, :2]
+        weights = np.take_along_axis(probs, top, 1)
+        weights /= weights.sum(1, keepdims=True)
+        cap = None if capacity is None else int(capacity * len(rows) // w.shape[1])
+        choices.append((rows, top + offsets[g], weights, cap))
+    for rows, top, weights, cap in choices:
+        for k in range(2):  # k-major: first choices claim slots before second choices
+            for r, e, wgt in zip(rows, top[:, k], weights[:, k]):
+                if cap is not None and used[e] >= cap:
+                    continue
+                used[e] += 1
+                out[r] += wgt * np_swiglu(layer.experts[e], flat[r:r + 1])[0]
+    out += np_swiglu(layer.shared_experts, flat)
+    return out.reshape(x.shape), used
+
+
+def test_dropless_output_matches_token_loop():
+    layer, _ = make_layer()
+    x, types = inputs()
+    out, _ = layer(paddle.to_tensor(x), paddle.to_tensor(types))
+    expected, _ = reference(layer, x, types)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_capacity_drops_the_same_tokens_as_the_reference():
+    layer, _ = make_layer("model.moe_capacity=[1.0, 1.0, 1.0]")
+    x, types = inputs(n=30)
+    out, _ = layer(paddle.to_tensor(x), paddle.to_tensor(types))
+    expected, used = reference(layer, x, types, capacity=1.0)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-5)
+    window = layer.stats.pop_window()
+    np.testing.assert_array_equal(window["kept"], used)
+    assert window["routed"].sum() == 2 * 30 and window["kept"].sum() < window["routed"].sum()
+
+
+def test_routing_is_isolated_by_modality():
+    layer, _ = make_layer()
+    x, _ = inputs()
+    layer(paddle.to_tensor(x), paddle.zeros([1, 24], dtype="int64"))  # text only
+    routed = layer.stats.pop_window()["routed"]
+    assert routed[:4].sum() == 48 and routed[4:].sum() == 0
+    layer(paddle.to_tensor(x), paddle.ones([1, 24], dtype="int64") * 2)  # video routes as image
+    routed = layer.stats.pop_window()["routed"]
+    assert routed[:4].sum() == 0 and routed[4:].sum() == 48
+
+
+def test_padding_tokens_are_not_routed():
+    layer, _ = make_layer()
+    x, types = inputs()
+    types[0, -5:] = -1
+    layer(paddle.to_tensor(x), paddle.to_tensor(types))
+    assert layer.stats.pop_window()["routed"].sum() == 2 * 19
+
+
+def test_idle_experts_still_receive_a_gradient():
+    layer, _ = make_layer()
+    x, _ = inputs()
+    out, loss = layer(paddle.to_tensor(x), paddle.zeros([1, 24], dtype="int64"))  # vision experts idle
+    (out.sum() + loss).backward()
+    for j in range(7):
+        grad = layer.experts[j].up_gate_proj.weight.grad
+        assert grad is not None, f"expert {j} has no gradient"
+    assert float(layer.experts[5].up_gate_proj.weight.grad.abs().sum()) == 0.0
+    assert float(layer.experts[0].up_gate_proj.weight.grad.abs().sum()) > 0.0
+
+
+def test_router_loss_weights_are_per_modality():
+    layer, _ = make_layer("model.moe_aux_loss_lambda=[0.5, 0.0]", "model.moe_z_loss_lambda=0.0",
+                          "model.moe_orthogonal_loss_lambda=0.0")
+    x, types = inputs()
+    _, loss = layer(paddle.to_tensor(x), paddle.to_tensor(types))
+    window = layer.stats.pop_window()
+    np.testing.assert_allclose(float(loss), 0.5 * window["loss_sums"][0, 0], rtol=1e-5)
+
+
+def test_aux_free_bias_changes_choice_not_weights():
+    layer, _ = make_layer("model.moe_use_aux_free=true")
+    x, types = inputs()
+    bias = np.zeros((2, 4), np.float32)
+    bias[0, 3] = 10.0  # every text token now picks text expert 3
+    layer.moe_statics.e_score_correction_bias.set_value(bias)
+    out, _ = layer(paddle.to_tensor(x), paddle.to_tensor(types))
+    expected, used = reference(layer, x, types, bias=bias)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-5)
+    assert used[3] == (types == 0).sum()
+
+
+def test_correction_bias_update_rule():
+    layer, _ = make_layer("model.moe_use_aux_free=true", "model.moe_aux_free_update_coef=0.1")
+    usage = np.array([10, 2, 6, 6, 1, 4, 7])
+    layer.update_correction_bias(paddle.to_tensor(usage))
+    bias = layer.moe_statics.e_score_correction_bias.numpy()
+    np.testing.assert_allclose(bias[0], 0.1 * np.sign(usage[:4].mean() - usage[:4]))
+    np.testing.assert_allclose(bias[1, :3], 0.1 * np.sign(usage[4:].mean() - usage[4:]))
+    assert bias[1, 3] == 0.0  # padding slot of the smaller vision group stays untouched
+
+
+def test_capacity_formula():
+    layer, _ = make_layer("model.moe_capacity=[1.5, 2.0, 8.0]")
+    assert layer._capacity(100, 4) == int(1.5 * 100 // 4)
+    layer.eval()
+    assert layer._capacity(100, 4) == int(2.0 * 100 // 4)
+    assert layer._capacity(3, 4) == int(8.0 * 3 // 4)
+
+
+@pytest.mark.parametrize("hard_gate", [False])
+def test_without_hard_gate_one_router_serves_every_expert(hard_gate):
+    layer, _ = make_layer(f"model.moe_use_hard_gate={str(hard_gate).lower()}")
+    assert layer.router_counts == [7] and len(layer.experts) == 7
+    x, types = inputs()
+    layer(paddle.to_tensor(x), paddle.to_tensor(types))
+    assert layer.stats.pop_window()["routed"].sum() == 48

@@ -1,0 +1,53 @@
+import numpy as np
+import paddle
+
+from ernie_moe.model.rope import apply_rotary, rope_angles
+
+
+def numpy_rope(x, pos, theta, t_slots):
+    """Reference: slot i rotates pair (2i, 2i+1) by pos[axis(i)] * theta^(-2i/D)."""
+    dim = x.shape[-1]
+    half = dim // 2
+    inv = theta ** (-(2.0 * np.arange(half)) / dim)
+    axis = [0 if i >= half - t_slots else 1 + i % 2 for i in range(half)]
+    ang = pos[..., axis].astype(np.float64) * inv  # [B, S, half]
+    cos, sin = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = x0 * cos - x1 * sin
+    out[..., 1::2] = x0 * sin + x1 * cos
+    return out
+
+
+def test_3d_rope_matches_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 7, 3, 16)).astype(np.float32)
+    pos = rng.integers(0, 50, size=(2, 7, 3))
+    angles = rope_angles(paddle.to_tensor(pos), 16, 10000.0, t_slots=2)
+    got = apply_rotary(paddle.to_tensor(x), angles).numpy()
+    np.testing.assert_allclose(got, numpy_rope(x, pos, 10000.0, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_text_positions_reduce_to_relative_1d_rope():
+    """Equal (t, h, w) -> 1D RoPE: q.k depends only on the distance between positions."""
+    rng = np.random.default_rng(1)
+    q = paddle.to_tensor(rng.standard_normal((1, 1, 1, 16)).astype(np.float32))
+    k = paddle.to_tensor(rng.standard_normal((1, 1, 1, 16)).astype(np.float32))
+
+    def score(pq, pk):
+        aq = rope_angles(paddle.to_tensor([[[pq] * 3]]), 16, 10000.0, t_slots=2)
+        ak = rope_angles(paddle.to_tensor([[[pk] * 3]]), 16, 10000.0, t_slots=2)
+        return float((apply_rotary(q, aq) * apply_rotary(k, ak)).sum())
+
+    assert abs(score(10, 7) - score(33, 30)) < 1e-4
+    plain = rope_angles(paddle.to_tensor([[[5, 9, 11]]]), 16, 10000.0, t_slots=None)
+    np.testing.assert_allclose(plain.numpy()[0, 0], 5 * 10000.0 ** (-(2.0 * np.arange(8)) / 16), rtol=1e-6)
+
+
+def test_each_axis_drives_its_own_slots():
+    base = np.array([[[4, 4, 4]]])
+    moved_w = np.array([[[4, 4, 9]]])
+    a = rope_angles(paddle.to_tensor(base), 16, 10000.0, t_slots=2).numpy()[0, 0]
+    b = rope_angles(paddle.to_tensor(moved_w), 16, 10000.0, t_slots=2).numpy()[0, 0]
+    changed = np.nonzero(~np.isclose(a, b))[0].tolist()
+    assert changed == [1, 3, 5]  # odd slots outside the last two (t) read w
