@@ -42,7 +42,7 @@ class ModelConfig:
     num_attention_heads: int = opt(4, "query heads")
     num_key_value_heads: int = opt(2, "key/value heads (grouped-query attention)")
     head_dim: int = opt(16, "width of one attention head")
-    max_position_embeddings: int = opt(4096, "longest position the rotary tables cover")
+    max_position_embeddings: int = opt(4096, "longest sequence the model accepts (bounds data.max_seq_len)")
     rope_theta: float = opt(10000.0, "rotary base")
     rms_norm_eps: float = opt(1e-5, "RMSNorm epsilon")
     tie_word_embeddings: bool = opt(True, "share the embedding and LM-head matrix")
@@ -142,14 +142,15 @@ class TrainingConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_degree: int = opt(1, "tensor-parallel ranks")
-    pipeline_parallel_degree: int = opt(1, "pipeline stages")
-    virtual_pp_degree: int = opt(1, "interleaved stages per pipeline rank")
-    sharding_parallel_degree: int = opt(1, "optimizer-sharding ranks")
-    sharding: str = choice("", "", "stage1", "stage2", doc="sharding stage")
-    expert_parallel_degree: int = opt(1, "ranks the experts are split over")
+    # Every launched process is a data-parallel rank; the other degrees must stay 1 in this release.
+    tensor_parallel_degree: int = opt(1, "tensor-parallel ranks (must be 1 in this release)")
+    pipeline_parallel_degree: int = opt(1, "pipeline stages (must be 1 in this release)")
+    virtual_pp_degree: int = opt(1, "interleaved stages per pipeline rank (must be 1 in this release)")
+    sharding_parallel_degree: int = opt(1, "optimizer-sharding ranks (must be 1 in this release)")
+    sharding: str = choice("", "", "stage1", "stage2", doc="sharding stage (must be empty in this release)")
+    expert_parallel_degree: int = opt(1, "ranks the experts are split over (must be 1 in this release)")
     moe_group: str = choice("ep", "ep", "mp", doc="where expert ranks come from")
-    sequence_parallel: bool = opt(False, "split activations along the sequence inside tensor parallel")
+    sequence_parallel: bool = opt(False, "split activations along the sequence (must be false in this release)")
 
 
 @dataclass

@@ -118,8 +118,7 @@ def _check_training(cfg: Config) -> None:
     _require(t.learning_rate > 0 and 0 <= t.min_lr <= t.learning_rate,
              f"training.learning_rate ({t.learning_rate}) must be positive and training.min_lr ({t.min_lr}) "
              f"between 0 and it.")
-    _require(0 <= t.warmup_steps <= t.max_steps,
-             f"training.warmup_steps ({t.warmup_steps}) must be between 0 and max_steps ({t.max_steps}).")
+    _require(t.warmup_steps >= 0, f"training.warmup_steps ({t.warmup_steps}) cannot be negative.")
     _require(0 < t.wsd_decay_ratio <= 1, "training.wsd_decay_ratio must be in (0, 1].")
     _require(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1, "training.adam_beta1/adam_beta2 must be in [0, 1).")
     _require(t.weight_decay >= 0 and t.max_grad_norm >= 0 and t.moe_gate_lr_ratio >= 0,

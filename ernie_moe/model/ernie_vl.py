@@ -8,6 +8,7 @@ checkpoints convert by renaming and transposing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import paddle
@@ -34,8 +35,9 @@ class Batch:
     grid_thw: np.ndarray  # [images, 3] patches per image along t, h, w
 
 
-@dataclass
-class ModelOutput:
+class ModelOutput(NamedTuple):
+    """A tuple, so that fleet's data-parallel wrapper finds the output tensors it tracks for backward."""
+
     loss_sum: paddle.Tensor  # summed cross-entropy over label tokens
     num_label_tokens: int
     router_loss: paddle.Tensor  # weighted router losses of every MoE layer, summed

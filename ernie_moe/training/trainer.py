@@ -68,11 +68,27 @@ class Trainer:
         self._finish(summary)
         return summary
 
-    def train_step(self) -> dict:
+    def next_micro_batches(self) -> list:
+        return [collate(next(self.batches)) for _ in range(self.cfg.training.gradient_accumulation_steps)]
+
+    def train_step(self, micro_batches=None) -> dict:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
-        t, env = self.cfg.training, self.env
+        t = self.cfg.training
         started = time.time()
-        micro_batches = [collate(next(self.batches)) for _ in range(t.gradient_accumulation_steps)]
+        micro_batches = micro_batches or self.next_micro_batches()
+        result = self.forward_backward(micro_batches)
+        result["grad_norm"] = clip_grad_norm(self.model.parameters(), t.max_grad_norm)
+        result["lr"] = self.optimizer.get_lr()
+        self.optimizer.step()
+        self.optimizer.clear_grad()
+        self.scheduler.step()
+        self._update_router_bias()
+        result.update(rows=self.global_rows * len(micro_batches), time=time.time() - started, steps=1)
+        return result
+
+    def forward_backward(self, micro_batches) -> dict:
+        """Accumulate the step's gradients; returns the step's loss sums and token counts over all ranks."""
+        env = self.env
         local = paddle.to_tensor([float((b.labels != -100).sum()) for b in micro_batches]).sum()
         tokens = float(env.all_reduce_sum(paddle.to_tensor([sum(float((b.token_type_ids >= 0).sum())
                                                                   for b in micro_batches)]))[0])
@@ -89,17 +105,10 @@ class Trainer:
                 loss.backward()
             lm_sum += float(out.loss_sum)
             router_sum += float(out.router_loss)
-        grad_norm = clip_grad_norm(self.model.parameters(), t.max_grad_norm)
-        lr = self.optimizer.get_lr()
-        self.optimizer.step()
-        self.optimizer.clear_grad()
-        self.scheduler.step()
-        self._update_router_bias()
         totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches)], dtype="float64")
         lm_sum, router_mean = env.all_reduce_sum(totals).numpy().tolist()
         return {"lm_loss_sum": lm_sum, "label_tokens": label_tokens, "router_loss": router_mean / env.world_size,
-                "tokens": tokens, "rows": self.global_rows * len(micro_batches), "grad_norm": grad_norm, "lr": lr,
-                "time": time.time() - started, "steps": 1}
+                "tokens": tokens}
 
     def evaluate(self) -> dict:
         if self.eval_set is None:

@@ -1,0 +1,113 @@
+from collections import Counter
+
+import numpy as np
+import paddle
+import pytest
+
+from ernie_moe.config import load_config
+from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
+from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+from ernie_moe.model.vision import Adapter, VisionTransformer, image_token_count
+
+
+def first_batch(cfg, rows=2):
+    tok = build_tokenizer(cfg)
+    train, _ = build_datasets(cfg)
+    return collate(next(rank_batches(RowStream(train, tok, cfg, Counter(), True), rows, 0, 1)))
+
+
+def build(cfg, seed=0):
+    paddle.seed(seed)
+    model = ErnieMoEForConditionalGeneration(cfg.model)
+    model.eval()
+    return model
+
+
+def test_dense_and_moe_layers_follow_the_config(tiny_cfg):
+    model = build(tiny_cfg)
+    assert [layer.is_moe for layer in model.model.layers] == [False, True]
+    names = dict(model.named_parameters())
+    assert names["model.layers.1.mlp.gate.weight"].shape == [64, 4]
+    assert names["model.layers.1.mlp.gate.weight_1"].shape == [64, 4]
+    assert names["model.layers.1.mlp.experts.4.up_gate_proj.weight"].shape == [64, 64]  # vision width 32 x 2
+    assert names["model.layers.0.self_attn.qkv_proj.weight"].shape == [64, (4 + 2 * 2) * 16]
+    assert names["model.layers.1.mlp.gate.weight"].dtype == paddle.float32
+
+
+def test_adapter_merges_space_and_time():
+    cfg = load_config(None, ["model.vision_config.depth=1"]).model
+    paddle.seed(0)
+    vit, adapter = VisionTransformer(cfg.vision_config), Adapter(cfg)
+    grids = np.array([[1, 4, 6], [3, 2, 2]])  # a still image and a 3-frame clip
+    patches = paddle.randn([int(grids.prod(1).sum()), 3 * 14 * 14])
+    feats = adapter(vit(patches, grids), grids)
+    expected = sum(image_token_count(g, 2, 2) for g in grids)
+    assert feats.shape == [expected, cfg.hidden_size] and expected == 6 + 2
+
+
+def test_vit_attention_stays_inside_each_image():
+    cfg = load_config(None).model
+    paddle.seed(0)
+    vit = VisionTransformer(cfg.vision_config)
+    grids = np.array([[1, 2, 2], [1, 2, 4]])
+    patches = paddle.randn([12, 588])
+    base = vit(patches, grids).numpy()
+    changed = patches.numpy().copy()
+    changed[4:] += 1.0  # alter only the second image
+    other = vit(paddle.to_tensor(changed), grids).numpy()
+    np.testing.assert_allclose(base[:4], other[:4], rtol=1e-5, atol=1e-6)
+    assert np.abs(base[4:] - other[4:]).max() > 1e-3
+
+
+def test_image_features_reach_only_their_own_document(tiny_cfg):
+    model = build(tiny_cfg)
+    batch = first_batch(tiny_cfg, rows=1)
+    doc = batch.doc_ids.numpy()[0]
+    assert doc.max() >= 1, "the test needs a row that packs two documents"
+    base = model(batch, return_logits=True).logits.numpy()[0]
+    per_image = batch.grid_thw.prod(axis=1)
+    patches = batch.pixel_patches.numpy().copy()
+    patches[per_image[0]:] += 1.0  # change every image except the first document's
+    batch.pixel_patches = paddle.to_tensor(patches)
+    other = model(batch, return_logits=True).logits.numpy()[0]
+    first = doc == 0
+    np.testing.assert_allclose(base[first], other[first], rtol=1e-5, atol=1e-5)
+    assert np.abs(base[doc == 1] - other[doc == 1]).max() > 1e-4
+
+
+def test_placeholder_count_must_match_the_images(tiny_cfg):
+    model = build(tiny_cfg)
+    batch = first_batch(tiny_cfg, rows=1)
+    batch.grid_thw = batch.grid_thw[:-1]
+    batch.pixel_patches = batch.pixel_patches[: int(batch.grid_thw.prod(axis=1).sum())]
+    with pytest.raises(ValueError, match="image placeholder tokens"):
+        model(batch)
+
+
+def test_loss_counts_tokens_not_micro_batches(tiny_cfg, tmp_path):
+    """One step over 4 rows equals two accumulated micro-batches of 2 rows: every label token weighs the same."""
+    from ernie_moe.training.trainer import Trainer
+
+    common = ["model.moe_aux_loss_lambda=0", "model.moe_z_loss_lambda=0", "model.moe_orthogonal_loss_lambda=0",
+              "logging.visualdl=false", f"training.output_dir={tmp_path}", "training.max_grad_norm=0",
+              "data.image_size=56", "data.max_seq_len=48", "training.warmup_steps=0"]
+    whole = Trainer(load_config(None, common + ["training.per_device_train_batch_size=4"]))
+    split = Trainer(load_config(None, common + ["training.per_device_train_batch_size=2",
+                                                "training.gradient_accumulation_steps=2"]))
+    a = whole.forward_backward([collate(next(whole.batches))])
+    b = split.forward_backward([collate(next(split.batches)) for _ in range(2)])
+    assert a["label_tokens"] == b["label_tokens"]
+    np.testing.assert_allclose(a["lm_loss_sum"], b["lm_loss_sum"], rtol=1e-5)
+    for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters()):
+        if p.stop_gradient:
+            continue
+        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+
+
+def test_token_balanced_loss_uses_a_fixed_denominator(tmp_path):
+    from ernie_moe.training.trainer import Trainer
+
+    cfg = load_config(None, ["training.token_balance_loss=true", "training.token_balance_seqlen=100",
+                             "training.gradient_accumulation_steps=3", f"training.output_dir={tmp_path}",
+                             "logging.visualdl=false"])
+    assert Trainer(cfg)._loss_denominator(label_tokens=57.0) == 300.0

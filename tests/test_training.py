@@ -1,0 +1,78 @@
+import math
+
+import numpy as np
+import paddle
+import pytest
+from conftest import ROOT
+
+from ernie_moe.config import load_config
+from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+from ernie_moe.training.optimizer import build_optimizer, clip_grad_norm
+from ernie_moe.training.schedule import WarmupDecay, lr_at
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "constant", "wsd"])
+def test_schedules(kind):
+    peak, low, warm, total = 1e-3, 1e-4, 10, 110
+    lrs = [lr_at(s, peak, low, warm, total, kind, 0.2) for s in range(total)]
+    np.testing.assert_allclose(lrs[:warm], peak * np.arange(1, warm + 1) / warm)
+    after = np.arange(warm, total)
+    progress = np.minimum(1.0, (after - warm) / (total - warm))
+    expected = {
+        "cosine": low + (peak - low) * 0.5 * (1 + np.cos(np.pi * progress)),
+        "linear": low + (peak - low) * (1 - progress),
+        "constant": np.full(len(after), peak),
+        "wsd": np.where(after < 88, peak, low + (peak - low) * (1 - (after - 88) / 22)),
+    }[kind]
+    np.testing.assert_allclose(lrs[warm:], expected, rtol=1e-9)
+
+
+def test_scheduler_follows_lr_at():
+    cfg = load_config(None, ["training.max_steps=50", "training.warmup_steps=5"]).training
+    scheduler = WarmupDecay(cfg)
+    seen = []
+    for _ in range(50):
+        seen.append(scheduler.get_lr())
+        scheduler.step()
+    expected = [lr_at(s, cfg.learning_rate, cfg.min_lr, 5, 50, "cosine", cfg.wsd_decay_ratio) for s in range(50)]
+    np.testing.assert_allclose(seen, expected)
+
+
+def test_parameter_groups():
+    cfg = load_config(None, ["training.moe_gate_lr_ratio=0.01", "model.moe_use_aux_free=true"])
+    model = ErnieMoEForConditionalGeneration(cfg.model)
+    optimizer, _ = build_optimizer(model, cfg.training)
+    params = dict(model.named_parameters())
+    managed = {p.name for p in optimizer._parameter_list}
+    assert params["model.layers.1.mlp.moe_statics.e_score_correction_bias"].name not in managed
+    decay = optimizer._apply_decay_param_fun
+    assert decay(params["model.layers.0.self_attn.qkv_proj.weight"].name)
+    assert not decay(params["model.layers.0.input_layernorm.weight"].name)
+    assert not decay(params["vision_model.blocks.0.attn.qkv.bias"].name)
+    assert params["model.layers.1.mlp.gate.weight_1"].optimize_attr["learning_rate"] == 0.01
+    assert params["model.layers.1.mlp.experts.0.down_proj.weight"].optimize_attr["learning_rate"] == 1.0
+
+
+def test_clip_grad_norm_matches_numpy():
+    a = paddle.create_parameter([3, 4], "float32")
+    b = paddle.create_parameter([5], "float32")
+    ga, gb = np.random.default_rng(0).standard_normal((3, 4)), np.random.default_rng(1).standard_normal(5)
+    loss = paddle.sum(a * paddle.to_tensor(ga, dtype="float32")) + paddle.sum(b * paddle.to_tensor(gb, dtype="float32"))
+    loss.backward()
+    norm = clip_grad_norm([a, b], max_norm=1.0)
+    expected = math.sqrt((ga ** 2).sum() + (gb ** 2).sum())
+    assert norm == pytest.approx(expected, rel=1e-5)
+    clipped = math.sqrt(float((a.grad ** 2).sum()) + float((b.grad ** 2).sum()))
+    assert clipped == pytest.approx(1.0, rel=1e-4)
+
+
+def test_readme_config_reference_is_current():
+    from ernie_moe.config.reference import reference
+
+    readme = (ROOT / "README.md").read_text()
+    assert reference() in readme, "README config reference is stale: python -m ernie_moe.config.reference"
+
+
+def test_readme_test_command_is_what_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci in (ROOT / "README.md").read_text()
