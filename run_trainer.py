@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 
 def main(argv=None) -> int:
@@ -11,18 +12,23 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True, help="YAML config (see configs/vl_moe.yaml)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.max_steps=20")
     args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message="No ccache found")  # Paddle's, irrelevant to training
 
     from ernie_moe.config import ConfigError, load_config
+    from ernie_moe.data import DataError
 
     try:
         cfg = load_config(args.config, args.overrides)
         from ernie_moe.training import Trainer
 
         trainer = Trainer(cfg)
+        summary = trainer.train()
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    summary = trainer.train()
+    except DataError as err:
+        print(f"data error: {err}", file=sys.stderr)
+        return 2
     if trainer.env.is_main:
         print(format_summary(summary), flush=True)
     return 0

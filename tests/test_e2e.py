@@ -96,3 +96,16 @@ def test_caption_words_need_the_image(tmp_path, blank):
         assert accuracy < 0.4
     else:
         assert accuracy > 0.75
+
+
+def test_unusable_data_stops_with_a_message_not_a_traceback(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"image": "missing.png", "text": "x"}\n{broken\n')
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "run_trainer.py"), "--config", str(ROOT / "configs" / "vl_moe.yaml"),
+         "data.dataset=jsonl", f"data.train_path={data}", "model.vocab_size=300", f"training.output_dir={tmp_path}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert "data error: the training data has no usable sample" in result.stderr
+    assert "missing_image" in result.stderr and "bad_json" in result.stderr
+    assert "Traceback" not in result.stderr

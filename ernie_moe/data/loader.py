@@ -15,6 +15,10 @@ from .packing import BadSample, Encoder, Row, pack
 from .tokenizer import ByteTokenizer, SentencePieceTokenizer, WordTokenizer
 
 
+class DataError(ValueError):
+    """Data the trainer cannot use at all (individual bad samples are skipped and counted instead)."""
+
+
 def build_tokenizer(cfg):
     d = cfg.data
     if d.tokenizer_path:
@@ -66,7 +70,8 @@ class RowStream:
             if not self.shuffle:
                 return
             if not usable:
-                raise RuntimeError(f"no usable sample in the training data; skipped: {dict(self.stats)}")
+                skipped = dict(self.stats) or "nothing; the data set is empty"
+                raise DataError(f"the training data has no usable sample (skipped: {skipped}).")
             epoch += 1
 
     def __iter__(self):

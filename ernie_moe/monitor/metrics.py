@@ -15,11 +15,14 @@ class MetricsLogger:
         if not enabled:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self.file = open(Path(output_dir) / "metrics.jsonl", "a")
+        self.file = open(Path(output_dir) / "metrics.jsonl", "w")
         if visualdl:
             from visualdl import LogWriter
 
-            self.writer = LogWriter(logdir=str(Path(output_dir) / "visualdl"))
+            logdir = Path(output_dir) / "visualdl"
+            for stale in logdir.glob("vdlrecords.*.log"):  # an earlier run's curves would mix with this one's
+                stale.unlink()
+            self.writer = LogWriter(logdir=str(logdir))
 
     def log(self, step: int, metrics: dict, prefix: str = "train") -> None:
         if not self.enabled:

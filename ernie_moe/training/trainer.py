@@ -89,11 +89,10 @@ class Trainer:
     def forward_backward(self, micro_batches) -> dict:
         """Accumulate the step's gradients; returns the step's loss sums and token counts over all ranks."""
         env = self.env
-        local = paddle.to_tensor([float((b.labels != -100).sum()) for b in micro_batches]).sum()
-        tokens = float(env.all_reduce_sum(paddle.to_tensor([sum(float((b.token_type_ids >= 0).sum())
-                                                                  for b in micro_batches)]))[0])
+        counts = paddle.to_tensor([[float((b.labels != -100).sum()), float((b.token_type_ids >= 0).sum())]
+                                   for b in micro_batches], dtype="float64").sum(axis=0)
+        label_tokens, tokens = env.all_reduce_sum(counts).numpy().tolist()
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.
-        label_tokens = float(env.all_reduce_sum(local.reshape([1]))[0])
         denominator = self._loss_denominator(label_tokens)
         lm_sum, router_sum = 0.0, 0.0
         for i, batch in enumerate(micro_batches):
