@@ -17,6 +17,7 @@ setup(
         "pillow>=10",
         "tqdm>=4.60",
         "protobuf>=3.20",
+        "psutil>=5.9",
     ],
     extras_require={
         # GPU users install paddlepaddle-gpu themselves; the CPU wheel is opt-in so it never replaces it.

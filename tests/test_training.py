@@ -59,9 +59,11 @@ def test_clip_grad_norm_matches_numpy():
     ga, gb = np.random.default_rng(0).standard_normal((3, 4)), np.random.default_rng(1).standard_normal(5)
     loss = paddle.sum(a * paddle.to_tensor(ga, dtype="float32")) + paddle.sum(b * paddle.to_tensor(gb, dtype="float32"))
     loss.backward()
-    norm = clip_grad_norm([a, b], max_norm=1.0)
+    norms = clip_grad_norm({"expert": [a], "non_expert": [b]}, max_norm=1.0)
     expected = math.sqrt((ga ** 2).sum() + (gb ** 2).sum())
-    assert norm == pytest.approx(expected, rel=1e-5)
+    assert norms["grad_norm"] == pytest.approx(expected, rel=1e-5)
+    assert norms["grad_norm_expert"] == pytest.approx(math.sqrt((ga ** 2).sum()), rel=1e-5)
+    assert norms["grad_norm_non_expert"] == pytest.approx(math.sqrt((gb ** 2).sum()), rel=1e-5)
     clipped = math.sqrt(float((a.grad ** 2).sum()) + float((b.grad ** 2).sum()))
     assert clipped == pytest.approx(1.0, rel=1e-4)
 

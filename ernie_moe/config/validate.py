@@ -13,8 +13,11 @@ def validate(cfg: Config) -> None:
     _check_data(cfg)
     _check_training(cfg)
     _check_parallel(cfg)
-    if cfg.logging.logging_steps < 1:
-        raise ConfigError("logging.logging_steps must be at least 1.")
+    lg = cfg.logging
+    _require(lg.logging_steps >= 1 and lg.imbalance_warn_windows >= 1,
+             "logging.logging_steps and logging.imbalance_warn_windows must be at least 1.")
+    _require(lg.imbalance_warn_ratio >= 1.0, "logging.imbalance_warn_ratio must be at least 1 (1 = perfect balance).")
+    _require(0 < lg.memory_warn_fraction <= 1, "logging.memory_warn_fraction must be in (0, 1].")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -10,6 +10,7 @@ LOSS_NAMES = ("aux_loss", "z_loss", "orthogonal_loss")
 class ExpertStats:
     def __init__(self, group_sizes: list[int]):
         self.group_sizes = group_sizes
+        self.enabled = True  # window counters; the usage count for the correction bias is always kept
         total = sum(group_sizes)
         self.routed = paddle.zeros([total], dtype="int64")  # copies sent to each expert before capacity
         self.kept = paddle.zeros([total], dtype="int64")  # copies each expert processed
@@ -19,12 +20,15 @@ class ExpertStats:
 
     @paddle.no_grad()
     def record_routing(self, routed: paddle.Tensor, kept: paddle.Tensor) -> None:
-        self.routed += routed
-        self.kept += kept
         self.usage += routed
+        if self.enabled:
+            self.routed += routed
+            self.kept += kept
 
     @paddle.no_grad()
     def record_losses(self, group: int, losses: dict[str, paddle.Tensor]) -> None:
+        if not self.enabled:
+            return
         values = paddle.stack([losses[name].detach().astype("float32") for name in LOSS_NAMES])
         self.loss_sums[group] = self.loss_sums[group] + values
         self.loss_counts[group] = self.loss_counts[group] + 1.0

@@ -36,6 +36,14 @@ class MetricsLogger:
                     tag = key if "/" in key else f"{prefix}/{key}"
                     self.writer.add_scalar(tag=tag, value=value, step=step)
 
+    def histogram(self, tag: str, values, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_histogram(tag=tag, values=values, step=step, buckets=min(len(values), 10))
+
+    def image(self, tag: str, image, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_image(tag=tag, img=image, step=step)
+
     def text(self, tag: str, text: str) -> None:
         if self.writer is not None:
             self.writer.add_text(tag=tag, text_string=text, step=0)

@@ -24,6 +24,14 @@ class DistEnv:
             dist.all_reduce(tensor)
         return tensor
 
+    def all_gather(self, tensor: paddle.Tensor) -> list[paddle.Tensor]:
+        """Every rank's ``tensor``, in rank order."""
+        if self.world_size == 1:
+            return [tensor]
+        gathered: list[paddle.Tensor] = []
+        dist.all_gather(gathered, tensor)
+        return gathered
+
 
 def init_distributed(parallel_cfg) -> DistEnv:
     world = dist.get_world_size()

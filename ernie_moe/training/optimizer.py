@@ -36,15 +36,34 @@ def build_optimizer(model, training_cfg):
     return optimizer, scheduler
 
 
+def split_experts(model) -> dict[str, list]:
+    """Trainable parameters grouped as routed-expert weights and everything else."""
+    groups: dict[str, list] = {"expert": [], "non_expert": []}
+    for name, param in model.named_parameters():
+        if not param.stop_gradient:
+            groups["expert" if ".mlp.experts." in name else "non_expert"].append(param)
+    return groups
+
+
 @paddle.no_grad()
-def clip_grad_norm(parameters, max_norm: float) -> float:
-    """Scale gradients so their global L2 norm is at most ``max_norm`` (0 = no clipping); returns the norm."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return 0.0
-    norm = paddle.sqrt(paddle.add_n([(g.astype("float32") ** 2).sum() for g in grads]))
+def clip_grad_norm(groups: dict[str, list], max_norm: float) -> dict[str, float]:
+    """Scale all gradients so their global L2 norm is at most ``max_norm`` (0 = no clipping).
+
+    Returns ``grad_norm`` (before clipping) and ``grad_norm_<group>`` for each group.
+    """
+    squares = {}
+    for group, params in groups.items():
+        grads = [p.grad for p in params if p.grad is not None]
+        squares[group] = paddle.add_n([(g.astype("float32") ** 2).sum() for g in grads]) if grads else None
+    present = [s for s in squares.values() if s is not None]
+    if not present:
+        return {"grad_norm": 0.0, **{f"grad_norm_{g}": 0.0 for g in groups}}
+    norm = paddle.sqrt(paddle.add_n(present))
     if max_norm > 0:
         scale = paddle.clip(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.multiply_(scale.astype(g.dtype))
-    return float(norm)
+        for params in groups.values():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.multiply_(scale.astype(p.grad.dtype))
+    norms = {f"grad_norm_{g}": float(paddle.sqrt(s)) if s is not None else 0.0 for g, s in squares.items()}
+    return {"grad_norm": float(norm), **norms}

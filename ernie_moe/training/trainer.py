@@ -17,11 +17,10 @@ from ..checkpoint import save_model
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
-from ..monitor.expert_balance import summarize
-from ..monitor.metrics import MetricsLogger
+from ..monitor.monitor import TrainingMonitor
 from ..parallel import init_distributed, wrap_model
 from .evaluate import evaluate
-from .optimizer import build_optimizer, clip_grad_norm
+from .optimizer import build_optimizer, clip_grad_norm, split_experts
 
 
 class Trainer:
@@ -35,13 +34,14 @@ class Trainer:
         self.model = ErnieMoEForConditionalGeneration(cfg.model)
         self.ddp = wrap_model(self.model, self.env)
         self.optimizer, self.scheduler = build_optimizer(self.model, t)
+        self.param_groups = split_experts(self.model)
 
         self.data_stats: Counter = Counter()
         train_set, self.eval_set = build_datasets(cfg)
         rows = RowStream(train_set, self.tokenizer, cfg, self.data_stats, shuffle=True)
         self.global_rows = t.per_device_train_batch_size * self.env.world_size
         self.batches = rank_batches(rows, self.global_rows, self.env.rank, self.env.world_size)
-        self.logger = MetricsLogger(t.output_dir, cfg.logging.visualdl, self.env.is_main)
+        self.monitor = TrainingMonitor(cfg, self.env, self.model)
         self.step = 0
 
     # ------------------------------------------------------------------ loop
@@ -55,13 +55,14 @@ class Trainer:
             window.update(self.train_step())
             bar.update(1)
             if self.step % log_every == 0 or self.step == t.max_steps:
-                metrics = self._window_metrics(window)
-                self.logger.log(self.step, metrics)
+                metrics = self.monitor.end_window(self.step, window, self.data_stats)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
+                for line in self.monitor.warnings if self.env.is_main else []:
+                    bar.write(f"WARNING {line}")
                 window = Counter()
             if (t.eval_steps and self.step % t.eval_steps == 0) or self.step == t.max_steps:
                 last_eval = self.evaluate()
-                self.logger.log(self.step, last_eval, prefix="eval")
+                self.monitor.log_eval(self.step, last_eval)
         bar.close()
         summary = {"steps": self.step, "train_time_s": time.time() - started, **last_eval,
                    **{f"data/{k}": v for k, v in sorted(self.data_stats.items())}}
@@ -77,13 +78,15 @@ class Trainer:
         started = time.time()
         micro_batches = micro_batches or self.next_micro_batches()
         result = self.forward_backward(micro_batches)
-        result["grad_norm"] = clip_grad_norm(self.model.parameters(), t.max_grad_norm)
+        result.update(clip_grad_norm(self.param_groups, t.max_grad_norm))
         result["lr"] = self.optimizer.get_lr()
         self.optimizer.step()
         self.optimizer.clear_grad()
         self.scheduler.step()
         self._update_router_bias()
-        result.update(rows=self.global_rows * len(micro_batches), time=time.time() - started, steps=1)
+        self.monitor.after_step()
+        result.update(rows=self.global_rows * len(micro_batches), flops=self.monitor.step_flops(micro_batches),
+                      time=time.time() - started, steps=1)
         return result
 
     def forward_backward(self, micro_batches) -> dict:
@@ -132,24 +135,6 @@ class Trainer:
             else:
                 moe.stats.pop_usage()
 
-    def _window_metrics(self, window: Counter) -> dict:
-        for moe in self.model.moe_layers():
-            moe.stats.all_reduce(self.env.all_reduce_sum)
-        steps = window["steps"]
-        lm_loss = window["lm_loss_sum"] / max(window["label_tokens"], 1.0)
-        router_loss = window["router_loss"] / steps
-        metrics = {"loss": lm_loss + router_loss, "lm_loss": lm_loss, "router_loss": router_loss}
-        metrics.update(summarize(self.model.moe_layers()))
-        metrics.update({
-            "lr": window["lr"] / steps,
-            "grad_norm": window["grad_norm"] / steps,
-            "tokens_per_sec": window["tokens"] / window["time"],
-            "samples_per_sec": window["rows"] / window["time"],
-            "step_time_s": window["time"] / steps,
-        })
-        metrics.update({f"data/skipped_{k}": v for k, v in self.data_stats.items()})
-        return metrics
-
     def _write_run_config(self) -> None:
         if not self.env.is_main:
             return
@@ -157,7 +142,7 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         text = yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False)
         (out / "run_config.yaml").write_text(text)
-        self.logger.text("config", f"```yaml\n{text}```")
+        self.monitor.text("config", f"```yaml\n{text}```")
 
     def _finish(self, summary: dict) -> None:
         if self.env.is_main:
@@ -165,7 +150,7 @@ class Trainer:
             save_model(self.model, self.cfg.model, str(final), self.tokenizer)
             summary["model_dir"] = str(final)
             (Path(self.cfg.training.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.logger.close()
+        self.monitor.close()
 
 
 def check_tokenizer(tokenizer, model_cfg) -> None:

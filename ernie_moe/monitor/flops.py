@@ -1,0 +1,87 @@
+"""Model FLOPs of a batch and the hardware peak they are compared with.
+
+FLOPs count 6 per activated parameter per token (forward + backward) for the decoder, embedding excluded:
+each token runs attention, the shared experts and ``moe_k`` routed experts of its own modality. The ViT counts
+per patch, the adapter per merged token, and causal attention scores are added per layer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import paddle
+
+from .memory import on_gpu
+
+# Dense peaks (FLOP/s) by device name: (bf16/fp16 tensor cores, fp32).
+GPU_PEAKS = {
+    "H200": (989e12, 67e12), "H100": (989e12, 67e12), "H800": (989e12, 67e12), "H20": (148e12, 44e12),
+    "A100": (312e12, 19.5e12), "A800": (312e12, 19.5e12), "L40S": (362e12, 91.6e12), "V100": (125e12, 15.7e12),
+}
+
+
+def _count(layer) -> int:
+    return sum(int(np.prod(p.shape)) for p in layer.parameters())
+
+
+class FlopsCounter:
+    def __init__(self, model, model_cfg):
+        self.cfg = model_cfg
+        self.layers = []
+        for layer in model.model.layers:
+            entry = {"attn": _count(layer.self_attn), "moe": layer.mlp if layer.is_moe else None}
+            if layer.is_moe:
+                moe = layer.mlp
+                entry["shared"] = _count(moe.shared_experts) if moe.shared_experts is not None else 0
+                offsets = np.cumsum([0] + moe.router_counts[:-1])
+                entry["routed"] = [(moe.group_modality[g], _count(moe.experts[int(offsets[g])]), size)
+                                   for g, size in enumerate(moe.router_counts)]
+            else:
+                entry["dense"] = _count(layer.mlp)
+            self.layers.append(entry)
+        self.vit = _count(model.vision_model)
+        self.adapter = _count(model.model.resampler_model)
+
+    def batch_flops(self, batch) -> float:
+        """Forward + backward FLOPs of one micro-batch."""
+        m = self.cfg
+        types = batch.token_type_ids.numpy()
+        per_modality = {0: int((types == 0).sum()), 1: int((types >= 1).sum())}
+        tokens = per_modality[0] + per_modality[1]
+        flops = 0.0
+        for entry in self.layers:
+            flops += 6 * entry["attn"] * tokens
+            if entry["moe"] is None:
+                flops += 6 * entry["dense"] * tokens
+                continue
+            flops += 6 * entry["shared"] * tokens
+            for modality, expert_params, size in entry["routed"]:
+                group_tokens = tokens if modality is None else per_modality[modality]
+                flops += 6 * (m.moe_k * expert_params + m.hidden_size * size) * group_tokens
+        seq = batch.input_ids.shape[1]
+        # scores and weighted sum: 2 matmuls x 2 FLOPs x (seq / 2 keys on average), times 3 for backward
+        flops += 3 * 2 * 2 * len(self.layers) * (seq / 2) * m.num_attention_heads * m.head_dim * tokens
+        flops += 6 * self.vit * batch.pixel_patches.shape[0] + 6 * self.adapter * per_modality[1]
+        return flops
+
+
+def measured_matmul_peak(n: int = 1024, repeats: int = 10) -> float:
+    """FLOP/s of a large float32 matmul on this device, the CPU's stand-in for a datasheet peak."""
+    a, b = paddle.randn([n, n]), paddle.randn([n, n])
+    paddle.matmul(a, b).numpy()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        c = paddle.matmul(a, b)
+    c.numpy()
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def hardware_peak(low_precision: bool = False) -> tuple[float, str]:
+    """(peak FLOP/s, where it comes from)."""
+    if on_gpu():
+        name = paddle.device.cuda.get_device_name()
+        for key, (half, single) in GPU_PEAKS.items():
+            if key in name:
+                return (half if low_precision else single), f"{name} datasheet"
+    return measured_matmul_peak(), "measured float32 matmul"

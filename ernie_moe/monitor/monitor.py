@@ -1,0 +1,91 @@
+"""Everything the trainer reports once per logging window, gathered in one place."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from .alerts import Alerts
+from .expert_balance import summarize
+from .flops import FlopsCounter, hardware_peak
+from .memory import MemoryMonitor
+from .metrics import MetricsLogger
+
+
+class TrainingMonitor:
+    def __init__(self, cfg, env, model):
+        self.env, self.model = env, model
+        self.enabled = cfg.logging.monitor
+        self.logger = MetricsLogger(cfg.training.output_dir, cfg.logging.visualdl, env.is_main)
+        for moe in model.moe_layers():
+            moe.stats.enabled = self.enabled
+        if self.enabled:
+            self.memory = MemoryMonitor()
+            self.flops = FlopsCounter(model, cfg.model)
+            self.peak_flops, self.peak_source = hardware_peak() if env.is_main else (0.0, "")
+            self.alerts = Alerts(cfg.logging, self.memory.device_total_gb())
+        self.warnings: list[str] = []
+
+    def step_flops(self, micro_batches) -> float:
+        return sum(self.flops.batch_flops(b) for b in micro_batches) if self.enabled else 0.0
+
+    def after_step(self) -> None:
+        if self.enabled:
+            self.memory.sample()
+
+    def end_window(self, step: int, window, data_stats) -> dict:
+        """Log the window's metrics (rank 0 writes, every rank takes part in the reductions) and return them."""
+        steps = window["steps"]
+        lm_loss = window["lm_loss_sum"] / max(window["label_tokens"], 1.0)
+        router_loss = window["router_loss"] / steps
+        metrics = {
+            "loss": lm_loss + router_loss, "lm_loss": lm_loss, "router_loss": router_loss,
+            "lr": window["lr"] / steps,
+            "grad_norm": window["grad_norm"] / steps,
+            "grad_norm_expert": window["grad_norm_expert"] / steps,
+            "grad_norm_non_expert": window["grad_norm_non_expert"] / steps,
+            "tokens_per_sec": window["tokens"] / window["time"],
+            "samples_per_sec": window["rows"] / window["time"],
+            "step_time_s": window["time"] / steps,
+        }
+        for moe in self.model.moe_layers():
+            moe.stats.all_reduce(self.env.all_reduce_sum)
+        scalars, histograms, images = summarize(self.model.moe_layers())
+        metrics.update(scalars)
+        if self.enabled:
+            tflops = window["flops"] / window["time"] / 1e12
+            metrics["model_tflops_per_card"] = tflops
+            if self.peak_flops:
+                metrics["mfu"] = tflops * 1e12 / self.peak_flops
+            memory = self._memory_per_rank()
+            metrics.update(memory)
+            peak = max(v for k, v in memory.items() if k.startswith("memory/max_rank_"))
+            self.warnings = self.alerts.check(step, scalars, peak)
+        metrics.update({f"data/skipped_{k}": v for k, v in data_stats.items()})
+        self.logger.log(step, metrics)
+        for tag, values in histograms.items():
+            self.logger.histogram(tag, values, step)
+        for tag, image in images.items():
+            self.logger.image(tag, image, step)
+        return metrics
+
+    def _memory_per_rank(self) -> dict:
+        """Each rank's window figures, gathered: one curve per rank plus the largest and smallest rank."""
+        local = self.memory.pop_window()
+        names = list(local)
+        gathered = self.env.all_gather(paddle.to_tensor([local[n] for n in names], dtype="float64"))
+        table = np.stack([t.numpy() for t in gathered])  # [ranks, figures]
+        out = {f"memory/rank{r}/{n}": float(table[r, i]) for r in range(len(table)) for i, n in enumerate(names)}
+        peak = names.index("max_allocated_gb" if "max_allocated_gb" in names else "max_rss_gb")
+        out[f"memory/max_rank_{names[peak]}"] = float(table[:, peak].max())
+        out[f"memory/min_rank_{names[peak]}"] = float(table[:, peak].min())
+        return out
+
+    def log_eval(self, step: int, metrics: dict) -> None:
+        self.logger.log(step, metrics, prefix="eval")
+
+    def text(self, tag: str, text: str) -> None:
+        self.logger.text(tag, text)
+
+    def close(self) -> None:
+        self.logger.close()
