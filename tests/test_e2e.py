@@ -73,6 +73,12 @@ def test_two_data_parallel_ranks_match_one_process(tmp_path):
     losses = [[r["loss"] for r in records(out) if "loss" in r] for out in (one, two)]
     assert len(losses[0]) == 4
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    # expert counters are summed over both ranks: the same global batch routes the same number of tokens
+    for key in ("moe/layer1_text/routed_tokens", "moe/layer1_vision/routed_tokens"):
+        assert [r[key] for r in records(two) if "loss" in r] == [r[key] for r in records(one) if "loss" in r]
+    last = [r for r in records(two) if "loss" in r][-1]
+    assert last["memory/rank0/max_rss_gb"] > 0 and last["memory/rank1/max_rss_gb"] > 0  # one curve per rank
+    assert last["memory/max_rank_max_rss_gb"] >= last["memory/min_rank_max_rss_gb"]
     a = load_file(str(one / "final_model" / "model-00001-of-00001.safetensors"))
     b = load_file(str(two / "final_model" / "model-00001-of-00001.safetensors"))
     for name in a:

@@ -111,3 +111,19 @@ def test_token_balanced_loss_uses_a_fixed_denominator(tmp_path):
                              "training.gradient_accumulation_steps=3", f"training.output_dir={tmp_path}",
                              "logging.visualdl=false"])
     assert Trainer(cfg)._loss_denominator(label_tokens=57.0) == 300.0
+
+
+def test_text_only_batches_still_give_every_parameter_a_gradient(tiny_cfg):
+    model = build(tiny_cfg)
+    model.train()
+    batch = first_batch(tiny_cfg, rows=1)
+    text = batch.token_type_ids.numpy() != 1
+    batch.input_ids = paddle.to_tensor(np.where(text, batch.input_ids.numpy(), 5))
+    batch.token_type_ids = paddle.to_tensor(np.where(text, batch.token_type_ids.numpy(), 0))
+    batch.pixel_patches = batch.pixel_patches[:0]
+    batch.grid_thw = batch.grid_thw[:0]
+    out = model(batch)
+    (out.loss_sum + out.router_loss).backward()
+    missing = [n for n, p in model.named_parameters() if not p.stop_gradient and p.grad is None]
+    assert missing == []
+    assert float(model.vision_model.patch_embed.proj.weight.grad.abs().sum()) == 0.0

@@ -82,7 +82,7 @@ class ErnieMoEForConditionalGeneration(nn.Layer):
         embeddings = self.model.embed_tokens(batch.input_ids)
         slots = paddle.nonzero((batch.input_ids == self.cfg.im_patch_id).flatten()).flatten()
         if batch.pixel_patches.shape[0] == 0 and slots.shape[0] == 0:
-            return embeddings
+            return embeddings + self._idle_vision() if self.training else embeddings
         features = self.model.resampler_model(self.vision_model(batch.pixel_patches, batch.grid_thw), batch.grid_thw)
         if features.shape[0] != slots.shape[0]:
             raise ValueError(f"the batch has {slots.shape[0]} image placeholder tokens but its images give "
@@ -90,6 +90,17 @@ class ErnieMoEForConditionalGeneration(nn.Layer):
         shape = embeddings.shape
         flat = paddle.scatter(embeddings.reshape([-1, shape[-1]]), slots, features.astype(embeddings.dtype))
         return flat.reshape(shape)
+
+    def _idle_vision(self) -> paddle.Tensor:
+        """Zero that runs the vision side on one blank merge block, for text-only batches in training.
+
+        Data-parallel gradient synchronisation expects a gradient for every parameter on every rank.
+        """
+        merge = self.cfg.vision_config.spatial_merge_size
+        grid = np.array([[1, merge, merge]])
+        patch = self.cfg.vision_config.in_channels * self.cfg.vision_config.patch_size ** 2
+        blank = paddle.zeros([merge * merge, patch], dtype=self.model.embed_tokens.weight.dtype)
+        return self.model.resampler_model(self.vision_model(blank, grid), grid).sum() * 0.0
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         if self.cfg.tie_word_embeddings:

@@ -7,6 +7,7 @@ from paddle import nn
 
 from ..model.layers import SwiGLUMLP
 from .experts import Experts
+from .losses import orthogonal_loss
 from .router import Router
 from .stats import ExpertStats
 
@@ -81,6 +82,9 @@ class MoELayer(nn.Layer):
         for g, modality in enumerate(self.group_modality):
             token_index = self._tokens_of(types, modality)
             if token_index.shape[0] == 0:
+                # The orthogonal loss needs no token; it also keeps this router in the backward pass.
+                weight = self.loss_weights[g]["orthogonal_loss"]
+                router_loss = router_loss + weight * orthogonal_loss(self.gate.weight_of(g))
                 continue
             bias = None
             if self.moe_statics is not None:
