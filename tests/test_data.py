@@ -162,3 +162,19 @@ def test_sentencepiece_tokenizer_loads_from_a_local_directory(tmp_path):
     assert tok.decode(ids) == "a red circle" and tok.vocab_size == 40 and tok.bos_id == 1
     cfg = load_config(None, [f"data.tokenizer_path={tmp_path}"])
     assert isinstance(build_tokenizer(cfg), SentencePieceTokenizer)
+    assert tok.placeholder_id() is None  # this model has no image piece: model.im_patch_id decides
+
+
+def test_image_placeholder_id_must_match_the_tokenizer(tmp_path):
+    import sentencepiece as spm
+
+    from ernie_moe.config import ConfigError
+    from ernie_moe.training.trainer import check_tokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"a blue ring number {i}" for i in range(100)))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=30,
+                                   bos_id=1, eos_id=2, unk_id=3, pad_id=0, user_defined_symbols=["<image>"])
+    cfg = load_config(None, [f"data.tokenizer_path={tmp_path}", "model.im_patch_id=7"])
+    with pytest.raises(ConfigError, match="placeholder piece has id 4"):
+        check_tokenizer(build_tokenizer(cfg), cfg.model)

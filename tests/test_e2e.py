@@ -115,3 +115,42 @@ def test_unusable_data_stops_with_a_message_not_a_traceback(tmp_path):
     assert "data error: the training data has no usable sample" in result.stderr
     assert "missing_image" in result.stderr and "bad_json" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_training_on_jsonl_files_with_a_sentencepiece_tokenizer(tmp_path):
+    """Real-data path: PNG files + JSONL (captions and chats), a local SentencePiece model, two processes."""
+    import sentencepiece as spm
+    from PIL import Image
+
+    from ernie_moe.data.synthetic import SyntheticShapes
+
+    shapes = SyntheticShapes(0, "train", 24, 84)
+    lines, texts = [], []
+    for i in range(24):
+        sample = shapes[i]
+        Image.fromarray(sample.images[0]).save(tmp_path / f"img{i}.png")
+        caption = "".join(c.text for c in sample.chunks if c.text)
+        texts.append(caption)
+        if i % 2:
+            lines.append({"image": f"img{i}.png", "text": caption})
+        else:
+            lines.append({"images": [f"img{i}.png"], "messages": [
+                {"role": "user", "content": "<image>\nDescribe the picture."},
+                {"role": "assistant", "content": caption}]})
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    (tmp_path / "val.jsonl").write_text("\n".join(json.dumps(x) for x in lines[:4]) + "\n")
+    (tmp_path / "corpus.txt").write_text("\n".join(texts + ["User: Describe the picture.", "Assistant:"] * 3))
+    tok_dir = tmp_path / "tokenizer"
+    tok_dir.mkdir()
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tok_dir / "tokenizer"),
+                                   vocab_size=40, pad_id=0, bos_id=1, eos_id=2, unk_id=3,
+                                   user_defined_symbols=["<image>"])
+    out, log = launch(tmp_path, 2, "data.dataset=jsonl", f"data.train_path={tmp_path / 'train.jsonl'}",
+                      f"data.eval_path={tmp_path / 'val.jsonl'}", f"data.tokenizer_path={tok_dir}",
+                      "model.vocab_size=48", "model.im_patch_id=4", "data.max_seq_len=96", "data.max_image_side=56",
+                      "training.max_steps=3", "logging.logging_steps=1", "training.per_device_train_batch_size=2")
+    train = [r for r in records(out) if "loss" in r]
+    assert len(train) == 3 and all(np.isfinite(r["loss"]) for r in train)
+    assert "eval_loss" in records(out)[-1] and "eval_caption_accuracy" not in records(out)[-1]
+    assert (out / "final_model" / "tokenizer.model").is_file()
+    assert "done: 3 steps" in log

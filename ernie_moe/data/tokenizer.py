@@ -24,6 +24,9 @@ class WordTokenizer:
     def vocab_size(self) -> int:
         return len(self.vocab)
 
+    def placeholder_id(self) -> int:
+        return self.image_token_id
+
     def encode(self, text: str) -> list[int]:
         return [self.ids.get(word, self.unk_id) for word in text.split()]
 
@@ -44,6 +47,9 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return len(SPECIALS) + 256
 
+    def placeholder_id(self) -> int:
+        return self.image_token_id
+
     def encode(self, text: str) -> list[int]:
         return [len(SPECIALS) + b for b in text.encode("utf-8")]
 
@@ -52,6 +58,9 @@ class ByteTokenizer:
 
     def save(self, directory: Path) -> None:
         (Path(directory) / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByteTokenizer"}))
+
+
+PLACEHOLDER_PIECES = ("<|IMAGE_PLACEHOLDER|>", "<image>")
 
 
 class SentencePieceTokenizer:
@@ -72,6 +81,14 @@ class SentencePieceTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
+
+    def placeholder_id(self) -> int | None:
+        """Id of the model's own image-placeholder piece, if it has one."""
+        for piece in PLACEHOLDER_PIECES:
+            piece_id = self.sp.piece_to_id(piece)
+            if piece_id != self.unk_id:
+                return piece_id
+        return None
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)

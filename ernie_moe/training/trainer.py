@@ -157,6 +157,7 @@ def check_tokenizer(tokenizer, model_cfg) -> None:
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                           f"{model_cfg.vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size}.")
-    if tokenizer.image_token_id != model_cfg.im_patch_id:
-        raise ConfigError(f"the tokenizer's image placeholder id is {tokenizer.image_token_id} but model.im_patch_id "
-                          f"is {model_cfg.im_patch_id}; set model.im_patch_id={tokenizer.image_token_id}.")
+    own = tokenizer.placeholder_id()
+    if own is not None and own != model_cfg.im_patch_id:
+        raise ConfigError(f"the tokenizer's image placeholder piece has id {own} but model.im_patch_id is "
+                          f"{model_cfg.im_patch_id}; set model.im_patch_id={own}.")
