@@ -40,7 +40,9 @@ def test_overrides_follow_yaml_types():
     ("model.pixel_hidden_size=48", ["pixel_hidden_size (48)", "embed_dim (32)"]),
     ("data.image_size=50", ["data.image_size (50)", "multiple of"]),
     ("training.min_lr=1.0", ["min_lr"]),
-    ("parallel.tensor_parallel_degree=2", ["tensor_parallel_degree = 2", "data parallel only"]),
+    ("parallel.tensor_parallel_degree=2", ["tensor_parallel_degree = 2", "data and expert parallelism only"]),
+    ("parallel.expert_parallel_degree=3", ["moe_num_experts [4, 4]", "divisible by parallel.expert_parallel_degree"]),
+    ("parallel.moe_group=mp", ["moe_group 'mp'"]),
     ("training.max_steps", ["section.key=value"]),
 ])
 def test_bad_values_name_the_key(override, words):
@@ -83,3 +85,12 @@ def test_cli_reports_config_errors_without_traceback(tmp_path):
     missing = subprocess.run([sys.executable, str(ROOT / "run_trainer.py"), "--config", "missing.yaml"],
                              capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_expert_degree_must_divide_the_processes():
+    from ernie_moe.parallel.env import check_layout
+
+    cfg = load_config(None, ["parallel.expert_parallel_degree=2"])
+    check_layout(cfg.parallel, 4)
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree \(2\) must divide the number of processes \(3\)"):
+        check_layout(cfg.parallel, 3)

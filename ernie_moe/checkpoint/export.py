@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+import paddle.distributed as dist
 from safetensors.numpy import save_file
-
-SHARD_BYTES = 2 * 1024**3
 
 
 def model_config_dict(model_cfg) -> dict:
@@ -23,27 +22,51 @@ def model_config_dict(model_cfg) -> dict:
     return data
 
 
-def save_model(model, model_cfg, directory: str, tokenizer=None) -> Path:
-    """Write every parameter (Paddle layout, [in, out] linears) under its stable name."""
+def stable_state(model) -> dict:
+    """The state dict under stable names: routed experts carry their global ids, wherever they live."""
+    renames = {}
+    for moe in model.moe_layers():
+        prefix = f"model.layers.{moe.layer_idx}.mlp.experts."
+        renames.update({f"{prefix}{local}.": f"{prefix}{j}." for local, j in enumerate(moe.experts.global_ids)})
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if ".mlp.experts." in name:
+            head, _, tail = name.partition(".mlp.experts.")
+            local, _, rest = tail.partition(".")
+            name = renames[f"{head}.mlp.experts.{local}."] + rest
+        state[name] = tensor
+    return state
+
+
+def save_model(model, model_cfg, directory: str, tokenizer=None, env=None) -> Path:
+    """Write every parameter (Paddle layout, [in, out] linears) under its stable name.
+
+    Called on every rank. Without expert groups rank 0 writes one shard; with them, rank r of the first
+    expert group writes shard r + 1 with the experts it holds, rank 0 adding every shared parameter.
+    """
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(model_config_dict(model_cfg), indent=2))
-    tensors = {name: np.ascontiguousarray(p.numpy()) for name, p in model.state_dict().items()}
-    shards, current, size = [], {}, 0
-    for name, array in tensors.items():
-        if current and size + array.nbytes > SHARD_BYTES:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = array
-        size += array.nbytes
-    shards.append(current)
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / filename), metadata={"format": "pd"})
-        weight_map.update({name: filename for name in shard})
-    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    if tokenizer is not None:
-        tokenizer.save(out)
+    ep_group = getattr(env, "ep_group", None)
+    rank = env.rank if env else 0
+    writers = ep_group.nranks if ep_group is not None else 1
+    parts = {}
+    if rank < writers:
+        for name, tensor in stable_state(model).items():
+            if rank == 0 or ".mlp.experts." in name:
+                parts[name] = np.ascontiguousarray(tensor.numpy())
+        out.mkdir(parents=True, exist_ok=True)
+        filename = f"model-{rank + 1:05d}-of-{writers:05d}.safetensors"
+        save_file(parts, str(out / filename), metadata={"format": "pd"})
+    listing = [(rank, sorted(parts), sum(a.nbytes for a in parts.values()))]
+    if env is not None and env.world_size > 1:
+        gathered: list = []
+        dist.all_gather_object(gathered, listing[0])
+        listing = gathered
+    if rank == 0:
+        weight_map = {name: f"model-{r + 1:05d}-of-{writers:05d}.safetensors"
+                      for r, names, _ in listing if r < writers for name in names}
+        index = {"metadata": {"total_size": sum(size for _, _, size in listing)}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (out / "config.json").write_text(json.dumps(model_config_dict(model_cfg), indent=2))
+        if tokenizer is not None:
+            tokenizer.save(out)
     return out

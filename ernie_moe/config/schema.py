@@ -142,14 +142,15 @@ class TrainingConfig:
 
 @dataclass
 class ParallelConfig:
-    # Every launched process is a data-parallel rank; the other degrees must stay 1 in this release.
+    # Every launched process is a data-parallel rank; expert groups are carved out of them. The other
+    # degrees must stay 1 in this release.
     tensor_parallel_degree: int = opt(1, "tensor-parallel ranks (must be 1 in this release)")
     pipeline_parallel_degree: int = opt(1, "pipeline stages (must be 1 in this release)")
     virtual_pp_degree: int = opt(1, "interleaved stages per pipeline rank (must be 1 in this release)")
     sharding_parallel_degree: int = opt(1, "optimizer-sharding ranks (must be 1 in this release)")
     sharding: str = choice("", "", "stage1", "stage2", doc="sharding stage (must be empty in this release)")
-    expert_parallel_degree: int = opt(1, "ranks the experts are split over (must be 1 in this release)")
-    moe_group: str = choice("ep", "ep", "mp", doc="where expert ranks come from")
+    expert_parallel_degree: int = opt(1, "ranks each modality's experts are split over (divides the process count)")
+    moe_group: str = choice("ep", "ep", "mp", doc="where expert ranks come from ('ep' in this release)")
     sequence_parallel: bool = opt(False, "split activations along the sequence (must be false in this release)")
 
 

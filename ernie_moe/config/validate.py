@@ -141,10 +141,20 @@ def _check_parallel(cfg: Config) -> None:
     }
     for name, value in degrees.items():
         _require(value >= 1, f"parallel.{name} must be at least 1, got {value}.")
-    # This release trains data-parallel only; the other degrees are accepted as 1 so configs stay portable.
+    # This release runs data and expert parallelism; the other degrees are accepted as 1 so configs stay portable.
     for name, value in degrees.items():
-        _require(value == 1, f"parallel.{name} = {value}: this release runs data parallel only (every launched "
-                             f"process is a data-parallel rank); set it to 1.")
+        _require(value == 1 or name == "expert_parallel_degree",
+                 f"parallel.{name} = {value}: this release runs data and expert parallelism only (every launched "
+                 f"process is a data-parallel rank); set it to 1.")
+    _require(p.moe_group == "ep",
+             "parallel.moe_group 'mp' spreads experts over tensor-parallel ranks, which this release does not run; "
+             "use 'ep' (expert groups carved out of the data-parallel ranks).")
+    ep = p.expert_parallel_degree
+    if ep > 1:
+        counts = cfg.model.moe_num_experts
+        _require(all(n % ep == 0 for n in counts),
+                 f"model.moe_num_experts {counts}: every modality's expert count must be divisible by "
+                 f"parallel.expert_parallel_degree ({ep}).")
     _require(not p.sharding and not p.sequence_parallel,
              "parallel.sharding and parallel.sequence_parallel need sharding / tensor parallel ranks; this release "
              "runs data parallel only.")

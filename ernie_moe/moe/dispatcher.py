@@ -1,7 +1,8 @@
 """Token dispatch: sort (token, choice) pairs by expert, drop what exceeds capacity, gather, combine.
 
-``LocalDispatcher`` keeps every expert in this process. An expert-parallel dispatcher keeps the same
-``dispatch`` / ``combine`` contract and moves the per-expert slices between ranks with all-to-all.
+``LocalDispatcher`` keeps every expert in this process. The expert-parallel dispatcher
+(``ernie_moe.parallel.expert_parallel``) keeps the same ``dispatch`` / ``combine`` contract and moves the
+per-expert rows between ranks with all-to-all.
 """
 
 from __future__ import annotations
@@ -20,28 +21,32 @@ class DispatchState:
 
 
 class LocalDispatcher:
-    def dispatch(self, x: paddle.Tensor, token_index: paddle.Tensor, expert_ids: paddle.Tensor,
-                 weights: paddle.Tensor, num_experts: int, capacity: paddle.Tensor | None):
-        """Split ``x`` rows into one slice per expert.
+    def route(self, token_index, expert_ids, weights, num_experts: int, capacity):
+        """Flatten the choices and keep those within capacity, sorted by expert.
 
         ``expert_ids``/``weights`` are ``[tokens, k]``; ``capacity`` ``[experts]`` or None for dropless.
         Choices are ordered k-major, so every token's first choice claims a slot before any second choice.
+        Returns (flat token rows, flat weights, flat experts, kept order, routed counts, kept counts).
         """
         k = expert_ids.shape[1]
         flat_expert = expert_ids.T.flatten()
         flat_token = paddle.tile(token_index, [k])
         flat_weight = weights.T.flatten()
         order = paddle.argsort(flat_expert, stable=True)
-        sorted_expert = paddle.gather(flat_expert, order)
         routed = paddle.bincount(flat_expert, minlength=num_experts)
+        kept = routed
         if capacity is not None:
+            sorted_expert = paddle.gather(flat_expert, order)
             first = paddle.cumsum(routed) - routed
             rank_in_expert = paddle.arange(sorted_expert.shape[0]) - paddle.gather(first, sorted_expert)
-            keep = rank_in_expert < paddle.gather(capacity, sorted_expert)
-            order = paddle.masked_select(order, keep)
+            order = paddle.masked_select(order, rank_in_expert < paddle.gather(capacity, sorted_expert))
             kept = paddle.bincount(paddle.gather(flat_expert, order), minlength=num_experts)
-        else:
-            kept = routed
+        return flat_token, flat_weight, flat_expert, order, routed, kept
+
+    def dispatch(self, x, token_index, expert_ids, weights, num_experts: int, capacity):
+        """Split ``x`` rows into one slice per expert; see :meth:`route` for the arguments."""
+        flat_token, flat_weight, _, order, routed, kept = self.route(
+            token_index, expert_ids, weights, num_experts, capacity)
         state = DispatchState(paddle.gather(flat_token, order), paddle.gather(flat_weight, order), routed, kept)
         inputs = paddle.gather(x, state.token_index)
         return paddle.split(inputs, kept.tolist(), axis=0), state

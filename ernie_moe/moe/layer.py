@@ -47,6 +47,7 @@ class MoELayer(nn.Layer):
             self.router_counts = [sum(counts)]
         self.expert_offsets = [sum(counts[:g]) for g in range(len(counts))] if self.hard_gate else [0]
         self.num_experts = sum(counts)
+        self.expert_widths = [w for n, w in zip(counts, widths) for _ in range(n)]  # by global expert id
         self.capacity_factors = list(cfg.moe_capacity)
         self.loss_weights = [
             {name: cfg.loss_weight(f"moe_{name}_lambda", self._weight_modality(g))
@@ -64,7 +65,7 @@ class MoELayer(nn.Layer):
         if cfg.moe_use_aux_free:
             self.moe_statics = MoEStatics(len(self.router_counts), max(self.router_counts))
         self.aux_free_coef = cfg.moe_aux_free_update_coef
-        self.dispatcher = plan.dispatcher()
+        self.dispatcher = plan.dispatcher(counts)
         self.stats = ExpertStats(self.router_counts)
 
     def _weight_modality(self, group: int) -> int:
@@ -77,10 +78,15 @@ class MoELayer(nn.Layer):
         flat = x.reshape([-1, shape[-1]])
         types = token_type_ids.flatten()
 
-        ids, weights, routed_tokens, capacities = [], [], [], []
+        k = self.gate.k
+        ids = [paddle.zeros([0, k], dtype="int64")]
+        weights = [paddle.zeros([0, k], dtype="float32")]
+        routed_tokens = [paddle.zeros([0], dtype="int64")]
+        capacities = []
         router_loss = paddle.zeros([], dtype="float32")
         for g, modality in enumerate(self.group_modality):
             token_index = self._tokens_of(types, modality)
+            capacities += [self._capacity(token_index.shape[0], self.router_counts[g])] * self.router_counts[g]
             if token_index.shape[0] == 0:
                 # The orthogonal loss needs no token; it also keeps this router in the backward pass.
                 weight = self.loss_weights[g]["orthogonal_loss"]
@@ -98,27 +104,17 @@ class MoELayer(nn.Layer):
             ids.append(routing.expert_ids + self.expert_offsets[g])
             weights.append(routing.weights)
             routed_tokens.append(token_index)
-            capacities.append(self._capacity(token_index.shape[0], self.router_counts[g]))
 
-        out = paddle.zeros_like(flat)
-        if ids:
-            capacity = None
-            if self.capacity_factors:
-                capacity = paddle.to_tensor([c for g, c in enumerate(capacities) for _ in range(self.router_counts[g])],
-                                            dtype="int64")
-            inputs, state = self.dispatcher.dispatch(
-                flat, paddle.concat(routed_tokens), paddle.concat(ids), paddle.concat(weights),
-                self.num_experts, capacity)
-            outputs, idle_zero = self.experts(inputs)
-            out = self.dispatcher.combine(outputs, state, flat.shape[0])
-            if idle_zero is not None:
-                out = out + idle_zero
-            if self.training:
-                self.stats.record_routing(state.routed, state.kept)
-        else:
-            # No routed token here: keep every expert in the graph for gradient synchronisation.
-            _, idle_zero = self.experts([flat[:0]] * self.num_experts)
+        # Dispatch even without routed tokens: expert-parallel ranks exchange rows in every layer.
+        capacity = paddle.to_tensor(capacities, dtype="int64") if self.capacity_factors else None
+        inputs, state = self.dispatcher.dispatch(flat, paddle.concat(routed_tokens), paddle.concat(ids),
+                                                 paddle.concat(weights), self.num_experts, capacity)
+        outputs, idle_zero = self.experts(inputs)
+        out = self.dispatcher.combine(outputs, state, flat.shape[0])
+        if idle_zero is not None:
             out = out + idle_zero
+        if self.training:
+            self.stats.record_routing(state.routed, state.kept)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.reshape(shape), router_loss

@@ -34,9 +34,11 @@ class FlopsCounter:
             if layer.is_moe:
                 moe = layer.mlp
                 entry["shared"] = _count(moe.shared_experts) if moe.shared_experts is not None else 0
+                # a SwiGLU expert of width w holds 3 x hidden x w weights; experts may live on other ranks
                 offsets = np.cumsum([0] + moe.router_counts[:-1])
-                entry["routed"] = [(moe.group_modality[g], _count(moe.experts[int(offsets[g])]), size)
-                                   for g, size in enumerate(moe.router_counts)]
+                widths = np.array(moe.expert_widths, dtype=np.float64)
+                entry["routed"] = [(moe.group_modality[g], 3 * model_cfg.hidden_size * widths[o: o + size].mean(), size)
+                                   for g, (o, size) in enumerate(zip(offsets, moe.router_counts))]
             else:
                 entry["dense"] = _count(layer.mlp)
             self.layers.append(entry)

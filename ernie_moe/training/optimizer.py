@@ -46,24 +46,25 @@ def split_experts(model) -> dict[str, list]:
 
 
 @paddle.no_grad()
-def clip_grad_norm(groups: dict[str, list], max_norm: float) -> dict[str, float]:
+def clip_grad_norm(groups: dict[str, list], max_norm: float, reduce: dict | None = None) -> dict[str, float]:
     """Scale all gradients so their global L2 norm is at most ``max_norm`` (0 = no clipping).
 
-    Returns ``grad_norm`` (before clipping) and ``grad_norm_<group>`` for each group.
+    ``reduce[group]`` sums a group's squared norm over the ranks that hold different parts of it (the
+    expert group for expert weights), so each parameter counts once. Returns ``grad_norm`` (before
+    clipping) and ``grad_norm_<group>`` for each group.
     """
     squares = {}
     for group, params in groups.items():
         grads = [p.grad for p in params if p.grad is not None]
-        squares[group] = paddle.add_n([(g.astype("float32") ** 2).sum() for g in grads]) if grads else None
-    present = [s for s in squares.values() if s is not None]
-    if not present:
-        return {"grad_norm": 0.0, **{f"grad_norm_{g}": 0.0 for g in groups}}
-    norm = paddle.sqrt(paddle.add_n(present))
+        square = paddle.add_n([(g.astype("float32") ** 2).sum() for g in grads]) if grads else paddle.zeros([])
+        if reduce and group in reduce:
+            square = reduce[group](square.reshape([1])).reshape([])
+        squares[group] = square
+    norm = paddle.sqrt(paddle.add_n(list(squares.values())))
     if max_norm > 0:
         scale = paddle.clip(max_norm / (norm + 1e-6), max=1.0)
         for params in groups.values():
             for p in params:
                 if p.grad is not None:
                     p.grad.multiply_(scale.astype(p.grad.dtype))
-    norms = {f"grad_norm_{g}": float(paddle.sqrt(s)) if s is not None else 0.0 for g, s in squares.items()}
-    return {"grad_norm": float(norm), **norms}
+    return {"grad_norm": float(norm), **{f"grad_norm_{g}": float(paddle.sqrt(s)) for g, s in squares.items()}}

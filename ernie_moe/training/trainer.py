@@ -11,6 +11,7 @@ from pathlib import Path
 
 import paddle
 import yaml
+from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
 from tqdm import tqdm
 
 from ..checkpoint import save_model
@@ -18,7 +19,7 @@ from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..monitor.monitor import TrainingMonitor
-from ..parallel import init_distributed, wrap_model
+from ..parallel import ExpertParallelPlan, init_distributed, wrap_model
 from .evaluate import evaluate
 from .optimizer import build_optimizer, clip_grad_norm, split_experts
 
@@ -31,7 +32,8 @@ class Trainer:
         paddle.seed(t.seed)
         self.tokenizer = build_tokenizer(cfg)
         check_tokenizer(self.tokenizer, cfg.model)
-        self.model = ErnieMoEForConditionalGeneration(cfg.model)
+        plan = ExpertParallelPlan(cfg.model.initializer_range, self.env.ep_group) if self.env.ep_group else None
+        self.model = ErnieMoEForConditionalGeneration(cfg.model, plan)
         self.ddp = wrap_model(self.model, self.env)
         self.optimizer, self.scheduler = build_optimizer(self.model, t)
         self.param_groups = split_experts(self.model)
@@ -78,7 +80,9 @@ class Trainer:
         started = time.time()
         micro_batches = micro_batches or self.next_micro_batches()
         result = self.forward_backward(micro_batches)
-        result.update(clip_grad_norm(self.param_groups, t.max_grad_norm))
+        self._sync_expert_parallel_gradients()
+        reduce = {"expert": lambda t: self.env.all_reduce_sum(t, self.env.ep_group)} if self.env.ep_group else None
+        result.update(clip_grad_norm(self.param_groups, t.max_grad_norm, reduce))
         result["lr"] = self.optimizer.get_lr()
         self.optimizer.step()
         self.optimizer.clear_grad()
@@ -128,6 +132,22 @@ class Trainer:
             return float(per_micro * t.gradient_accumulation_steps * self.env.world_size)
         return max(label_tokens, 1.0)
 
+    @paddle.no_grad()
+    def _sync_expert_parallel_gradients(self) -> None:
+        """With expert groups there is no data-parallel wrapper: average the shared parameters with fleet's
+        fused all-reduce; expert gradients already hold every rank's tokens of the expert group (through the
+        all-to-all backward), so they are scaled by 1 / world size and summed over the ranks with the same experts.
+        """
+        env = self.env
+        if env.ep_group is None:
+            return
+        fused_allreduce_gradients(self.param_groups["non_expert"], env.hcg)
+        for param in self.param_groups["expert"]:
+            if param.grad is not None:
+                param.grad.scale_(1.0 / env.world_size)
+                if env.expert_replica_group is not None:
+                    env.all_reduce_sum(param.grad, env.expert_replica_group)
+
     def _update_router_bias(self) -> None:
         for moe in self.model.moe_layers():
             if moe.moe_statics is not None:
@@ -145,9 +165,9 @@ class Trainer:
         self.monitor.text("config", f"```yaml\n{text}```")
 
     def _finish(self, summary: dict) -> None:
+        final = Path(self.cfg.training.output_dir) / "final_model"
+        save_model(self.model, self.cfg.model, str(final), self.tokenizer, self.env)
         if self.env.is_main:
-            final = Path(self.cfg.training.output_dir) / "final_model"
-            save_model(self.model, self.cfg.model, str(final), self.tokenizer)
             summary["model_dir"] = str(final)
             (Path(self.cfg.training.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
         self.monitor.close()

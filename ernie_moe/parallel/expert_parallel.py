@@ -1,0 +1,87 @@
+"""Expert parallelism: each modality's experts split evenly over an expert group, tokens moved by all-to-all.
+
+Rank r of an expert group of size P holds, of every expert segment (text experts, then vision experts)
+of n experts, the experts ``[r * n / P, (r + 1) * n / P)``. Its local experts are ordered segment by
+segment, which is also the order of ERNIE's global numbering restricted to the rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+from ..moe.dispatcher import DispatchState, LocalDispatcher
+from .comm import all_to_all
+
+
+def local_expert_ids(counts: list[int], rank: int, size: int) -> list[int]:
+    """Global ids of the experts ``rank`` holds, in local order."""
+    ids, start = [], 0
+    for n in counts:
+        per = n // size
+        ids += list(range(start + rank * per, start + (rank + 1) * per))
+        start += n
+    return ids
+
+
+def rank_major_order(counts: list[int], size: int) -> np.ndarray:
+    """position[e]: where global expert e sits when experts are listed owner by owner, local order inside."""
+    order = [e for rank in range(size) for e in local_expert_ids(counts, rank, size)]
+    position = np.empty(len(order), np.int64)
+    position[order] = np.arange(len(order))
+    return position
+
+
+@dataclass
+class ExpertParallelState(DispatchState):
+    send_splits: list[int] = None  # rows sent to each rank of the group
+    recv_splits: list[int] = None  # rows received from each rank
+    to_expert_major: paddle.Tensor = None  # received rows (source-major) -> local-expert-major
+
+
+class ExpertParallelDispatcher(LocalDispatcher):
+    def __init__(self, counts: list[int], group):
+        self.group = group
+        self.size, self.rank = group.nranks, group.rank
+        self.local = sum(counts) // self.size
+        self.position = paddle.to_tensor(rank_major_order(counts, self.size))
+
+    def dispatch(self, x, token_index, expert_ids, weights, num_experts, capacity):
+        flat_token, flat_weight, flat_expert, order, routed, kept = self.route(
+            token_index, expert_ids, weights, num_experts, capacity)
+        # Send order: by owner rank, then by the owner's local expert.
+        position = paddle.gather(self.position, paddle.gather(flat_expert, order))
+        regroup = paddle.argsort(position, stable=True)
+        order = paddle.gather(order, regroup)
+        per_slot = paddle.bincount(paddle.gather(position, regroup), minlength=num_experts)  # [ranks * local]
+        table: list[paddle.Tensor] = []
+        dist.all_gather(table, per_slot, group=self.group)
+        counts = np.stack([t.numpy() for t in table]).reshape(self.size, self.size, self.local)  # [src, dst, e]
+        send_splits = counts[self.rank].sum(axis=1).tolist()
+        mine = counts[:, self.rank, :]  # [src, local expert]
+        recv_splits = mine.sum(axis=1).tolist()
+
+        rows = paddle.gather(flat_token, order)
+        received = all_to_all(paddle.gather(x, rows), send_splits, recv_splits, self.group)
+        # received is source-major; the experts want their rows together
+        starts = np.concatenate([[0], np.cumsum(mine.reshape(-1))[:-1]]).reshape(mine.shape)
+        expert_major = [np.arange(starts[s, e], starts[s, e] + mine[s, e])
+                        for e in range(self.local) for s in range(self.size)]
+        index = paddle.to_tensor(np.concatenate(expert_major) if expert_major else np.zeros([0], np.int64))
+        state = ExpertParallelState(rows, paddle.gather(flat_weight, order), routed, kept,
+                                    send_splits, recv_splits, index)
+        inputs = paddle.gather(received, index) if received.shape[0] else received
+        return paddle.split(inputs, mine.sum(axis=0).tolist(), axis=0), state
+
+    def combine(self, expert_outputs, state: ExpertParallelState, num_rows: int):
+        out = paddle.concat(expert_outputs, axis=0)
+        source_major = paddle.zeros_like(out)
+        if out.shape[0]:
+            source_major = paddle.scatter(source_major, state.to_expert_major, out)
+        back = all_to_all(source_major, state.recv_splits, state.send_splits, self.group)
+        weighted = back * state.weights.unsqueeze(-1).astype(back.dtype)
+        zeros = paddle.zeros([num_rows, out.shape[-1]], dtype=out.dtype)
+        return paddle.index_add(zeros, state.token_index, 0, weighted)
