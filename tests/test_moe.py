@@ -154,3 +154,34 @@ def test_without_hard_gate_one_router_serves_every_expert(hard_gate):
     x, types = inputs()
     layer(paddle.to_tensor(x), paddle.to_tensor(types))
     assert layer.stats.pop_window()["routed"].sum() == 48
+
+
+def test_expert_ownership_splits_each_modality_evenly():
+    from ernie_moe.parallel.expert_parallel import local_expert_ids, rank_major_order
+
+    assert local_expert_ids([4, 2], rank=0, size=2) == [0, 1, 4]
+    assert local_expert_ids([4, 2], rank=1, size=2) == [2, 3, 5]
+    # listed owner by owner: 0 1 4 | 2 3 5
+    assert rank_major_order([4, 2], 2).tolist() == [0, 1, 3, 4, 2, 5]
+
+
+def test_experts_start_the_same_wherever_they_live():
+    """Rank 1 of an expert group builds exactly the weights of the experts it shares with one device."""
+    from ernie_moe.moe.experts import Experts
+
+    class Half(SingleDevicePlan):
+        def local_expert_ids(self, counts):
+            from ernie_moe.parallel.expert_parallel import local_expert_ids
+
+            return local_expert_ids(counts, rank=1, size=2)
+
+    paddle.seed(3)
+    full = Experts(SingleDevicePlan(0.1), 8, [4, 2], [6, 4])
+    after_full = paddle.randn([1]).item()
+    paddle.seed(3)
+    half = Experts(Half(0.1), 8, [4, 2], [6, 4])
+    after_half = paddle.randn([1]).item()
+    assert half.global_ids == [2, 3, 5]
+    for local, j in enumerate(half.global_ids):
+        np.testing.assert_array_equal(half[local].up_gate_proj.weight.numpy(), full[j].up_gate_proj.weight.numpy())
+    assert after_full == after_half  # the random stream after the experts does not depend on how many are local
