@@ -102,8 +102,9 @@ def test_expert_parallel_matches_one_process(tmp_path, nproc, ep):
     common = ["training.max_steps=3", "logging.logging_steps=1", "training.eval_steps=0", "training.adam_epsilon=1e-6",
               "model.moe_aux_loss_lambda=0", "model.moe_z_loss_lambda=0", "model.moe_orthogonal_loss_lambda=0"]
     one, _ = launch(tmp_path, 1, *common, "training.per_device_train_batch_size=4", name="one")
-    many, _ = launch(tmp_path, nproc, *common, f"training.per_device_train_batch_size={4 // nproc}",
-                     f"parallel.expert_parallel_degree={ep}", name="many")
+    # two accumulated micro-batches per step: the same 4 rows per step as the single process
+    many, _ = launch(tmp_path, nproc, *common, f"training.per_device_train_batch_size={2 // nproc}",
+                     "training.gradient_accumulation_steps=2", f"parallel.expert_parallel_degree={ep}", name="many")
     train = [[r for r in records(out) if "loss" in r] for out in (one, many)]
     np.testing.assert_allclose([r["loss"] for r in train[1]], [r["loss"] for r in train[0]], rtol=1e-5)
     np.testing.assert_allclose([r["grad_norm"] for r in train[1]], [r["grad_norm"] for r in train[0]], rtol=1e-4)

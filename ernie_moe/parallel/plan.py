@@ -68,3 +68,10 @@ class ExpertParallelPlan(SingleDevicePlan):
 
     def dispatcher(self, expert_counts: list[int]) -> ExpertParallelDispatcher:
         return ExpertParallelDispatcher(expert_counts, self.group)
+
+
+def build_plan(model_cfg, env) -> SingleDevicePlan:
+    """The plan for this process's place in the layout."""
+    if env.ep_group is not None:
+        return ExpertParallelPlan(model_cfg.initializer_range, env.ep_group)
+    return SingleDevicePlan(model_cfg.initializer_range)

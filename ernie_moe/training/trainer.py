@@ -19,7 +19,7 @@ from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..monitor.monitor import TrainingMonitor
-from ..parallel import ExpertParallelPlan, init_distributed, wrap_model
+from ..parallel import build_plan, init_distributed, wrap_model
 from .evaluate import evaluate
 from .optimizer import build_optimizer, clip_grad_norm, split_experts
 
@@ -32,8 +32,7 @@ class Trainer:
         paddle.seed(t.seed)
         self.tokenizer = build_tokenizer(cfg)
         check_tokenizer(self.tokenizer, cfg.model)
-        plan = ExpertParallelPlan(cfg.model.initializer_range, self.env.ep_group) if self.env.ep_group else None
-        self.model = ErnieMoEForConditionalGeneration(cfg.model, plan)
+        self.model = ErnieMoEForConditionalGeneration(cfg.model, build_plan(cfg.model, self.env))
         self.ddp = wrap_model(self.model, self.env)
         self.optimizer, self.scheduler = build_optimizer(self.model, t)
         self.param_groups = split_experts(self.model)
@@ -81,7 +80,7 @@ class Trainer:
         micro_batches = micro_batches or self.next_micro_batches()
         result = self.forward_backward(micro_batches)
         self._sync_expert_parallel_gradients()
-        reduce = {"expert": lambda t: self.env.all_reduce_sum(t, self.env.ep_group)} if self.env.ep_group else None
+        reduce = {"expert": lambda x: self.env.all_reduce_sum(x, self.env.ep_group)} if self.env.ep_group else None
         result.update(clip_grad_norm(self.param_groups, t.max_grad_norm, reduce))
         result["lr"] = self.optimizer.get_lr()
         self.optimizer.step()
@@ -102,11 +101,12 @@ class Trainer:
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.
         denominator = self._loss_denominator(label_tokens)
         lm_sum, router_sum = 0.0, 0.0
+        wrapped = self.ddp is not self.model
         for i, batch in enumerate(micro_batches):
-            sync_later = env.world_size > 1 and i < len(micro_batches) - 1
+            sync_later = wrapped and i < len(micro_batches) - 1
             with self.ddp.no_sync() if sync_later else contextlib.nullcontext():
                 out = self.ddp(batch)
-                # fleet's data-parallel wrapper averages gradients over ranks, hence the world-size factor.
+                # Shared gradients are averaged over ranks afterwards, hence the world-size factor.
                 loss = out.loss_sum * (env.world_size / denominator) + out.router_loss / len(micro_batches)
                 loss.backward()
             lm_sum += float(out.loss_sum)
