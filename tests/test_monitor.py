@@ -133,8 +133,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def dashboard(tmp_path_factory):
     """A short training run served by a real VisualDL server on a free local port."""
-    import shutil
     import subprocess
+    import sys
     import time
     import urllib.request
 
@@ -147,7 +147,9 @@ def dashboard(tmp_path_factory):
     ])
     Trainer(cfg).train()
     port = free_port()
-    server = subprocess.Popen([shutil.which("visualdl") or "visualdl", "--logdir", str(out / "visualdl"),
+    # the `visualdl` command's own entry point, run by this interpreter (its script may not be on PATH)
+    entry = "import sys; from visualdl.server.app import main; sys.argv[0] = 'visualdl'; sys.exit(main())"
+    server = subprocess.Popen([sys.executable, "-c", entry, "--logdir", str(out / "visualdl"),
                                "--host", "127.0.0.1", "--port", str(port), "-L", "en"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
