@@ -1,3 +1,4 @@
+import itertools
 import json
 from collections import Counter
 
@@ -178,3 +179,15 @@ def test_image_placeholder_id_must_match_the_tokenizer(tmp_path):
     cfg = load_config(None, [f"data.tokenizer_path={tmp_path}", "model.im_patch_id=7"])
     with pytest.raises(ConfigError, match="placeholder piece has id 4"):
         check_tokenizer(build_tokenizer(cfg), cfg.model)
+
+
+def test_a_rank_left_without_rows_gets_an_unlabelled_copy(tiny_cfg):
+    tok = build_tokenizer(tiny_cfg)
+    train, _ = build_datasets(tiny_cfg)
+    rows = list(itertools.islice(iter(RowStream(train, tok, tiny_cfg, Counter(), shuffle=True)), 5))
+    shares = [list(rank_batches(rows, 4, rank, 2, drop_last=False)) for rank in (0, 1)]
+    assert [len(b) for b in shares[0]] == [2, 1] and [len(b) for b in shares[1]] == [2, 1]
+    assert shares[0][1][0] is rows[4]
+    blank = shares[1][1][0]
+    np.testing.assert_array_equal(blank.input_ids, rows[4].input_ids)
+    assert (blank.labels == IGNORE).all() and not blank.scored.any()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import paddle
 from ..model.ernie_vl import Batch
 from . import synthetic
 from .jsonl import JsonlDataset
-from .packing import BadSample, Encoder, Row, pack
+from .packing import IGNORE, BadSample, Encoder, Row, pack
 from .tokenizer import ByteTokenizer, SentencePieceTokenizer, WordTokenizer
 
 
@@ -79,7 +80,12 @@ class RowStream:
 
 
 def rank_batches(rows, global_rows: int, rank: int, world: int, drop_last: bool = True):
-    """Cut the row stream into global batches of ``global_rows`` and yield this rank's contiguous share."""
+    """Cut the row stream into global batches of ``global_rows`` and yield this rank's contiguous share.
+
+    A short last batch (``drop_last=False``) that leaves a rank without rows gives it a copy of the batch's
+    first row with no labels: every rank runs the same number of forwards, which expert-parallel ranks need
+    (they exchange tokens in every MoE layer), and the copy adds nothing to losses or accuracies.
+    """
     per_rank = global_rows // world
     batch: list[Row] = []
     for row in rows:
@@ -89,7 +95,9 @@ def rank_batches(rows, global_rows: int, rank: int, world: int, drop_last: bool 
             batch = []
     if batch and not drop_last:
         share = -(-len(batch) // world)
-        yield batch[rank * share: (rank + 1) * share]
+        mine = batch[rank * share: (rank + 1) * share]
+        yield mine or [dataclasses.replace(batch[0], labels=np.full_like(batch[0].labels, IGNORE),
+                                           scored=np.zeros_like(batch[0].scored))]
 
 
 def collate(rows: list[Row]) -> Batch:

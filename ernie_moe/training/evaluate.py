@@ -19,8 +19,6 @@ def evaluate(model, batches, env, max_batches: int = 0) -> dict:
     for i, rows in enumerate(batches):
         if max_batches and i >= max_batches:
             break
-        if not rows:
-            continue
         batch = collate(rows)
         out = model(batch, return_logits=True)
         has_label = batch.labels != -100
