@@ -157,4 +157,4 @@ def _check_parallel(cfg: Config) -> None:
                  f"parallel.expert_parallel_degree ({ep}).")
     _require(not p.sharding and not p.sequence_parallel,
              "parallel.sharding and parallel.sequence_parallel need sharding / tensor parallel ranks; this release "
-             "runs data parallel only.")
+             "runs data and expert parallelism only.")

@@ -70,7 +70,7 @@ class FlopsCounter:
 
 def measured_matmul_peak(n: int = 1024, repeats: int = 10) -> float:
     """FLOP/s of a large float32 matmul on this device, the CPU's stand-in for a datasheet peak."""
-    a, b = paddle.randn([n, n]), paddle.randn([n, n])
+    a = b = paddle.full([n, n], 0.5)  # no random draw: it runs on rank 0 only and must not shift its stream
     paddle.matmul(a, b).numpy()
     start = time.perf_counter()
     for _ in range(repeats):
