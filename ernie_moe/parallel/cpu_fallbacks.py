@@ -2,15 +2,20 @@
 
 - ProcessGroupGloo has no all-to-all; this one all-gathers every rank's padded send buffer and keeps the
   slices addressed to this rank: correct, world-size times the traffic.
-- Group creation with four or more gloo ranks races; it is serialised.
+- gloo groups share rendezvous keys in the global store; each group gets a store of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
+import socket
 
 import paddle
 import paddle.distributed as dist
+from paddle.base import core
+from paddle.distributed import collective
 
 
 def all_to_all_single(x: paddle.Tensor, in_splits: list[int], out_splits: list[int], group) -> paddle.Tensor:
@@ -34,22 +39,49 @@ def all_to_all_single(x: paddle.Tensor, in_splits: list[int], out_splits: list[i
 
 
 @contextlib.contextmanager
-def serialized_group_creation():
-    """Create process groups one at a time.
+def private_group_rendezvous():
+    """Give every new gloo group its own rendezvous store.
 
-    With four or more gloo ranks, concurrent rendezvous of disjoint groups of the same kind (the data
-    groups [0, 2] and [1, 3], say) pair up members of different groups and fail or hang. A barrier before
-    each ``new_group`` (every rank creates every group, in the same order) serialises them; fleet's
-    topology calls ``paddle.distributed.new_group`` too, so the wrapper is installed for the duration.
+    ``ProcessGroupGloo`` connects its members through the global TCP store under keys that are just the
+    group rank ("0", "1", ...), the same keys for every group. A member can then read the address a rank
+    of an earlier group published and connect to the wrong peer ("Connection refused", a gloo TIMEOUT or
+    "136 vs 45" address-size errors, mostly with four or more ranks). Here each group's lowest rank opens
+    a fresh store, announces it under a key unique to that group, and the group's rendezvous runs there.
+    fleet's topology calls ``paddle.distributed.new_group`` too, so the wrapper is installed for the duration.
     """
     original = dist.new_group
+    stores = []  # the group stores live as long as the process
+    counter = itertools.count()
 
-    def one_at_a_time(*args, **kwargs):
-        dist.barrier()
-        return original(*args, **kwargs)
+    def with_own_store(ranks=None, *args, **kwargs):
+        number = next(counter)  # every rank creates every group in the same order
+        members = sorted(ranks) if ranks is not None else list(range(dist.get_world_size()))
+        if len(members) < 2 or dist.get_rank() not in members:
+            return original(ranks, *args, **kwargs)
+        store = _group_store(number, members)
+        stores.append(store)
+        global_store = collective._default_store
+        collective._default_store = store
+        try:
+            return original(ranks, *args, **kwargs)
+        finally:
+            collective._default_store = global_store
 
-    dist.new_group = one_at_a_time
+    dist.new_group = with_own_store
     try:
         yield
     finally:
         dist.new_group = original
+
+
+def _group_store(number: int, members: list[int]):
+    key = f"ernie_moe/group_store/{number}"
+    is_master = dist.get_rank() == members[0]
+    if is_master:
+        host = os.environ.get("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").split(":")[0]
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        collective._default_store.set(key, f"{host}:{port}".encode())
+    host, port = collective._default_store.get(key).decode().split(":")
+    return core.TCPStore(host, int(port), is_master, len(members))

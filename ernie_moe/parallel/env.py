@@ -68,7 +68,7 @@ def init_distributed(parallel_cfg) -> DistEnv:
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": world, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1}
     on_cpu = paddle.device.get_device() == "cpu"  # the launcher then uses gloo
-    with cpu_fallbacks.serialized_group_creation() if on_cpu else contextlib.nullcontext():
+    with cpu_fallbacks.private_group_rendezvous() if on_cpu else contextlib.nullcontext():
         fleet.init(is_collective=True, strategy=strategy)
         env = DistEnv(rank=dist.get_rank(), world_size=world, hcg=fleet.get_hybrid_communicate_group())
         ep = parallel_cfg.expert_parallel_degree
