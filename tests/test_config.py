@@ -40,9 +40,12 @@ def test_overrides_follow_yaml_types():
     ("model.pixel_hidden_size=48", ["pixel_hidden_size (48)", "embed_dim (32)"]),
     ("data.image_size=50", ["data.image_size (50)", "multiple of"]),
     ("training.min_lr=1.0", ["min_lr"]),
-    ("parallel.tensor_parallel_degree=2", ["tensor_parallel_degree = 2", "data and expert parallelism only"]),
+    ("parallel.tensor_parallel_degree=3", ["num_attention_heads (4)", "divisible by parallel.tensor_parallel_degree"]),
     ("parallel.expert_parallel_degree=3", ["moe_num_experts [4, 4]", "divisible by parallel.expert_parallel_degree"]),
-    ("parallel.moe_group=mp", ["moe_group 'mp'"]),
+    ("parallel.sequence_parallel=true", ["sequence_parallel", "tensor_parallel_degree > 1"]),
+    ("parallel.pipeline_parallel_degree=2", ["pipeline parallelism is not available"]),
+    ("parallel.sharding_parallel_degree=2", ["sharding_parallel_degree (2)", "go together"]),
+    ("parallel.sharding=stage1", ["sharding ('stage1')", "go together"]),
     ("training.max_steps", ["section.key=value"]),
 ])
 def test_bad_values_name_the_key(override, words):
@@ -87,10 +90,29 @@ def test_cli_reports_config_errors_without_traceback(tmp_path):
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
 
 
-def test_expert_degree_must_divide_the_processes():
-    from ernie_moe.parallel.env import check_layout
+def test_layouts_must_fit_the_processes():
+    from ernie_moe.parallel.env import check_layout, data_degree
 
     cfg = load_config(None, ["parallel.expert_parallel_degree=2"])
     check_layout(cfg.parallel, 4)
-    with pytest.raises(ConfigError, match=r"expert_parallel_degree \(2\) must divide the number of processes \(3\)"):
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree \(2\) must divide the data x sharding ranks \(3"):
         check_layout(cfg.parallel, 3)
+    cfg = load_config(None, ["parallel.tensor_parallel_degree=2", "parallel.sharding_parallel_degree=2",
+                             "parallel.sharding=stage1"])
+    assert data_degree(cfg.parallel, 8) == 2
+    with pytest.raises(ConfigError, match=r"6 processes cannot hold tensor x pipeline x sharding = 2 x 1 x 2 = 4"):
+        check_layout(cfg.parallel, 6)
+    cfg = load_config(None, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage2"])
+    with pytest.raises(ConfigError, match="stage2.*needs GPUs"):
+        check_layout(cfg.parallel, 2)
+
+
+def test_moe_group_mp_rules():
+    with pytest.raises(ConfigError, match="moe_group 'mp' spreads experts over the 2 tensor-parallel ranks"):
+        load_config(None, ["parallel.tensor_parallel_degree=2", "parallel.moe_group=mp",
+                           "parallel.expert_parallel_degree=4"])
+    with pytest.raises(ConfigError, match="sequence_parallel with moe_group 'ep'"):
+        load_config(None, ["parallel.tensor_parallel_degree=2", "parallel.sequence_parallel=true"])
+    cfg = load_config(None, ["parallel.tensor_parallel_degree=2", "parallel.sequence_parallel=true",
+                             "parallel.moe_group=mp"])
+    assert cfg.parallel.sequence_parallel

@@ -63,7 +63,7 @@ def test_launched_run_writes_metrics_visualdl_and_model(tmp_path):
     assert tensors["vision_model.patch_embed.proj.weight"].shape == (588, 32)
 
 
-def test_two_data_parallel_ranks_match_one_process(tmp_path):
+def test_two_data_parallel_ranks_match_one_process_and_log_per_rank(tmp_path):
     """Same seed, same global batch: dp2 reproduces the single-process losses and final weights."""
     # adam_epsilon 1e-6: Adam's first steps turn float noise in near-zero gradients into full-size updates.
     common = ["training.max_steps=4", "logging.logging_steps=1", "training.eval_steps=0", "training.adam_epsilon=1e-6",
@@ -92,35 +92,6 @@ def load_model(model_dir):
         tensors.update(load_file(str(model_dir / shard)))
     assert set(tensors) == set(index["weight_map"])
     return tensors
-
-
-# Four gloo ranks are left out: creating fleet's 4-rank data-parallel group times out in about one run in three
-# on a 2-core machine (a gloo rendezvous failure before training starts), which would make CI flaky.
-@pytest.mark.parametrize("nproc, ep", [(2, 2)])
-def test_expert_parallel_matches_one_process(tmp_path, nproc, ep):
-    """ep2 against one process with the same seed and global batch: same losses, same final weights."""
-    common = ["training.max_steps=3", "logging.logging_steps=1", "training.eval_steps=0", "training.adam_epsilon=1e-6",
-              "model.moe_aux_loss_lambda=0", "model.moe_z_loss_lambda=0", "model.moe_orthogonal_loss_lambda=0",
-              "data.num_eval_samples=7", "training.per_device_eval_batch_size=1"]  # 7 samples pack into 3 rows
-    one, _ = launch(tmp_path, 1, *common, "training.per_device_train_batch_size=4", name="one")
-    # two accumulated micro-batches per step: the same 4 rows per step as the single process
-    many, _ = launch(tmp_path, nproc, *common, f"training.per_device_train_batch_size={2 // nproc}",
-                     "training.gradient_accumulation_steps=2", f"parallel.expert_parallel_degree={ep}", name="many")
-    train = [[r for r in records(out) if "loss" in r] for out in (one, many)]
-    np.testing.assert_allclose([r["loss"] for r in train[1]], [r["loss"] for r in train[0]], rtol=1e-5)
-    np.testing.assert_allclose([r["grad_norm"] for r in train[1]], [r["grad_norm"] for r in train[0]], rtol=1e-4)
-    assert [r["moe/layer1_vision/routed_tokens"] for r in train[1]] == \
-        [r["moe/layer1_vision/routed_tokens"] for r in train[0]]
-    # the odd last evaluation row leaves rank 1 idle: it runs an unlabelled copy instead of hanging the all-to-all
-    evals = [[r for r in records(out) if "eval_loss" in r][-1] for out in (one, many)]
-    np.testing.assert_allclose(evals[1]["eval_loss"], evals[0]["eval_loss"], rtol=1e-5)
-    assert evals[1]["eval_caption_accuracy"] == evals[0]["eval_caption_accuracy"]
-    a, b = load_model(one / "final_model"), load_model(many / "final_model")
-    assert set(a) == set(b)
-    assert len(set(json.loads((many / "final_model" / "model.safetensors.index.json").read_text())
-                   ["weight_map"].values())) == ep
-    for name in a:
-        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("blank", [False, True])

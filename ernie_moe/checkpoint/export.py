@@ -10,6 +10,8 @@ import numpy as np
 import paddle.distributed as dist
 from safetensors.numpy import save_file
 
+from ..parallel.tensor_parallel import full_tensor
+
 
 def model_config_dict(model_cfg) -> dict:
     """ERNIE 4.5 VL config.json keys."""
@@ -22,14 +24,17 @@ def model_config_dict(model_cfg) -> dict:
     return data
 
 
-def stable_state(model) -> dict:
-    """The state dict under stable names: routed experts carry their global ids, wherever they live."""
+def stable_state(model, tp_group=None) -> dict:
+    """The state dict under stable names and in full: routed experts carry their global ids, wherever they
+    live, and tensor-parallel slices are gathered (a collective over ``tp_group``)."""
     renames = {}
     for moe in model.moe_layers():
         prefix = f"model.layers.{moe.layer_idx}.mlp.experts."
         renames.update({f"{prefix}{local}.": f"{prefix}{j}." for local, j in enumerate(moe.experts.global_ids)})
+    params = dict(model.named_parameters())
     state = {}
     for name, tensor in model.state_dict().items():
+        tensor = full_tensor(params.get(name, tensor), tp_group)
         if ".mlp.experts." in name:
             head, _, tail = name.partition(".mlp.experts.")
             local, _, rest = tail.partition(".")
@@ -39,31 +44,33 @@ def stable_state(model) -> dict:
 
 
 def save_model(model, model_cfg, directory: str, tokenizer=None, env=None) -> Path:
-    """Write every parameter (Paddle layout, [in, out] linears) under its stable name.
+    """Write every parameter in full (Paddle layout, [in, out] linears) under its stable name.
 
-    Called on every rank. Without expert groups rank 0 writes one shard; with them, rank r of the first
-    expert group writes shard r + 1 with the experts it holds, rank 0 adding every shared parameter.
+    Called on every rank. Rank r of the expert group that holds rank 0 writes shard r + 1 with its experts,
+    rank 0 adding every shared parameter; without expert groups rank 0 writes one shard.
     """
     out = Path(directory)
-    ep_group = getattr(env, "ep_group", None)
     rank = env.rank if env else 0
-    writers = ep_group.nranks if ep_group is not None else 1
+    group = env.expert_group if env else None
+    writers = group.nranks if group is not None else 1
+    writer = group.rank if group is not None and 0 in group.ranks else (0 if rank == 0 else None)
+    state = stable_state(model, env.tp_group if env else None)
     parts = {}
-    if rank < writers:
-        for name, tensor in stable_state(model).items():
+    if writer is not None:
+        for name, tensor in state.items():
             if rank == 0 or ".mlp.experts." in name:
                 parts[name] = np.ascontiguousarray(tensor.numpy())
         out.mkdir(parents=True, exist_ok=True)
-        filename = f"model-{rank + 1:05d}-of-{writers:05d}.safetensors"
+        filename = f"model-{writer + 1:05d}-of-{writers:05d}.safetensors"
         save_file(parts, str(out / filename), metadata={"format": "pd"})
-    listing = [(rank, sorted(parts), sum(a.nbytes for a in parts.values()))]
+    listing = [(writer, sorted(parts), sum(a.nbytes for a in parts.values()))]
     if env is not None and env.world_size > 1:
         gathered: list = []
         dist.all_gather_object(gathered, listing[0])
         listing = gathered
     if rank == 0:
-        weight_map = {name: f"model-{r + 1:05d}-of-{writers:05d}.safetensors"
-                      for r, names, _ in listing if r < writers for name in names}
+        weight_map = {name: f"model-{w + 1:05d}-of-{writers:05d}.safetensors"
+                      for w, names, _ in listing if w is not None for name in names}
         index = {"metadata": {"total_size": sum(size for _, _, size in listing)}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (out / "config.json").write_text(json.dumps(model_config_dict(model_cfg), indent=2))

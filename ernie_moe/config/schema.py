@@ -142,16 +142,19 @@ class TrainingConfig:
 
 @dataclass
 class ParallelConfig:
-    # Every launched process is a data-parallel rank; expert groups are carved out of them. The other
-    # degrees must stay 1 in this release.
-    tensor_parallel_degree: int = opt(1, "tensor-parallel ranks (must be 1 in this release)")
+    # The data-parallel degree is what the other degrees leave of the launched processes:
+    # world = data x sharding x tensor x pipeline. Expert groups come out of the data x sharding ranks
+    # (moe_group 'ep') or are the tensor-parallel ranks (moe_group 'mp').
+    tensor_parallel_degree: int = opt(1, "tensor-parallel ranks: attention heads, MLP width and vocabulary are split")
     pipeline_parallel_degree: int = opt(1, "pipeline stages (must be 1 in this release)")
     virtual_pp_degree: int = opt(1, "interleaved stages per pipeline rank (must be 1 in this release)")
-    sharding_parallel_degree: int = opt(1, "optimizer-sharding ranks (must be 1 in this release)")
-    sharding: str = choice("", "", "stage1", "stage2", doc="sharding stage (must be empty in this release)")
-    expert_parallel_degree: int = opt(1, "ranks each modality's experts are split over (divides the process count)")
-    moe_group: str = choice("ep", "ep", "mp", doc="where expert ranks come from ('ep' in this release)")
-    sequence_parallel: bool = opt(False, "split activations along the sequence (must be false in this release)")
+    sharding_parallel_degree: int = opt(1, "ranks the optimizer states are split over (ZeRO); needs 'sharding'")
+    sharding: str = choice("", "", "stage1", "stage2",
+                           doc="sharding stage: stage1 splits optimizer states; stage2 also gradients (GPU only)")
+    expert_parallel_degree: int = opt(1, "ranks each modality's experts are split over, with moe_group 'ep'")
+    moe_group: str = choice("ep", "ep", "mp", doc="expert ranks: 'ep' from the data x sharding ranks, "
+                                                  "'mp' the tensor-parallel ranks (experts not split)")
+    sequence_parallel: bool = opt(False, "split activations along the sequence between tensor-parallel regions")
 
 
 @dataclass

@@ -131,7 +131,8 @@ def _check_training(cfg: Config) -> None:
 
 
 def _check_parallel(cfg: Config) -> None:
-    p = cfg.parallel
+    """Layout rules that need no process count; ``parallel.env.check_layout`` adds the world-size ones."""
+    p, m = cfg.parallel, cfg.model
     degrees = {
         "tensor_parallel_degree": p.tensor_parallel_degree,
         "pipeline_parallel_degree": p.pipeline_parallel_degree,
@@ -141,20 +142,44 @@ def _check_parallel(cfg: Config) -> None:
     }
     for name, value in degrees.items():
         _require(value >= 1, f"parallel.{name} must be at least 1, got {value}.")
-    # This release runs data and expert parallelism; the other degrees are accepted as 1 so configs stay portable.
-    for name, value in degrees.items():
-        _require(value == 1 or name == "expert_parallel_degree",
-                 f"parallel.{name} = {value}: this release runs data and expert parallelism only (every launched "
-                 f"process is a data-parallel rank); set it to 1.")
-    _require(p.moe_group == "ep",
-             "parallel.moe_group 'mp' spreads experts over tensor-parallel ranks, which this release does not run; "
-             "use 'ep' (expert groups carved out of the data-parallel ranks).")
+    _require(p.pipeline_parallel_degree == 1 and p.virtual_pp_degree == 1,
+             "parallel.pipeline_parallel_degree / virtual_pp_degree: pipeline parallelism is not available in "
+             "this release; set both to 1 and use tensor, sharding, expert or data parallelism.")
+    tp = p.tensor_parallel_degree
+    if tp > 1:
+        for name, value in (("num_attention_heads", m.num_attention_heads),
+                            ("num_key_value_heads", m.num_key_value_heads), ("vocab_size", m.vocab_size),
+                            ("intermediate_size", m.intermediate_size)):
+            _require(value % tp == 0, f"model.{name} ({value}) must be divisible by "
+                                      f"parallel.tensor_parallel_degree ({tp}): it is split over those ranks.")
+        shared = m.moe_intermediate_size[0] * m.moe_num_shared_experts
+        _require(shared % tp == 0, f"the shared experts' width ({shared} = moe_intermediate_size[0] x "
+                                   f"moe_num_shared_experts) must be divisible by parallel.tensor_parallel_degree "
+                                   f"({tp}).")
+    _require(not p.sequence_parallel or tp > 1,
+             "parallel.sequence_parallel splits activations over tensor-parallel ranks; it needs "
+             "parallel.tensor_parallel_degree > 1 (or set it to false).")
+    if p.sequence_parallel:
+        _require(cfg.data.max_seq_len % tp == 0,
+                 f"data.max_seq_len ({cfg.data.max_seq_len}) must be divisible by parallel.tensor_parallel_degree "
+                 f"({tp}) with sequence_parallel: each rank keeps an equal piece of the sequence.")
+        _require(p.moe_group == "mp" or not m.moe_num_experts,
+                 "parallel.sequence_parallel with moe_group 'ep' is not supported; use moe_group 'mp' (experts "
+                 "spread over the tensor-parallel ranks).")
+    _require((p.sharding_parallel_degree > 1) == bool(p.sharding),
+             f"parallel.sharding_parallel_degree ({p.sharding_parallel_degree}) and parallel.sharding "
+             f"('{p.sharding}') go together: set sharding to stage1 or stage2 with a degree above 1, or leave "
+             "sharding empty with degree 1.")
+    counts = m.moe_num_experts
+    if p.moe_group == "mp":
+        _require(p.expert_parallel_degree in (1, tp),
+                 f"parallel.moe_group 'mp' spreads experts over the {tp} tensor-parallel ranks; leave "
+                 f"parallel.expert_parallel_degree at 1 (or {tp}), got {p.expert_parallel_degree}.")
+        _require(all(n % tp == 0 for n in counts),
+                 f"model.moe_num_experts {counts}: with moe_group 'mp' every modality's expert count must be "
+                 f"divisible by parallel.tensor_parallel_degree ({tp}).")
     ep = p.expert_parallel_degree
-    if ep > 1:
-        counts = cfg.model.moe_num_experts
+    if ep > 1 and p.moe_group == "ep":
         _require(all(n % ep == 0 for n in counts),
                  f"model.moe_num_experts {counts}: every modality's expert count must be divisible by "
                  f"parallel.expert_parallel_degree ({ep}).")
-    _require(not p.sharding and not p.sequence_parallel,
-             "parallel.sharding and parallel.sequence_parallel need sharding / tensor parallel ranks; this release "
-             "runs data and expert parallelism only.")

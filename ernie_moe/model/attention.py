@@ -42,12 +42,15 @@ class Attention(nn.Layer):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = plan.column_linear(cfg.hidden_size, qkv_out)
+        # Fused q/k/v: under tensor parallelism each rank keeps whole heads of each of the three.
+        self.qkv_proj = plan.column_linear(cfg.hidden_size, qkv_out, segments=[
+            self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim])
         self.o_proj = plan.row_linear(self.num_heads * self.head_dim, cfg.hidden_size)
 
     def forward(self, x, angles, allowed):
-        batch, seq = x.shape[0], x.shape[1]
-        qkv = self.qkv_proj(x).reshape([batch, seq, -1, self.head_dim])
+        qkv = self.qkv_proj(x)  # the whole sequence, also when x is a sequence-parallel piece
+        batch, seq = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.reshape([batch, seq, -1, self.head_dim])
         heads = qkv.shape[2]
         q_heads = heads * self.num_heads // (self.num_heads + 2 * self.num_kv_heads)
         kv_heads = (heads - q_heads) // 2

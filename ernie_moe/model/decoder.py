@@ -7,27 +7,30 @@ from paddle import nn
 
 from ..moe.layer import MoELayer
 from .attention import Attention
-from .layers import RMSNorm, SwiGLUMLP
+from .layers import SwiGLUMLP
 
 
 class DecoderLayer(nn.Layer):
     def __init__(self, plan, cfg, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.plan = plan
+        self.input_layernorm = plan.norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(plan, cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = plan.norm(cfg.hidden_size, cfg.rms_norm_eps)
         modalities = cfg.moe_modalities_at(layer_idx)
         self.is_moe = bool(modalities)
-        self.mlp = MoELayer(plan, cfg, modalities, layer_idx) if self.is_moe else SwiGLUMLP(plan, cfg.hidden_size,
-                                                                                   cfg.intermediate_size)
+        # The MoE block routes whole sequences: under sequence parallelism it gathers them first.
+        self.mlp = (MoELayer(plan.full_sequence(), cfg, modalities, layer_idx) if self.is_moe
+                    else SwiGLUMLP(plan, cfg.hidden_size, cfg.intermediate_size))
 
     def forward(self, x, token_type_ids, angles, allowed) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Returns the new hidden state and this layer's weighted router loss (0 for a dense layer)."""
         x = x + self.self_attn(self.input_layernorm(x), angles, allowed)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
-            out, router_loss = self.mlp(h, token_type_ids)
+            out, router_loss = self.mlp(self.plan.gather_sequence(h), token_type_ids)
+            out = self.plan.split_sequence(out)
         else:
             out, router_loss = self.mlp(h), paddle.zeros([], dtype="float32")
         return x + out, router_loss

@@ -17,7 +17,6 @@ from paddle import nn
 from ..parallel.plan import SingleDevicePlan
 from .attention import causal_document_mask
 from .decoder import DecoderLayer
-from .layers import RMSNorm
 from .rope import rope_angles
 from .vision import Adapter, VisionTransformer
 
@@ -50,14 +49,15 @@ class ErnieVLModel(nn.Layer):
         self.cfg = cfg
         self.embed_tokens = plan.embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.LayerList([DecoderLayer(plan, cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.plan = plan
+        self.norm = plan.norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.resampler_model = Adapter(cfg)
 
     def forward(self, embeddings, batch: Batch):
         t_slots = self.cfg.freq_allocation if self.cfg.rope_3d else None
         angles = rope_angles(batch.position_ids, self.cfg.head_dim, self.cfg.rope_theta, t_slots)
         allowed = causal_document_mask(batch.doc_ids)
-        x, router_loss = embeddings, paddle.zeros([], dtype="float32")
+        x, router_loss = self.plan.split_sequence(embeddings), paddle.zeros([], dtype="float32")
         for layer in self.layers:
             x, layer_loss = layer(x, batch.token_type_ids, angles, allowed)
             router_loss = router_loss + layer_loss
@@ -104,7 +104,7 @@ class ErnieMoEForConditionalGeneration(nn.Layer):
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         if self.cfg.tie_word_embeddings:
-            return paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
+            return self.plan.tied_head(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)
 
     def forward(self, batch: Batch, return_logits: bool = False) -> ModelOutput:

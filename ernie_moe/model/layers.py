@@ -27,7 +27,8 @@ class SwiGLUMLP(nn.Layer):
     def __init__(self, plan, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.up_gate_proj = plan.column_linear(hidden_size, 2 * intermediate_size)
+        self.up_gate_proj = plan.column_linear(hidden_size, 2 * intermediate_size,
+                                               segments=[intermediate_size, intermediate_size])
         self.down_proj = plan.row_linear(intermediate_size, hidden_size)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:

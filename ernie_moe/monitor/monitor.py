@@ -49,7 +49,7 @@ class TrainingMonitor:
             "step_time_s": window["time"] / steps,
         }
         for moe in self.model.moe_layers():
-            moe.stats.all_reduce(self.env.all_reduce_sum)
+            moe.stats.all_reduce(lambda t: self.env.all_reduce_sum(t, self.env.data_group))
         scalars, histograms, images = summarize(self.model.moe_layers())
         metrics.update(scalars)
         if self.enabled:

@@ -33,3 +33,122 @@ class AllToAll(PyLayer):
 
 def all_to_all(x: paddle.Tensor, in_splits: list[int], out_splits: list[int], group) -> paddle.Tensor:
     return AllToAll.apply(x, in_splits, out_splits, group)
+
+
+# ---------------------------------------------------------------- tensor-parallel regions (Megatron's f and g)
+def _all_reduce(x: paddle.Tensor, group) -> paddle.Tensor:
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather(x: paddle.Tensor, axis: int, group) -> paddle.Tensor:
+    parts: list[paddle.Tensor] = []
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return paddle.concat(parts, axis=axis)
+
+
+def _own_chunk(x: paddle.Tensor, axis: int, group) -> paddle.Tensor:
+    return paddle.split(x, group.nranks, axis=axis)[group.rank].contiguous()
+
+
+def _reduce_scatter(x: paddle.Tensor, axis: int, group) -> paddle.Tensor:
+    if dist.get_backend(group) == "GLOO":
+        return cpu_fallbacks.reduce_scatter(x, axis, group)
+    chunks = [c.contiguous() for c in paddle.split(x, group.nranks, axis=axis)]
+    out = paddle.empty_like(chunks[group.rank])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
+class CopyToGroup(PyLayer):
+    """Identity forward; backward sums the gradients of the ranks (the input of a column-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group)
+
+
+class ReduceFromGroup(PyLayer):
+    """Sum over the ranks forward (the output of a row-parallel layer); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone()
+
+
+class GatherAlong(PyLayer):
+    """Concatenate the ranks' pieces along ``axis``. Backward: ``reduce_grad`` sums the ranks' gradients
+    and keeps this rank's piece (the consumer is split over the ranks); otherwise each rank already holds
+    the whole gradient and keeps its piece."""
+
+    @staticmethod
+    def forward(ctx, x, axis, group, reduce_grad):
+        ctx.args = (axis, group, reduce_grad)
+        return _all_gather(x, axis, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        axis, group, reduce_grad = ctx.args
+        return _reduce_scatter(grad, axis, group) if reduce_grad else _own_chunk(grad, axis, group)
+
+
+class SplitAlong(PyLayer):
+    """Keep this rank's piece along ``axis``; backward gathers the pieces."""
+
+    @staticmethod
+    def forward(ctx, x, axis, group):
+        ctx.args = (axis, group)
+        return _own_chunk(x, axis, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        axis, group = ctx.args
+        return _all_gather(grad, axis, group)
+
+
+class ReduceScatterAlong(PyLayer):
+    """Sum over the ranks and keep this rank's piece along ``axis``; backward gathers the pieces."""
+
+    @staticmethod
+    def forward(ctx, x, axis, group):
+        ctx.args = (axis, group)
+        return _reduce_scatter(x, axis, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        axis, group = ctx.args
+        return _all_gather(grad, axis, group)
+
+
+class GatherRows(PyLayer):
+    """Concatenate the ranks' row blocks of different lengths (``sizes[r]`` rows from rank r).
+
+    Every rank consumes the whole result identically, so backward keeps this rank's block of the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.args = (sizes, group)
+        longest = max(max(sizes), 1)
+        padded = paddle.zeros([longest] + x.shape[1:], dtype=x.dtype)
+        if x.shape[0]:
+            padded[: x.shape[0]] = x
+        parts: list[paddle.Tensor] = []
+        dist.all_gather(parts, padded, group=group)
+        return paddle.concat([p[:n] for p, n in zip(parts, sizes)], axis=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sizes, group = ctx.args
+        start = sum(sizes[: group.rank])
+        return grad[start: start + sizes[group.rank]].clone()

@@ -1,5 +1,6 @@
 """What the gloo (CPU) backend lacks, built from what it has. Used only on gloo, never on the GPU path.
 
+- ProcessGroupGloo has no reduce-scatter; it is an all-reduce followed by a slice.
 - ProcessGroupGloo has no all-to-all; this one all-gathers every rank's padded send buffer and keeps the
   slices addressed to this rank: correct, world-size times the traffic.
 - gloo groups share rendezvous keys in the global store; each group gets a store of its own.
@@ -36,6 +37,13 @@ def all_to_all_single(x: paddle.Tensor, in_splits: list[int], out_splits: list[i
         pieces.append(buffers[src][start: start + table[src][rank]])
     assert [p.shape[0] for p in pieces] == list(out_splits), "all-to-all sizes disagree between ranks"
     return paddle.concat(pieces, axis=0)
+
+
+def reduce_scatter(x: paddle.Tensor, axis: int, group) -> paddle.Tensor:
+    """Sum over ``group`` and keep this rank's equal piece along ``axis``: an all-reduce, then a slice."""
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return paddle.split(out, group.nranks, axis=axis)[group.rank].contiguous()
 
 
 @contextlib.contextmanager

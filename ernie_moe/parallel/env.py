@@ -1,5 +1,10 @@
-"""Process setup through fleet: every launched process is a data-parallel rank; expert groups are carved
-out of the data-parallel ranks when ``expert_parallel_degree`` > 1."""
+"""Process setup through fleet's hybrid topology.
+
+Ranks are laid out as fleet orders them, tensor-parallel ranks adjacent: ``rank = data_rank * tp + tp_rank``
+where ``data_rank = dp_rank * sharding + sharding_rank`` numbers the ranks that see different data. Expert
+groups are carved out of the data ranks that share a tensor-parallel rank (``moe_group: ep``) or are the
+tensor-parallel group itself (``moe_group: mp``).
+"""
 
 from __future__ import annotations
 
@@ -18,16 +23,35 @@ class DistEnv:
     rank: int = 0
     world_size: int = 1
     hcg: object = None  # fleet's HybridCommunicateGroup
-    ep_group: object = None  # ranks that split the experts between them
+    data_rank: int = 0  # which share of the global batch this rank reads
+    data_world: int = 1  # data-parallel x sharding ranks: shares of the global batch
+    data_group: object = None  # ranks with this rank's tensor-parallel place that read other data
+    tp_group: object = None  # tensor-parallel ranks (None without tensor parallelism)
+    sequence_parallel: bool = False
+    expert_group: object = None  # ranks that split the experts between them
     expert_replica_group: object = None  # ranks holding the same experts (None when there is one copy)
+    sharding: str = ""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_group.rank if self.tp_group is not None else 0
+
+    @property
+    def tp_world(self) -> int:
+        return self.tp_group.nranks if self.tp_group is not None else 1
+
+    @property
+    def pure_data_parallel(self) -> bool:
+        """Every rank holds the whole model and the plain optimizer: fleet's data-parallel wrapper applies."""
+        return self.tp_group is None and self.expert_group is None and not self.sharding
+
     def all_reduce_sum(self, tensor: paddle.Tensor, group=None) -> paddle.Tensor:
         """Sum over ranks (in place); a no-op on one process, where the global group does not exist."""
-        if self.world_size > 1:
+        if self.world_size > 1 and (group is None or group.nranks > 1):
             dist.all_reduce(tensor, group=group)
         return tensor
 
@@ -40,14 +64,35 @@ class DistEnv:
         return gathered
 
 
+def data_degree(parallel_cfg, world_size: int) -> int:
+    """Data-parallel ranks: what the other degrees leave of the processes. Raises ConfigError when they do not fit."""
+    from ..config import ConfigError
+
+    p = parallel_cfg
+    model_ranks = p.tensor_parallel_degree * p.pipeline_parallel_degree * p.sharding_parallel_degree
+    if world_size % model_ranks:
+        raise ConfigError(
+            f"{world_size} processes cannot hold tensor x pipeline x sharding = {p.tensor_parallel_degree} x "
+            f"{p.pipeline_parallel_degree} x {p.sharding_parallel_degree} = {model_ranks} ranks per data-parallel "
+            f"replica; launch a multiple of {model_ranks} processes or lower the degrees.")
+    dp = world_size // model_ranks
+    ep = p.expert_parallel_degree
+    if p.moe_group == "ep" and (dp * p.sharding_parallel_degree) % ep:
+        raise ConfigError(
+            f"parallel.expert_parallel_degree ({ep}) must divide the data x sharding ranks "
+            f"({dp} x {p.sharding_parallel_degree}): expert groups are carved out of them. Launch more processes "
+            "or lower the degree.")
+    return dp
+
+
 def check_layout(parallel_cfg, world_size: int) -> None:
     """Degrees that do not fit the launched processes; raises ConfigError before any group is built."""
     from ..config import ConfigError
 
-    ep = parallel_cfg.expert_parallel_degree
-    if world_size % ep:
-        raise ConfigError(f"parallel.expert_parallel_degree ({ep}) must divide the number of processes "
-                          f"({world_size}): expert groups are carved out of the data-parallel ranks.")
+    data_degree(parallel_cfg, world_size)
+    if parallel_cfg.sharding == "stage2" and paddle.device.get_device() == "cpu":
+        raise ConfigError("parallel.sharding 'stage2' runs through paddle's group_sharded_parallel, which needs "
+                          "GPUs (Paddle refuses the CPU); use 'stage1' here.")
 
 
 def new_groups(rank_lists: list[list[int]]):
@@ -61,28 +106,42 @@ def new_groups(rank_lists: list[list[int]]):
 
 
 def init_distributed(parallel_cfg) -> DistEnv:
+    p = parallel_cfg
     world = dist.get_world_size()
-    check_layout(parallel_cfg, world)
+    check_layout(p, world)
     if world == 1:
         return DistEnv()
+    dp, tp, sh = data_degree(p, world), p.tensor_parallel_degree, p.sharding_parallel_degree
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": world, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1}
+    strategy.hybrid_configs = {"dp_degree": dp, "mp_degree": tp, "pp_degree": 1, "sharding_degree": sh}
     on_cpu = paddle.device.get_device() == "cpu"  # the launcher then uses gloo
     with cpu_fallbacks.private_group_rendezvous() if on_cpu else contextlib.nullcontext():
         fleet.init(is_collective=True, strategy=strategy)
-        env = DistEnv(rank=dist.get_rank(), world_size=world, hcg=fleet.get_hybrid_communicate_group())
-        ep = parallel_cfg.expert_parallel_degree
-        if ep > 1:
-            env.ep_group = new_groups([list(range(s, s + ep)) for s in range(0, world, ep)])
-            if world > ep:
-                env.expert_replica_group = new_groups([list(range(i, world, ep)) for i in range(ep)])
+        hcg = fleet.get_hybrid_communicate_group()
+        rank = dist.get_rank()
+        env = DistEnv(rank=rank, world_size=world, hcg=hcg, data_world=dp * sh, sharding=p.sharding,
+                      data_rank=hcg.get_data_parallel_rank() * sh + hcg.get_sharding_parallel_rank())
+        assert rank == env.data_rank * tp + hcg.get_model_parallel_rank(), "unexpected fleet rank order"
+        data_ranks = [[d * tp + t for d in range(env.data_world)] for t in range(tp)]  # per tensor-parallel rank
+        env.data_group = new_groups(data_ranks)
+        if tp > 1:
+            env.tp_group = hcg.get_model_parallel_group()
+            env.sequence_parallel = p.sequence_parallel
+        if p.moe_group == "mp" and tp > 1:
+            env.expert_group = env.tp_group
+            env.expert_replica_group = env.data_group if env.data_world > 1 else None
+        elif p.expert_parallel_degree > 1:
+            ep = p.expert_parallel_degree
+            env.expert_group = new_groups([ranks[s: s + ep] for ranks in data_ranks
+                                           for s in range(0, len(ranks), ep)])
+            if env.data_world > ep:
+                env.expert_replica_group = new_groups([ranks[i::ep] for ranks in data_ranks for i in range(ep)])
+        elif env.data_world > 1:
+            env.expert_replica_group = env.data_group  # every data rank holds every expert
     return env
 
 
 def wrap_model(model, env: DistEnv):
-    """fleet's data-parallel wrapper, when gradients are plainly averaged over more than one rank.
-
-    With expert groups the trainer averages the shared parameters itself (fleet's fused all-reduce) and
-    leaves expert gradients to the expert groups; fleet refuses to wrap on one rank.
-    """
-    return fleet.distributed_model(model) if env.world_size > 1 and env.ep_group is None else model
+    """fleet's data-parallel wrapper for a pure data-parallel layout; other layouts synchronise gradients in
+    the trainer (see ``parallel.grad_sync``). fleet refuses to wrap on one rank."""
+    return fleet.distributed_model(model) if env.world_size > 1 and env.pure_data_parallel else model

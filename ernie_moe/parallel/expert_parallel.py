@@ -3,6 +3,11 @@
 Rank r of an expert group of size P holds, of every expert segment (text experts, then vision experts)
 of n experts, the experts ``[r * n / P, (r + 1) * n / P)``. Its local experts are ordered segment by
 segment, which is also the order of ERNIE's global numbering restricted to the rank.
+
+Two ways to reach them: ranks of an expert group carved from the data ranks see different tokens and
+exchange rows by all-to-all (``ExpertParallelDispatcher``); tensor-parallel ranks (``moe_group: mp``) see the
+same tokens, so each takes its experts' rows locally and the outputs are gathered
+(``TensorParallelExpertDispatcher``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import paddle
 import paddle.distributed as dist
 
 from ..moe.dispatcher import DispatchState, LocalDispatcher
-from .comm import all_to_all
+from .comm import CopyToGroup, GatherRows, all_to_all
 
 
 def local_expert_ids(counts: list[int], rank: int, size: int) -> list[int]:
@@ -83,5 +88,48 @@ class ExpertParallelDispatcher(LocalDispatcher):
             source_major = paddle.scatter(source_major, state.to_expert_major, out)
         back = all_to_all(source_major, state.recv_splits, state.send_splits, self.group)
         weighted = back * state.weights.unsqueeze(-1).astype(back.dtype)
+        zeros = paddle.zeros([num_rows, out.shape[-1]], dtype=out.dtype)
+        return paddle.index_add(zeros, state.token_index, 0, weighted)
+
+
+@dataclass
+class TensorParallelExpertState(DispatchState):
+    block_sizes: list[int] = None  # rows each rank's experts processed, in rank order
+
+
+class TensorParallelExpertDispatcher(LocalDispatcher):
+    """Experts spread over ranks that hold the same tokens: no all-to-all, one gather of the outputs.
+
+    Routing runs identically on every rank. Each rank picks the rows of its own experts; the expert
+    outputs are gathered so every rank combines all of them with the (replicated) routing weights, which
+    keeps the router's gradient complete on every rank.
+    """
+
+    def __init__(self, counts: list[int], group):
+        self.group = group
+        self.size, self.rank = group.nranks, group.rank
+        self.local = sum(counts) // self.size
+        self.position = paddle.to_tensor(rank_major_order(counts, self.size))
+
+    def dispatch(self, x, token_index, expert_ids, weights, num_experts, capacity):
+        flat_token, flat_weight, flat_expert, order, routed, kept = self.route(
+            token_index, expert_ids, weights, num_experts, capacity)
+        position = paddle.gather(self.position, paddle.gather(flat_expert, order))
+        regroup = paddle.argsort(position, stable=True)
+        order = paddle.gather(order, regroup)  # owner rank, then local expert
+        per_slot = paddle.bincount(paddle.gather(position, regroup), minlength=num_experts).numpy()
+        per_rank = per_slot.reshape(self.size, self.local)
+        rows = paddle.gather(flat_token, order)
+        start = int(per_rank[: self.rank].sum())
+        mine = rows[start: start + int(per_rank[self.rank].sum())]
+        # Only this rank's experts use these rows: their input gradient is summed over the ranks.
+        inputs = paddle.gather(CopyToGroup.apply(x, self.group), mine)
+        state = TensorParallelExpertState(rows, paddle.gather(flat_weight, order), routed, kept,
+                                          per_rank.sum(axis=1).tolist())
+        return paddle.split(inputs, per_rank[self.rank].tolist(), axis=0), state
+
+    def combine(self, expert_outputs, state: TensorParallelExpertState, num_rows: int):
+        out = GatherRows.apply(paddle.concat(expert_outputs, axis=0), state.block_sizes, self.group)
+        weighted = out * state.weights.unsqueeze(-1).astype(out.dtype)
         zeros = paddle.zeros([num_rows, out.shape[-1]], dtype=out.dtype)
         return paddle.index_add(zeros, state.token_index, 0, weighted)

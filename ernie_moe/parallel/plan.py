@@ -1,8 +1,9 @@
-"""The one place that decides which linear, embedding and expert-dispatch classes the model uses.
+"""The one place that decides which linear, embedding, norm, loss and expert-dispatch pieces the model uses.
 
 The model asks a plan for its parallelisable pieces and never checks how many processes exist.
-``SingleDevicePlan`` hands out the plain Paddle layers and keeps every expert local;
-``ExpertParallelPlan`` keeps a share of the experts and an all-to-all dispatcher.
+``SingleDevicePlan`` hands out the plain Paddle layers and keeps every expert local; ``ParallelPlan`` hands
+out tensor-parallel layers (optionally sequence-parallel) and keeps a share of the experts, reached by
+all-to-all over an expert group (``moe_group: ep``) or gathered over the tensor-parallel ranks (``mp``).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import copy
 import paddle
 from paddle import nn
 
+from ..model.layers import RMSNorm
 from ..moe.dispatcher import LocalDispatcher
-from .expert_parallel import ExpertParallelDispatcher, local_expert_ids
+from . import tensor_parallel as tp
+from .comm import GatherAlong, SplitAlong
+from .expert_parallel import ExpertParallelDispatcher, TensorParallelExpertDispatcher, local_expert_ids
 
 
 class SingleDevicePlan:
@@ -26,22 +30,44 @@ class SingleDevicePlan:
             return paddle.ParamAttr(initializer=nn.initializer.Constant(0.0))
         return paddle.ParamAttr(initializer=nn.initializer.Normal(std=self.std))
 
-    def deferred(self):
-        """The same plan, but its weights start at 0 without drawing random numbers (the caller fills them)."""
-        plan = copy.copy(self)
+    def deferred(self) -> SingleDevicePlan:
+        """Plain local layers whose weights start at 0 without drawing random numbers (the caller fills them)."""
+        plan = SingleDevicePlan(self.std)
         plan.deferred_init = True
         return plan
+
+    def full_sequence(self) -> SingleDevicePlan:
+        """The plan for a block that sees the whole sequence (the MoE block under sequence parallelism)."""
+        return self
 
     def linear(self, in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
         bias_attr = paddle.ParamAttr(initializer=nn.initializer.Constant(0.0)) if bias else False
         return nn.Linear(in_features, out_features, weight_attr=self._weight(), bias_attr=bias_attr)
 
-    # Megatron's names: column-parallel layers split their output features, row-parallel their input.
-    column_linear = linear
-    row_linear = linear
+    # Megatron's names: column-parallel layers split their output features (``segments``: fused pieces such
+    # as q/k/v, each split on its own), row-parallel ones their input features.
+    def column_linear(self, in_features: int, out_features: int, segments: list[int] | None = None) -> nn.Layer:
+        return self.linear(in_features, out_features)
 
-    def embedding(self, num_embeddings: int, dim: int) -> nn.Embedding:
+    def row_linear(self, in_features: int, out_features: int) -> nn.Layer:
+        return self.linear(in_features, out_features)
+
+    def embedding(self, num_embeddings: int, dim: int) -> nn.Layer:
         return nn.Embedding(num_embeddings, dim, weight_attr=self._weight())
+
+    def norm(self, dim: int, eps: float) -> RMSNorm:
+        return RMSNorm(dim, eps)
+
+    def split_sequence(self, x: paddle.Tensor) -> paddle.Tensor:
+        """Whole-sequence activations -> this rank's piece (identity without sequence parallelism)."""
+        return x
+
+    def gather_sequence(self, x: paddle.Tensor) -> paddle.Tensor:
+        """This rank's piece -> the whole sequence, for a block every rank computes in full."""
+        return x
+
+    def tied_head(self, hidden: paddle.Tensor, embedding_weight: paddle.Tensor) -> paddle.Tensor:
+        return paddle.matmul(hidden, embedding_weight, transpose_y=True)
 
     def local_expert_ids(self, expert_counts: list[int]) -> list[int]:
         """Global ids of the routed experts this process holds."""
@@ -50,28 +76,98 @@ class SingleDevicePlan:
     def dispatcher(self, expert_counts: list[int]) -> LocalDispatcher:
         return LocalDispatcher()
 
+    def predict(self, logits: paddle.Tensor) -> paddle.Tensor:
+        """The most likely token id at each position."""
+        return logits.argmax(axis=-1)
+
     def cross_entropy_sum(self, logits: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
         """Summed token cross-entropy in float32; label -100 marks positions without a loss."""
         return paddle.nn.functional.cross_entropy(
             logits.astype("float32"), labels.unsqueeze(-1), ignore_index=-100, reduction="sum")
 
 
-class ExpertParallelPlan(SingleDevicePlan):
-    """Single-device layers, except that routed experts are split over ``group`` and reached by all-to-all."""
+class ParallelPlan(SingleDevicePlan):
+    """Tensor-parallel layers over ``tp_group`` (None: plain layers) and routed experts split over
+    ``expert_group`` (None: all local). ``experts_on_tp_ranks``: the expert group is the tensor-parallel
+    group, whose ranks see the same tokens (``moe_group: mp``)."""
 
-    def __init__(self, initializer_range: float, group):
+    def __init__(self, initializer_range: float, tp_group=None, sequence_parallel: bool = False,
+                 expert_group=None, experts_on_tp_ranks: bool = False):
         super().__init__(initializer_range)
-        self.group = group
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.expert_group, self.experts_on_tp_ranks = expert_group, experts_on_tp_ranks
 
-    def local_expert_ids(self, expert_counts: list[int]) -> list[int]:
-        return local_expert_ids(expert_counts, self.group.rank, self.group.nranks)
+    def full_sequence(self) -> ParallelPlan:
+        plan = copy.copy(self)
+        plan.sequence_parallel = False
+        return plan
 
-    def dispatcher(self, expert_counts: list[int]) -> ExpertParallelDispatcher:
-        return ExpertParallelDispatcher(expert_counts, self.group)
+    def _draw(self, shape: list[int]):
+        """What one device would draw for this weight (the same random stream), as NumPy."""
+        holder = nn.Layer()
+        return holder.create_parameter(shape, attr=self._weight()).numpy()
+
+    def column_linear(self, in_features, out_features, segments=None):
+        if self.tp_group is None:
+            return super().column_linear(in_features, out_features, segments)
+        return tp.ColumnParallelLinear(self._draw([in_features, out_features]), self.tp_group,
+                                       self.sequence_parallel, segments)
+
+    def row_linear(self, in_features, out_features):
+        if self.tp_group is None:
+            return super().row_linear(in_features, out_features)
+        return tp.RowParallelLinear(self._draw([in_features, out_features]), self.tp_group, self.sequence_parallel)
+
+    def embedding(self, num_embeddings, dim):
+        if self.tp_group is None:
+            return super().embedding(num_embeddings, dim)
+        return tp.VocabParallelEmbedding(self._draw([num_embeddings, dim]), self.tp_group)
+
+    def norm(self, dim, eps):
+        norm = RMSNorm(dim, eps)
+        # Under sequence parallelism each rank sees part of the tokens: its gradient is partial.
+        norm.weight.sequence_parallel = self.sequence_parallel
+        return norm
+
+    def split_sequence(self, x):
+        return SplitAlong.apply(x, tp.SEQUENCE_AXIS, self.tp_group) if self.sequence_parallel else x
+
+    def gather_sequence(self, x):
+        # The whole-sequence block's input gradient is complete on every rank: backward keeps our piece.
+        return GatherAlong.apply(x, tp.SEQUENCE_AXIS, self.tp_group, False) if self.sequence_parallel else x
+
+    def tied_head(self, hidden, embedding_weight):
+        if self.tp_group is None:
+            return super().tied_head(hidden, embedding_weight)
+        return paddle.matmul(tp.enter_region(hidden, self.tp_group, self.sequence_parallel), embedding_weight,
+                             transpose_y=True)
+
+    def local_expert_ids(self, expert_counts):
+        if self.expert_group is None:
+            return super().local_expert_ids(expert_counts)
+        return local_expert_ids(expert_counts, self.expert_group.rank, self.expert_group.nranks)
+
+    def dispatcher(self, expert_counts):
+        if self.expert_group is None:
+            return LocalDispatcher()
+        if self.experts_on_tp_ranks:
+            return TensorParallelExpertDispatcher(expert_counts, self.expert_group)
+        return ExpertParallelDispatcher(expert_counts, self.expert_group)
+
+    def predict(self, logits):
+        if self.tp_group is None:
+            return super().predict(logits)
+        return tp.vocab_parallel_argmax(logits, self.tp_group)
+
+    def cross_entropy_sum(self, logits, labels):
+        if self.tp_group is None:
+            return super().cross_entropy_sum(logits, labels)
+        return tp.vocab_parallel_cross_entropy_sum(logits, labels, self.tp_group)
 
 
 def build_plan(model_cfg, env) -> SingleDevicePlan:
     """The plan for this process's place in the layout."""
-    if env.ep_group is not None:
-        return ExpertParallelPlan(model_cfg.initializer_range, env.ep_group)
-    return SingleDevicePlan(model_cfg.initializer_range)
+    if env.tp_group is None and env.expert_group is None:
+        return SingleDevicePlan(model_cfg.initializer_range)
+    return ParallelPlan(model_cfg.initializer_range, env.tp_group, env.sequence_parallel, env.expert_group,
+                        experts_on_tp_ranks=env.expert_group is not None and env.expert_group is env.tp_group)

@@ -22,13 +22,13 @@ def evaluate(model, batches, env, max_batches: int = 0) -> dict:
         batch = collate(rows)
         out = model(batch, return_logits=True)
         has_label = batch.labels != -100
-        correct = paddle.logical_and(out.logits.argmax(axis=-1) == batch.labels, has_label).numpy()
+        correct = paddle.logical_and(model.plan.predict(out.logits) == batch.labels, has_label).numpy()
         category = np.stack([r.scored for r in rows])
         seen = np.bincount(category.reshape(-1), minlength=categories)
         right = np.bincount(category[correct], minlength=categories)
         totals += paddle.to_tensor(
             [float(out.loss_sum), float(has_label.sum()), float(correct.sum()), *seen, *right], dtype="float64")
-    env.all_reduce_sum(totals)
+    env.all_reduce_sum(totals, env.data_group)  # tensor-parallel ranks evaluated the same rows
     if was_training:
         model.train()
     values = totals.numpy()

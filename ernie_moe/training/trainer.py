@@ -11,7 +11,6 @@ from pathlib import Path
 
 import paddle
 import yaml
-from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
 from tqdm import tqdm
 
 from ..checkpoint import save_model
@@ -19,7 +18,7 @@ from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..monitor.monitor import TrainingMonitor
-from ..parallel import build_plan, init_distributed, wrap_model
+from ..parallel import build_plan, init_distributed, sync_gradients, wrap_model
 from .evaluate import evaluate
 from .optimizer import build_optimizer, clip_grad_norm, split_experts
 
@@ -34,14 +33,15 @@ class Trainer:
         check_tokenizer(self.tokenizer, cfg.model)
         self.model = ErnieMoEForConditionalGeneration(cfg.model, build_plan(cfg.model, self.env))
         self.ddp = wrap_model(self.model, self.env)
-        self.optimizer, self.scheduler = build_optimizer(self.model, t)
+        self.optimizer, self.scheduler = build_optimizer(self.model, t, self.env)
         self.param_groups = split_experts(self.model)
 
         self.data_stats: Counter = Counter()
         train_set, self.eval_set = build_datasets(cfg)
         rows = RowStream(train_set, self.tokenizer, cfg, self.data_stats, shuffle=True)
-        self.global_rows = t.per_device_train_batch_size * self.env.world_size
-        self.batches = rank_batches(rows, self.global_rows, self.env.rank, self.env.world_size)
+        # Tensor-parallel ranks read the same rows; the data ranks split the global batch.
+        self.global_rows = t.per_device_train_batch_size * self.env.data_world
+        self.batches = rank_batches(rows, self.global_rows, self.env.data_rank, self.env.data_world)
         self.monitor = TrainingMonitor(cfg, self.env, self.model)
         self.step = 0
 
@@ -79,9 +79,11 @@ class Trainer:
         started = time.time()
         micro_batches = micro_batches or self.next_micro_batches()
         result = self.forward_backward(micro_batches)
-        self._sync_expert_parallel_gradients()
-        reduce = {"expert": lambda x: self.env.all_reduce_sum(x, self.env.ep_group)} if self.env.ep_group else None
-        result.update(clip_grad_norm(self.param_groups, t.max_grad_norm, reduce))
+        env = self.env
+        sync_gradients(self.param_groups, env)
+        reduce = {"expert": lambda x: env.all_reduce_sum(x, env.expert_group)} if env.expert_group else None
+        reduce_split = (lambda x: env.all_reduce_sum(x, env.tp_group)) if env.tp_group else None
+        result.update(clip_grad_norm(self.param_groups, t.max_grad_norm, reduce, reduce_split))
         result["lr"] = self.optimizer.get_lr()
         self.optimizer.step()
         self.optimizer.clear_grad()
@@ -97,7 +99,7 @@ class Trainer:
         env = self.env
         counts = paddle.to_tensor([[float((b.labels != -100).sum()), float((b.token_type_ids >= 0).sum())]
                                    for b in micro_batches], dtype="float64").sum(axis=0)
-        label_tokens, tokens = env.all_reduce_sum(counts).numpy().tolist()
+        label_tokens, tokens = env.all_reduce_sum(counts, env.data_group).numpy().tolist()
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.
         denominator = self._loss_denominator(label_tokens)
         lm_sum, router_sum = 0.0, 0.0
@@ -106,22 +108,22 @@ class Trainer:
             sync_later = wrapped and i < len(micro_batches) - 1
             with self.ddp.no_sync() if sync_later else contextlib.nullcontext():
                 out = self.ddp(batch)
-                # Shared gradients are averaged over ranks afterwards, hence the world-size factor.
-                loss = out.loss_sum * (env.world_size / denominator) + out.router_loss / len(micro_batches)
+                # Shared gradients are averaged over the data ranks afterwards, hence their number as a factor.
+                loss = out.loss_sum * (env.data_world / denominator) + out.router_loss / len(micro_batches)
                 loss.backward()
             lm_sum += float(out.loss_sum)
             router_sum += float(out.router_loss)
         totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches)], dtype="float64")
-        lm_sum, router_mean = env.all_reduce_sum(totals).numpy().tolist()
-        return {"lm_loss_sum": lm_sum, "label_tokens": label_tokens, "router_loss": router_mean / env.world_size,
+        lm_sum, router_mean = env.all_reduce_sum(totals, env.data_group).numpy().tolist()
+        return {"lm_loss_sum": lm_sum, "label_tokens": label_tokens, "router_loss": router_mean / env.data_world,
                 "tokens": tokens}
 
     def evaluate(self) -> dict:
         if self.eval_set is None:
             return {}
         rows = RowStream(self.eval_set, self.tokenizer, self.cfg, Counter(), shuffle=False)
-        global_rows = self.cfg.training.per_device_eval_batch_size * self.env.world_size
-        batches = rank_batches(rows, global_rows, self.env.rank, self.env.world_size, drop_last=False)
+        global_rows = self.cfg.training.per_device_eval_batch_size * self.env.data_world
+        batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
         return evaluate(self.model, batches, self.env, self.cfg.training.max_eval_batches)
 
     # -------------------------------------------------------------- helpers
@@ -129,29 +131,13 @@ class Trainer:
         t = self.cfg.training
         if t.token_balance_loss:
             per_micro = t.token_balance_seqlen or self.cfg.data.max_seq_len * t.per_device_train_batch_size
-            return float(per_micro * t.gradient_accumulation_steps * self.env.world_size)
+            return float(per_micro * t.gradient_accumulation_steps * self.env.data_world)
         return max(label_tokens, 1.0)
-
-    @paddle.no_grad()
-    def _sync_expert_parallel_gradients(self) -> None:
-        """With expert groups there is no data-parallel wrapper: average the shared parameters with fleet's
-        fused all-reduce; expert gradients already hold every rank's tokens of the expert group (through the
-        all-to-all backward), so they are scaled by 1 / world size and summed over the ranks with the same experts.
-        """
-        env = self.env
-        if env.ep_group is None:
-            return
-        fused_allreduce_gradients(self.param_groups["non_expert"], env.hcg)
-        for param in self.param_groups["expert"]:
-            if param.grad is not None:
-                param.grad.scale_(1.0 / env.world_size)
-                if env.expert_replica_group is not None:
-                    env.all_reduce_sum(param.grad, env.expert_replica_group)
 
     def _update_router_bias(self) -> None:
         for moe in self.model.moe_layers():
             if moe.moe_statics is not None:
-                moe.update_correction_bias(self.env.all_reduce_sum(moe.stats.pop_usage()))
+                moe.update_correction_bias(self.env.all_reduce_sum(moe.stats.pop_usage(), self.env.data_group))
             else:
                 moe.stats.pop_usage()
 
