@@ -118,6 +118,11 @@ class TensorParallelExpertDispatcher(LocalDispatcher):
         regroup = paddle.argsort(position, stable=True)
         order = paddle.gather(order, regroup)  # owner rank, then local expert
         per_slot = paddle.bincount(paddle.gather(position, regroup), minlength=num_experts).numpy()
+        seen: list[paddle.Tensor] = []
+        dist.all_gather(seen, paddle.to_tensor(per_slot), group=self.group)
+        if any((t.numpy() != per_slot).any() for t in seen):
+            raise RuntimeError("tensor-parallel ranks routed their (identical) tokens differently; their inputs "
+                               "or router weights have diverged")
         per_rank = per_slot.reshape(self.size, self.local)
         rows = paddle.gather(flat_token, order)
         start = int(per_rank[: self.rank].sum())

@@ -1,0 +1,135 @@
+"""Tensor-parallel layers (Megatron-style) over a tensor-parallel group, with optional sequence parallelism.
+
+Weights are slices of the tensor a single device would have drawn, so any layout starts from the same
+model. Each split parameter carries ``is_distributed``, ``split_axis`` and ``segments`` (the fused pieces,
+such as q/k/v or gate/up, each split evenly), which is how fleet marks them and how the exporter and
+gradient clipping put them back together.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddle import nn
+
+from .comm import CopyToGroup, GatherAlong, ReduceFromGroup, ReduceScatterAlong
+
+SEQUENCE_AXIS = 1  # activations are [batch, seq, hidden]
+
+
+def shard_index(segments: list[int], rank: int, size: int) -> np.ndarray:
+    """Indices of rank's share: every segment is split evenly and the pieces are kept in segment order."""
+    index, start = [], 0
+    for n in segments:
+        per = n // size
+        index.append(np.arange(start + rank * per, start + (rank + 1) * per))
+        start += n
+    return np.concatenate(index)
+
+
+def _sharded_parameter(layer: nn.Layer, full: np.ndarray, axis: int, segments: list[int], group) -> paddle.Tensor:
+    piece = np.take(full, shard_index(segments, group.rank, group.nranks), axis=axis)
+    param = layer.create_parameter(list(piece.shape), default_initializer=nn.initializer.Assign(piece))
+    param.is_distributed, param.split_axis, param.segments = True, axis, list(segments)
+    return param
+
+
+def enter_region(x: paddle.Tensor, group, sequence_parallel: bool) -> paddle.Tensor:
+    """Input of a column-parallel layer: whole on every rank (gathered from the sequence pieces under SP)."""
+    if sequence_parallel:
+        return GatherAlong.apply(x, SEQUENCE_AXIS, group, True)
+    return CopyToGroup.apply(x, group)
+
+
+def leave_region(x: paddle.Tensor, group, sequence_parallel: bool) -> paddle.Tensor:
+    """Output of a row-parallel layer: partial sums added up (and split along the sequence under SP)."""
+    if sequence_parallel:
+        return ReduceScatterAlong.apply(x, SEQUENCE_AXIS, group)
+    return ReduceFromGroup.apply(x, group)
+
+
+class ColumnParallelLinear(nn.Layer):
+    """``y[:, own columns] = x W[:, own columns]``; the output stays split over the ranks."""
+
+    def __init__(self, full_weight: np.ndarray, group, sequence_parallel: bool, segments: list[int] | None = None):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _sharded_parameter(self, full_weight, 1, segments or [full_weight.shape[1]], group)
+
+    def forward(self, x):
+        return paddle.matmul(enter_region(x, self.group, self.sequence_parallel), self.weight)
+
+
+class RowParallelLinear(nn.Layer):
+    """``y = sum over ranks of x[:, own rows] W[own rows, :]``; the input arrives split over the ranks."""
+
+    def __init__(self, full_weight: np.ndarray, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _sharded_parameter(self, full_weight, 0, [full_weight.shape[0]], group)
+
+    def forward(self, x):
+        return leave_region(paddle.matmul(x, self.weight), self.group, self.sequence_parallel)
+
+
+class VocabParallelEmbedding(nn.Layer):
+    """Each rank holds a block of vocabulary rows; ids outside it look up zeros and the ranks' rows are summed."""
+
+    def __init__(self, full_weight: np.ndarray, group):
+        super().__init__()
+        self.group = group
+        self.weight = _sharded_parameter(self, full_weight, 0, [full_weight.shape[0]], group)
+        self.start = group.rank * self.weight.shape[0]
+
+    def forward(self, ids):
+        local = ids - self.start
+        inside = paddle.logical_and(local >= 0, local < self.weight.shape[0])
+        rows = nn.functional.embedding(paddle.where(inside, local, paddle.zeros_like(local)), self.weight)
+        rows = rows * inside.unsqueeze(-1).astype(rows.dtype)
+        return ReduceFromGroup.apply(rows, self.group)
+
+
+def vocab_parallel_cross_entropy_sum(logits: paddle.Tensor, labels: paddle.Tensor, group) -> paddle.Tensor:
+    """Summed cross-entropy from logits split over the vocabulary; never forms the full logits.
+
+    ``logits [..., vocab / ranks]`` hold this rank's vocabulary block; label -100 marks positions without loss.
+    """
+    logits = logits.astype("float32")
+    block = logits.shape[-1]
+    peak = logits.max(axis=-1, keepdim=True).detach()
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # a constant shift: no gradient needed
+    shifted = logits - peak
+    sum_exp = ReduceFromGroup.apply(paddle.exp(shifted).sum(axis=-1), group)
+    local = labels - group.rank * block
+    inside = paddle.logical_and(local >= 0, local < block)
+    picked = paddle.take_along_axis(shifted, paddle.where(inside, local, paddle.zeros_like(local)).unsqueeze(-1),
+                                    axis=-1).squeeze(-1)
+    picked = ReduceFromGroup.apply(picked * inside.astype("float32"), group)
+    per_token = paddle.log(sum_exp) - picked
+    return (per_token * (labels != -100).astype("float32")).sum()
+
+
+@paddle.no_grad()
+def vocab_parallel_argmax(logits: paddle.Tensor, group) -> paddle.Tensor:
+    """argmax over the whole vocabulary from logits split over it (ties go to the lowest id, as argmax does)."""
+    block = logits.shape[-1]
+    best = logits.max(axis=-1).astype("float32")
+    where = logits.argmax(axis=-1) + group.rank * block
+    bests: list[paddle.Tensor] = []
+    wheres: list[paddle.Tensor] = []
+    dist.all_gather(bests, best, group=group)
+    dist.all_gather(wheres, where, group=group)
+    owner = paddle.stack(bests, axis=-1).argmax(axis=-1, keepdim=True)
+    return paddle.take_along_axis(paddle.stack(wheres, axis=-1), owner, axis=-1).squeeze(-1)
+
+
+def full_tensor(param: paddle.Tensor, group) -> paddle.Tensor:
+    """The unsplit tensor of a tensor-parallel parameter (a collective over ``group``)."""
+    if not getattr(param, "is_distributed", False) or group is None:
+        return param
+    pieces: list[paddle.Tensor] = []
+    dist.all_gather(pieces, param.detach(), group=group)
+    axis = param.split_axis
+    chunks = [paddle.split(p, [n // group.nranks for n in param.segments], axis=axis) for p in pieces]
+    return paddle.concat([chunks[r][s] for s in range(len(param.segments)) for r in range(group.nranks)], axis=axis)
