@@ -64,6 +64,8 @@ class ModelConfig:
     moe_aux_free_update_coef: float = opt(1e-3, "step size of the correction-bias update")
     moe_aux_loss_lambda: float | list[float] = opt(1e-2, "load-balance loss weight (per modality when a list)")
     moe_z_loss_lambda: float | list[float] = opt(1e-4, "router z-loss weight (per modality when a list)")
+    global_aux_loss: bool = opt(False, "router loss statistics over the tokens of every data-parallel rank "
+                                       "(losses then do not depend on how the batch is split)")
     moe_orthogonal_loss_lambda: float | list[float] = opt(1e-2, "router orthogonal loss weight")
     im_patch_id: int = opt(4, "token id of the image placeholder (must equal the tokenizer's)")
     spatial_conv_size: int = opt(2, "adapter: patches merged per side")

@@ -66,6 +66,7 @@ class MoELayer(nn.Layer):
             self.moe_statics = MoEStatics(len(self.router_counts), max(self.router_counts))
         self.aux_free_coef = cfg.moe_aux_free_update_coef
         self.dispatcher = plan.dispatcher(counts)
+        self.reduce_router_stats = plan.router_stats_reduce()
         self.stats = ExpertStats(self.router_counts)
 
     def _weight_modality(self, group: int) -> int:
@@ -87,6 +88,14 @@ class MoELayer(nn.Layer):
         for g, modality in enumerate(self.group_modality):
             token_index = self._tokens_of(types, modality)
             capacities += [self._capacity(token_index.shape[0], self.router_counts[g])] * self.router_counts[g]
+            # Global router statistics (training only): every rank joins the sums, with or without tokens.
+            reduce = self.reduce_router_stats if self.training else None
+            if token_index.shape[0] == 0 and reduce is not None:
+                group_losses = self.gate.losses(None, g, reduce)
+                for name, value in group_losses.items():
+                    router_loss = router_loss + self.loss_weights[g][name] * value
+                self.stats.record_losses(g, group_losses)
+                continue
             if token_index.shape[0] == 0:
                 # The orthogonal loss needs no token; it also keeps this router in the backward pass.
                 weight = self.loss_weights[g]["orthogonal_loss"]
@@ -96,7 +105,7 @@ class MoELayer(nn.Layer):
             if self.moe_statics is not None:
                 bias = self.moe_statics.e_score_correction_bias[g, : self.router_counts[g]]
             routing = self.gate(flat, token_index, g, bias)
-            group_losses = self.gate.losses(routing, g)
+            group_losses = self.gate.losses(routing, g, reduce)
             for name, value in group_losses.items():
                 router_loss = router_loss + self.loss_weights[g][name] * value
             if self.training:

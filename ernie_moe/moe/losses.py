@@ -6,18 +6,28 @@ import paddle
 import paddle.nn.functional as F
 
 
-def load_balance_loss(probs: paddle.Tensor, topk_idx: paddle.Tensor) -> paddle.Tensor:
-    """``E * sum_e(me_e * ce_e)``: me = mean router probability, ce = fraction of tokens sent to e (detached)."""
-    num_tokens, num_experts = probs.shape
-    me = probs.mean(axis=0)
+def load_balance_loss(probs: paddle.Tensor, topk_idx: paddle.Tensor, reduce=None) -> paddle.Tensor:
+    """``E * sum_e(me_e * ce_e)``: me = mean router probability, ce = fraction of tokens sent to e (detached).
+
+    ``reduce`` sums the statistics over ranks that hold other tokens, so that the means are global.
+    """
+    num_experts = probs.shape[1]
     chosen = F.one_hot(topk_idx, num_experts).sum(axis=1)  # [tokens, experts], 1 where chosen
-    ce = (chosen.sum(axis=0) / num_tokens).detach()
-    return num_experts * (me * ce).sum()
+    prob_sum, counts = probs.sum(axis=0), chosen.sum(axis=0).astype("float32").detach()
+    tokens = paddle.full([1], float(probs.shape[0]), dtype="float32")
+    if reduce is not None:
+        prob_sum, counts, tokens = reduce(prob_sum), reduce(counts), reduce(tokens)
+    tokens = paddle.clip(tokens, min=1.0)
+    return num_experts * ((prob_sum / tokens) * (counts / tokens)).sum()
 
 
-def z_loss(logits: paddle.Tensor) -> paddle.Tensor:
-    """``mean(logsumexp(logits)^2)``: keeps router logits small."""
-    return paddle.logsumexp(logits, axis=-1).pow(2).mean()
+def z_loss(logits: paddle.Tensor, reduce=None) -> paddle.Tensor:
+    """``mean(logsumexp(logits)^2)``: keeps router logits small. ``reduce``: as in :func:`load_balance_loss`."""
+    square_sum = paddle.logsumexp(logits, axis=-1).pow(2).sum().reshape([1])
+    tokens = paddle.full([1], float(logits.shape[0]), dtype="float32")
+    if reduce is not None:
+        square_sum, tokens = reduce(square_sum), reduce(tokens)
+    return (square_sum / paddle.clip(tokens, min=1.0)).reshape([])
 
 
 def orthogonal_loss(weight: paddle.Tensor) -> paddle.Tensor:

@@ -59,9 +59,15 @@ class Router(nn.Layer):
             weights = weights / paddle.clip(weights.sum(axis=-1, keepdim=True), min=1e-12)
         return GroupRouting(token_index, expert_ids, weights, probs, logits)
 
-    def losses(self, routing: GroupRouting, group: int) -> dict[str, paddle.Tensor]:
+    def losses(self, routing: GroupRouting | None, group: int, reduce=None) -> dict[str, paddle.Tensor]:
+        """The group's router losses. ``reduce`` makes the token statistics global (a collective, so a rank
+        without tokens of this group passes ``routing=None`` and still takes part)."""
+        if routing is None:
+            n = self.expert_counts[group]
+            routing = GroupRouting(paddle.zeros([0], "int64"), paddle.zeros([0, self.k], "int64"),
+                                   paddle.zeros([0, self.k]), paddle.zeros([0, n]), paddle.zeros([0, n]))
         return {
-            "aux_loss": losses.load_balance_loss(routing.probs, routing.expert_ids),
-            "z_loss": losses.z_loss(routing.logits),
+            "aux_loss": losses.load_balance_loss(routing.probs, routing.expert_ids, reduce),
+            "z_loss": losses.z_loss(routing.logits, reduce),
             "orthogonal_loss": losses.orthogonal_loss(self.weight_of(group)),
         }

@@ -86,6 +86,23 @@ class ReduceFromGroup(PyLayer):
         return grad.clone()
 
 
+class SumOverRanks(PyLayer):
+    """Sum of a statistic over ranks that hold other tokens; every rank then computes the same global loss.
+
+    Backward scales by the number of ranks: each rank's gradient covers only its own share, and the data-parallel
+    average that follows divides by that number again.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.ranks = group.nranks
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.ranks
+
+
 class GatherAlong(PyLayer):
     """Concatenate the ranks' pieces along ``axis``. Backward: ``reduce_grad`` sums the ranks' gradients
     and keeps this rank's piece (the consumer is split over the ranks); otherwise each rank already holds

@@ -16,7 +16,7 @@ from paddle import nn
 from ..model.layers import RMSNorm
 from ..moe.dispatcher import LocalDispatcher
 from . import tensor_parallel as tp
-from .comm import GatherAlong, SplitAlong
+from .comm import GatherAlong, SplitAlong, SumOverRanks
 from .expert_parallel import ExpertParallelDispatcher, TensorParallelExpertDispatcher, local_expert_ids
 
 
@@ -69,6 +69,10 @@ class SingleDevicePlan:
     def tied_head(self, hidden: paddle.Tensor, embedding_weight: paddle.Tensor) -> paddle.Tensor:
         return paddle.matmul(hidden, embedding_weight, transpose_y=True)
 
+    def router_stats_reduce(self):
+        """How router losses sum token statistics over ranks with other tokens; None: each rank's own tokens."""
+        return None
+
     def local_expert_ids(self, expert_counts: list[int]) -> list[int]:
         """Global ids of the routed experts this process holds."""
         return list(range(sum(expert_counts)))
@@ -92,8 +96,9 @@ class ParallelPlan(SingleDevicePlan):
     group, whose ranks see the same tokens (``moe_group: mp``)."""
 
     def __init__(self, initializer_range: float, tp_group=None, sequence_parallel: bool = False,
-                 expert_group=None, experts_on_tp_ranks: bool = False):
+                 expert_group=None, experts_on_tp_ranks: bool = False, router_stats_group=None):
         super().__init__(initializer_range)
+        self.router_stats_group = router_stats_group
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.expert_group, self.experts_on_tp_ranks = expert_group, experts_on_tp_ranks
 
@@ -142,6 +147,11 @@ class ParallelPlan(SingleDevicePlan):
         return paddle.matmul(tp.enter_region(hidden, self.tp_group, self.sequence_parallel), embedding_weight,
                              transpose_y=True)
 
+    def router_stats_reduce(self):
+        if self.router_stats_group is None:
+            return None
+        return lambda x: SumOverRanks.apply(x, self.router_stats_group)
+
     def local_expert_ids(self, expert_counts):
         if self.expert_group is None:
             return super().local_expert_ids(expert_counts)
@@ -167,7 +177,9 @@ class ParallelPlan(SingleDevicePlan):
 
 def build_plan(model_cfg, env) -> SingleDevicePlan:
     """The plan for this process's place in the layout."""
-    if env.tp_group is None and env.expert_group is None:
+    router_stats_group = env.data_group if model_cfg.global_aux_loss and env.data_world > 1 else None
+    if env.tp_group is None and env.expert_group is None and router_stats_group is None:
         return SingleDevicePlan(model_cfg.initializer_range)
     return ParallelPlan(model_cfg.initializer_range, env.tp_group, env.sequence_parallel, env.expert_group,
-                        experts_on_tp_ranks=env.expert_group is not None and env.expert_group is env.tp_group)
+                        experts_on_tp_ranks=env.expert_group is not None and env.expert_group is env.tp_group,
+                        router_stats_group=router_stats_group)
