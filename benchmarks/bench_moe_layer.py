@@ -14,6 +14,7 @@ import time
 import paddle
 
 from ernie_moe.config import load_config
+from ernie_moe.model.init import init_layer
 from ernie_moe.model.layers import SwiGLUMLP
 from ernie_moe.moe.layer import MoELayer
 from ernie_moe.parallel import SingleDevicePlan
@@ -47,8 +48,8 @@ def main() -> None:
     ]).model
     paddle.seed(0)
     plan = SingleDevicePlan()
-    moe = MoELayer(plan, cfg, [0], layer_idx=0)
-    dense = SwiGLUMLP(plan, args.hidden, args.k * args.expert_width)
+    moe = init_layer(MoELayer(plan, cfg, [0], layer_idx=0))
+    dense = init_layer(SwiGLUMLP(plan, args.hidden, args.k * args.expert_width))
     x = paddle.randn([1, args.tokens, args.hidden])
     x.stop_gradient = False
     types = paddle.zeros([1, args.tokens], dtype="int64")

@@ -27,6 +27,12 @@ def leaf(array):
     return t
 
 
+def with_weight(layer, full):
+    """The layer holding its slice of ``full``."""
+    layer.weight.set_value(tp.shard_of(layer.weight, full))
+    return layer
+
+
 def check_linears(group, rng, sequence_parallel):
     """A fused column layer (q/k/v-style segments) and a row layer, each against a plain matmul."""
     rank, size = group.rank, group.nranks
@@ -41,7 +47,7 @@ def check_linears(group, rng, sequence_parallel):
     ref = paddle.matmul(xr, wr)
     (ref * paddle.to_tensor(upstream)).sum().backward()
     cols = tp.shard_index(segments, rank, size)
-    column = tp.ColumnParallelLinear(w, group, sequence_parallel, segments)
+    column = with_weight(tp.ColumnParallelLinear(hidden, sum(segments), group, sequence_parallel, 0.02, segments), w)
     xs = leaf(x[:, piece])
     out = column(xs)
     close(out.numpy(), ref.numpy()[..., cols], f"column output (sp={sequence_parallel})")
@@ -58,7 +64,7 @@ def check_linears(group, rng, sequence_parallel):
     ref = paddle.matmul(xr, wr)
     (ref * paddle.to_tensor(upstream)).sum().backward()
     rows = tp.shard_index([sum(segments)], rank, size)
-    row = tp.RowParallelLinear(w, group, sequence_parallel)
+    row = with_weight(tp.RowParallelLinear(sum(segments), hidden, group, sequence_parallel, 0.02), w)
     xs = leaf(x[..., rows])
     out = row(xs)
     close(out.numpy(), ref.numpy()[:, piece], f"row output (sp={sequence_parallel})")
@@ -74,7 +80,7 @@ def check_embedding_and_loss(group, rng):
     upstream = paddle.to_tensor(rng.normal(size=(2, 5, hidden)).astype("float32"))
     ref = leaf(weight)
     (F.embedding(ids, ref) * upstream).sum().backward()
-    emb = tp.VocabParallelEmbedding(weight, group)
+    emb = with_weight(tp.VocabParallelEmbedding(vocab, hidden, group, 0.02), weight)
     out = emb(ids)
     close(out.numpy(), weight[ids.numpy()], "embedding output")
     (out * upstream).sum().backward()

@@ -4,6 +4,7 @@ from test_rope import numpy_rope
 
 from ernie_moe.config import load_config
 from ernie_moe.model.attention import Attention, causal_document_mask
+from ernie_moe.model.init import init_layer
 from ernie_moe.model.layers import RMSNorm, SwiGLUMLP
 from ernie_moe.model.rope import rope_angles
 from ernie_moe.parallel import SingleDevicePlan
@@ -19,7 +20,7 @@ def test_rmsnorm_matches_numpy():
 
 def test_swiglu_uses_gate_half_first():
     paddle.seed(0)
-    mlp = SwiGLUMLP(SingleDevicePlan(), 6, 4)
+    mlp = init_layer(SwiGLUMLP(SingleDevicePlan(), 6, 4))
     x = np.random.default_rng(1).standard_normal((5, 6)).astype(np.float32)
     w = mlp.up_gate_proj.weight.numpy()
     gate, up = x @ w[:, :4], x @ w[:, 4:]
@@ -31,7 +32,7 @@ def test_grouped_query_attention_matches_numpy():
     cfg = load_config(None, ["model.hidden_size=12", "model.num_attention_heads=4", "model.num_key_value_heads=2",
                              "model.head_dim=6", "model.freq_allocation=1"]).model
     paddle.seed(0)
-    attn = Attention(SingleDevicePlan(), cfg)
+    attn = init_layer(Attention(SingleDevicePlan(), cfg))
     rng = np.random.default_rng(2)
     x = rng.standard_normal((1, 5, 12)).astype(np.float32)
     pos = np.array([[[0, 0, 0], [1, 1, 1], [1, 1, 2], [3, 3, 3], [0, 0, 0]]])

@@ -3,6 +3,7 @@ import paddle
 import pytest
 
 from ernie_moe.config import load_config
+from ernie_moe.model.init import init_layer
 from ernie_moe.moe.layer import MoELayer
 from ernie_moe.parallel import SingleDevicePlan
 
@@ -11,7 +12,7 @@ def make_layer(*overrides, seed=0):
     cfg = load_config(None, ["model.hidden_size=16", "model.moe_num_experts=[4, 3]",
                              "model.moe_intermediate_size=[8, 6]", "model.moe_k=2", *overrides]).model
     paddle.seed(seed)
-    layer = MoELayer(SingleDevicePlan(), cfg, [0, 1], layer_idx=1)
+    layer = init_layer(MoELayer(SingleDevicePlan(), cfg, [0, 1], layer_idx=1), seed)
     return layer, cfg
 
 
@@ -165,23 +166,22 @@ def test_expert_ownership_splits_each_modality_evenly():
     assert rank_major_order([4, 2], 2).tolist() == [0, 1, 3, 4, 2, 5]
 
 
-def test_experts_start_the_same_wherever_they_live():
-    """Rank 1 of an expert group builds exactly the weights of the experts it shares with one device."""
-    from ernie_moe.moe.experts import Experts
+def test_experts_start_the_same_wherever_they_live(tiny_cfg):
+    """Rank 1 of an expert group builds exactly the weights one device has for the experts it holds, and
+    every other parameter too: weights are drawn by name."""
+    from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+    from ernie_moe.parallel.expert_parallel import local_expert_ids
 
     class Half(SingleDevicePlan):
         def local_expert_ids(self, counts):
-            from ernie_moe.parallel.expert_parallel import local_expert_ids
-
             return local_expert_ids(counts, rank=1, size=2)
 
     paddle.seed(3)
-    full = Experts(SingleDevicePlan(0.1), 8, [4, 2], [6, 4])
-    after_full = paddle.randn([1]).item()
+    full = dict(ErnieMoEForConditionalGeneration(tiny_cfg.model).stable_named_parameters())
     paddle.seed(3)
-    half = Experts(Half(0.1), 8, [4, 2], [6, 4])
-    after_half = paddle.randn([1]).item()
-    assert half.global_ids == [2, 3, 5]
-    for local, j in enumerate(half.global_ids):
-        np.testing.assert_array_equal(half[local].up_gate_proj.weight.numpy(), full[j].up_gate_proj.weight.numpy())
-    assert after_full == after_half  # the random stream after the experts does not depend on how many are local
+    half = dict(ErnieMoEForConditionalGeneration(tiny_cfg.model, Half(tiny_cfg.model.initializer_range)).stable_named_parameters())
+    assert "model.layers.1.mlp.experts.2.up_gate_proj.weight" in half
+    assert "model.layers.1.mlp.experts.0.up_gate_proj.weight" not in half
+    for name, param in half.items():
+        np.testing.assert_array_equal(param.numpy(), full[name].numpy(), err_msg=name)
+    assert float(full["model.layers.1.mlp.experts.2.up_gate_proj.weight"].std()) > 0

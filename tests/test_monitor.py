@@ -6,6 +6,7 @@ import pytest
 from conftest import ROOT
 
 from ernie_moe.config import load_config
+from ernie_moe.model.init import init_layer
 from ernie_moe.moe.layer import MoELayer
 from ernie_moe.monitor.alerts import Alerts
 from ernie_moe.monitor.expert_balance import heat_map, load_figures, summarize
@@ -31,7 +32,7 @@ def test_load_figures_against_numpy():
 def test_counts_sum_to_tokens_times_k_minus_dropped():
     cfg = load_config(None, ["model.hidden_size=16", "model.moe_capacity=[1.0, 1.0, 1.0]"]).model
     paddle.seed(0)
-    layer = MoELayer(SingleDevicePlan(), cfg, [0, 1], layer_idx=3)
+    layer = init_layer(MoELayer(SingleDevicePlan(), cfg, [0, 1], layer_idx=3))
     types = paddle.to_tensor([[0] * 20 + [1] * 12 + [-1] * 4])
     for _ in range(3):
         layer(paddle.randn([1, 36, 16]), types)

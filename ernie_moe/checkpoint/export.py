@@ -25,22 +25,9 @@ def model_config_dict(model_cfg) -> dict:
 
 
 def stable_state(model, tp_group=None) -> dict:
-    """The state dict under stable names and in full: routed experts carry their global ids, wherever they
-    live, and tensor-parallel slices are gathered (a collective over ``tp_group``)."""
-    renames = {}
-    for moe in model.moe_layers():
-        prefix = f"model.layers.{moe.layer_idx}.mlp.experts."
-        renames.update({f"{prefix}{local}.": f"{prefix}{j}." for local, j in enumerate(moe.experts.global_ids)})
-    params = dict(model.named_parameters())
-    state = {}
-    for name, tensor in model.state_dict().items():
-        tensor = full_tensor(params.get(name, tensor), tp_group)
-        if ".mlp.experts." in name:
-            head, _, tail = name.partition(".mlp.experts.")
-            local, _, rest = tail.partition(".")
-            name = renames[f"{head}.mlp.experts.{local}."] + rest
-        state[name] = tensor
-    return state
+    """Every parameter under its stable name and in full (tensor-parallel slices gathered: a collective
+    over ``tp_group``)."""
+    return {name: full_tensor(param, tp_group) for name, param in model.stable_named_parameters()}
 
 
 def save_model(model, model_cfg, directory: str, tokenizer=None, env=None) -> Path:

@@ -14,7 +14,7 @@ class DecoderLayer(nn.Layer):
     def __init__(self, plan, cfg, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.plan = plan
+        self.plan, self.cfg = plan, cfg
         self.input_layernorm = plan.norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(plan, cfg)
         self.post_attention_layernorm = plan.norm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -17,6 +17,7 @@ from paddle import nn
 from ..parallel.plan import SingleDevicePlan
 from .attention import causal_document_mask
 from .decoder import DecoderLayer
+from .init import init_weights, mark_default_rules
 from .rope import rope_angles
 from .vision import Adapter, VisionTransformer
 
@@ -54,9 +55,7 @@ class ErnieVLModel(nn.Layer):
         self.resampler_model = Adapter(cfg)
 
     def forward(self, embeddings, batch: Batch):
-        t_slots = self.cfg.freq_allocation if self.cfg.rope_3d else None
-        angles = rope_angles(batch.position_ids, self.cfg.head_dim, self.cfg.rope_theta, t_slots)
-        allowed = causal_document_mask(batch.doc_ids)
+        angles, allowed = attention_inputs(self.cfg, batch.position_ids, batch.doc_ids)
         x, router_loss = self.plan.split_sequence(embeddings), paddle.zeros([], dtype="float32")
         for layer in self.layers:
             x, layer_loss = layer(x, batch.token_type_ids, angles, allowed)
@@ -73,34 +72,20 @@ class ErnieMoEForConditionalGeneration(nn.Layer):
         self.model = ErnieVLModel(self.plan, cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = self.plan.column_linear(cfg.hidden_size, cfg.vocab_size)
+        mark_default_rules(self.vision_model)
+        mark_default_rules(self.model.resampler_model)
+        init_weights(self.stable_named_parameters(), seed=int(paddle.randint(0, 2**31 - 1, [1])))
 
     def moe_layers(self):
         return [layer.mlp for layer in self.model.layers if layer.is_moe]
 
+    def stable_named_parameters(self):
+        """(name in the exported model, parameter): routed experts carry their global ids wherever they live."""
+        return stable_names(self.named_parameters(), self.moe_layers())
+
     def embed(self, batch: Batch) -> paddle.Tensor:
-        """Token embeddings with image features written at the image placeholder positions."""
-        embeddings = self.model.embed_tokens(batch.input_ids)
-        slots = paddle.nonzero((batch.input_ids == self.cfg.im_patch_id).flatten()).flatten()
-        if batch.pixel_patches.shape[0] == 0 and slots.shape[0] == 0:
-            return embeddings + self._idle_vision() if self.training else embeddings
-        features = self.model.resampler_model(self.vision_model(batch.pixel_patches, batch.grid_thw), batch.grid_thw)
-        if features.shape[0] != slots.shape[0]:
-            raise ValueError(f"the batch has {slots.shape[0]} image placeholder tokens but its images give "
-                             f"{features.shape[0]} features")
-        shape = embeddings.shape
-        flat = paddle.scatter(embeddings.reshape([-1, shape[-1]]), slots, features.astype(embeddings.dtype))
-        return flat.reshape(shape)
-
-    def _idle_vision(self) -> paddle.Tensor:
-        """Zero that runs the vision side on one blank merge block, for text-only batches in training.
-
-        Data-parallel gradient synchronisation expects a gradient for every parameter on every rank.
-        """
-        merge = self.cfg.vision_config.spatial_merge_size
-        grid = np.array([[1, merge, merge]])
-        patch = self.cfg.vision_config.in_channels * self.cfg.vision_config.patch_size ** 2
-        blank = paddle.zeros([merge * merge, patch], dtype=self.model.embed_tokens.weight.dtype)
-        return self.model.resampler_model(self.vision_model(blank, grid), grid).sum() * 0.0
+        return embed(self.model.embed_tokens, self.vision_model, self.model.resampler_model, self.cfg, batch,
+                     self.training)
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         if self.cfg.tie_word_embeddings:
@@ -113,3 +98,48 @@ class ErnieMoEForConditionalGeneration(nn.Layer):
         loss_sum = self.plan.cross_entropy_sum(logits, batch.labels)
         num_label_tokens = int((batch.labels != -100).sum())
         return ModelOutput(loss_sum, num_label_tokens, router_loss, logits if return_logits else None)
+
+
+def attention_inputs(cfg, position_ids: paddle.Tensor, doc_ids: paddle.Tensor):
+    """Rotary angles and the packed-document causal mask every decoder layer uses."""
+    t_slots = cfg.freq_allocation if cfg.rope_3d else None
+    return rope_angles(position_ids, cfg.head_dim, cfg.rope_theta, t_slots), causal_document_mask(doc_ids)
+
+
+def embed(embed_tokens, vision_model, resampler_model, cfg, batch: Batch, training: bool) -> paddle.Tensor:
+    """Token embeddings with image features written at the image placeholder positions."""
+    embeddings = embed_tokens(batch.input_ids)
+    slots = paddle.nonzero((batch.input_ids == cfg.im_patch_id).flatten()).flatten()
+    if batch.pixel_patches.shape[0] == 0 and slots.shape[0] == 0:
+        if not training:
+            return embeddings
+        # Text-only batch in training: run the vision side on one blank merge block, times 0, so that
+        # gradient synchronisation finds a gradient for every parameter on every rank.
+        merge = cfg.vision_config.spatial_merge_size
+        grid = np.array([[1, merge, merge]])
+        blank = paddle.zeros([merge * merge, cfg.vision_config.in_channels * cfg.vision_config.patch_size ** 2],
+                             dtype=embeddings.dtype)
+        return embeddings + resampler_model(vision_model(blank, grid), grid).sum() * 0.0
+    features = resampler_model(vision_model(batch.pixel_patches, batch.grid_thw), batch.grid_thw)
+    if features.shape[0] != slots.shape[0]:
+        raise ValueError(f"the batch has {slots.shape[0]} image placeholder tokens but its images give "
+                         f"{features.shape[0]} features")
+    shape = embeddings.shape
+    flat = paddle.scatter(embeddings.reshape([-1, shape[-1]]), slots, features.astype(embeddings.dtype))
+    return flat.reshape(shape)
+
+
+def stable_names(named_parameters, moe_layers) -> list[tuple[str, paddle.Tensor]]:
+    """Rename ``...mlp.experts.<local index>.`` to the expert's global id."""
+    renames = {}
+    for moe in moe_layers:
+        prefix = f"model.layers.{moe.layer_idx}.mlp.experts."
+        renames.update({f"{prefix}{local}.": f"{prefix}{j}." for local, j in enumerate(moe.experts.global_ids)})
+    named = []
+    for name, param in named_parameters:
+        if ".mlp.experts." in name:
+            head, _, tail = name.partition(".mlp.experts.")
+            local, _, rest = tail.partition(".")
+            name = renames[f"{head}.mlp.experts.{local}."] + rest
+        named.append((name, param))
+    return named

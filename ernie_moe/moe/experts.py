@@ -1,13 +1,12 @@
 """Routed experts: SwiGLU MLPs, text experts first, then vision experts (ERNIE's numbering).
 
-A process holds the experts its plan assigns to it (all of them on one device). Each expert's weights
-come from its own NumPy stream keyed by its global id, so an expert starts the same on whichever rank
-holds it, and the other parameters' random stream does not depend on how many experts are local.
+A process holds the experts its plan assigns to it (all of them on one device). Weights are drawn by
+their stable names (``model.init``), which carry the global expert id, so an expert starts the same on
+whichever rank holds it.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import paddle
 from paddle import nn
 
@@ -18,13 +17,7 @@ class Experts(nn.LayerList):
     def __init__(self, plan, hidden_size: int, expert_counts: list[int], widths: list[int]):
         width_of = [w for n, w in zip(expert_counts, widths) for _ in range(n)]
         self.global_ids = plan.local_expert_ids(expert_counts)
-        blank = plan.deferred()
-        super().__init__([SwiGLUMLP(blank, hidden_size, width_of[j]) for j in self.global_ids])
-        seed = int(paddle.randint(0, 2**31 - 1, [1]))  # the same draw on every rank
-        for j, expert in zip(self.global_ids, self):
-            rng = np.random.default_rng([seed, j])
-            for _, param in sorted(expert.named_parameters()):
-                param.set_value(rng.normal(0.0, plan.std, param.shape).astype("float32"))
+        super().__init__([SwiGLUMLP(plan.local(), hidden_size, width_of[j]) for j in self.global_ids])
 
     def forward(self, inputs: list[paddle.Tensor]) -> tuple[list[paddle.Tensor], paddle.Tensor]:
         """Run expert j on ``inputs[j]``; returns the outputs and a zero that touches every idle expert.

@@ -13,6 +13,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from ..model.init import mark_xavier_uniform
 from . import losses
 
 
@@ -35,8 +36,8 @@ class Router(nn.Layer):
         self.gate_act = gate_act
         self.renormalize = renormalize
         for g, n in enumerate(expert_counts):
-            param = self.create_parameter([hidden_size, n], dtype="float32",
-                                          default_initializer=nn.initializer.XavierUniform())
+            param = mark_xavier_uniform(self.create_parameter(
+                [hidden_size, n], dtype="float32", default_initializer=nn.initializer.Constant(0.0)))
             self.add_parameter(self.weight_name(g), param)
 
     @staticmethod

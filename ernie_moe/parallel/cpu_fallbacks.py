@@ -39,6 +39,18 @@ def all_to_all_single(x: paddle.Tensor, in_splits: list[int], out_splits: list[i
     return paddle.concat(pieces, axis=0)
 
 
+# fleet's pipeline schedule on gloo: the batched point-to-point path calls ``send_on_calc_stream``, which
+# ProcessGroupGloo lacks; the non-batched one uses isend / irecv.
+PIPELINE_CONFIGS = {"use_batch_p2p_comm": False}
+
+
+def give_cpu_a_device_id() -> None:
+    """``PipelineLayer`` reads ``ParallelEnv().device_id``, which the CPU environment does not set."""
+    env = dist.ParallelEnv()
+    if not hasattr(env, "_device_id"):
+        env._device_id = 0
+
+
 def reduce_scatter(x: paddle.Tensor, axis: int, group) -> paddle.Tensor:
     """Sum over ``group`` and keep this rank's equal piece along ``axis``: an all-reduce, then a slice."""
     out = x.clone()

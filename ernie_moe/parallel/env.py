@@ -1,9 +1,10 @@
 """Process setup through fleet's hybrid topology.
 
-Ranks are laid out as fleet orders them, tensor-parallel ranks adjacent: ``rank = data_rank * tp + tp_rank``
-where ``data_rank = dp_rank * sharding + sharding_rank`` numbers the ranks that see different data. Expert
-groups are carved out of the data ranks that share a tensor-parallel rank (``moe_group: ep``) or are the
-tensor-parallel group itself (``moe_group: mp``).
+Ranks are laid out in fleet's order (data, pipeline, sharding, tensor; tensor-parallel ranks adjacent):
+``rank = ((dp_rank * pp + stage) * sharding + sharding_rank) * tp + tp_rank``. ``data_rank = dp_rank *
+sharding + sharding_rank`` numbers the ranks that read different data. Expert groups are carved out of the
+data ranks that share a stage and tensor-parallel rank (``moe_group: ep``) or are the tensor-parallel group
+itself (``moe_group: mp``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class DistEnv:
     data_world: int = 1  # data-parallel x sharding ranks: shares of the global batch
     data_group: object = None  # ranks with this rank's tensor-parallel place that read other data
     tp_group: object = None  # tensor-parallel ranks (None without tensor parallelism)
+    pp_group: object = None  # pipeline stages (None without pipeline parallelism)
+    virtual_stages: int = 1
     sequence_parallel: bool = False
     expert_group: object = None  # ranks that split the experts between them
     expert_replica_group: object = None  # ranks holding the same experts (None when there is one copy)
@@ -45,9 +48,17 @@ class DistEnv:
         return self.tp_group.nranks if self.tp_group is not None else 1
 
     @property
+    def pp_rank(self) -> int:
+        return self.pp_group.rank if self.pp_group is not None else 0
+
+    @property
+    def pp_world(self) -> int:
+        return self.pp_group.nranks if self.pp_group is not None else 1
+
+    @property
     def pure_data_parallel(self) -> bool:
         """Every rank holds the whole model and the plain optimizer: fleet's data-parallel wrapper applies."""
-        return self.tp_group is None and self.expert_group is None and not self.sharding
+        return self.tp_group is None and self.pp_group is None and self.expert_group is None and not self.sharding
 
     def all_reduce_sum(self, tensor: paddle.Tensor, group=None) -> paddle.Tensor:
         """Sum over ranks (in place); a no-op on one process, where the global group does not exist."""
@@ -105,25 +116,43 @@ def new_groups(rank_lists: list[list[int]]):
     return mine
 
 
-def init_distributed(parallel_cfg) -> DistEnv:
+def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
     p = parallel_cfg
     world = dist.get_world_size()
     check_layout(p, world)
     if world == 1:
         return DistEnv()
-    dp, tp, sh = data_degree(p, world), p.tensor_parallel_degree, p.sharding_parallel_degree
+    dp, tp, sh, pp = data_degree(p, world), p.tensor_parallel_degree, p.sharding_parallel_degree, \
+        p.pipeline_parallel_degree
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": dp, "mp_degree": tp, "pp_degree": 1, "sharding_degree": sh}
     on_cpu = paddle.device.get_device() == "cpu"  # the launcher then uses gloo
+    hybrid = {"dp_degree": dp, "mp_degree": tp, "pp_degree": pp, "sharding_degree": sh}
+    if pp > 1 and on_cpu:
+        hybrid["pp_configs"] = cpu_fallbacks.PIPELINE_CONFIGS
+    strategy.hybrid_configs = hybrid
+    if pp > 1:
+        strategy.pipeline_configs = {"accumulate_steps": training_cfg.gradient_accumulation_steps,
+                                     "micro_batch_size": training_cfg.per_device_train_batch_size}
+        if on_cpu:
+            cpu_fallbacks.give_cpu_a_device_id()
     with cpu_fallbacks.private_group_rendezvous() if on_cpu else contextlib.nullcontext():
         fleet.init(is_collective=True, strategy=strategy)
         hcg = fleet.get_hybrid_communicate_group()
         rank = dist.get_rank()
         env = DistEnv(rank=rank, world_size=world, hcg=hcg, data_world=dp * sh, sharding=p.sharding,
-                      data_rank=hcg.get_data_parallel_rank() * sh + hcg.get_sharding_parallel_rank())
-        assert rank == env.data_rank * tp + hcg.get_model_parallel_rank(), "unexpected fleet rank order"
-        data_ranks = [[d * tp + t for d in range(env.data_world)] for t in range(tp)]  # per tensor-parallel rank
+                      data_rank=hcg.get_data_parallel_rank() * sh + hcg.get_sharding_parallel_rank(),
+                      virtual_stages=p.virtual_pp_degree)
+
+        def rank_of(data_rank: int, stage: int, tp_rank: int) -> int:
+            return ((data_rank // sh * pp + stage) * sh + data_rank % sh) * tp + tp_rank
+
+        assert rank == rank_of(env.data_rank, hcg.get_stage_id(), hcg.get_model_parallel_rank()), \
+            "unexpected fleet rank order"
+        # per (stage, tensor-parallel rank): the ranks that read different data
+        data_ranks = [[rank_of(d, s, t) for d in range(env.data_world)] for s in range(pp) for t in range(tp)]
         env.data_group = new_groups(data_ranks)
+        if pp > 1:
+            env.pp_group = hcg.get_pipe_parallel_group()
         if tp > 1:
             env.tp_group = hcg.get_model_parallel_group()
             env.sequence_parallel = p.sequence_parallel

@@ -13,36 +13,32 @@ import copy
 import paddle
 from paddle import nn
 
+from ..model.init import mark_normal
 from ..model.layers import RMSNorm
 from ..moe.dispatcher import LocalDispatcher
 from . import tensor_parallel as tp
 from .comm import GatherAlong, SplitAlong, SumOverRanks
 from .expert_parallel import ExpertParallelDispatcher, TensorParallelExpertDispatcher, local_expert_ids
 
+_ZERO = paddle.ParamAttr(initializer=nn.initializer.Constant(0.0))
+
 
 class SingleDevicePlan:
     def __init__(self, initializer_range: float = 0.02):
         self.std = initializer_range
-        self.deferred_init = False
 
-    def _weight(self):
-        if self.deferred_init:
-            return paddle.ParamAttr(initializer=nn.initializer.Constant(0.0))
-        return paddle.ParamAttr(initializer=nn.initializer.Normal(std=self.std))
-
-    def deferred(self) -> SingleDevicePlan:
-        """Plain local layers whose weights start at 0 without drawing random numbers (the caller fills them)."""
-        plan = SingleDevicePlan(self.std)
-        plan.deferred_init = True
-        return plan
+    def local(self) -> SingleDevicePlan:
+        """Plain local layers, for pieces no layout splits (routed experts)."""
+        return SingleDevicePlan(self.std)
 
     def full_sequence(self) -> SingleDevicePlan:
         """The plan for a block that sees the whole sequence (the MoE block under sequence parallelism)."""
         return self
 
-    def linear(self, in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-        bias_attr = paddle.ParamAttr(initializer=nn.initializer.Constant(0.0)) if bias else False
-        return nn.Linear(in_features, out_features, weight_attr=self._weight(), bias_attr=bias_attr)
+    def linear(self, in_features: int, out_features: int) -> nn.Linear:
+        layer = nn.Linear(in_features, out_features, weight_attr=_ZERO, bias_attr=False)
+        mark_normal(layer.weight, self.std)  # drawn by name once the model is built (model.init)
+        return layer
 
     # Megatron's names: column-parallel layers split their output features (``segments``: fused pieces such
     # as q/k/v, each split on its own), row-parallel ones their input features.
@@ -53,7 +49,9 @@ class SingleDevicePlan:
         return self.linear(in_features, out_features)
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Layer:
-        return nn.Embedding(num_embeddings, dim, weight_attr=self._weight())
+        layer = nn.Embedding(num_embeddings, dim, weight_attr=_ZERO)
+        mark_normal(layer.weight, self.std)
+        return layer
 
     def norm(self, dim: int, eps: float) -> RMSNorm:
         return RMSNorm(dim, eps)
@@ -107,26 +105,21 @@ class ParallelPlan(SingleDevicePlan):
         plan.sequence_parallel = False
         return plan
 
-    def _draw(self, shape: list[int]):
-        """What one device would draw for this weight (the same random stream), as NumPy."""
-        holder = nn.Layer()
-        return holder.create_parameter(shape, attr=self._weight()).numpy()
-
     def column_linear(self, in_features, out_features, segments=None):
         if self.tp_group is None:
             return super().column_linear(in_features, out_features, segments)
-        return tp.ColumnParallelLinear(self._draw([in_features, out_features]), self.tp_group,
-                                       self.sequence_parallel, segments)
+        return tp.ColumnParallelLinear(in_features, out_features, self.tp_group, self.sequence_parallel, self.std,
+                                       segments)
 
     def row_linear(self, in_features, out_features):
         if self.tp_group is None:
             return super().row_linear(in_features, out_features)
-        return tp.RowParallelLinear(self._draw([in_features, out_features]), self.tp_group, self.sequence_parallel)
+        return tp.RowParallelLinear(in_features, out_features, self.tp_group, self.sequence_parallel, self.std)
 
     def embedding(self, num_embeddings, dim):
         if self.tp_group is None:
             return super().embedding(num_embeddings, dim)
-        return tp.VocabParallelEmbedding(self._draw([num_embeddings, dim]), self.tp_group)
+        return tp.VocabParallelEmbedding(num_embeddings, dim, self.tp_group, self.std)
 
     def norm(self, dim, eps):
         norm = RMSNorm(dim, eps)

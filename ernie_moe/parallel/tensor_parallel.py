@@ -1,9 +1,9 @@
 """Tensor-parallel layers (Megatron-style) over a tensor-parallel group, with optional sequence parallelism.
 
-Weights are slices of the tensor a single device would have drawn, so any layout starts from the same
-model. Each split parameter carries ``is_distributed``, ``split_axis`` and ``segments`` (the fused pieces,
-such as q/k/v or gate/up, each split evenly), which is how fleet marks them and how the exporter and
-gradient clipping put them back together.
+Weights are slices of the tensor a single device would have drawn (``model.init`` draws by name), so any
+layout starts from the same model. Each split parameter carries ``is_distributed``, ``split_axis`` and
+``segments`` (the fused pieces, such as q/k/v or gate/up, each split evenly), which is how fleet marks them
+and how the exporter and gradient clipping put them back together.
 """
 
 from __future__ import annotations
@@ -28,11 +28,23 @@ def shard_index(segments: list[int], rank: int, size: int) -> np.ndarray:
     return np.concatenate(index)
 
 
-def _sharded_parameter(layer: nn.Layer, full: np.ndarray, axis: int, segments: list[int], group) -> paddle.Tensor:
-    piece = np.take(full, shard_index(segments, group.rank, group.nranks), axis=axis)
-    param = layer.create_parameter(list(piece.shape), default_initializer=nn.initializer.Assign(piece))
+def _sharded_parameter(layer: nn.Layer, shape: list[int], axis: int, segments: list[int], group,
+                       std: float) -> paddle.Tensor:
+    """This rank's slice of a ``shape`` tensor, drawn later by name (``model.init``) from the whole tensor."""
+    local = list(shape)
+    local[axis] = shape[axis] // group.nranks
+    param = layer.create_parameter(local, default_initializer=nn.initializer.Constant(0.0))
     param.is_distributed, param.split_axis, param.segments = True, axis, list(segments)
+    param.full_shape, param.tp_rank, param.tp_size = list(shape), group.rank, group.nranks
+    param.init_rule = ("normal", std)
     return param
+
+
+def shard_of(param, full: np.ndarray) -> np.ndarray:
+    """This rank's slice of ``full`` for ``param`` (``full`` itself for a parameter that is not split)."""
+    if not getattr(param, "is_distributed", False):
+        return full
+    return np.take(full, shard_index(param.segments, param.tp_rank, param.tp_size), axis=param.split_axis)
 
 
 def enter_region(x: paddle.Tensor, group, sequence_parallel: bool) -> paddle.Tensor:
@@ -52,10 +64,11 @@ def leave_region(x: paddle.Tensor, group, sequence_parallel: bool) -> paddle.Ten
 class ColumnParallelLinear(nn.Layer):
     """``y[:, own columns] = x W[:, own columns]``; the output stays split over the ranks."""
 
-    def __init__(self, full_weight: np.ndarray, group, sequence_parallel: bool, segments: list[int] | None = None):
+    def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool, std: float,
+                 segments: list[int] | None = None):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _sharded_parameter(self, full_weight, 1, segments or [full_weight.shape[1]], group)
+        self.weight = _sharded_parameter(self, [in_features, out_features], 1, segments or [out_features], group, std)
 
     def forward(self, x):
         return paddle.matmul(enter_region(x, self.group, self.sequence_parallel), self.weight)
@@ -64,10 +77,10 @@ class ColumnParallelLinear(nn.Layer):
 class RowParallelLinear(nn.Layer):
     """``y = sum over ranks of x[:, own rows] W[own rows, :]``; the input arrives split over the ranks."""
 
-    def __init__(self, full_weight: np.ndarray, group, sequence_parallel: bool):
+    def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool, std: float):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _sharded_parameter(self, full_weight, 0, [full_weight.shape[0]], group)
+        self.weight = _sharded_parameter(self, [in_features, out_features], 0, [in_features], group, std)
 
     def forward(self, x):
         return leave_region(paddle.matmul(x, self.weight), self.group, self.sequence_parallel)
@@ -76,10 +89,10 @@ class RowParallelLinear(nn.Layer):
 class VocabParallelEmbedding(nn.Layer):
     """Each rank holds a block of vocabulary rows; ids outside it look up zeros and the ranks' rows are summed."""
 
-    def __init__(self, full_weight: np.ndarray, group):
+    def __init__(self, num_embeddings: int, dim: int, group, std: float):
         super().__init__()
         self.group = group
-        self.weight = _sharded_parameter(self, full_weight, 0, [full_weight.shape[0]], group)
+        self.weight = _sharded_parameter(self, [num_embeddings, dim], 0, [num_embeddings], group, std)
         self.start = group.rank * self.weight.shape[0]
 
     def forward(self, ids):

@@ -8,32 +8,40 @@ import paddle
 from ..data import collate
 from ..data.packing import SCORE_CATEGORIES
 
+CATEGORIES = len(SCORE_CATEGORIES) + 1
+SCORE_SIZE = 3 + 2 * CATEGORIES  # loss sum, label tokens, correct tokens, then (scored, correct) per category
+
+
+def batch_scores(plan, logits, labels, scored, loss_sum) -> np.ndarray:
+    """One batch's contribution to the evaluation sums; ``scored [rows, seq]`` is each position's category."""
+    has_label = labels != -100
+    correct = paddle.logical_and(plan.predict(logits) == labels, has_label).numpy()
+    category = np.asarray(scored)
+    seen = np.bincount(category.reshape(-1), minlength=CATEGORIES)
+    right = np.bincount(category[correct], minlength=CATEGORIES)
+    return np.array([float(loss_sum), float(has_label.sum()), float(correct.sum()), *seen, *right])
+
 
 @paddle.no_grad()
 def evaluate(model, batches, env, max_batches: int = 0) -> dict:
     was_training = model.training
     model.eval()
-    categories = len(SCORE_CATEGORIES) + 1
-    # loss sum, label tokens, correct tokens, then (scored, correct) per caption category
-    totals = paddle.zeros([3 + 2 * categories], dtype="float64")
+    totals = np.zeros(SCORE_SIZE)
     for i, rows in enumerate(batches):
         if max_batches and i >= max_batches:
             break
         batch = collate(rows)
         out = model(batch, return_logits=True)
-        has_label = batch.labels != -100
-        correct = paddle.logical_and(model.plan.predict(out.logits) == batch.labels, has_label).numpy()
-        category = np.stack([r.scored for r in rows])
-        seen = np.bincount(category.reshape(-1), minlength=categories)
-        right = np.bincount(category[correct], minlength=categories)
-        totals += paddle.to_tensor(
-            [float(out.loss_sum), float(has_label.sum()), float(correct.sum()), *seen, *right], dtype="float64")
-    env.all_reduce_sum(totals, env.data_group)  # tensor-parallel ranks evaluated the same rows
+        totals += batch_scores(model.plan, out.logits, batch.labels, np.stack([r.scored for r in rows]), out.loss_sum)
     if was_training:
         model.train()
-    values = totals.numpy()
+    return eval_metrics(env.all_reduce_sum(paddle.to_tensor(totals), env.data_group).numpy())
+
+
+def eval_metrics(values: np.ndarray) -> dict:
+    """The evaluation figures from the sums over every batch and rank."""
     loss_sum, tokens, correct = values[:3]
-    seen, right = values[3: 3 + categories], values[3 + categories:]
+    seen, right = values[3: 3 + CATEGORIES], values[3 + CATEGORIES:]
     if not tokens:
         return {}
     result = {"eval_loss": loss_sum / tokens, "eval_token_accuracy": correct / tokens}

@@ -27,7 +27,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         t = cfg.training
-        self.env = init_distributed(cfg.parallel)
+        self.env = init_distributed(cfg.parallel, t)
         paddle.seed(t.seed)
         self.tokenizer = build_tokenizer(cfg)
         check_tokenizer(self.tokenizer, cfg.model)
