@@ -131,9 +131,9 @@ def check_expert_dispatch(group, rng):
 
 
 if __name__ == "__main__":
-    with cpu_fallbacks.private_group_rendezvous():
-        dist.init_parallel_env()
-        group = dist.new_group([0, 1])
+    cpu_fallbacks.use_private_group_rendezvous()
+    dist.init_parallel_env()
+    group = dist.new_group([0, 1])
     rng = np.random.default_rng(0)  # the same draws on both ranks
     check_linears(group, rng, sequence_parallel=False)
     check_linears(group, rng, sequence_parallel=True)

@@ -18,39 +18,55 @@ STEPS = 5
 COMMON = [f"training.max_steps={STEPS}", "logging.logging_steps=1", f"training.eval_steps={STEPS}",
           "training.adam_epsilon=1e-6", "data.num_eval_samples=7", "training.per_device_eval_batch_size=1",
           "model.global_aux_loss=true"]
-GLOBAL_ROWS = 4
+ROWS = 4  # rows of each global micro-batch
+# Router statistics are those of one micro-batch: layouts that accumulate micro-batches (every pipeline) are
+# compared with a single process that accumulates the same micro-batches.
+ACCUMULATE = ["training.gradient_accumulation_steps=2"]
+# fleet's interleaved schedule needs 3 stages or more and 2 x stages micro-batches; 3 x 2 chunks of one layer
+INTERLEAVED = ["training.gradient_accumulation_steps=6", "model.num_hidden_layers=6"]
+TP2, PP2 = "parallel.tensor_parallel_degree=2", "parallel.pipeline_parallel_degree=2"
 
-# name: (processes, data ranks, overrides)
+# name: (processes, data ranks, layout overrides, overrides shared with the reference run)
 LAYOUTS = {
-    "dp2": (2, 2, []),
-    "tp2": (2, 1, ["parallel.tensor_parallel_degree=2"]),
-    "tp2_sp": (2, 1, ["parallel.tensor_parallel_degree=2", "parallel.sequence_parallel=true",
-                      "parallel.moe_group=mp"]),
-    "tp2_moe_mp": (2, 1, ["parallel.tensor_parallel_degree=2", "parallel.moe_group=mp"]),
-    "sharding2": (2, 2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage1"]),
-    "ep2": (2, 2, ["parallel.expert_parallel_degree=2"]),
-    "dp2_tp2": (4, 2, ["parallel.tensor_parallel_degree=2"]),
-    "dp2_tp2_moe_mp_sp": (4, 2, ["parallel.tensor_parallel_degree=2", "parallel.moe_group=mp",
-                                 "parallel.sequence_parallel=true"]),
+    "dp2": (2, 2, [], []),
+    "tp2": (2, 1, [TP2], []),
+    "tp2_sp": (2, 1, [TP2, "parallel.sequence_parallel=true", "parallel.moe_group=mp"], []),
+    "tp2_moe_mp": (2, 1, [TP2, "parallel.moe_group=mp"], []),
+    "sharding2": (2, 2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage1"], []),
+    "ep2": (2, 2, ["parallel.expert_parallel_degree=2"], []),
+    "pp2": (2, 1, [PP2], ACCUMULATE),
+    "pp3_vpp2": (3, 1, ["parallel.pipeline_parallel_degree=3", "parallel.virtual_pp_degree=2"], INTERLEAVED),
+    "dp2_tp2": (4, 2, [TP2], []),
+    "dp2_tp2_moe_mp_sp": (4, 2, [TP2, "parallel.moe_group=mp", "parallel.sequence_parallel=true"], []),
     "ep2_sharding2": (4, 4, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage1",
-                             "parallel.expert_parallel_degree=2"]),
+                             "parallel.expert_parallel_degree=2"], []),
+    "tp2_pp2": (4, 1, [TP2, PP2], ACCUMULATE),
+    "dp2_pp2_ep2": (4, 2, [PP2, "parallel.expert_parallel_degree=2"], ACCUMULATE),
 }
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The single-process run, once for the module."""
-    out, _ = launch(tmp_path_factory.mktemp("one"), 1, *COMMON, f"training.per_device_train_batch_size={GLOBAL_ROWS}",
-                    name="one")
-    return out
+    """Single-process runs, one per set of shared overrides, each made once for the module."""
+    runs = {}
+
+    def get(shared: list[str]):
+        key = tuple(shared)
+        if key not in runs:
+            tmp = tmp_path_factory.mktemp("one")
+            runs[key], _ = launch(tmp, 1, *COMMON, *shared, f"training.per_device_train_batch_size={ROWS}",
+                                  name="one")
+        return runs[key]
+
+    return get
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(tmp_path, reference, layout):
-    nproc, data_ranks, overrides = LAYOUTS[layout]
-    one = reference
-    many, _ = launch(tmp_path, nproc, *COMMON, *overrides,
-                     f"training.per_device_train_batch_size={GLOBAL_ROWS // data_ranks}", name=layout)
+    nproc, data_ranks, overrides, shared = LAYOUTS[layout]
+    one = reference(shared)
+    many, _ = launch(tmp_path, nproc, *COMMON, *shared, *overrides,
+                     f"training.per_device_train_batch_size={ROWS // data_ranks}", name=layout)
     train = [[r for r in records(out) if "loss" in r] for out in (one, many)]
     assert len(train[1]) == STEPS
     assert all(r["aux_loss"] > 0 for r in train[0])

@@ -33,19 +33,24 @@ def stable_state(model, tp_group=None) -> dict:
 def save_model(model, model_cfg, directory: str, tokenizer=None, env=None) -> Path:
     """Write every parameter in full (Paddle layout, [in, out] linears) under its stable name.
 
-    Called on every rank. Rank r of the expert group that holds rank 0 writes shard r + 1 with its experts,
-    rank 0 adding every shared parameter; without expert groups rank 0 writes one shard.
+    Called on every rank. In each pipeline stage, rank r of the expert group holding the stage's lead rank
+    writes a shard with its experts, the lead adding the stage's other parameters; without expert groups
+    the lead writes the stage's shard.
     """
     out = Path(directory)
     rank = env.rank if env else 0
+    lead = env.stage_lead if env else 0
     group = env.expert_group if env else None
-    writers = group.nranks if group is not None else 1
-    writer = group.rank if group is not None and 0 in group.ranks else (0 if rank == 0 else None)
+    per_stage = group.nranks if group is not None else 1
+    stage, stages = (env.pp_rank, env.pp_world) if env else (0, 1)
+    writers = per_stage * stages
+    in_group = group.rank if group is not None and lead in group.ranks else (0 if rank == lead else None)
+    writer = None if in_group is None else stage * per_stage + in_group
     state = stable_state(model, env.tp_group if env else None)
     parts = {}
     if writer is not None:
         for name, tensor in state.items():
-            if rank == 0 or ".mlp.experts." in name:
+            if rank == lead or ".mlp.experts." in name:
                 parts[name] = np.ascontiguousarray(tensor.numpy())
         out.mkdir(parents=True, exist_ok=True)
         filename = f"model-{writer + 1:05d}-of-{writers:05d}.safetensors"

@@ -145,11 +145,12 @@ class TrainingConfig:
 @dataclass
 class ParallelConfig:
     # The data-parallel degree is what the other degrees leave of the launched processes:
-    # world = data x sharding x tensor x pipeline. Expert groups come out of the data x sharding ranks
+    # world = data x pipeline x sharding x tensor. Expert groups come out of the data x sharding ranks
     # (moe_group 'ep') or are the tensor-parallel ranks (moe_group 'mp').
     tensor_parallel_degree: int = opt(1, "tensor-parallel ranks: attention heads, MLP width and vocabulary are split")
-    pipeline_parallel_degree: int = opt(1, "pipeline stages (must be 1 in this release)")
-    virtual_pp_degree: int = opt(1, "interleaved stages per pipeline rank (must be 1 in this release)")
+    pipeline_parallel_degree: int = opt(1, "pipeline stages (fleet's PipelineLayer and 1F1B schedule); "
+                                           "micro-batches = training.gradient_accumulation_steps")
+    virtual_pp_degree: int = opt(1, "model chunks per pipeline rank (fleet's interleaved schedule)")
     sharding_parallel_degree: int = opt(1, "ranks the optimizer states are split over (ZeRO); needs 'sharding'")
     sharding: str = choice("", "", "stage1", "stage2",
                            doc="sharding stage: stage1 splits optimizer states; stage2 also gradients (GPU only)")

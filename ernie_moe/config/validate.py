@@ -142,9 +142,20 @@ def _check_parallel(cfg: Config) -> None:
     }
     for name, value in degrees.items():
         _require(value >= 1, f"parallel.{name} must be at least 1, got {value}.")
-    _require(p.pipeline_parallel_degree == 1 and p.virtual_pp_degree == 1,
-             "parallel.pipeline_parallel_degree / virtual_pp_degree: pipeline parallelism is not available in "
-             "this release; set both to 1 and use tensor, sharding, expert or data parallelism.")
+    pp, vpp = p.pipeline_parallel_degree, p.virtual_pp_degree
+    _require(vpp == 1 or pp > 1, f"parallel.virtual_pp_degree ({vpp}) interleaves pipeline stages; it needs "
+                                 "parallel.pipeline_parallel_degree > 1 (or set it to 1).")
+    _require(m.num_hidden_layers % (pp * vpp) == 0,
+             f"model.num_hidden_layers ({m.num_hidden_layers}) must be divisible by pipeline_parallel_degree x "
+             f"virtual_pp_degree ({pp} x {vpp}): every stage gets the same number of decoder layers.")
+    gas = cfg.training.gradient_accumulation_steps
+    _require(pp == 1 or gas >= pp,
+             f"training.gradient_accumulation_steps ({gas}) is the pipeline's number of micro-batches; with fewer "
+             f"than pipeline_parallel_degree ({pp}) stages sit idle most of the step: raise it to at least {pp}.")
+    _require(vpp == 1 or pp >= 3, f"parallel.virtual_pp_degree ({vpp}): fleet's interleaved schedule needs at "
+                                  f"least 3 pipeline stages, got pipeline_parallel_degree {pp}.")
+    _require(pp == 1 or p.sharding != "stage2",
+             "parallel.sharding 'stage2' cannot be combined with pipeline parallelism; use 'stage1'.")
     tp = p.tensor_parallel_degree
     if tp > 1:
         for name, value in (("num_attention_heads", m.num_attention_heads),

@@ -66,6 +66,7 @@ class ErnieVLModel(nn.Layer):
 class ErnieMoEForConditionalGeneration(nn.Layer):
     def __init__(self, cfg, plan=None):
         super().__init__()
+        seed = int(paddle.randint(0, 2**31 - 1, [1]))  # first, so that it does not depend on what gets built
         self.cfg = cfg
         self.plan = plan or SingleDevicePlan(cfg.initializer_range)
         self.vision_model = VisionTransformer(cfg.vision_config)
@@ -74,10 +75,16 @@ class ErnieMoEForConditionalGeneration(nn.Layer):
             self.lm_head = self.plan.column_linear(cfg.hidden_size, cfg.vocab_size)
         mark_default_rules(self.vision_model)
         mark_default_rules(self.model.resampler_model)
-        init_weights(self.stable_named_parameters(), seed=int(paddle.randint(0, 2**31 - 1, [1])))
+        init_weights(self.stable_named_parameters(), seed)
 
     def moe_layers(self):
         return [layer.mlp for layer in self.model.layers if layer.is_moe]
+
+    def decoder_layers(self):
+        return list(self.model.layers)
+
+    def vision_modules(self):
+        return [self.vision_model, self.model.resampler_model]
 
     def stable_named_parameters(self):
         """(name in the exported model, parameter): routed experts carry their global ids wherever they live."""

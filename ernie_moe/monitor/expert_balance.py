@@ -53,20 +53,30 @@ def heat_map(rows: list[np.ndarray], cell: int = 16) -> np.ndarray:
     return image.repeat(cell, axis=0).repeat(cell, axis=1)
 
 
+def layer_windows(layers) -> list[dict]:
+    """Each MoE layer's window as plain data (resets its counters), so pipeline stages can send theirs."""
+    return [{"layer_idx": moe.layer_idx, "router_counts": list(moe.router_counts),
+             "group_modality": list(moe.group_modality), "window": moe.stats.pop_window(),
+             "bias": None if moe.moe_statics is None else moe.moe_statics.e_score_correction_bias.numpy()}
+            for moe in layers]
+
+
 def summarize(layers):
     """(scalars, histograms, images) for the window; resets each layer's counters.
 
-    ``layers`` are the model's MoE layers, their counters already summed over the ranks that saw different tokens.
+    ``layers``: the model's MoE layers, their counters already summed over the ranks that saw different
+    tokens, or their :func:`layer_windows` (gathered from every pipeline stage).
     """
+    windows = [w if isinstance(w, dict) else layer_windows([w])[0] for w in layers]
     scalars: dict[str, float] = {}
     histograms: dict[str, np.ndarray] = {}
     maps: dict[str, list[np.ndarray]] = {}
     loss_totals, loss_terms = np.zeros(len(LOSS_NAMES)), 0
-    for moe in layers:
-        window = moe.stats.pop_window()
+    for layer in sorted(windows, key=lambda w: w["layer_idx"]):
+        window = layer["window"]
         offset = 0
-        for g, size in enumerate(moe.router_counts):
-            name = GROUP_NAMES[moe.group_modality[g]]
+        for g, size in enumerate(layer["router_counts"]):
+            name = GROUP_NAMES[layer["group_modality"][g]]
             routed = window["routed"][offset: offset + size]
             kept = window["kept"][offset: offset + size]
             offset += size
@@ -75,13 +85,13 @@ def summarize(layers):
                 loss_totals += means
                 loss_terms += 1
                 for loss_name, value in zip(LOSS_NAMES, means):
-                    scalars[f"router/layer{moe.layer_idx}_{name}/{loss_name}"] = float(value)
+                    scalars[f"router/layer{layer['layer_idx']}_{name}/{loss_name}"] = float(value)
             if routed.sum() == 0:
                 continue
-            tag = f"moe/layer{moe.layer_idx}_{name}"
+            tag = f"moe/layer{layer['layer_idx']}_{name}"
             scalars.update({f"{tag}/{key}": value for key, value in load_figures(routed, kept).items()})
-            if moe.moe_statics is not None:
-                bias = moe.moe_statics.e_score_correction_bias.numpy()[g, :size]
+            if layer["bias"] is not None:
+                bias = layer["bias"][g, :size]
                 scalars[f"{tag}/bias_range"] = float(bias.max() - bias.min())
             histograms[f"{tag}/tokens_per_expert"] = routed
             maps.setdefault(name, []).append(routed)

@@ -29,7 +29,7 @@ class FlopsCounter:
     def __init__(self, model, model_cfg):
         self.cfg = model_cfg
         self.layers = []
-        for layer in model.model.layers:
+        for layer in model.decoder_layers():  # this rank's (its pipeline stage's) layers
             entry = {"attn": _count(layer.self_attn), "moe": layer.mlp if layer.is_moe else None}
             if layer.is_moe:
                 moe = layer.mlp
@@ -42,8 +42,8 @@ class FlopsCounter:
             else:
                 entry["dense"] = _count(layer.mlp)
             self.layers.append(entry)
-        self.vit = _count(model.vision_model)
-        self.adapter = _count(model.model.resampler_model)
+        vision = model.vision_modules()  # on the first pipeline stage only
+        self.vit, self.adapter = (_count(vision[0]), _count(vision[1])) if vision else (0, 0)
 
     def batch_flops(self, batch) -> float:
         """Forward + backward FLOPs of one micro-batch."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
+import paddle.distributed as dist
 
 from .alerts import Alerts
-from .expert_balance import summarize
+from .expert_balance import layer_windows, summarize
 from .flops import FlopsCounter, hardware_peak
 from .memory import MemoryMonitor
 from .metrics import MetricsLogger
@@ -50,7 +51,12 @@ class TrainingMonitor:
         }
         for moe in self.model.moe_layers():
             moe.stats.all_reduce(lambda t: self.env.all_reduce_sum(t, self.env.data_group))
-        scalars, histograms, images = summarize(self.model.moe_layers())
+        windows = layer_windows(self.model.moe_layers())
+        if self.env.pp_group is not None:  # every stage's layers reach rank 0
+            gathered: list = []
+            dist.all_gather_object(gathered, windows, group=self.env.pp_group)
+            windows = [w for stage in gathered for w in stage]
+        scalars, histograms, images = summarize(windows)
         metrics.update(scalars)
         if self.enabled:
             tflops = window["flops"] / window["time"] / 1e12

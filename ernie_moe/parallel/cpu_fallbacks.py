@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import socket
@@ -45,10 +44,10 @@ PIPELINE_CONFIGS = {"use_batch_p2p_comm": False}
 
 
 def give_cpu_a_device_id() -> None:
-    """``PipelineLayer`` reads ``ParallelEnv().device_id``, which the CPU environment does not set."""
-    env = dist.ParallelEnv()
-    if not hasattr(env, "_device_id"):
-        env._device_id = 0
+    """``PipelineLayer`` reads ``ParallelEnv().device_id``, which the CPU environment does not set (a fresh
+    ``ParallelEnv`` is made on every call, so the default goes on the class)."""
+    if not hasattr(dist.ParallelEnv(), "_device_id"):
+        dist.ParallelEnv._device_id = 0
 
 
 def reduce_scatter(x: paddle.Tensor, axis: int, group) -> paddle.Tensor:
@@ -58,23 +57,25 @@ def reduce_scatter(x: paddle.Tensor, axis: int, group) -> paddle.Tensor:
     return paddle.split(out, group.nranks, axis=axis)[group.rank].contiguous()
 
 
-@contextlib.contextmanager
-def private_group_rendezvous():
-    """Give every new gloo group its own rendezvous store.
+def use_private_group_rendezvous() -> None:
+    """Give every gloo group created from now on its own rendezvous store.
 
     ``ProcessGroupGloo`` connects its members through the global TCP store under keys that are just the
     group rank ("0", "1", ...), the same keys for every group. A member can then read the address a rank
     of an earlier group published and connect to the wrong peer ("Connection refused", a gloo TIMEOUT or
     "136 vs 45" address-size errors, mostly with four or more ranks). Here each group's lowest rank opens
     a fresh store, announces it under a key unique to that group, and the group's rendezvous runs there.
-    fleet's topology calls ``paddle.distributed.new_group`` too, so the wrapper is installed for the duration.
+    fleet (its topology, ``PipelineLayer``'s shared-weight groups) calls ``paddle.distributed.new_group``,
+    which is replaced for the life of the process; every rank creates every group in the same order.
     """
+    if getattr(dist.new_group, "private_rendezvous", False):
+        return
     original = dist.new_group
     stores = []  # the group stores live as long as the process
     counter = itertools.count()
 
     def with_own_store(ranks=None, *args, **kwargs):
-        number = next(counter)  # every rank creates every group in the same order
+        number = next(counter)
         members = sorted(ranks) if ranks is not None else list(range(dist.get_world_size()))
         if len(members) < 2 or dist.get_rank() not in members:
             return original(ranks, *args, **kwargs)
@@ -87,11 +88,8 @@ def private_group_rendezvous():
         finally:
             collective._default_store = global_store
 
+    with_own_store.private_rendezvous = True
     dist.new_group = with_own_store
-    try:
-        yield
-    finally:
-        dist.new_group = original
 
 
 def _group_store(number: int, members: list[int]):

@@ -9,7 +9,6 @@ itself (``moe_group: mp``).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import paddle
@@ -34,6 +33,7 @@ class DistEnv:
     expert_group: object = None  # ranks that split the experts between them
     expert_replica_group: object = None  # ranks holding the same experts (None when there is one copy)
     sharding: str = ""
+    stage_lead: int = 0  # the rank that writes this pipeline stage's shared weights (data rank 0, tp rank 0)
 
     @property
     def is_main(self) -> bool:
@@ -60,9 +60,9 @@ class DistEnv:
         """Every rank holds the whole model and the plain optimizer: fleet's data-parallel wrapper applies."""
         return self.tp_group is None and self.pp_group is None and self.expert_group is None and not self.sharding
 
-    def all_reduce_sum(self, tensor: paddle.Tensor, group=None) -> paddle.Tensor:
-        """Sum over ranks (in place); a no-op on one process, where the global group does not exist."""
-        if self.world_size > 1 and (group is None or group.nranks > 1):
+    def all_reduce_sum(self, tensor: paddle.Tensor, group) -> paddle.Tensor:
+        """Sum over ``group`` (in place); a no-op without a group (one process, or a degree of 1)."""
+        if group is not None and group.nranks > 1:
             dist.all_reduce(tensor, group=group)
         return tensor
 
@@ -135,42 +135,47 @@ def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
                                      "micro_batch_size": training_cfg.per_device_train_batch_size}
         if on_cpu:
             cpu_fallbacks.give_cpu_a_device_id()
-    with cpu_fallbacks.private_group_rendezvous() if on_cpu else contextlib.nullcontext():
-        fleet.init(is_collective=True, strategy=strategy)
-        hcg = fleet.get_hybrid_communicate_group()
-        rank = dist.get_rank()
-        env = DistEnv(rank=rank, world_size=world, hcg=hcg, data_world=dp * sh, sharding=p.sharding,
-                      data_rank=hcg.get_data_parallel_rank() * sh + hcg.get_sharding_parallel_rank(),
-                      virtual_stages=p.virtual_pp_degree)
+    if on_cpu:
+        cpu_fallbacks.use_private_group_rendezvous()
+    fleet.init(is_collective=True, strategy=strategy)
+    hcg = fleet.get_hybrid_communicate_group()
+    rank = dist.get_rank()
+    env = DistEnv(rank=rank, world_size=world, hcg=hcg, data_world=dp * sh, sharding=p.sharding,
+                  data_rank=hcg.get_data_parallel_rank() * sh + hcg.get_sharding_parallel_rank(),
+                  virtual_stages=p.virtual_pp_degree)
 
-        def rank_of(data_rank: int, stage: int, tp_rank: int) -> int:
-            return ((data_rank // sh * pp + stage) * sh + data_rank % sh) * tp + tp_rank
+    def rank_of(data_rank: int, stage: int, tp_rank: int) -> int:
+        return ((data_rank // sh * pp + stage) * sh + data_rank % sh) * tp + tp_rank
 
-        assert rank == rank_of(env.data_rank, hcg.get_stage_id(), hcg.get_model_parallel_rank()), \
-            "unexpected fleet rank order"
-        # per (stage, tensor-parallel rank): the ranks that read different data
-        data_ranks = [[rank_of(d, s, t) for d in range(env.data_world)] for s in range(pp) for t in range(tp)]
-        env.data_group = new_groups(data_ranks)
-        if pp > 1:
-            env.pp_group = hcg.get_pipe_parallel_group()
-        if tp > 1:
-            env.tp_group = hcg.get_model_parallel_group()
-            env.sequence_parallel = p.sequence_parallel
-        if p.moe_group == "mp" and tp > 1:
-            env.expert_group = env.tp_group
-            env.expert_replica_group = env.data_group if env.data_world > 1 else None
-        elif p.expert_parallel_degree > 1:
-            ep = p.expert_parallel_degree
-            env.expert_group = new_groups([ranks[s: s + ep] for ranks in data_ranks
-                                           for s in range(0, len(ranks), ep)])
-            if env.data_world > ep:
-                env.expert_replica_group = new_groups([ranks[i::ep] for ranks in data_ranks for i in range(ep)])
-        elif env.data_world > 1:
-            env.expert_replica_group = env.data_group  # every data rank holds every expert
+    assert rank == rank_of(env.data_rank, hcg.get_stage_id(), hcg.get_model_parallel_rank()), \
+        "unexpected fleet rank order"
+    # per (stage, tensor-parallel rank): the ranks that read different data
+    data_ranks = [[rank_of(d, s, t) for d in range(env.data_world)] for s in range(pp) for t in range(tp)]
+    env.data_group = new_groups(data_ranks)
+    env.stage_lead = rank_of(0, hcg.get_stage_id(), 0)
+    if pp > 1:
+        env.pp_group = hcg.get_pipe_parallel_group()
+    if tp > 1:
+        env.tp_group = hcg.get_model_parallel_group()
+        env.sequence_parallel = p.sequence_parallel
+    if p.moe_group == "mp" and tp > 1:
+        env.expert_group = env.tp_group
+        env.expert_replica_group = env.data_group if env.data_world > 1 else None
+    elif p.expert_parallel_degree > 1:
+        ep = p.expert_parallel_degree
+        env.expert_group = new_groups([ranks[s: s + ep] for ranks in data_ranks
+                                       for s in range(0, len(ranks), ep)])
+        if env.data_world > ep:
+            env.expert_replica_group = new_groups([ranks[i::ep] for ranks in data_ranks for i in range(ep)])
+    elif env.data_world > 1:
+        env.expert_replica_group = env.data_group  # every data rank holds every expert
     return env
 
 
 def wrap_model(model, env: DistEnv):
-    """fleet's data-parallel wrapper for a pure data-parallel layout; other layouts synchronise gradients in
-    the trainer (see ``parallel.grad_sync``). fleet refuses to wrap on one rank."""
-    return fleet.distributed_model(model) if env.world_size > 1 and env.pure_data_parallel else model
+    """fleet's wrapper: its pipeline schedule for a pipeline, its data-parallel wrapper for a pure data-parallel
+    layout; other layouts synchronise gradients in the trainer (``parallel.grad_sync``). fleet refuses to wrap
+    on one rank."""
+    if env.pp_group is not None or (env.world_size > 1 and env.pure_data_parallel):
+        return fleet.distributed_model(model)
+    return model

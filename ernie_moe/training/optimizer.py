@@ -83,16 +83,19 @@ def split_experts(model) -> dict[str, list]:
 
 @paddle.no_grad()
 def clip_grad_norm(groups: dict[str, list], max_norm: float, reduce: dict | None = None,
-                   reduce_split=None) -> dict[str, float]:
+                   reduce_split=None, reduce_stages=None, uncounted: list = ()) -> dict[str, float]:
     """Scale all gradients so their global L2 norm is at most ``max_norm`` (0 = no clipping).
 
     Each parameter counts once: ``reduce[group]`` sums a group's squared norm over the ranks that hold
     different parts of it (the expert group for expert weights), ``reduce_split`` sums the squares of
-    tensor-parallel slices (parameters marked ``is_distributed``) over the tensor-parallel ranks.
-    Returns ``grad_norm`` (before clipping) and ``grad_norm_<group>`` for each group.
+    tensor-parallel slices (parameters marked ``is_distributed``) over the tensor-parallel ranks,
+    ``reduce_stages`` over the pipeline stages. ``uncounted`` parameters (a second stage's copy of a tied
+    weight) are scaled but not counted. Returns ``grad_norm`` (before clipping) and ``grad_norm_<group>``.
     """
+    skip = {id(p) for p in uncounted}
     squares = {}
     for group, params in groups.items():
+        params = [p for p in params if id(p) not in skip]
         square = _square_sum([p for p in params if not getattr(p, "is_distributed", False)])
         split = _square_sum([p for p in params if getattr(p, "is_distributed", False)])
         if reduce_split is not None:
@@ -100,11 +103,13 @@ def clip_grad_norm(groups: dict[str, list], max_norm: float, reduce: dict | None
         square = square + split
         if reduce and group in reduce:
             square = reduce[group](square.reshape([1])).reshape([])
+        if reduce_stages is not None:
+            square = reduce_stages(square.reshape([1])).reshape([])
         squares[group] = square
     norm = paddle.sqrt(paddle.add_n(list(squares.values())))
     if max_norm > 0:
         scale = paddle.clip(max_norm / (norm + 1e-6), max=1.0)
-        for params in groups.values():
+        for params in list(groups.values()):
             for p in params:
                 if p.grad is not None:
                     p.grad.multiply_(scale.astype(p.grad.dtype))

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import paddle
 import yaml
 from tqdm import tqdm
@@ -19,7 +20,8 @@ from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_bat
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..monitor.monitor import TrainingMonitor
 from ..parallel import build_plan, init_distributed, sync_gradients, wrap_model
-from .evaluate import evaluate
+from ..parallel.pipeline import ErniePipeline, stage_inputs
+from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
 from .optimizer import build_optimizer, clip_grad_norm, split_experts
 
 
@@ -31,7 +33,7 @@ class Trainer:
         paddle.seed(t.seed)
         self.tokenizer = build_tokenizer(cfg)
         check_tokenizer(self.tokenizer, cfg.model)
-        self.model = ErnieMoEForConditionalGeneration(cfg.model, build_plan(cfg.model, self.env))
+        self.model = build_model(cfg.model, self.env)
         self.ddp = wrap_model(self.model, self.env)
         self.optimizer, self.scheduler = build_optimizer(self.model, t, self.env)
         self.param_groups = split_experts(self.model)
@@ -81,9 +83,12 @@ class Trainer:
         result = self.forward_backward(micro_batches)
         env = self.env
         sync_gradients(self.param_groups, env)
-        reduce = {"expert": lambda x: env.all_reduce_sum(x, env.expert_group)} if env.expert_group else None
-        reduce_split = (lambda x: env.all_reduce_sum(x, env.tp_group)) if env.tp_group else None
-        result.update(clip_grad_norm(self.param_groups, t.max_grad_norm, reduce, reduce_split))
+        result.update(clip_grad_norm(
+            self.param_groups, t.max_grad_norm,
+            reduce={"expert": lambda x: env.all_reduce_sum(x, env.expert_group)},
+            reduce_split=lambda x: env.all_reduce_sum(x, env.tp_group),
+            reduce_stages=lambda x: env.all_reduce_sum(x, env.pp_group),
+            uncounted=self.model.tied_copies() if env.pp_group is not None else ()))
         result["lr"] = self.optimizer.get_lr()
         self.optimizer.step()
         self.optimizer.clear_grad()
@@ -102,6 +107,17 @@ class Trainer:
         label_tokens, tokens = env.all_reduce_sum(counts, env.data_group).numpy().tolist()
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.
         denominator = self._loss_denominator(label_tokens)
+        if env.pp_group is not None:
+            lm_sum, router_sum = self._pipeline_forward_backward(micro_batches, denominator)
+        else:
+            lm_sum, router_sum = self._forward_backward(micro_batches, denominator)
+        totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches)], dtype="float64")
+        env.all_reduce_sum(totals, env.pp_group)  # with pipeline stages only the last one computes the loss
+        lm_sum, router_mean = env.all_reduce_sum(totals, env.data_group).numpy().tolist()
+        return {"lm_loss_sum": lm_sum, "label_tokens": label_tokens, "router_loss": router_mean / env.data_world,
+                "tokens": tokens}
+
+    def _forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:
         lm_sum, router_sum = 0.0, 0.0
         wrapped = self.ddp is not self.model
         for i, batch in enumerate(micro_batches):
@@ -109,22 +125,63 @@ class Trainer:
             with self.ddp.no_sync() if sync_later else contextlib.nullcontext():
                 out = self.ddp(batch)
                 # Shared gradients are averaged over the data ranks afterwards, hence their number as a factor.
-                loss = out.loss_sum * (env.data_world / denominator) + out.router_loss / len(micro_batches)
+                loss = out.loss_sum * (self.env.data_world / denominator) + out.router_loss / len(micro_batches)
                 loss.backward()
             lm_sum += float(out.loss_sum)
             router_sum += float(out.router_loss)
-        totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches)], dtype="float64")
-        lm_sum, router_mean = env.all_reduce_sum(totals, env.data_group).numpy().tolist()
-        return {"lm_loss_sum": lm_sum, "label_tokens": label_tokens, "router_loss": router_mean / env.data_world,
-                "tokens": tokens}
+        return lm_sum, router_sum
+
+    def _pipeline_forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:
+        """fleet's 1F1B (or interleaved) schedule over the micro-batches; returns the last stage's loss sums."""
+        loss = self.model.loss
+        loss.reset()
+        # fleet divides each micro-batch's loss by their number: the scale undoes it
+        scale = self.env.data_world / denominator * len(micro_batches)
+        if self.env.virtual_stages > 1:
+            self.ddp.set_virtual_pipeline_rank(0)
+        self.ddp.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), None)
+        return loss.lm_sum, loss.router_sum
 
     def evaluate(self) -> dict:
         if self.eval_set is None:
             return {}
         rows = RowStream(self.eval_set, self.tokenizer, self.cfg, Counter(), shuffle=False)
-        global_rows = self.cfg.training.per_device_eval_batch_size * self.env.data_world
+        t = self.cfg.training
+        # fleet's pipeline schedule keeps the tensor shapes of the first step: evaluate in training-sized batches
+        per_device = t.per_device_train_batch_size if self.env.pp_group is not None else t.per_device_eval_batch_size
+        global_rows = per_device * self.env.data_world
         batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
+        if self.env.pp_group is not None:
+            return self._pipeline_evaluate(batches)
         return evaluate(self.model, batches, self.env, self.cfg.training.max_eval_batches)
+
+    def _pipeline_evaluate(self, batches) -> dict:
+        """Evaluation through fleet's schedule, forward only; the last stage's loss function scores each batch.
+        The schedule takes ``gradient_accumulation_steps`` micro-batches of the training shape at a time:
+        short batches and the last group are filled with unlabelled copies."""
+        t = self.cfg.training
+        loss, steps, limit, rows_per_batch = self.model.loss, t.gradient_accumulation_steps, t.max_eval_batches, \
+            t.per_device_train_batch_size
+        loss.score = lambda logits, labels, scored, lm_sum: batch_scores(self.model.plan, logits, labels,
+                                                                         scored.numpy(), lm_sum)
+        loss.reset()
+        group: list = []
+        with paddle.no_grad():
+            for i, rows in enumerate(batches):
+                if limit and i >= limit:
+                    break
+                group.append(rows)
+                if len(group) == steps:
+                    self.ddp.eval_batch(stage_inputs(*_scored(group, rows_per_batch), scale=1.0), compute_loss=True)
+                    group = []
+            if group:
+                group += [None] * (steps - len(group))
+                self.ddp.eval_batch(stage_inputs(*_scored(group, rows_per_batch), scale=1.0), compute_loss=True)
+        self.model.train()
+        totals = paddle.to_tensor(np.sum(loss.scores, axis=0) if loss.scores else np.zeros(SCORE_SIZE))
+        loss.score = None
+        self.env.all_reduce_sum(totals, self.env.pp_group)
+        return eval_metrics(self.env.all_reduce_sum(totals, self.env.data_group).numpy())
 
     # -------------------------------------------------------------- helpers
     def _loss_denominator(self, label_tokens: float) -> float:
@@ -157,6 +214,38 @@ class Trainer:
             summary["model_dir"] = str(final)
             (Path(self.cfg.training.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
         self.monitor.close()
+
+
+def build_model(model_cfg, env):
+    """The single-device model, or this rank's pipeline stages; expert weights that differ between ranks
+    are marked so that fleet's parameter broadcasts leave them alone."""
+    plan = build_plan(model_cfg, env)
+    if env.pp_group is not None:
+        model = ErniePipeline(model_cfg, plan, env, env.virtual_stages)
+    else:
+        model = ErnieMoEForConditionalGeneration(model_cfg, plan)
+    if env.expert_group is not None:
+        for name, param in model.named_parameters():
+            if ".mlp.experts." in name:
+                param.no_sync = True
+    return model
+
+
+def _scored(group: list, rows_per_batch: int) -> tuple[list, list]:
+    """Collated evaluation batches of ``rows_per_batch`` rows and their caption categories. Missing rows
+    (a short batch, a None entry) are filled with unlabelled copies, which add nothing to the scores."""
+    last = [rows for rows in group if rows][-1]
+    micro, scored = [], []
+    for rows in group:
+        keep = len(rows) if rows else 0
+        rows = rows or last
+        rows = rows + [rows[-1]] * (rows_per_batch - len(rows))
+        batch = collate(rows)
+        labels, category = batch.labels.numpy(), np.stack([r.scored for r in rows])
+        labels[keep:], category[keep:] = -100, 0
+        micro.append(dataclasses.replace(batch, labels=paddle.to_tensor(labels)))
+        scored.append(paddle.to_tensor(category))
+    return micro, scored
 
 
 def check_tokenizer(tokenizer, model_cfg) -> None:
