@@ -154,8 +154,10 @@ def _check_parallel(cfg: Config) -> None:
              f"than pipeline_parallel_degree ({pp}) stages sit idle most of the step: raise it to at least {pp}.")
     _require(vpp == 1 or pp >= 3, f"parallel.virtual_pp_degree ({vpp}): fleet's interleaved schedule needs at "
                                   f"least 3 pipeline stages, got pipeline_parallel_degree {pp}.")
-    _require(pp == 1 or p.sharding != "stage2",
-             "parallel.sharding 'stage2' cannot be combined with pipeline parallelism; use 'stage1'.")
+    _require(p.sharding != "stage2",
+             "parallel.sharding 'stage2' (gradients sharded too, paddle's group_sharded_parallel) is not available "
+             "in this release: it needs GPUs, cannot be combined with pipeline parallelism, and must keep expert "
+             "gradients out of the sharded reduction; use 'stage1'.")
     tp = p.tensor_parallel_degree
     if tp > 1:
         for name, value in (("num_attention_heads", m.num_attention_heads),

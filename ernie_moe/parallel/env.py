@@ -101,9 +101,10 @@ def check_layout(parallel_cfg, world_size: int) -> None:
     from ..config import ConfigError
 
     data_degree(parallel_cfg, world_size)
-    if parallel_cfg.sharding == "stage2" and paddle.device.get_device() == "cpu":
-        raise ConfigError("parallel.sharding 'stage2' runs through paddle's group_sharded_parallel, which needs "
-                          "GPUs (Paddle refuses the CPU); use 'stage1' here.")
+    on_cpu = paddle.device.get_device() == "cpu"
+    if parallel_cfg.virtual_pp_degree > 1 and on_cpu:
+        raise ConfigError("parallel.virtual_pp_degree > 1 needs GPUs: fleet's interleaved schedule stalls in its "
+                          "point-to-point exchange on the CPU (gloo) backend; use virtual_pp_degree 1 here.")
 
 
 def new_groups(rank_lists: list[list[int]]):
