@@ -123,3 +123,21 @@ def test_moe_group_mp_rules():
     cfg = load_config(None, ["parallel.tensor_parallel_degree=2", "parallel.sequence_parallel=true",
                              "parallel.moe_group=mp"])
     assert cfg.parallel.sequence_parallel
+
+
+@pytest.mark.parametrize("name, gpus, data_parallel", [("ernie45_vl_28b_a3b.yaml", 8, 1),
+                                                       ("ernie45_vl_424b_a47b.yaml", 96, 1)])
+def test_real_scale_configs_fit_their_gpu_counts(tmp_path, monkeypatch, name, gpus, data_parallel):
+    from ernie_moe.parallel.env import check_layout, data_degree
+
+    (tmp_path / "train.jsonl").write_text("")
+    (tmp_path / "tokenizer.model").write_bytes(b"")
+    cfg = load_config(ROOT / "configs" / name, [f"data.train_path={tmp_path / 'train.jsonl'}",
+                                                 f"data.tokenizer_path={tmp_path}"])
+    monkeypatch.setattr(paddle.device, "get_device", lambda: "gpu:0")
+    check_layout(cfg.parallel, gpus)
+    p = cfg.parallel
+    assert data_degree(p, gpus) == data_parallel
+    assert data_parallel * p.tensor_parallel_degree * p.pipeline_parallel_degree * p.sharding_parallel_degree == gpus
+    with pytest.raises(ConfigError, match="cannot hold"):
+        check_layout(cfg.parallel, gpus // 2 + 1)
