@@ -47,21 +47,30 @@ class ExpertParallelState(DispatchState):
     to_expert_major: paddle.Tensor = None  # received rows (source-major) -> local-expert-major
 
 
-class ExpertParallelDispatcher(LocalDispatcher):
+class _ByOwner(LocalDispatcher):
+    """Routing with the kept choices ordered by the rank that owns their expert, then its local expert."""
+
     def __init__(self, counts: list[int], group):
         self.group = group
         self.size, self.rank = group.nranks, group.rank
         self.local = sum(counts) // self.size
         self.position = paddle.to_tensor(rank_major_order(counts, self.size))
 
-    def dispatch(self, x, token_index, expert_ids, weights, num_experts, capacity):
+    def route_by_owner(self, token_index, expert_ids, weights, num_experts, capacity):
+        """Returns (token rows, weights, routed, kept, choices per [owner rank x local expert])."""
         flat_token, flat_weight, flat_expert, order, routed, kept = self.route(
             token_index, expert_ids, weights, num_experts, capacity)
-        # Send order: by owner rank, then by the owner's local expert.
         position = paddle.gather(self.position, paddle.gather(flat_expert, order))
         regroup = paddle.argsort(position, stable=True)
         order = paddle.gather(order, regroup)
-        per_slot = paddle.bincount(paddle.gather(position, regroup), minlength=num_experts)  # [ranks * local]
+        per_slot = paddle.bincount(paddle.gather(position, regroup), minlength=num_experts)
+        return paddle.gather(flat_token, order), paddle.gather(flat_weight, order), routed, kept, per_slot
+
+
+class ExpertParallelDispatcher(_ByOwner):
+    def dispatch(self, x, token_index, expert_ids, weights, num_experts, capacity):
+        rows, row_weights, routed, kept, per_slot = self.route_by_owner(
+            token_index, expert_ids, weights, num_experts, capacity)
         table: list[paddle.Tensor] = []
         dist.all_gather(table, per_slot, group=self.group)
         counts = np.stack([t.numpy() for t in table]).reshape(self.size, self.size, self.local)  # [src, dst, e]
@@ -69,15 +78,13 @@ class ExpertParallelDispatcher(LocalDispatcher):
         mine = counts[:, self.rank, :]  # [src, local expert]
         recv_splits = mine.sum(axis=1).tolist()
 
-        rows = paddle.gather(flat_token, order)
         received = all_to_all(paddle.gather(x, rows), send_splits, recv_splits, self.group)
         # received is source-major; the experts want their rows together
         starts = np.concatenate([[0], np.cumsum(mine.reshape(-1))[:-1]]).reshape(mine.shape)
         expert_major = [np.arange(starts[s, e], starts[s, e] + mine[s, e])
                         for e in range(self.local) for s in range(self.size)]
         index = paddle.to_tensor(np.concatenate(expert_major) if expert_major else np.zeros([0], np.int64))
-        state = ExpertParallelState(rows, paddle.gather(flat_weight, order), routed, kept,
-                                    send_splits, recv_splits, index)
+        state = ExpertParallelState(rows, row_weights, routed, kept, send_splits, recv_splits, index)
         inputs = paddle.gather(received, index) if received.shape[0] else received
         return paddle.split(inputs, mine.sum(axis=0).tolist(), axis=0), state
 
@@ -97,7 +104,7 @@ class TensorParallelExpertState(DispatchState):
     block_sizes: list[int] = None  # rows each rank's experts processed, in rank order
 
 
-class TensorParallelExpertDispatcher(LocalDispatcher):
+class TensorParallelExpertDispatcher(_ByOwner):
     """Experts spread over ranks that hold the same tokens: no all-to-all, one gather of the outputs.
 
     Routing runs identically on every rank. Each rank picks the rows of its own experts; the expert
@@ -105,32 +112,21 @@ class TensorParallelExpertDispatcher(LocalDispatcher):
     keeps the router's gradient complete on every rank.
     """
 
-    def __init__(self, counts: list[int], group):
-        self.group = group
-        self.size, self.rank = group.nranks, group.rank
-        self.local = sum(counts) // self.size
-        self.position = paddle.to_tensor(rank_major_order(counts, self.size))
-
     def dispatch(self, x, token_index, expert_ids, weights, num_experts, capacity):
-        flat_token, flat_weight, flat_expert, order, routed, kept = self.route(
+        rows, row_weights, routed, kept, per_slot = self.route_by_owner(
             token_index, expert_ids, weights, num_experts, capacity)
-        position = paddle.gather(self.position, paddle.gather(flat_expert, order))
-        regroup = paddle.argsort(position, stable=True)
-        order = paddle.gather(order, regroup)  # owner rank, then local expert
-        per_slot = paddle.bincount(paddle.gather(position, regroup), minlength=num_experts).numpy()
+        per_slot = per_slot.numpy()
         seen: list[paddle.Tensor] = []
         dist.all_gather(seen, paddle.to_tensor(per_slot), group=self.group)
         if any((t.numpy() != per_slot).any() for t in seen):
             raise RuntimeError("tensor-parallel ranks routed their (identical) tokens differently; their inputs "
                                "or router weights have diverged")
         per_rank = per_slot.reshape(self.size, self.local)
-        rows = paddle.gather(flat_token, order)
         start = int(per_rank[: self.rank].sum())
         mine = rows[start: start + int(per_rank[self.rank].sum())]
         # Only this rank's experts use these rows: their input gradient is summed over the ranks.
         inputs = paddle.gather(CopyToGroup.apply(x, self.group), mine)
-        state = TensorParallelExpertState(rows, paddle.gather(flat_weight, order), routed, kept,
-                                          per_rank.sum(axis=1).tolist())
+        state = TensorParallelExpertState(rows, row_weights, routed, kept, per_rank.sum(axis=1).tolist())
         return paddle.split(inputs, per_rank[self.rank].tolist(), axis=0), state
 
     def combine(self, expert_outputs, state: TensorParallelExpertState, num_rows: int):
