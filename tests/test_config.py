@@ -93,7 +93,7 @@ def test_cli_reports_config_errors_without_traceback(tmp_path):
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
 
 
-def test_layouts_must_fit_the_processes(monkeypatch):
+def test_layouts_must_fit_the_processes():
     from ernie_moe.parallel.env import check_layout, data_degree
 
     cfg = load_config(None, ["parallel.expert_parallel_degree=2"])
@@ -107,11 +107,6 @@ def test_layouts_must_fit_the_processes(monkeypatch):
         check_layout(cfg.parallel, 6)
     with pytest.raises(ConfigError, match="'stage2'.*not available"):
         load_config(None, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage2"])
-    cfg = load_config(None, ["parallel.pipeline_parallel_degree=4", "parallel.virtual_pp_degree=2",
-                             "model.num_hidden_layers=8", "training.gradient_accumulation_steps=8"])
-    monkeypatch.setattr(paddle.device, "get_device", lambda: "cpu")
-    with pytest.raises(ConfigError, match="virtual_pp_degree > 1 needs GPUs"):
-        check_layout(cfg.parallel, 4)
 
 
 def test_moe_group_mp_rules():

@@ -50,6 +50,43 @@ def give_cpu_a_device_id() -> None:
         dist.ParallelEnv._device_id = 0
 
 
+def pipeline_pairs(hcg) -> None:
+    """Route fleet's pipeline point-to-point traffic through a group per pair of neighbouring stages.
+
+    ProcessGroupGloo matches a send with a receive by a counter that every operation on the group advances.
+    On the whole pipeline group, two neighbours' counters drift apart as soon as a stage talks to both of its
+    neighbours in different numbers (the interleaved schedule's ring), and their messages never match. A
+    two-rank group per neighbouring pair sees exactly the operations of that pair, in the same order on both
+    ends. Every rank creates every pair group in the same order.
+    """
+    pipe_group = hcg.get_pipe_parallel_group()
+    pairs = {}
+    for ranks in hcg.topology().get_comm_list("pipe"):
+        for i in range(len(ranks)):
+            pair = tuple(sorted((ranks[i], ranks[(i + 1) % len(ranks)])))
+            if pair[0] != pair[1] and pair not in pairs:
+                pairs[pair] = dist.new_group(list(pair))
+    me = dist.get_rank()
+
+    def through_pair(original, peer_name):
+        def p2p(tensor, *args, **kwargs):  # (tensor, peer, group, ...), by position or by name
+            args = list(args)
+            peer = args[0] if args else kwargs.get(peer_name, 0)
+            group = args[1] if len(args) > 1 else kwargs.get("group")
+            if group is not None and group.id == pipe_group.id:
+                group = pairs[tuple(sorted((me, peer)))]
+                if len(args) > 1:
+                    args[1] = group
+                else:
+                    kwargs["group"] = group
+            return original(tensor, *args, **kwargs)
+
+        return p2p
+
+    for name, peer_name in (("send", "dst"), ("isend", "dst"), ("recv", "src"), ("irecv", "src")):
+        setattr(dist, name, through_pair(getattr(dist, name), peer_name))
+
+
 def reduce_scatter(x: paddle.Tensor, axis: int, group) -> paddle.Tensor:
     """Sum over ``group`` and keep this rank's equal piece along ``axis``: an all-reduce, then a slice."""
     out = x.clone()

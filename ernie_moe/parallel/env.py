@@ -98,13 +98,8 @@ def data_degree(parallel_cfg, world_size: int) -> int:
 
 def check_layout(parallel_cfg, world_size: int) -> None:
     """Degrees that do not fit the launched processes; raises ConfigError before any group is built."""
-    from ..config import ConfigError
-
     data_degree(parallel_cfg, world_size)
-    on_cpu = paddle.device.get_device() == "cpu"
-    if parallel_cfg.virtual_pp_degree > 1 and on_cpu:
-        raise ConfigError("parallel.virtual_pp_degree > 1 needs GPUs: fleet's interleaved schedule stalls in its "
-                          "point-to-point exchange on the CPU (gloo) backend; use virtual_pp_degree 1 here.")
+
 
 
 def new_groups(rank_lists: list[list[int]]):
@@ -156,6 +151,8 @@ def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
     env.stage_lead = rank_of(0, hcg.get_stage_id(), 0)
     if pp > 1:
         env.pp_group = hcg.get_pipe_parallel_group()
+        if on_cpu:
+            cpu_fallbacks.pipeline_pairs(hcg)
     if tp > 1:
         env.tp_group = hcg.get_model_parallel_group()
         env.sequence_parallel = p.sequence_parallel

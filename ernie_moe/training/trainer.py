@@ -166,6 +166,7 @@ class Trainer:
                                                                          scored.numpy(), lm_sum)
         loss.reset()
         group: list = []
+        self.ddp.eval()  # the schedule then skips its shape checks on outputs that carry no gradient
         with paddle.no_grad():
             for i, rows in enumerate(batches):
                 if limit and i >= limit:
@@ -177,7 +178,7 @@ class Trainer:
             if group:
                 group += [None] * (steps - len(group))
                 self.ddp.eval_batch(stage_inputs(*_scored(group, rows_per_batch), scale=1.0), compute_loss=True)
-        self.model.train()
+        self.ddp.train()
         totals = paddle.to_tensor(np.sum(loss.scores, axis=0) if loss.scores else np.zeros(SCORE_SIZE))
         loss.score = None
         self.env.all_reduce_sum(totals, self.env.pp_group)
