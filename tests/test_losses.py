@@ -44,3 +44,29 @@ def test_orthogonal_loss_matches_formula_and_is_zero_for_orthogonal_experts():
     np.testing.assert_allclose(float(losses.orthogonal_loss(paddle.to_tensor(w))), expected, rtol=1e-5)
     eye = np.eye(8, 4, dtype=np.float32) * 3.0
     assert float(losses.orthogonal_loss(paddle.to_tensor(eye))) < 1e-10
+
+
+def test_global_statistics_give_the_loss_of_all_tokens():
+    """With ``reduce`` summing each statistic over two halves of the tokens, each half computes the loss of all."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((10, 4)).astype(np.float32)
+    probs = softmax(logits)
+    topk = np.argsort(-probs, axis=1)[:, :2]
+    whole_lb = float(losses.load_balance_loss(paddle.to_tensor(probs), paddle.to_tensor(topk)))
+    whole_z = float(losses.z_loss(paddle.to_tensor(logits)))
+
+    def other_half_added(rows):
+        """A reduce that adds the statistics of the tokens outside ``rows``, in the order the losses ask."""
+        rest = np.setdiff1d(np.arange(10), rows)
+        lse = np.log(np.exp(logits[rest]).sum(-1))
+        pending = [probs[rest].sum(0), np.bincount(topk[rest].reshape(-1), minlength=4).astype(np.float32),
+                   np.array([len(rest)], np.float32), np.array([(lse ** 2).sum()], np.float32),
+                   np.array([len(rest)], np.float32)]
+        return lambda x: x + paddle.to_tensor(pending.pop(0).astype(np.float32))
+
+    for rows in (np.arange(0, 6), np.arange(6, 10)):
+        reduce = other_half_added(rows)
+        lb = losses.load_balance_loss(paddle.to_tensor(probs[rows]), paddle.to_tensor(topk[rows]), reduce)
+        z = losses.z_loss(paddle.to_tensor(logits[rows]), reduce)
+        np.testing.assert_allclose(float(lb), whole_lb, rtol=1e-5)
+        np.testing.assert_allclose(float(z), whole_z, rtol=1e-5)
