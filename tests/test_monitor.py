@@ -220,3 +220,30 @@ def test_scalars_page_renders_in_a_real_browser(dashboard, tmp_path):
     # few links (85 columns measured), two rows of charts fill hundreds of columns
     curve = np.abs(pixels[150:, :1080] - np.array([41, 50, 225])).max(axis=-1) < 40
     assert curve.any(axis=0).sum() > 250
+
+
+def test_flops_follow_the_6nd_formula(tiny_cfg):
+    """6 FLOPs per activated weight per token (each modality's tokens through k of its own experts), plus the
+    attention scores, the ViT per patch and the adapter per image token."""
+    from types import SimpleNamespace
+
+    from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+    from ernie_moe.monitor.flops import FlopsCounter
+
+    m = tiny_cfg.model
+    model = ErnieMoEForConditionalGeneration(m)
+    types = np.array([[0] * 30 + [1] * 9 + [-1] * 9])  # 30 text, 9 image tokens, 9 padding
+    batch = SimpleNamespace(token_type_ids=paddle.to_tensor(types), input_ids=paddle.zeros([1, 48], "int64"),
+                            pixel_patches=paddle.zeros([36, 588]))
+    h, hd, q, kv = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads
+    attention = h * (q + 2 * kv) * hd + q * hd * h
+    dense = 3 * h * m.intermediate_size
+    shared = 3 * h * m.moe_intermediate_size[0] * m.moe_num_shared_experts
+    routed = {0: m.moe_k * 3 * h * m.moe_intermediate_size[0] + h * m.moe_num_experts[0],
+              1: m.moe_k * 3 * h * m.moe_intermediate_size[1] + h * m.moe_num_experts[1]}
+    vit = sum(int(np.prod(p.shape)) for p in model.vision_model.parameters())
+    adapter = sum(int(np.prod(p.shape)) for p in model.model.resampler_model.parameters())
+    tokens = 39
+    expected = 6 * tokens * (2 * attention + dense + shared) + 6 * (30 * routed[0] + 9 * routed[1])
+    expected += 3 * 2 * 2 * 2 * (48 / 2) * q * hd * tokens + 6 * vit * 36 + 6 * adapter * 9
+    assert FlopsCounter(model, m).batch_flops(batch) == pytest.approx(expected, rel=1e-9)

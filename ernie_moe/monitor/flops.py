@@ -26,8 +26,16 @@ def _count(layer) -> int:
 
 
 class FlopsCounter:
+    """This rank's FLOPs: its pipeline stage's layers, its slices of tensor-parallel weights (counted from the
+    local parameters), its share of the attention heads, and of the routed experts when those are spread over
+    ranks that see the same tokens (``moe_group: mp``)."""
+
     def __init__(self, model, model_cfg):
         self.cfg = model_cfg
+        plan = model.plan
+        tp_group = getattr(plan, "tp_group", None)
+        self.head_share = 1.0 / tp_group.nranks if tp_group is not None else 1.0
+        self.expert_share = 1.0 / plan.expert_group.nranks if getattr(plan, "experts_on_tp_ranks", False) else 1.0
         self.layers = []
         for layer in model.decoder_layers():  # this rank's (its pipeline stage's) layers
             entry = {"attn": _count(layer.self_attn), "moe": layer.mlp if layer.is_moe else None}
@@ -60,10 +68,11 @@ class FlopsCounter:
             flops += 6 * entry["shared"] * tokens
             for modality, expert_params, size in entry["routed"]:
                 group_tokens = tokens if modality is None else per_modality[modality]
-                flops += 6 * (m.moe_k * expert_params + m.hidden_size * size) * group_tokens
+                flops += 6 * (m.moe_k * expert_params * self.expert_share + m.hidden_size * size) * group_tokens
         seq = batch.input_ids.shape[1]
         # scores and weighted sum: 2 matmuls x 2 FLOPs x (seq / 2 keys on average), times 3 for backward
-        flops += 3 * 2 * 2 * len(self.layers) * (seq / 2) * m.num_attention_heads * m.head_dim * tokens
+        heads = m.num_attention_heads * self.head_share
+        flops += 3 * 2 * 2 * len(self.layers) * (seq / 2) * heads * m.head_dim * tokens
         flops += 6 * self.vit * batch.pixel_patches.shape[0] + 6 * self.adapter * per_modality[1]
         return flops
 
