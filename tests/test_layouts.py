@@ -14,8 +14,9 @@ from test_e2e import launch, load_model, records
 STEPS = 5
 # Router losses on, their statistics taken over every data rank's tokens (global_aux_loss), so the losses do
 # not depend on how the batch is split; aux-loss-free balancing on, its bias updated from counts summed over
-# the data ranks (the bias is among the compared weights). 7 evaluation samples pack into 3 rows: with two data ranks one rank
-# gets none in the last evaluation batch and must run an unlabelled copy rather than skip the collectives.
+# the data ranks (the bias is among the compared weights). 7 evaluation samples pack into 3 rows: with two
+# data ranks one rank gets none in the last evaluation batch and must run an unlabelled copy rather than skip
+# the collectives.
 COMMON = [f"training.max_steps={STEPS}", "logging.logging_steps=1", f"training.eval_steps={STEPS}",
           "training.adam_epsilon=1e-6", "data.num_eval_samples=7", "training.per_device_eval_batch_size=1",
           "model.global_aux_loss=true", "model.moe_use_aux_free=true", "model.moe_aux_free_update_coef=0.01"]

@@ -9,7 +9,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import paddle
 import yaml
 from tqdm import tqdm
@@ -20,9 +19,10 @@ from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_bat
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..monitor.monitor import TrainingMonitor
 from ..parallel import build_plan, init_distributed, sync_gradients, wrap_model
-from ..parallel.pipeline import ErniePipeline, stage_inputs
-from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
+from ..parallel.pipeline import ErniePipeline
+from .evaluate import evaluate
 from .optimizer import build_optimizer, clip_grad_norm, split_experts
+from .pipeline_steps import pipeline_evaluate, pipeline_forward_backward
 
 
 class Trainer:
@@ -108,7 +108,7 @@ class Trainer:
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.
         denominator = self._loss_denominator(label_tokens)
         if env.pp_group is not None:
-            lm_sum, router_sum = self._pipeline_forward_backward(micro_batches, denominator)
+            lm_sum, router_sum = pipeline_forward_backward(self.ddp, self.model, self.env, micro_batches, denominator)
         else:
             lm_sum, router_sum = self._forward_backward(micro_batches, denominator)
         totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches)], dtype="float64")
@@ -131,17 +131,6 @@ class Trainer:
             router_sum += float(out.router_loss)
         return lm_sum, router_sum
 
-    def _pipeline_forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:
-        """fleet's 1F1B (or interleaved) schedule over the micro-batches; returns the last stage's loss sums."""
-        loss = self.model.loss
-        loss.reset()
-        # fleet divides each micro-batch's loss by their number: the scale undoes it
-        scale = self.env.data_world / denominator * len(micro_batches)
-        if self.env.virtual_stages > 1:
-            self.ddp.set_virtual_pipeline_rank(0)
-        self.ddp.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), None)
-        return loss.lm_sum, loss.router_sum
-
     def evaluate(self) -> dict:
         if self.eval_set is None:
             return {}
@@ -152,37 +141,8 @@ class Trainer:
         global_rows = per_device * self.env.data_world
         batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
         if self.env.pp_group is not None:
-            return self._pipeline_evaluate(batches)
+            return pipeline_evaluate(self.ddp, self.model, self.env, batches, t)
         return evaluate(self.model, batches, self.env, self.cfg.training.max_eval_batches)
-
-    def _pipeline_evaluate(self, batches) -> dict:
-        """Evaluation through fleet's schedule, forward only; the last stage's loss function scores each batch.
-        The schedule takes ``gradient_accumulation_steps`` micro-batches of the training shape at a time:
-        short batches and the last group are filled with unlabelled copies."""
-        t = self.cfg.training
-        loss, steps, limit, rows_per_batch = self.model.loss, t.gradient_accumulation_steps, t.max_eval_batches, \
-            t.per_device_train_batch_size
-        loss.score = lambda logits, labels, scored, lm_sum: batch_scores(self.model.plan, logits, labels,
-                                                                         scored.numpy(), lm_sum)
-        loss.reset()
-        group: list = []
-        self.ddp.eval()  # the schedule then skips its shape checks on outputs that carry no gradient
-        with paddle.no_grad():
-            for i, rows in enumerate(batches):
-                if limit and i >= limit:
-                    break
-                group.append(rows)
-                if len(group) == steps:
-                    self.ddp.eval_batch(stage_inputs(*_scored(group, rows_per_batch), scale=1.0), compute_loss=True)
-                    group = []
-            if group:
-                group += [None] * (steps - len(group))
-                self.ddp.eval_batch(stage_inputs(*_scored(group, rows_per_batch), scale=1.0), compute_loss=True)
-        self.ddp.train()
-        totals = paddle.to_tensor(np.sum(loss.scores, axis=0) if loss.scores else np.zeros(SCORE_SIZE))
-        loss.score = None
-        self.env.all_reduce_sum(totals, self.env.pp_group)
-        return eval_metrics(self.env.all_reduce_sum(totals, self.env.data_group).numpy())
 
     # -------------------------------------------------------------- helpers
     def _loss_denominator(self, label_tokens: float) -> float:
@@ -230,23 +190,6 @@ def build_model(model_cfg, env):
             if ".mlp.experts." in name:
                 param.no_sync = True
     return model
-
-
-def _scored(group: list, rows_per_batch: int) -> tuple[list, list]:
-    """Collated evaluation batches of ``rows_per_batch`` rows and their caption categories. Missing rows
-    (a short batch, a None entry) are filled with unlabelled copies, which add nothing to the scores."""
-    last = [rows for rows in group if rows][-1]
-    micro, scored = [], []
-    for rows in group:
-        keep = len(rows) if rows else 0
-        rows = rows or last
-        rows = rows + [rows[-1]] * (rows_per_batch - len(rows))
-        batch = collate(rows)
-        labels, category = batch.labels.numpy(), np.stack([r.scored for r in rows])
-        labels[keep:], category[keep:] = -100, 0
-        micro.append(dataclasses.replace(batch, labels=paddle.to_tensor(labels)))
-        scored.append(paddle.to_tensor(category))
-    return micro, scored
 
 
 def check_tokenizer(tokenizer, model_cfg) -> None:
