@@ -14,6 +14,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="No ccache found")  # Paddle's, irrelevant to training
 
+    from ernie_moe.checkpoint import CheckpointError
     from ernie_moe.config import ConfigError, load_config
     from ernie_moe.data import DataError
 
@@ -28,6 +29,9 @@ def main(argv=None) -> int:
         return 2
     except DataError as err:
         print(f"data error: {err}", file=sys.stderr)
+        return 2
+    except CheckpointError as err:
+        print(f"checkpoint error: {err}", file=sys.stderr)
         return 2
     if trainer.env.is_main:
         print(format_summary(summary), flush=True)

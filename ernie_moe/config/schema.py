@@ -139,6 +139,10 @@ class TrainingConfig:
     token_balance_loss: bool = opt(False, "divide the gradient by a fixed token count instead of the step's")
     token_balance_seqlen: int = opt(0, "that fixed count; 0 = max_seq_len x per_device_train_batch_size")
     eval_steps: int = opt(100, "evaluate every N steps and at the end; 0 = only at the end")
+    save_steps: int = opt(0, "write output_dir/checkpoint-<step> every N steps (and at the end); 0 = only at the end")
+    save_total_limit: int = opt(0, "keep the newest N complete checkpoints; 0 = keep all")
+    resume_from_checkpoint: str = opt("", "'auto' (the newest complete checkpoint in output_dir, if any) or a "
+                                          "checkpoint folder; empty = start fresh")
     max_eval_batches: int = opt(0, "cap on evaluation batches; 0 = the whole held-out set")
 
 

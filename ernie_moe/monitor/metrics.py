@@ -8,20 +8,27 @@ from pathlib import Path
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str, visualdl: bool, enabled: bool):
+    def __init__(self, output_dir: str, visualdl: bool, enabled: bool, resumed_at: int = 0):
+        """``resumed_at``: the step a resumed run continues from; the records up to it are kept."""
         self.enabled = enabled
         self.writer = None
         self.file = None
         if not enabled:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self.file = open(Path(output_dir) / "metrics.jsonl", "w")
+        path = Path(output_dir) / "metrics.jsonl"
+        kept = []
+        if resumed_at and path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resumed_at]
+        self.file = open(path, "w")
+        self.file.writelines(line + "\n" for line in kept)
         if visualdl:
             from visualdl import LogWriter
 
             logdir = Path(output_dir) / "visualdl"
-            for stale in logdir.glob("vdlrecords.*.log"):  # an earlier run's curves would mix with this one's
-                stale.unlink()
+            if not resumed_at:
+                for stale in logdir.glob("vdlrecords.*.log"):  # an earlier run's curves would mix with this one's
+                    stale.unlink()
             self.writer = LogWriter(logdir=str(logdir))
 
     def log(self, step: int, metrics: dict, prefix: str = "train") -> None:

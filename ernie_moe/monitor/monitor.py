@@ -14,10 +14,10 @@ from .metrics import MetricsLogger
 
 
 class TrainingMonitor:
-    def __init__(self, cfg, env, model):
+    def __init__(self, cfg, env, model, resumed_at: int = 0):
         self.env, self.model = env, model
         self.enabled = cfg.logging.monitor
-        self.logger = MetricsLogger(cfg.training.output_dir, cfg.logging.visualdl, env.is_main)
+        self.logger = MetricsLogger(cfg.training.output_dir, cfg.logging.visualdl, env.is_main, resumed_at)
         for moe in model.moe_layers():
             moe.stats.enabled = self.enabled
         if self.enabled:

@@ -42,7 +42,7 @@ def _sharded_parameter(layer: nn.Layer, shape: list[int], axis: int, segments: l
 
 def shard_of(param, full: np.ndarray) -> np.ndarray:
     """This rank's slice of ``full`` for ``param`` (``full`` itself for a parameter that is not split)."""
-    if not getattr(param, "is_distributed", False):
+    if not getattr(param, "is_distributed", False) or list(full.shape) != param.full_shape:
         return full
     return np.take(full, shard_index(param.segments, param.tp_rank, param.tp_size), axis=param.split_axis)
 
@@ -137,12 +137,14 @@ def vocab_parallel_argmax(logits: paddle.Tensor, group) -> paddle.Tensor:
     return paddle.take_along_axis(paddle.stack(wheres, axis=-1), owner, axis=-1).squeeze(-1)
 
 
-def full_tensor(param: paddle.Tensor, group) -> paddle.Tensor:
-    """The unsplit tensor of a tensor-parallel parameter (a collective over ``group``)."""
-    if not getattr(param, "is_distributed", False) or group is None:
-        return param
+def full_tensor(param: paddle.Tensor, group, value: paddle.Tensor | None = None) -> paddle.Tensor:
+    """The unsplit tensor of a tensor-parallel parameter, or of ``value`` split like it (an optimizer moment):
+    a collective over ``group``."""
+    value = param if value is None else value
+    if not getattr(param, "is_distributed", False) or group is None or value.shape != param.shape:
+        return value
     pieces: list[paddle.Tensor] = []
-    dist.all_gather(pieces, param.detach(), group=group)
+    dist.all_gather(pieces, value.detach(), group=group)
     axis = param.split_axis
     chunks = [paddle.split(p, [n // group.nranks for n in param.segments], axis=axis) for p in pieces]
     return paddle.concat([chunks[r][s] for s in range(len(param.segments)) for r in range(group.nranks)], axis=axis)

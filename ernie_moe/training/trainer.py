@@ -13,7 +13,7 @@ import paddle
 import yaml
 from tqdm import tqdm
 
-from ..checkpoint import save_model
+from ..checkpoint import load_checkpoint, resolve, save_checkpoint, save_model
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
@@ -44,17 +44,17 @@ class Trainer:
         # Tensor-parallel ranks read the same rows; the data ranks split the global batch.
         self.global_rows = t.per_device_train_batch_size * self.env.data_world
         self.batches = rank_batches(rows, self.global_rows, self.env.data_rank, self.env.data_world)
-        self.monitor = TrainingMonitor(cfg, self.env, self.model)
-        self.step = 0
+        self.step = self._resume() if t.resume_from_checkpoint else 0
+        self.monitor = TrainingMonitor(cfg, self.env, self.model, resumed_at=self.step)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
         t, log_every = self.cfg.training, self.cfg.logging.logging_steps
         self._write_run_config()
-        bar = tqdm(total=t.max_steps, disable=not (self.env.is_main and self.cfg.logging.progress_bar),
-                   mininterval=2.0, dynamic_ncols=True, desc="train")
-        window, last_eval, started = Counter(), {}, time.time()
-        for self.step in range(1, t.max_steps + 1):
+        bar = tqdm(total=t.max_steps, initial=self.step, mininterval=2.0, dynamic_ncols=True, desc="train",
+                   disable=not (self.env.is_main and self.cfg.logging.progress_bar))
+        window, last_eval, started, first = Counter(), {}, time.time(), self.step + 1
+        for self.step in range(first, t.max_steps + 1):
             window.update(self.train_step())
             bar.update(1)
             if self.step % log_every == 0 or self.step == t.max_steps:
@@ -66,6 +66,8 @@ class Trainer:
             if (t.eval_steps and self.step % t.eval_steps == 0) or self.step == t.max_steps:
                 last_eval = self.evaluate()
                 self.monitor.log_eval(self.step, last_eval)
+            if (t.save_steps and self.step % t.save_steps == 0) or self.step == t.max_steps:
+                save_checkpoint(self, self.step)
         bar.close()
         summary = {"steps": self.step, "train_time_s": time.time() - started, **last_eval,
                    **{f"data/{k}": v for k, v in sorted(self.data_stats.items())}}
@@ -145,6 +147,21 @@ class Trainer:
         return evaluate(self.model, batches, self.env, self.cfg.training.max_eval_batches)
 
     # -------------------------------------------------------------- helpers
+    def _resume(self) -> int:
+        """Load the checkpoint ``training.resume_from_checkpoint`` names (``auto``: the newest complete one in
+        output_dir, if any) and move the data stream to where it stopped; returns its step."""
+        t = self.cfg.training
+        path = resolve(t.resume_from_checkpoint, t.output_dir)
+        if path is None:
+            return 0
+        state = load_checkpoint(self, path)
+        for _ in range(state["consumed_batches"]):  # the stream is seeded: skipping replays the same order
+            next(self.batches)
+        if self.env.is_main:
+            print(f"resumed from {path} at step {state['step']}", flush=True)
+        return state["step"]
+
+
     def _loss_denominator(self, label_tokens: float) -> float:
         t = self.cfg.training
         if t.token_balance_loss:

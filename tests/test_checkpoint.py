@@ -1,0 +1,114 @@
+"""Training checkpoints: exact resume, resume in another layout, incomplete saves ignored, corrupt files named."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+from conftest import ROOT
+from test_e2e import launch, load_model, records
+
+from ernie_moe.checkpoint.checkpoint import MARKER, _prune, complete_checkpoints, resolve
+
+COMMON = ["training.max_steps=6", "training.save_steps=3", "logging.logging_steps=1", "training.eval_steps=0",
+          "training.adam_epsilon=1e-6", "model.global_aux_loss=true", "model.moe_use_aux_free=true"]
+
+
+def losses(out):
+    return {r["step"]: r["loss"] for r in records(out) if "loss" in r}
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+    whole, _ = launch(tmp_path, 1, *COMMON, "training.per_device_train_batch_size=4", name="whole")
+    assert [p.name for p in complete_checkpoints(whole)] == ["checkpoint-3", "checkpoint-6"]
+    resumed, log = launch(tmp_path, 1, *COMMON, "training.per_device_train_batch_size=4",
+                          f"training.resume_from_checkpoint={whole / 'checkpoint-3'}", name="resumed")
+    assert "resumed from" in log and "at step 3" in log
+    assert {s: v for s, v in losses(whole).items() if s > 3} == losses(resumed)  # exactly equal
+    a, b = load_model(whole / "final_model"), load_model(resumed / "final_model")
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+
+
+def test_a_checkpoint_loads_into_other_layouts(tmp_path):
+    """Saved by tensor parallel with experts on the tensor ranks, resumed on one process and by expert parallel."""
+    saved, _ = launch(tmp_path, 2, *COMMON, "training.per_device_train_batch_size=4",
+                      "parallel.tensor_parallel_degree=2", "parallel.moe_group=mp", name="tp2")
+    checkpoint = f"training.resume_from_checkpoint={saved / 'checkpoint-3'}"
+    one, _ = launch(tmp_path, 1, *COMMON, "training.per_device_train_batch_size=4", checkpoint, name="one")
+    ep2, _ = launch(tmp_path, 2, *COMMON, "training.per_device_train_batch_size=2",
+                    "parallel.expert_parallel_degree=2", checkpoint, name="ep2")
+    expected = [v for s, v in sorted(losses(saved).items()) if s > 3]
+    for out in (one, ep2):
+        np.testing.assert_allclose([v for _, v in sorted(losses(out).items())], expected, rtol=1e-4)
+
+
+def test_auto_takes_the_newest_complete_checkpoint_and_the_limit_prunes(tmp_path):
+    for step, complete in ((2, True), (4, True), (6, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if complete:
+            (folder / MARKER).write_text(f"{step}\n")
+    (tmp_path / "checkpoint-8.tmp").mkdir()  # a save killed half-way
+    assert resolve("auto", str(tmp_path)) == tmp_path / "checkpoint-4"
+    assert resolve("auto", str(tmp_path / "empty")) is None
+    _prune(tmp_path, 1)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-4"]
+
+
+def test_a_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path):
+    out, _ = launch(tmp_path, 1, "training.max_steps=1", "training.eval_steps=0", "logging.logging_steps=1",
+                    name="run")
+    broken = tmp_path / "broken"
+    shutil.copytree(out / "checkpoint-1", broken)
+    shard = broken / "model-00001-of-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "run_trainer.py"), "--config", str(ROOT / "configs" / "vl_moe.yaml"),
+         f"training.output_dir={tmp_path / 'again'}", f"training.resume_from_checkpoint={broken}"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "checkpoint error" in result.stderr and "model-00001-of-00001.safetensors" in result.stderr
+    assert "Traceback" not in result.stderr
+    (broken / MARKER).unlink()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "run_trainer.py"), "--config", str(ROOT / "configs" / "vl_moe.yaml"),
+         f"training.output_dir={tmp_path / 'again'}", f"training.resume_from_checkpoint={broken}"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "not a complete checkpoint" in result.stderr
+    assert json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())["step"] == 1
+
+
+def test_a_run_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp_path):
+    """kill -9 as soon as a save is under way; ``auto`` then skips the half-written folder and the resumed run
+    reproduces the uninterrupted one exactly."""
+    import os
+    import signal
+    import time
+
+    args = ["training.max_steps=12", "training.save_steps=1", "training.save_total_limit=3", "training.eval_steps=0",
+            "logging.logging_steps=1", "logging.progress_bar=false", "data.image_size=56", "data.max_seq_len=48"]
+    whole, _ = launch(tmp_path, 1, *args, name="whole")
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, str(ROOT / "run_trainer.py"), "--config", str(ROOT / "configs" / "vl_moe.yaml"),
+           f"training.output_dir={out}", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if any(p.name.endswith(".tmp") for p in out.glob("checkpoint-*")) and complete_checkpoints(out):
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.001)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before a save could be interrupted"
+    newest = resolve("auto", str(out))
+    assert newest is not None and not newest.name.endswith(".tmp")
+
+    resumed, log = launch(tmp_path, 1, *args, f"training.output_dir={out}", "training.resume_from_checkpoint=auto",
+                          name="resumed")
+    assert f"resumed from {newest}" in log
+    assert losses(out) == losses(whole)  # the kept records up to the checkpoint plus the resumed ones
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-10", "checkpoint-11", "checkpoint-12"]
