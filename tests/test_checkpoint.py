@@ -44,6 +44,19 @@ def test_a_checkpoint_loads_into_other_layouts(tmp_path):
         np.testing.assert_allclose([v for _, v in sorted(losses(out).items())], expected, rtol=1e-4)
 
 
+def test_sharded_optimizer_state_resumes_in_a_pipeline(tmp_path):
+    """Saved with optimizer sharding (each rank writes the states it owns), resumed by two pipeline stages."""
+    accumulate = [*COMMON, "training.gradient_accumulation_steps=2"]
+    saved, _ = launch(tmp_path, 2, *accumulate, "training.per_device_train_batch_size=1",
+                      "parallel.sharding_parallel_degree=2", "parallel.sharding=stage1", name="sharding2")
+    assert len(list((saved / "checkpoint-3").glob("optimizer-*.safetensors"))) == 2
+    pp2, _ = launch(tmp_path, 2, *accumulate, "training.per_device_train_batch_size=2",
+                    "parallel.pipeline_parallel_degree=2",
+                    f"training.resume_from_checkpoint={saved / 'checkpoint-3'}", name="pp2")
+    expected = [v for s, v in sorted(losses(saved).items()) if s > 3]
+    np.testing.assert_allclose([v for _, v in sorted(losses(pp2).items())], expected, rtol=1e-4)
+
+
 def test_auto_takes_the_newest_complete_checkpoint_and_the_limit_prunes(tmp_path):
     for step, complete in ((2, True), (4, True), (6, False)):
         folder = tmp_path / f"checkpoint-{step}"
