@@ -70,13 +70,10 @@ def save_checkpoint(trainer, step: int) -> Path:
 
 
 def _save_optimizer(trainer, directory: Path) -> None:
-    """Each rank writes the states it is the writer of: tensor-parallel rank 0 after gathering the slices, the
-    first data rank (each sharding rank its own share under optimizer sharding), the expert writers."""
+    """Full tensors (tensor-parallel slices gathered), each written by one rank into its own file."""
     env, model = trainer.env, trainer.model
     names = {p.name: (stable, p) for stable, p in model.stable_named_parameters()}
-    expert_writer = env.expert_group is not None and env.stage_lead in env.expert_group.ranks
-    shared_writer = env.tp_rank == 0 and env.data_rank < (env.hcg.get_sharding_parallel_world_size()
-                                                          if env.sharding else 1)
+    writes = {True: _writes_experts(env), False: _writes_shared(env)}
     parts = {}
     for opt in adam_parts(trainer.optimizer):
         for state in ADAM_STATES:
@@ -84,10 +81,8 @@ def _save_optimizer(trainer, directory: Path) -> None:
                 if pname not in names:  # a second stage's copy of a tied weight
                     continue
                 stable, param = names[pname]
-                value = full_tensor(param, env.tp_group, value)
-                expert = ".mlp.experts." in stable
-                if (expert and (expert_writer or (env.expert_group is None and env.rank == env.stage_lead))) \
-                        or (not expert and shared_writer):
+                value = full_tensor(param, env.tp_group, value)  # a collective: every rank takes part
+                if writes[".mlp.experts." in stable]:
                     parts[f"{stable}/{state}"] = np.ascontiguousarray(value.numpy())
     filename = f"optimizer-{env.rank:05d}.safetensors"
     if parts:
@@ -100,6 +95,21 @@ def _save_optimizer(trainer, directory: Path) -> None:
     if env.is_main:
         index = {name: file for file, keys in listing for name in keys}
         (directory / "optimizer.index.json").write_text(json.dumps({"weight_map": index}, indent=2))
+
+
+def _writes_experts(env) -> bool:
+    """The ranks of the expert group holding the stage's lead write the expert states (the lead alone when
+    every rank holds every expert)."""
+    if env.expert_group is None:
+        return env.rank == env.stage_lead
+    return env.stage_lead in env.expert_group.ranks
+
+
+def _writes_shared(env) -> bool:
+    """Tensor-parallel rank 0 of the first data-parallel replica writes the other states; under optimizer
+    sharding each of its sharding ranks holds, and writes, its own share."""
+    sharding = env.hcg.get_sharding_parallel_world_size() if env.sharding else 1
+    return env.tp_rank == 0 and env.data_rank < sharding
 
 
 def _prune(root: Path, limit: int) -> None:
