@@ -23,6 +23,7 @@ import paddle.distributed as dist
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ..model.ernie_vl import is_expert
 from ..parallel.tensor_parallel import full_tensor, shard_of
 from .export import save_model
 
@@ -82,7 +83,7 @@ def _save_optimizer(trainer, directory: Path) -> None:
                     continue
                 stable, param = names[pname]
                 value = full_tensor(param, env.tp_group, value)  # a collective: every rank takes part
-                if writes[".mlp.experts." in stable]:
+                if writes[is_expert(stable)]:
                     parts[f"{stable}/{state}"] = np.ascontiguousarray(value.numpy())
     filename = f"optimizer-{env.rank:05d}.safetensors"
     if parts:

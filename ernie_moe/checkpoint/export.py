@@ -10,6 +10,7 @@ import numpy as np
 import paddle.distributed as dist
 from safetensors.numpy import save_file
 
+from ..model.ernie_vl import is_expert
 from ..parallel.tensor_parallel import full_tensor
 
 
@@ -50,7 +51,7 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None) -> Pa
     parts = {}
     if writer is not None:
         for name, tensor in state.items():
-            if rank == lead or ".mlp.experts." in name:
+            if rank == lead or is_expert(name):
                 parts[name] = np.ascontiguousarray(tensor.numpy())
         out.mkdir(parents=True, exist_ok=True)
         filename = f"model-{writer + 1:05d}-of-{writers:05d}.safetensors"

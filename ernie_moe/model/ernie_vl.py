@@ -91,8 +91,8 @@ class ErnieMoEForConditionalGeneration(nn.Layer):
         return stable_names(self.named_parameters(), self.moe_layers())
 
     def embed(self, batch: Batch) -> paddle.Tensor:
-        return embed(self.model.embed_tokens, self.vision_model, self.model.resampler_model, self.cfg, batch,
-                     self.training)
+        return with_images(self.model.embed_tokens(batch.input_ids), self.vision_model, self.model.resampler_model,
+                           self.cfg, batch, self.training)
 
     def logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         if self.cfg.tie_word_embeddings:
@@ -113,9 +113,8 @@ def attention_inputs(cfg, position_ids: paddle.Tensor, doc_ids: paddle.Tensor):
     return rope_angles(position_ids, cfg.head_dim, cfg.rope_theta, t_slots), causal_document_mask(doc_ids)
 
 
-def embed(embed_tokens, vision_model, resampler_model, cfg, batch: Batch, training: bool) -> paddle.Tensor:
+def with_images(embeddings, vision_model, resampler_model, cfg, batch: Batch, training: bool) -> paddle.Tensor:
     """Token embeddings with image features written at the image placeholder positions."""
-    embeddings = embed_tokens(batch.input_ids)
     slots = paddle.nonzero((batch.input_ids == cfg.im_patch_id).flatten()).flatten()
     if batch.pixel_patches.shape[0] == 0 and slots.shape[0] == 0:
         if not training:
@@ -136,6 +135,11 @@ def embed(embed_tokens, vision_model, resampler_model, cfg, batch: Batch, traini
     return flat.reshape(shape)
 
 
+def is_expert(name: str) -> bool:
+    """A routed expert's parameter (``...mlp.experts.<id>...``), local or stable name."""
+    return ".mlp.experts." in name
+
+
 def stable_names(named_parameters, moe_layers) -> list[tuple[str, paddle.Tensor]]:
     """Rename ``...mlp.experts.<local index>.`` to the expert's global id."""
     renames = {}
@@ -144,7 +148,7 @@ def stable_names(named_parameters, moe_layers) -> list[tuple[str, paddle.Tensor]
         renames.update({f"{prefix}{local}.": f"{prefix}{j}." for local, j in enumerate(moe.experts.global_ids)})
     named = []
     for name, param in named_parameters:
-        if ".mlp.experts." in name:
+        if is_expert(name):
             head, _, tail = name.partition(".mlp.experts.")
             local, _, rest = tail.partition(".")
             name = renames[f"{head}.mlp.experts.{local}."] + rest

@@ -44,10 +44,6 @@ class DistEnv:
         return self.tp_group.rank if self.tp_group is not None else 0
 
     @property
-    def tp_world(self) -> int:
-        return self.tp_group.nranks if self.tp_group is not None else 1
-
-    @property
     def pp_rank(self) -> int:
         return self.pp_group.rank if self.pp_group is not None else 0
 
@@ -99,7 +95,6 @@ def data_degree(parallel_cfg, world_size: int) -> int:
 def check_layout(parallel_cfg, world_size: int) -> None:
     """Degrees that do not fit the launched processes; raises ConfigError before any group is built."""
     data_degree(parallel_cfg, world_size)
-
 
 
 def new_groups(rank_lists: list[list[int]]):

@@ -17,7 +17,7 @@ from paddle import nn
 from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, SharedLayerDesc
 
 from ..model.decoder import DecoderLayer
-from ..model.ernie_vl import Batch, attention_inputs, embed, stable_names
+from ..model.ernie_vl import Batch, attention_inputs, stable_names, with_images
 from ..model.init import init_weights, mark_default_rules
 from ..model.vision import Adapter, VisionTransformer
 
@@ -51,21 +51,10 @@ class VisionPipe(nn.Layer):
     def forward(self, inputs):
         embeddings, input_ids, token_type_ids, position_ids, doc_ids, pixel_patches, grid_thw = inputs
         batch = Batch(input_ids, None, token_type_ids, position_ids, doc_ids, pixel_patches, grid_thw.numpy())
-        table = _LookupDone(embeddings)
-        hidden = embed(table, self.vision_model, self.resampler_model, self.cfg, batch, self.training)
+        hidden = with_images(embeddings, self.vision_model, self.resampler_model, self.cfg, batch, self.training)
         router_loss = paddle.zeros([1], dtype="float32")
         router_loss.stop_gradient = False
         return self.plan.split_sequence(hidden), router_loss, token_type_ids, position_ids, doc_ids
-
-
-class _LookupDone:
-    """Stands in for the embedding table when the lookup already happened on the shared embedding layer."""
-
-    def __init__(self, embeddings):
-        self.embeddings = embeddings
-
-    def __call__(self, input_ids):
-        return self.embeddings
 
 
 class DecoderLayerPipe(DecoderLayer):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import paddle
 
+from ..model.ernie_vl import is_expert
 from .schedule import WarmupDecay
 
 
@@ -66,10 +67,6 @@ class MoEShardingOptimizer:
 
     def get_lr(self) -> float:
         return self.parts[0].get_lr()
-
-
-def is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
 
 
 def split_experts(model) -> dict[str, list]:

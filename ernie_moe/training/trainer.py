@@ -16,7 +16,7 @@ from tqdm import tqdm
 from ..checkpoint import load_checkpoint, resolve, save_checkpoint, save_model
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
-from ..model.ernie_vl import ErnieMoEForConditionalGeneration
+from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_expert
 from ..monitor.monitor import TrainingMonitor
 from ..parallel import build_plan, init_distributed, sync_gradients, wrap_model
 from ..parallel.pipeline import ErniePipeline
@@ -204,7 +204,7 @@ def build_model(model_cfg, env):
         model = ErnieMoEForConditionalGeneration(model_cfg, plan)
     if env.expert_group is not None:
         for name, param in model.named_parameters():
-            if ".mlp.experts." in name:
+            if is_expert(name):
                 param.no_sync = True
     return model
 
