@@ -25,14 +25,11 @@ from safetensors.numpy import save_file
 
 from ..model.ernie_vl import is_expert
 from ..parallel.tensor_parallel import full_tensor, shard_of
-from .export import save_model
+from .formats import CheckpointError
+from .model_files import save_model
 
 MARKER = "COMPLETE"
 ADAM_STATES = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be loaded; the message names the file or tensor."""
 
 
 def _barrier(env) -> None:

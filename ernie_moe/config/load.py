@@ -37,11 +37,40 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, not {type(raw).__name__}.")
     for item in overrides:
         _apply_override(raw, item)
+    _start_from_checkpoint(raw)
     cfg = build(Config, raw, "")
     from .validate import validate
 
     validate(cfg)
     return cfg
+
+
+def _start_from_checkpoint(raw: dict) -> None:
+    """With ``training.model_name_or_path`` the checkpoint's config.json describes the model; keys of the
+    ``model`` section override it. Its tokenizer is used unless ``data.tokenizer_path`` names another."""
+    training = raw.get("training")
+    source = training.get("model_name_or_path") if isinstance(training, dict) else None
+    if not source or not isinstance(source, str):
+        return
+    from ..checkpoint.formats import CheckpointError
+    from ..checkpoint.pretrained import model_config_from
+
+    try:
+        base = model_config_from(source)
+    except (CheckpointError, OSError, ValueError) as err:
+        raise ConfigError(f"training.model_name_or_path: {err}") from None
+    raw["model"] = _overlay(base, raw.get("model") or {})
+    data = raw.setdefault("data", {})
+    if isinstance(data, dict) and not data.get("tokenizer_path") and (Path(source) / "tokenizer.model").is_file():
+        data["tokenizer_path"] = source
+
+
+def _overlay(base: dict, top: dict) -> dict:
+    merged = dict(base)
+    for key, value in top.items():
+        merged[key] = _overlay(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) \
+            else value
+    return merged
 
 
 def _apply_override(raw: dict, item: str) -> None:

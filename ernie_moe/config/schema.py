@@ -49,7 +49,8 @@ class ModelConfig:
     initializer_range: float = opt(0.02, "std of the normal weight init")
     rope_3d: bool = opt(True, "3D (t, h, w) rotary positions for image tokens")
     freq_allocation: int = opt(2, "rotary frequency slots (of head_dim/2) given to the t axis")
-    moe_num_experts: list[int] = opt([4, 4], "routed experts per modality: [text, vision], or [shared pool]")
+    moe_num_experts: list[int] = opt([4, 4], "routed experts per modality: [text, vision], [shared pool], "
+                                                    "or [] (dense model)")
     moe_intermediate_size: list[int] = opt([64, 32], "expert width per modality: [text, vision]")
     moe_k: int = opt(2, "experts chosen per token")
     moe_layer_start_index: int | list[int] = opt(1, "first MoE layer (per modality when a list)")
@@ -144,6 +145,9 @@ class TrainingConfig:
     resume_from_checkpoint: str = opt("", "'auto' (the newest complete checkpoint in output_dir, if any) or a "
                                           "checkpoint folder; empty = start fresh")
     max_eval_batches: int = opt(0, "cap on evaluation batches; 0 = the whole held-out set")
+    model_name_or_path: str = opt("", "start from this ERNIE 4.5 checkpoint folder (PaddleFormers, ERNIE Paddle or "
+                                      "PaddleNLP form); its config.json gives the model, the model section "
+                                      "overrides it; empty = random weights")
 
 
 @dataclass

@@ -42,17 +42,19 @@ def _check_model(m: ModelConfig) -> None:
              f"model.im_patch_id ({m.im_patch_id}) must be a token id below vocab_size.")
 
     groups = len(m.moe_num_experts)
-    _require(groups in (1, 2),
-             f"model.moe_num_experts must list 1 or 2 counts ([text, vision]), got {m.moe_num_experts}.")
+    _require(groups in (0, 1, 2),
+             f"model.moe_num_experts must list 1 or 2 counts ([text, vision]), or be [] for a dense model; got "
+             f"{m.moe_num_experts}.")
     _require(len(m.moe_intermediate_size) == groups,
              f"model.moe_intermediate_size {m.moe_intermediate_size} must have one width per entry of "
              f"model.moe_num_experts {m.moe_num_experts}.")
     _require(all(n >= 1 for n in m.moe_num_experts + m.moe_intermediate_size),
              "model.moe_num_experts and model.moe_intermediate_size entries must be at least 1.")
-    smallest = min(m.moe_num_experts) if m.moe_use_hard_gate else sum(m.moe_num_experts)
-    _require(m.moe_k <= smallest,
-             f"model.moe_k ({m.moe_k}) is larger than a modality's expert count {m.moe_num_experts}; "
-             f"lower moe_k or add experts.")
+    if groups:
+        smallest = min(m.moe_num_experts) if m.moe_use_hard_gate else sum(m.moe_num_experts)
+        _require(m.moe_k <= smallest,
+                 f"model.moe_k ({m.moe_k}) is larger than a modality's expert count {m.moe_num_experts}; "
+                 f"lower moe_k or add experts.")
     _require(m.moe_num_shared_experts >= 0, "model.moe_num_shared_experts cannot be negative.")
     _require(len(m.moe_capacity) in (0, 3) and all(c > 0 for c in m.moe_capacity),
              f"model.moe_capacity must be [] (dropless) or three positive factors [train, eval, eval_small], "
@@ -165,7 +167,7 @@ def _check_parallel(cfg: Config) -> None:
                             ("intermediate_size", m.intermediate_size)):
             _require(value % tp == 0, f"model.{name} ({value}) must be divisible by "
                                       f"parallel.tensor_parallel_degree ({tp}): it is split over those ranks.")
-        shared = m.moe_intermediate_size[0] * m.moe_num_shared_experts
+        shared = m.moe_intermediate_size[0] * m.moe_num_shared_experts if m.moe_num_experts else 0
         _require(shared % tp == 0, f"the shared experts' width ({shared} = moe_intermediate_size[0] x "
                                    f"moe_num_shared_experts) must be divisible by parallel.tensor_parallel_degree "
                                    f"({tp}).")

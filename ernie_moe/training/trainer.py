@@ -14,6 +14,7 @@ import yaml
 from tqdm import tqdm
 
 from ..checkpoint import load_checkpoint, resolve, save_checkpoint, save_model
+from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_expert
@@ -34,6 +35,8 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg)
         check_tokenizer(self.tokenizer, cfg.model)
         self.model = build_model(cfg.model, self.env)
+        if t.model_name_or_path:
+            self._initialise_from(t.model_name_or_path)
         self.ddp = wrap_model(self.model, self.env)
         self.optimizer, self.scheduler = build_optimizer(self.model, t, self.env)
         self.param_groups = split_experts(self.model)
@@ -185,9 +188,17 @@ class Trainer:
         (out / "run_config.yaml").write_text(text)
         self.monitor.text("config", f"```yaml\n{text}```")
 
+    def _initialise_from(self, directory: str) -> None:
+        report = load_pretrained(self.model, directory, self.env)
+        if self.env.is_main:
+            print(format_report(report), flush=True)
+            out = Path(self.cfg.training.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "import_report.json").write_text(json.dumps(report, indent=2))
+
     def _finish(self, summary: dict) -> None:
         final = Path(self.cfg.training.output_dir) / "final_model"
-        save_model(self.model, self.cfg.model, str(final), self.tokenizer, self.env)
+        save_model(self.model, self.cfg.model, str(final), self.tokenizer, self.env, hf_layout=True)
         if self.env.is_main:
             summary["model_dir"] = str(final)
             (Path(self.cfg.training.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))

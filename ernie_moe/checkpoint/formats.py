@@ -1,0 +1,175 @@
+"""The two ways ERNIE 4.5 weights are laid out on disk, and reading a checkpoint folder in either.
+
+- Paddle layout (this package's checkpoints, ERNIE's ``-Paddle`` releases, PaddleNLP ``model_state.pdparams``):
+  linear weights ``[in, out]``, fused ``qkv_proj`` (q, k, v concatenated) and ``up_gate_proj`` (gate, up),
+  router weights ``[hidden, experts]``; prefix ``model.`` or ``ernie.``.
+- Hugging Face layout (PaddleFormers' ``save_pretrained``; its ``config.json`` carries ``torch_dtype``):
+  linear weights ``[out, in]``, separate ``q/k/v_proj`` and ``gate/up_proj``. The VL model keeps its router
+  weights ``[hidden, experts]``; the text models store them ``[experts, hidden]``.
+
+Names are otherwise shared: experts carry global ids (vision experts numbered after text experts), the
+vision router is ``gate.weight_1``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import paddle
+from safetensors import safe_open
+
+MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "ernie4_5_moe_vl")
+VL = "ernie4_5_moe_vl"
+ROUTER = re.compile(r"\.mlp\.gate\.weight(_1)?$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be loaded; the message names the file or tensor."""
+
+
+def is_router(name: str) -> bool:
+    return bool(ROUTER.search(name))
+
+
+def _is_linear(name: str, ndim: int) -> bool:
+    """A 2-D weight that the Hugging Face layout stores transposed."""
+    return ndim == 2 and name.endswith(".weight") and "embed_tokens" not in name and not is_router(name)
+
+
+def is_vision(name: str) -> bool:
+    return name.startswith(("vision_model.", "model.resampler_model."))
+
+
+def to_hf(name: str, array: np.ndarray, cfg, model_type: str = VL) -> list[tuple[str, np.ndarray]]:
+    """One Paddle-layout tensor of this package's model as the Hugging Face-layout tensors it becomes in a
+    ``model_type`` checkpoint (a text model has no vision side and stores its routers transposed)."""
+    if model_type != VL and is_vision(name):
+        return []
+    if model_type != VL and is_router(name):
+        return [(name, np.ascontiguousarray(array.T))]
+    if name.endswith("self_attn.qkv_proj.weight"):
+        q = cfg.num_attention_heads * cfg.head_dim
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        base = name[: -len("qkv_proj.weight")]
+        parts = np.split(array, [q, q + kv], axis=1)
+        return [(f"{base}{x}_proj.weight", np.ascontiguousarray(p.T)) for x, p in zip("qkv", parts)]
+    if name.endswith("up_gate_proj.weight"):
+        base = name[: -len("up_gate_proj.weight")]
+        gate, up = np.split(array, 2, axis=1)
+        return [(f"{base}gate_proj.weight", np.ascontiguousarray(gate.T)),
+                (f"{base}up_proj.weight", np.ascontiguousarray(up.T))]
+    if _is_linear(name, array.ndim):
+        return [(name, np.ascontiguousarray(array.T))]
+    return [(name, array)]
+
+
+class SourceCheckpoint:
+    """A checkpoint folder: ``config.json`` plus safetensors (single file or sharded with an index) or a
+    ``model_state.pdparams``. Tensors are read one at a time, as float32 NumPy arrays, under names with the
+    ``model.`` prefix; :meth:`paddle_tensor` returns them in the Paddle layout whatever the folder holds."""
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        config_file = self.directory / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(f"{self.directory} has no config.json: not a model folder.")
+        try:
+            self.config = json.loads(config_file.read_text())
+        except ValueError as err:
+            raise CheckpointError(f"cannot read {config_file}: {err}") from err
+        self.model_type = self.config.get("model_type")
+        if self.model_type not in MODEL_TYPES:
+            raise CheckpointError(f"{config_file}: model_type {self.model_type!r} is not one of "
+                                  f"{', '.join(MODEL_TYPES)}.")
+        self.where, self.pdparams = self._find_tensors()
+        self.hf_layout = "torch_dtype" in self.config and self.pdparams is None
+        # PaddleFormers keeps a fused qkv_proj grouped per key/value head: [q of the group's heads, k, v] x kv heads
+        self.qkv_grouped = "paddleformers_version" in self.config and not self.hf_layout
+        self.used: set[str] = set()
+        self._open: dict = {}
+
+    @property
+    def form(self) -> str:
+        if self.pdparams is not None:
+            return "PaddleNLP model_state.pdparams (Paddle layout)"
+        return "safetensors, " + ("Hugging Face layout" if self.hf_layout else "Paddle layout")
+
+    def _find_tensors(self):
+        d = self.directory
+        index = d / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as err:
+                raise CheckpointError(f"cannot read {index}: {err}") from err
+            return {_normalise(k): (d / f, k) for k, f in weight_map.items()}, None
+        if (d / "model.safetensors").is_file():
+            with safe_open(str(d / "model.safetensors"), framework="paddle") as f:
+                return {_normalise(k): (d / "model.safetensors", k) for k in f.keys()}, None
+        if (d / "model_state.pdparams").is_file():
+            try:
+                state = paddle.load(str(d / "model_state.pdparams"))
+            except Exception as err:  # a truncated pickle fails in several ways
+                raise CheckpointError(f"cannot read {d / 'model_state.pdparams'}: {err}") from err
+            return {_normalise(k): (None, k) for k in state}, state
+        raise CheckpointError(f"{d} holds no weights: expected model.safetensors.index.json, model.safetensors or "
+                              "model_state.pdparams.")
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored tensor under its normalised name, as it is on disk."""
+        path, key = self.where[name]
+        self.used.add(name)
+        try:
+            if self.pdparams is not None:
+                value = self.pdparams[key]
+            else:
+                if path not in self._open:
+                    self._open[path] = safe_open(str(path), framework="paddle")
+                value = self._open[path].get_tensor(key)
+        except Exception as err:  # safetensors reports a truncated or corrupt file in several ways
+            raise CheckpointError(f"cannot read tensor '{key}' from {path or self.directory}: {err}") from err
+        if isinstance(value, paddle.Tensor):
+            if value.dtype in (paddle.bfloat16, paddle.float16):
+                value = value.astype("float32")
+            value = value.numpy()
+        return np.asarray(value)
+
+    def paddle_tensor(self, name: str) -> tuple[np.ndarray | None, bool]:
+        """(Tensor ``name`` of this package's model in the Paddle layout, whether it had to be converted);
+        (None, False) when the folder lacks it."""
+        for fused, pieces in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("up_gate_proj", ("gate_proj", "up_proj"))):
+            if name.endswith(f"{fused}.weight") and not self.has(name):
+                parts = [self.paddle_tensor(name.replace(fused, piece))[0] for piece in pieces]
+                if any(p is None for p in parts):
+                    return None, False
+                return np.concatenate(parts, axis=1), True
+        if not self.has(name):
+            return None, False
+        value = self.raw(name)
+        if name.endswith("self_attn.qkv_proj.weight") and self.qkv_grouped:
+            return self._ungroup_qkv(value), True
+        text_router = is_router(name) and self.model_type != VL
+        if self.hf_layout and (_is_linear(name, value.ndim) or text_router):
+            return np.ascontiguousarray(value.T), True
+        return value, False
+
+    def _ungroup_qkv(self, value: np.ndarray) -> np.ndarray:
+        kv = self.config.get("num_key_value_heads") or self.config["num_attention_heads"]
+        grouped = value.reshape([value.shape[0], kv, -1])
+        head_dim = grouped.shape[-1] // (self.config["num_attention_heads"] // kv + 2)
+        q, k, v = np.split(grouped, [grouped.shape[-1] - 2 * head_dim, grouped.shape[-1] - head_dim], axis=-1)
+        return np.concatenate([p.reshape([value.shape[0], -1]) for p in (q, k, v)], axis=1)
+
+
+def _normalise(name: str) -> str:
+    """ERNIE's own releases prefix the decoder with ``ernie.``; PaddleFormers uses ``model.``."""
+    return "model." + name[len("ernie."):] if name.startswith("ernie.") else name

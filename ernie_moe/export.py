@@ -1,0 +1,103 @@
+"""Write a model folder as PaddleFormers' ``from_pretrained`` reads it (Hugging Face layout).
+
+    python -m ernie_moe.export SOURCE OUTPUT [--model-type ernie4_5_moe_vl|ernie4_5_moe|ernie4_5]
+
+SOURCE is a training checkpoint (``checkpoint-<step>``), a final model, or any folder that
+``training.model_name_or_path`` reads. Tensors are read and converted one at a time and written in shards of at
+most ``--max-shard-size-gb``; the tokenizer files are copied. The text model types leave out the vision side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from safetensors.numpy import save_file
+
+from .checkpoint.formats import MODEL_TYPES, VL, CheckpointError, SourceCheckpoint, to_hf
+from .checkpoint.model_files import model_config_dict
+from .checkpoint.pretrained import model_config_from
+from .config.load import ConfigError, build
+from .config.schema import ModelConfig
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "tokenizer.json")
+
+
+def model_names(source_names) -> list[str]:
+    """This package's parameter names for a folder's tensor names (split q/k/v and gate/up fused)."""
+    names = []
+    for name in source_names:
+        for pieces, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "up_gate_proj")):
+            for piece in pieces:
+                if name.endswith(f".{piece}.weight"):
+                    name = name[: -len(f"{piece}.weight")] + f"{fused}.weight"
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 5 * 2 ** 30) -> dict:
+    source = SourceCheckpoint(source_dir)
+    cfg = build(ModelConfig, model_config_from(source_dir), "model")
+    config = model_config_dict(cfg, hf_layout=True, model_type=model_type, base=source.config)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards, weight_map, shard, size, total = [], {}, {}, 0, 0
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            shards.append(sorted(shard))
+            save_file(shard, str(out / f"part-{len(shards)}.safetensors"), metadata={"format": "np"})
+        shard, size = {}, 0
+
+    names = model_names(source.names())
+    if model_type != VL and not any(n.startswith("model.mtp") for n in names):
+        config["num_nextn_predict_layers"] = 0  # PaddleFormers would otherwise expect multi-token-prediction weights
+    if cfg.tie_word_embeddings and "lm_head.weight" in names:
+        names.remove("lm_head.weight")  # a copy of the embedding that a tied model does not read
+    for name in names:
+        value, _ = source.paddle_tensor(name)
+        for hf_name, array in to_hf(name, value, cfg, model_type):
+            shard[hf_name] = array
+            size += array.nbytes
+            total += array.nbytes
+        if size >= max_shard_bytes:
+            flush()
+    flush()
+    for k, names in enumerate(shards, start=1):
+        filename = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        (out / f"part-{k}.safetensors").rename(out / filename)
+        weight_map.update({name: filename for name in names})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for filename in TOKENIZER_FILES:
+        if (Path(source_dir) / filename).is_file():
+            shutil.copy(Path(source_dir) / filename, out / filename)
+    return {"tensors": len(weight_map), "shards": len(shards), "bytes": total}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="checkpoint or model folder")
+    parser.add_argument("output", help="folder to write")
+    parser.add_argument("--model-type", default=VL, choices=MODEL_TYPES)
+    parser.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    try:
+        done = export(args.source, args.output, args.model_type, int(args.max_shard_size_gb * 2 ** 30))
+    except (CheckpointError, ConfigError, ValueError, OSError) as err:
+        print(f"export error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {done['tensors']} tensors ({done['bytes'] / 2 ** 20:.1f} MiB) in {done['shards']} shard(s) to "
+          f"{args.output} ({args.model_type}, Hugging Face layout)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""PaddleFormers' side of the interop tests, run in its own process (importing PaddleFormers patches
+libraries the rest of the suite uses).
+
+    python paddleformers_side.py make KIND DIR      # a random tiny ERNIE 4.5 model: DIR/hf (save_pretrained)
+                                                    # and DIR/paddle (its in-memory state as model_state.pdparams)
+    python paddleformers_side.py dump KIND DIR OUT  # from_pretrained(DIR), in-memory state -> OUT (.npz)
+    python paddleformers_side.py logits DIR IDS OUT # dense model's forward logits on IDS (.npy) -> OUT (.npy)
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import paddle
+
+BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+            fuse_rms_norm=False, tie_word_embeddings=False)
+KINDS = {
+    "dense": ("Ernie4_5Config", "Ernie4_5ForCausalLM", BASE),
+    "moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+            dict(BASE, moe_num_experts=4, moe_intermediate_size=32, moe_k=2, moe_layer_start_index=1,
+                 moe_num_shared_experts=1, moe_use_aux_free=True)),
+    # PaddleFormers' VL model takes its head width from hidden_size / heads
+    "vl": ("Ernie4_5_VLConfig", "Ernie4_5_VLMoeForConditionalGeneration",
+           dict(BASE, freq_allocation=2, tie_word_embeddings=True, moe_num_experts=[4, 4],
+                moe_intermediate_size=[32, 16], moe_k=2, moe_layer_start_index=1, moe_num_shared_experts=1,
+                pixel_hidden_size=32, im_patch_id=5,
+                vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                                   spatial_merge_size=2, in_channels=3))),
+}
+
+
+def classes(kind):
+    import paddleformers.transformers as pf
+
+    config_name, model_name, kwargs = KINDS[kind]
+    return getattr(pf, config_name), getattr(pf, model_name), kwargs
+
+
+def make(kind, directory):
+    config_cls, model_cls, kwargs = classes(kind)
+    paddle.seed(1)
+    model = model_cls(config_cls(**kwargs))
+    out = Path(directory)
+    model.save_pretrained(str(out / "hf"))
+    (out / "paddle").mkdir(parents=True)
+    paddle.save(model.state_dict(), str(out / "paddle" / "model_state.pdparams"))
+    config = json.loads((out / "hf" / "config.json").read_text())
+    config.pop("torch_dtype")  # the in-memory (Paddle) layout
+    (out / "paddle" / "config.json").write_text(json.dumps(config))
+    for extra in (out / "hf").glob("saved_signal_*"):
+        extra.unlink()
+
+
+def dump(kind, directory, out):
+    _, model_cls, _ = classes(kind)
+    model = model_cls.from_pretrained(directory, convert_from_hf=True)
+    np.savez(out, **{k: v.astype("float32").numpy() for k, v in model.state_dict().items()})
+
+
+def logits(directory, ids, out):
+    _, model_cls, _ = classes("dense")
+    model = model_cls.from_pretrained(directory, convert_from_hf=True)
+    model.eval()
+    with paddle.no_grad():
+        result = model(input_ids=paddle.to_tensor(np.load(ids)))
+    np.save(out, (result.logits if hasattr(result, "logits") else result[0]).astype("float32").numpy())
+
+
+if __name__ == "__main__":
+    command, *args = sys.argv[1:]
+    {"make": make, "dump": dump, "logits": logits}[command](*args)

@@ -1,0 +1,216 @@
+"""Starting from ERNIE 4.5 checkpoints made by PaddleFormers itself, and exporting back to it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+from conftest import ROOT
+from test_e2e import load_model
+
+from ernie_moe.checkpoint import save_model
+from ernie_moe.checkpoint.formats import CheckpointError
+from ernie_moe.checkpoint.pretrained import format_report, load_pretrained
+from ernie_moe.config import ConfigError, load_config
+from ernie_moe.model.ernie_vl import Batch
+from ernie_moe.parallel.env import DistEnv
+from ernie_moe.training.trainer import build_model
+
+PF_SIDE = Path(__file__).with_name("paddleformers_side.py")
+
+
+def paddleformers(*args, cwd):
+    """Run PaddleFormers' side in its own process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(PF_SIDE), *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Tiny random ERNIE 4.5 dense, text MoE and VL MoE models, each saved by PaddleFormers in the Hugging Face
+    layout (``hf``) and as its in-memory Paddle-layout state dict (``paddle``)."""
+    root = tmp_path_factory.mktemp("paddleformers")
+    for kind in ("dense", "moe", "vl"):
+        paddleformers("make", kind, root / kind, cwd=root)
+    return root
+
+
+def imported(directory, *overrides):
+    cfg = load_config(None, [f"training.model_name_or_path={directory}", *overrides])
+    paddle.seed(0)
+    model = build_model(cfg.model, DistEnv())
+    return cfg, model, load_pretrained(model, directory)
+
+
+def weights(model) -> dict:
+    return {name: param.numpy() for name, param in model.stable_named_parameters()}
+
+
+def is_vision(name: str) -> bool:
+    return name.startswith(("vision_model.", "model.resampler_model."))
+
+
+def text_batch(ids: np.ndarray) -> Batch:
+    rows, seq = ids.shape
+    positions = np.broadcast_to(np.arange(seq)[None, :, None], [rows, seq, 3]).copy()
+    zeros = paddle.zeros([rows, seq], "int64")
+    return Batch(paddle.to_tensor(ids), paddle.full([rows, seq], -100, "int64"), zeros, paddle.to_tensor(positions),
+                 zeros, paddle.zeros([0, 588]), np.zeros([0, 3], np.int64))
+
+
+def test_dense_model_gives_paddleformers_logits(sources, tmp_path):
+    ids = np.random.RandomState(0).randint(0, 96, size=[2, 12]).astype("int64")
+    np.save(tmp_path / "ids.npy", ids)
+    paddleformers("logits", sources / "dense" / "hf", tmp_path / "ids.npy", tmp_path / "logits.npy", cwd=tmp_path)
+    cfg, model, report = imported(sources / "dense" / "hf")
+    assert cfg.model.moe_num_experts == [] and cfg.model.head_dim == 16 and not cfg.model.tie_word_embeddings
+    assert report["upcycled"] == [] and report["ignored"] == []
+    assert report["new"] and all(is_vision(n) for n in report["new"])  # a text model has no vision side
+    assert "model.layers.0.self_attn.qkv_proj.weight" in report["converted"]
+    model.eval()
+    ours = model(text_batch(ids), return_logits=True).logits.numpy()
+    theirs = np.load(tmp_path / "logits.npy")
+    assert ours.shape == theirs.shape == (2, 12, 96)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "vl"])
+def test_hugging_face_and_paddle_layouts_load_the_same_weights(sources, kind):
+    """PaddleFormers' files and its in-memory state (a model_state.pdparams in the Paddle layout, with its
+    per-KV-group fused q/k/v for the text models) give the same model."""
+    _, from_hf, hf_report = imported(sources / kind / "hf")
+    _, from_paddle, paddle_report = imported(sources / kind / "paddle")
+    a, b = weights(from_hf), weights(from_paddle)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert hf_report["new"] == paddle_report["new"]
+    if kind == "vl":
+        assert hf_report["new"] == []
+    else:
+        assert all(is_vision(n) for n in hf_report["new"])
+    for report in (hf_report, paddle_report):  # multi-token prediction and a tied head's copy are left out
+        assert all(n.startswith("model.mtp") or n == "lm_head.weight" for n in report["ignored"]), report["ignored"]
+
+
+def test_vl_round_trip_through_paddleformers(sources, tmp_path):
+    """import -> the trainer's final save -> PaddleFormers' from_pretrained: every tensor as PaddleFormers had it."""
+    cfg, model, _ = imported(sources / "vl" / "hf")
+    save_model(model, cfg.model, str(tmp_path / "export"), hf_layout=True)
+    paddleformers("dump", "vl", tmp_path / "export", tmp_path / "ours.npz", cwd=tmp_path)
+    paddleformers("dump", "vl", sources / "vl" / "hf", tmp_path / "theirs.npz", cwd=tmp_path)
+    ours, theirs = np.load(tmp_path / "ours.npz"), np.load(tmp_path / "theirs.npz")
+    assert sorted(ours.files) == sorted(theirs.files) and len(ours.files) > 80
+    for name in theirs.files:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+
+
+def test_text_moe_round_trip_through_a_checkpoint_and_the_exporter(sources, tmp_path):
+    """import -> a Paddle-layout save -> ``python -m ernie_moe.export --model-type ernie4_5_moe`` -> PaddleFormers."""
+    cfg, model, _ = imported(sources / "moe" / "hf")
+    assert cfg.model.moe_num_experts == [4] and cfg.model.moe_use_aux_free
+    save_model(model, cfg.model, str(tmp_path / "saved"))
+    done = subprocess.run([sys.executable, "-m", "ernie_moe.export", str(tmp_path / "saved"), str(tmp_path / "export"),
+                           "--model-type", "ernie4_5_moe"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "(ernie4_5_moe, Hugging Face layout)" in done.stdout
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["model_type"] == "ernie4_5_moe" and "vision_config" not in config and config["torch_dtype"]
+    paddleformers("dump", "moe", tmp_path / "export", tmp_path / "ours.npz", cwd=tmp_path)
+    paddleformers("dump", "moe", sources / "moe" / "hf", tmp_path / "theirs.npz", cwd=tmp_path)
+    ours, theirs = np.load(tmp_path / "ours.npz"), np.load(tmp_path / "theirs.npz")
+    shared = [n for n in theirs.files if not n.startswith("model.mtp")]  # not part of this package's model
+    assert len(shared) > 40 and set(shared) <= set(ours.files)
+    for name in shared:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+
+
+def test_a_dense_model_is_upcycled_into_every_expert(sources):
+    overrides = ["model.moe_num_experts=[4,4]", "model.moe_intermediate_size=[128,128]",
+                 "model.moe_layer_start_index=1"]
+    _, model, report = imported(sources / "dense" / "hf", *overrides)
+    _, dense, _ = imported(sources / "dense" / "hf")
+    moe, mlp = weights(model), weights(dense)
+    assert len(report["upcycled"]) == 2 * 8 * 2  # layers 1, 2 x (4 text + 4 vision experts) x (up_gate, down)
+    for layer in (1, 2):
+        for expert in range(8):
+            for part in ("up_gate_proj", "down_proj"):
+                np.testing.assert_array_equal(moe[f"model.layers.{layer}.mlp.experts.{expert}.{part}.weight"],
+                                              mlp[f"model.layers.{layer}.mlp.{part}.weight"])
+    assert "model.layers.1.mlp.gate.weight_1" in report["new"]
+    assert "model.layers.2.mlp.shared_experts.up_gate_proj.weight" in report["new"]
+    assert report["ignored"] == []  # the dense MLPs of layers 1 and 2 went into the experts
+    np.testing.assert_array_equal(moe["model.layers.0.mlp.up_gate_proj.weight"],
+                                  mlp["model.layers.0.mlp.up_gate_proj.weight"])
+    text = format_report(report)
+    assert "upcycled     32" in text and "model.layers.*.mlp.experts.*.up_gate_proj.weight" in text
+
+
+def test_a_text_moe_model_grows_vision_experts(sources):
+    """Text experts and router come from the source; vision experts, router and correction-bias row start fresh."""
+    _, model, report = imported(sources / "moe" / "hf", "model.moe_num_experts=[4,4]",
+                                "model.moe_intermediate_size=[32,16]")
+    _, text_only, _ = imported(sources / "moe" / "hf")
+    grown, source = weights(model), weights(text_only)
+    np.testing.assert_array_equal(grown["model.layers.1.mlp.experts.3.down_proj.weight"],
+                                  source["model.layers.1.mlp.experts.3.down_proj.weight"])
+    assert "model.layers.1.mlp.experts.4.down_proj.weight" in report["new"]
+    assert "model.layers.1.mlp.gate.weight_1" in report["new"]
+    bias = grown["model.layers.1.mlp.moe_statics.e_score_correction_bias"]
+    np.testing.assert_array_equal(bias[0], source["model.layers.1.mlp.moe_statics.e_score_correction_bias"][0])
+    np.testing.assert_array_equal(bias[1], np.zeros(4))
+    assert "model.layers.1.mlp.moe_statics.e_score_correction_bias" in report["converted"]
+
+
+def test_mismatches_and_unreadable_sources_are_errors_that_name_what_is_wrong(sources, tmp_path):
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.up_gate_proj\.weight'.*\[64, 256\].*"
+                                              r"\[64, 128\]"):
+        imported(sources / "dense" / "hf", "model.intermediate_size=64")
+    with pytest.raises(CheckpointError, match=r"cannot upcycle model\.layers\.1\.mlp\.up_gate_proj\.weight"):
+        imported(sources / "dense" / "hf", "model.moe_num_experts=[4,4]", "model.moe_intermediate_size=[128,64]")
+    with pytest.raises(ConfigError, match="has no config.json"):
+        load_config(None, [f"training.model_name_or_path={tmp_path}"])
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 4}))
+    with pytest.raises(CheckpointError, match="model_type 'llama' is not one of"):
+        load_pretrained(None, odd)
+    (odd / "config.json").write_text((sources / "dense" / "hf" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="holds no weights"):
+        load_pretrained(None, odd)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for f in (sources / "dense" / "hf").iterdir():
+        (cut / f.name).write_bytes(f.read_bytes())
+    shard = cut / "model-00001-of-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"model-00001-of-00001\.safetensors"):
+        imported(cut)
+
+
+def test_training_starts_from_a_paddleformers_checkpoint_and_ends_in_its_format(sources, tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "run_trainer.py", "--config", "configs/finetune_ernie45_vl.yaml",
+         f"training.model_name_or_path={sources / 'vl' / 'hf'}", f"training.output_dir={out}", "model.im_patch_id=4",
+         "data.dataset=synthetic", "data.max_seq_len=64", "data.image_size=56", "training.max_steps=4",
+         "training.eval_steps=0", "training.per_device_train_batch_size=2", "data.num_eval_samples=8",
+         "logging.progress_bar=false"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "initialised from" in done.stdout and "Hugging Face layout" in done.stdout
+    report = json.loads((out / "import_report.json").read_text())
+    assert report["new"] == [] and len(report["loaded"]) + len(report["converted"]) == 80
+    final = out / "final_model"
+    assert json.loads((final / "config.json").read_text())["torch_dtype"] == "float32"
+    tensors = load_model(final)
+    assert "model.layers.1.mlp.experts.4.gate_proj.weight" in tensors and "lm_head.weight" not in tensors
+    bad = subprocess.run([sys.executable, "run_trainer.py", "--config", "configs/finetune_ernie45_vl.yaml",
+                          f"training.model_name_or_path={tmp_path / 'missing'}"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "has no config.json" in bad.stderr
