@@ -1,6 +1,7 @@
 """Training checkpoints: exact resume, resume in another layout, incomplete saves ignored, corrupt files named."""
 
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,8 @@ def losses(out):
 def test_resume_continues_bit_for_bit(tmp_path):
     whole, _ = launch(tmp_path, 1, *COMMON, "training.per_device_train_batch_size=4", name="whole")
     assert [p.name for p in complete_checkpoints(whole)] == ["checkpoint-3", "checkpoint-6"]
+    rng = pickle.loads((whole / "checkpoint-3" / "rng_state-00000.pkl").read_bytes())
+    assert set(rng) == {"python", "numpy", "paddle"}
     resumed, log = launch(tmp_path, 1, *COMMON, "training.per_device_train_batch_size=4",
                           f"training.resume_from_checkpoint={whole / 'checkpoint-3'}", name="resumed")
     assert "resumed from" in log and "at step 3" in log

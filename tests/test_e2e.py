@@ -60,7 +60,11 @@ def test_launched_run_writes_metrics_visualdl_and_model(tmp_path):
         tensors.update(load_file(str(model_dir / shard)))
     assert set(tensors) == set(index["weight_map"])
     assert tensors["model.layers.1.mlp.gate.weight_1"].shape == (64, 4)
-    assert tensors["vision_model.patch_embed.proj.weight"].shape == (588, 32)
+    # PaddleFormers' file layout: [out, in] linears, separate q/k/v and gate/up
+    assert tensors["vision_model.patch_embed.proj.weight"].shape == (32, 588)
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)
+    assert tensors["model.layers.1.mlp.experts.4.gate_proj.weight"].shape == (32, 64)
+    assert not any("qkv_proj" in name or "up_gate_proj" in name for name in tensors)
 
 
 def test_two_data_parallel_ranks_match_one_process_and_log_per_rank(tmp_path):

@@ -3,7 +3,8 @@
 - the model as the exporter writes it (full tensors under stable names, ``config.json``, index);
 - the AdamW state (moments and step powers) under ``<stable name>/<state>``, full tensors, one file per
   writing rank plus ``optimizer.index.json``;
-- ``trainer_state.json``: step, data position, learning-rate schedule, the config of the run.
+- ``trainer_state.json``: step, data position, learning-rate schedule, the config of the run;
+- ``rng_state-<rank>.pkl``: each rank's Python, NumPy and Paddle random states.
 
 A checkpoint is written under ``checkpoint-<step>.tmp`` and renamed once every rank has finished and the
 ``COMPLETE`` marker is in, so an interrupted save is never picked up. Loading slices what each rank holds
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
+import random
 import shutil
 from pathlib import Path
 
@@ -52,6 +55,9 @@ def save_checkpoint(trainer, step: int) -> Path:
     _barrier(env)
     save_model(trainer.model, cfg.model, str(tmp), trainer.tokenizer, env)
     _save_optimizer(trainer, tmp)
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "paddle": paddle.get_rng_state()}
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / f"rng_state-{env.rank:05d}.pkl").write_bytes(pickle.dumps(rng))
     if env.is_main:
         state = {"step": step, "consumed_batches": step * cfg.training.gradient_accumulation_steps,
                  "scheduler": trainer.scheduler.state_dict(), "config": dataclasses.asdict(cfg)}
@@ -185,4 +191,13 @@ def load_checkpoint(trainer, directory: Path) -> dict:
                 loaded[f"{param.name}_{kind}_0"] = paddle.to_tensor(shard_of(param, value))
         opt.set_state_dict(loaded)
     trainer.scheduler.set_state_dict(state["scheduler"])
+    rng_file = directory / f"rng_state-{trainer.env.rank:05d}.pkl"
+    if rng_file.is_file():  # absent for a rank that the saving layout did not have
+        try:
+            rng = pickle.loads(rng_file.read_bytes())
+        except (pickle.UnpicklingError, EOFError, ValueError) as err:
+            raise CheckpointError(f"cannot read {rng_file}: {err}") from err
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        paddle.set_rng_state(rng["paddle"])
     return state

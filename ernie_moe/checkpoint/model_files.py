@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 from pathlib import Path
 
 import numpy as np
+import paddle
 import paddle.distributed as dist
-from safetensors.numpy import save_file
 
 from ..model.ernie_vl import is_expert
 from ..parallel.tensor_parallel import full_tensor
@@ -51,10 +52,39 @@ def model_config_dict(model_cfg, hf_layout: bool = False, model_type: str = VL, 
     return data
 
 
-def stable_state(model, tp_group=None) -> dict:
-    """Every parameter under its stable name and in full (tensor-parallel slices gathered: a collective
-    over ``tp_group``)."""
-    return {name: full_tensor(param, tp_group) for name, param in model.stable_named_parameters()}
+_DTYPES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("float64"): "F64",
+           np.dtype("int64"): "I64", np.dtype("int32"): "I32"}
+
+
+_NUMPY = {paddle.float32: np.dtype("float32"), paddle.float16: np.dtype("float16"), paddle.float64: np.dtype("float64")}
+
+
+class SafetensorsWriter:
+    """A safetensors file written one tensor at a time: the header (names, dtypes, shapes, offsets) is known
+    beforehand, so no more than the tensor being written is held in memory."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, np.dtype, list[int]]], metadata: dict):
+        header, offset = {"__metadata__": metadata}, 0
+        for name, dtype, shape in specs:
+            size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            header[name] = {"dtype": _DTYPES[np.dtype(dtype)], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        self.expected = [(name, np.dtype(dtype), list(shape)) for name, dtype, shape in specs]
+        self.total = offset
+        self.file = open(path, "wb")
+        self.file.write(struct.pack("<Q", len(encoded)) + encoded)
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        expected = self.expected.pop(0)
+        if expected != (name, array.dtype, list(array.shape)):
+            raise ValueError(f"tensor {name} {array.dtype} {list(array.shape)} written where {expected} was announced")
+        self.file.write(np.ascontiguousarray(array).tobytes())
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_layout: bool = False) -> Path:
@@ -63,7 +93,8 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
 
     Called on every rank. In each pipeline stage, rank r of the expert group holding the stage's lead rank
     writes a shard with its experts, the lead adding the stage's other parameters; without expert groups
-    the lead writes the stage's shard.
+    the lead writes the stage's shard. Tensors are gathered (tensor-parallel slices), converted and written
+    one at a time.
     """
     out = Path(directory)
     rank = env.rank if env else 0
@@ -74,17 +105,32 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
     writers = per_stage * stages
     in_group = group.rank if group is not None and lead in group.ranks else (0 if rank == lead else None)
     writer = None if in_group is None else stage * per_stage + in_group
-    state = stable_state(model, env.tp_group if env else None)
-    parts = {}
+    tp_group = env.tp_group if env else None
+    named = model.stable_named_parameters()
+    mine = {name for name, _ in named if writer is not None and (rank == lead or is_expert(name))}
+
+    def converted(name, array):
+        return to_hf(name, array, model_cfg) if hf_layout else [(name, array)]
+
+    specs = []
+    for name, param in named:
+        if name in mine:
+            shape = param.full_shape if getattr(param, "is_distributed", False) else param.shape
+            empty = np.empty(shape, _NUMPY[param.dtype])  # only its names and shapes after conversion are used
+            specs += [(n, a.dtype, list(a.shape)) for n, a in converted(name, empty)]
+    file = None
     if writer is not None:
-        for name, tensor in state.items():
-            if rank == lead or is_expert(name):
-                array = np.ascontiguousarray(tensor.numpy())
-                parts.update(to_hf(name, array, model_cfg) if hf_layout else [(name, array)])
         out.mkdir(parents=True, exist_ok=True)
         filename = f"model-{writer + 1:05d}-of-{writers:05d}.safetensors"
-        save_file(parts, str(out / filename), metadata={"format": "pd"})
-    listing = [(writer, sorted(parts), sum(a.nbytes for a in parts.values()))]
+        file = SafetensorsWriter(out / filename, specs, {"format": "pd"})
+    for name, param in named:
+        tensor = full_tensor(param, tp_group)  # a collective over the tensor-parallel group: every rank calls it
+        if name in mine:
+            for part_name, array in converted(name, tensor.numpy()):
+                file.write(part_name, array)
+    if file is not None:
+        file.close()
+    listing = [(writer, sorted(n for n, _, _ in specs), file.total if file is not None else 0)]
     if env is not None and env.world_size > 1:
         gathered: list = []
         dist.all_gather_object(gathered, listing[0])
