@@ -128,3 +128,15 @@ def test_a_run_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp
     assert f"resumed from {newest}" in log
     assert losses(out) == losses(whole)  # the kept records up to the checkpoint plus the resumed ones
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-10", "checkpoint-11", "checkpoint-12"]
+
+
+def test_a_pipeline_and_tensor_parallel_checkpoint_resumes_with_expert_parallelism(tmp_path):
+    """Saved by tp2 x pp2 on 4 processes, resumed by ep2 on 2: the same 4 rows per micro-batch, 2 micro-batches."""
+    accumulate = [*COMMON, "training.gradient_accumulation_steps=2"]
+    saved, _ = launch(tmp_path, 4, *accumulate, "training.per_device_train_batch_size=4",
+                      "parallel.tensor_parallel_degree=2", "parallel.pipeline_parallel_degree=2", name="tp2_pp2")
+    ep2, _ = launch(tmp_path, 2, *accumulate, "training.per_device_train_batch_size=2",
+                    "parallel.expert_parallel_degree=2",
+                    f"training.resume_from_checkpoint={saved / 'checkpoint-3'}", name="ep2")
+    expected = [v for s, v in sorted(losses(saved).items()) if s > 3]
+    np.testing.assert_allclose([v for _, v in sorted(losses(ep2).items())], expected, rtol=1e-4)

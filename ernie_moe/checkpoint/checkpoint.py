@@ -24,12 +24,11 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from ..model.ernie_vl import is_expert
 from ..parallel.tensor_parallel import full_tensor, shard_of
 from .formats import CheckpointError
-from .model_files import save_model
+from .model_files import NUMPY_DTYPES, SafetensorsWriter, save_model
 
 MARKER = "COMPLETE"
 ADAM_STATES = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
@@ -78,19 +77,24 @@ def _save_optimizer(trainer, directory: Path) -> None:
     env, model = trainer.env, trainer.model
     names = {p.name: (stable, p) for stable, p in model.stable_named_parameters()}
     writes = {True: _writes_experts(env), False: _writes_shared(env)}
-    parts = {}
+    states = []  # (stable name, state, parameter, local value), the same order on every rank
     for opt in adam_parts(trainer.optimizer):
         for state in ADAM_STATES:
             for pname, value in sorted(opt._accumulators.get(state, {}).items()):
-                if pname not in names:  # a second stage's copy of a tied weight
-                    continue
-                stable, param = names[pname]
-                value = full_tensor(param, env.tp_group, value)  # a collective: every rank takes part
-                if writes[is_expert(stable)]:
-                    parts[f"{stable}/{state}"] = np.ascontiguousarray(value.numpy())
+                if pname in names:  # not a second stage's copy of a tied weight
+                    stable, param = names[pname]
+                    states.append((stable, state, param, value))
+    specs = [(f"{stable}/{state}", NUMPY_DTYPES[value.dtype], _full_shape(param, value))
+             for stable, state, param, value in states if writes[is_expert(stable)]]
     filename = f"optimizer-{env.rank:05d}.safetensors"
-    if parts:
-        save_file(parts, str(directory / filename))
+    file = SafetensorsWriter(directory / filename, specs, {"format": "pd"}) if specs else None
+    for stable, state, param, value in states:
+        value = full_tensor(param, env.tp_group, value)  # a collective: every rank takes part
+        if writes[is_expert(stable)]:
+            file.write(f"{stable}/{state}", value.numpy())
+    if file is not None:
+        file.close()
+    parts = [name for name, _, _ in specs]
     listing = [(filename, sorted(parts))]
     if env.world_size > 1:
         gathered: list = []
@@ -99,6 +103,13 @@ def _save_optimizer(trainer, directory: Path) -> None:
     if env.is_main:
         index = {name: file for file, keys in listing for name in keys}
         (directory / "optimizer.index.json").write_text(json.dumps({"weight_map": index}, indent=2))
+
+
+def _full_shape(param, value) -> list[int]:
+    """The unsplit shape of an optimizer state (a moment of a tensor-parallel slice is split like it)."""
+    if getattr(param, "is_distributed", False) and list(value.shape) == list(param.shape):
+        return list(param.full_shape)
+    return list(value.shape)
 
 
 def _writes_experts(env) -> bool:

@@ -56,7 +56,8 @@ _DTYPES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("flo
            np.dtype("int64"): "I64", np.dtype("int32"): "I32"}
 
 
-_NUMPY = {paddle.float32: np.dtype("float32"), paddle.float16: np.dtype("float16"), paddle.float64: np.dtype("float64")}
+NUMPY_DTYPES = {paddle.float32: np.dtype("float32"), paddle.float16: np.dtype("float16"),
+                paddle.float64: np.dtype("float64")}
 
 
 class SafetensorsWriter:
@@ -116,7 +117,7 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
     for name, param in named:
         if name in mine:
             shape = param.full_shape if getattr(param, "is_distributed", False) else param.shape
-            empty = np.empty(shape, _NUMPY[param.dtype])  # only its names and shapes after conversion are used
+            empty = np.empty(shape, NUMPY_DTYPES[param.dtype])  # only its names and shapes after conversion are used
             specs += [(n, a.dtype, list(a.shape)) for n, a in converted(name, empty)]
     file = None
     if writer is not None:
