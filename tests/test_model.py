@@ -59,6 +59,22 @@ def test_vit_attention_stays_inside_each_image():
     assert np.abs(base[4:] - other[4:]).max() > 1e-3
 
 
+def test_vit_batches_images_of_one_size_and_keeps_their_order():
+    """Images of mixed sizes in one call give what each gives alone (attention runs per group of one size)."""
+    cfg = load_config(None).model
+    paddle.seed(0)
+    vit = VisionTransformer(cfg.vision_config)
+    grids = np.array([[1, 2, 2], [1, 2, 4], [1, 2, 2], [2, 2, 2]])
+    sizes = grids.prod(axis=1)
+    patches = paddle.randn([int(sizes.sum()), 588])
+    together = vit(patches, grids).numpy()
+    start = 0
+    for grid, size in zip(grids, sizes):
+        alone = vit(patches[start: start + size], grid[None]).numpy()
+        np.testing.assert_allclose(together[start: start + size], alone, rtol=1e-5, atol=1e-6)
+        start += size
+
+
 def test_image_features_reach_only_their_own_document(tiny_cfg):
     model = build(tiny_cfg)
     batch = first_batch(tiny_cfg, rows=1)

@@ -32,6 +32,17 @@ def patch_positions(grid_thw: np.ndarray, merge: int) -> tuple[np.ndarray, np.nd
     return np.concatenate(positions), np.concatenate(owners)
 
 
+def same_size_groups(grid_thw: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
+    """(patch indices, images, patches per image) for each image size: attention runs batched over the images
+    of one size, so its cost grows with patches per image, not with all the patches of the batch."""
+    sizes = np.prod(np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3), axis=1)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    groups: dict[int, list[np.ndarray]] = {}
+    for start, size in zip(starts, sizes):
+        groups.setdefault(int(size), []).append(np.arange(start, start + size))
+    return [(np.concatenate(rows), len(rows), size) for size, rows in groups.items()]
+
+
 def quick_gelu(x):
     return x * F.sigmoid(1.702 * x)
 
@@ -43,11 +54,20 @@ class VisionAttention(nn.Layer):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x, angles, allowed):
+    def forward(self, x, angles, groups):
+        """``groups``: (patch indices, images, patches per image) tensors of each image size, and the order
+        that puts the groups' outputs back."""
         n = x.shape[0]
         q, k, v = paddle.chunk(self.qkv(x).reshape([1, n, 3 * self.num_heads, -1]), 3, axis=2)
-        out = core_attention(apply_rotary(q, angles), apply_rotary(k, angles), v, allowed)
-        return self.proj(out.reshape([n, -1]))
+        q, k = apply_rotary(q, angles)[0], apply_rotary(k, angles)[0]
+        v = v[0]
+        sizes, restore = groups
+        outs = []
+        for index, images, size in sizes:
+            qg, kg, vg = (paddle.gather(t, index).reshape([images, size, self.num_heads, -1]) for t in (q, k, v))
+            everywhere = paddle.ones([1, 1, size, size], dtype="bool")  # within one image, every patch
+            outs.append(core_attention(qg, kg, vg, everywhere).reshape([images * size, -1]))
+        return self.proj(paddle.gather(paddle.concat(outs), restore))
 
 
 class VisionMLP(nn.Layer):
@@ -70,8 +90,8 @@ class VisionBlock(nn.Layer):
         self.norm2 = nn.LayerNorm(cfg.embed_dim, epsilon=1e-6)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x, angles, allowed):
-        x = x + self.attn(self.norm1(x), angles, allowed)
+    def forward(self, x, angles, groups):
+        x = x + self.attn(self.norm1(x), angles, groups)
         return x + self.mlp(self.norm2(x))
 
 
@@ -95,15 +115,17 @@ class VisionTransformer(nn.Layer):
         self.ln = nn.LayerNorm(cfg.embed_dim, epsilon=1e-6)
 
     def forward(self, patches: paddle.Tensor, grid_thw: np.ndarray) -> paddle.Tensor:
-        positions, owners = patch_positions(grid_thw, self.cfg.spatial_merge_size)
+        positions, _ = patch_positions(grid_thw, self.cfg.spatial_merge_size)
         head_dim = self.cfg.embed_dim // self.cfg.num_heads
         positions[:, 0] = 0  # frames share 2D positions; the LM's 3D RoPE orders them in time
         angles = rope_angles(paddle.to_tensor(positions)[None], head_dim, self.cfg.rope_theta, t_slots=0)
-        owner = paddle.to_tensor(owners)
-        allowed = (owner.unsqueeze(1) == owner.unsqueeze(0))[None, None]
+        sizes = same_size_groups(grid_thw)
+        order = np.concatenate([index for index, _, _ in sizes])
+        groups = ([(paddle.to_tensor(index), images, size) for index, images, size in sizes],
+                  paddle.to_tensor(np.argsort(order)))
         x = self.patch_embed(patches)
         for block in self.blocks:
-            x = block(x, angles, allowed)
+            x = block(x, angles, groups)
         return self.ln(x)
 
 
