@@ -17,6 +17,7 @@ def main(argv=None) -> int:
     from ernie_moe.checkpoint import CheckpointError
     from ernie_moe.config import ConfigError, load_config
     from ernie_moe.data import DataError
+    from ernie_moe.training.precision import NonFiniteGradients
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -33,6 +34,9 @@ def main(argv=None) -> int:
     except CheckpointError as err:
         print(f"checkpoint error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteGradients as err:
+        print(f"training stopped: {err}", file=sys.stderr)
+        return 3
     if trainer.env.is_main:
         print(format_summary(summary), flush=True)
     return 0

@@ -27,6 +27,7 @@ ACCUMULATE = ["training.gradient_accumulation_steps=2"]
 # fleet's interleaved schedule needs 3 stages or more and 2 x stages micro-batches: 4 stages x 2 chunks of one layer
 INTERLEAVED = ["training.gradient_accumulation_steps=8", "model.num_hidden_layers=8"]
 TP2, PP2 = "parallel.tensor_parallel_degree=2", "parallel.pipeline_parallel_degree=2"
+RECOMPUTE = "training.recompute=true"
 
 # name: (processes, data ranks, layout overrides, overrides shared with the reference run)
 LAYOUTS = {
@@ -44,6 +45,11 @@ LAYOUTS = {
                              "parallel.expert_parallel_degree=2"], []),
     "tp2_pp2": (4, 1, [TP2, PP2], ACCUMULATE),
     "dp2_pp2_ep2": (4, 2, [PP2, "parallel.expert_parallel_degree=2"], ACCUMULATE),
+    # recompute (against a single process without it): collectives and pipeline stages inside recomputed blocks
+    "tp2_recompute_full": (2, 1, [TP2, RECOMPUTE], []),
+    "pp2_recompute_full_attn": (2, 1, [PP2, RECOMPUTE, "training.recompute_granularity=full_attn"], ACCUMULATE),
+    "ep2_recompute_moe": (2, 2, ["parallel.expert_parallel_degree=2", RECOMPUTE,
+                                 "training.recompute_granularity=moe"], []),
 }
 
 

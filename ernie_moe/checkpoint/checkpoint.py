@@ -32,6 +32,7 @@ from .model_files import NUMPY_DTYPES, SafetensorsWriter, save_model
 
 MARKER = "COMPLETE"
 ADAM_STATES = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
+MASTER = "master_weight"
 
 
 def _barrier(env) -> None:
@@ -59,7 +60,8 @@ def save_checkpoint(trainer, step: int) -> Path:
     (tmp / f"rng_state-{env.rank:05d}.pkl").write_bytes(pickle.dumps(rng))
     if env.is_main:
         state = {"step": step, "consumed_batches": step * cfg.training.gradient_accumulation_steps,
-                 "scheduler": trainer.scheduler.state_dict(), "config": dataclasses.asdict(cfg)}
+                 "scheduler": trainer.scheduler.state_dict(), "loss_scaler": trainer.precision.state_dict(),
+                 "config": dataclasses.asdict(cfg)}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
     _barrier(env)
     if env.is_main:
@@ -84,6 +86,10 @@ def _save_optimizer(trainer, directory: Path) -> None:
                 if pname in names:  # not a second stage's copy of a tied weight
                     stable, param = names[pname]
                     states.append((stable, state, param, value))
+        for pname, value in sorted(opt._master_weights.items()):  # O2: float32 copies of low-precision weights
+            if pname in names:
+                stable, param = names[pname]
+                states.append((stable, MASTER, param, value))
     specs = [(f"{stable}/{state}", NUMPY_DTYPES[value.dtype], _full_shape(param, value))
              for stable, state, param, value in states if writes[is_expert(stable)]]
     filename = f"optimizer-{env.rank:05d}.safetensors"
@@ -103,6 +109,10 @@ def _save_optimizer(trainer, directory: Path) -> None:
     if env.is_main:
         index = {name: file for file, keys in listing for name in keys}
         (directory / "optimizer.index.json").write_text(json.dumps({"weight_map": index}, indent=2))
+
+
+def _keeps_master_weights(opt, param) -> bool:
+    return bool(getattr(opt, "_multi_precision", False)) and param.dtype in (paddle.bfloat16, paddle.float16)
 
 
 def _full_shape(param, value) -> list[int]:
@@ -186,7 +196,7 @@ def load_checkpoint(trainer, directory: Path) -> dict:
         if list(value.shape) != list(param.shape):
             raise CheckpointError(f"tensor '{stable}' in {directory} has shape {list(value.shape)}; this model "
                                   f"expects {list(param.shape)}")
-        param.set_value(value)
+        param.set_value(paddle.to_tensor(value).astype(param.dtype))
     try:
         state = json.loads((directory / "trainer_state.json").read_text())
     except (OSError, ValueError) as err:
@@ -200,8 +210,13 @@ def load_checkpoint(trainer, directory: Path) -> dict:
             for kind in ADAM_STATES:
                 value = states.get(f"{stable}/{kind}")
                 loaded[f"{param.name}_{kind}_0"] = paddle.to_tensor(shard_of(param, value))
+            if _keeps_master_weights(opt, param):
+                master = paddle.to_tensor(shard_of(param, states.get(f"{stable}/{MASTER}")))
+                loaded.setdefault("master_weights", {})[param.name] = master
         opt.set_state_dict(loaded)
     trainer.scheduler.set_state_dict(state["scheduler"])
+    if "loss_scaler" in state:
+        trainer.precision.load_state_dict(state["loss_scaler"])
     rng_file = directory / f"rng_state-{trainer.env.rank:05d}.pkl"
     if rng_file.is_file():  # absent for a rank that the saving layout did not have
         try:

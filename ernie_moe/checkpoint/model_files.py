@@ -60,6 +60,11 @@ NUMPY_DTYPES = {paddle.float32: np.dtype("float32"), paddle.float16: np.dtype("f
                 paddle.float64: np.dtype("float64")}
 
 
+def _saved_dtype(dtype) -> np.dtype:
+    """Weights are written in their own dtype; bfloat16 (which NumPy lacks) as float32."""
+    return NUMPY_DTYPES.get(dtype, np.dtype("float32"))
+
+
 class SafetensorsWriter:
     """A safetensors file written one tensor at a time: the header (names, dtypes, shapes, offsets) is known
     beforehand, so no more than the tensor being written is held in memory."""
@@ -117,7 +122,7 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
     for name, param in named:
         if name in mine:
             shape = param.full_shape if getattr(param, "is_distributed", False) else param.shape
-            empty = np.empty(shape, NUMPY_DTYPES[param.dtype])  # only its names and shapes after conversion are used
+            empty = np.empty(shape, _saved_dtype(param.dtype))  # only its names and shapes after conversion are used
             specs += [(n, a.dtype, list(a.shape)) for n, a in converted(name, empty)]
     file = None
     if writer is not None:
@@ -127,8 +132,9 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
     for name, param in named:
         tensor = full_tensor(param, tp_group)  # a collective over the tensor-parallel group: every rank calls it
         if name in mine:
-            for part_name, array in converted(name, tensor.numpy()):
-                file.write(part_name, array)
+            full = tensor.numpy() if tensor.dtype in NUMPY_DTYPES else tensor.astype("float32").numpy()
+            for part_name, part in converted(name, full):
+                file.write(part_name, part)
     if file is not None:
         file.close()
     listing = [(writer, sorted(n for n, _, _ in specs), file.total if file is not None else 0)]

@@ -145,6 +145,21 @@ class TrainingConfig:
     resume_from_checkpoint: str = opt("", "'auto' (the newest complete checkpoint in output_dir, if any) or a "
                                           "checkpoint folder; empty = start fresh")
     max_eval_batches: int = opt(0, "cap on evaluation batches; 0 = the whole held-out set")
+    bf16: bool = opt(False, "mixed precision in bfloat16")
+    fp16: bool = opt(False, "mixed precision in float16, with dynamic loss scaling")
+    fp16_opt_level: str = choice("O2", "O1", "O2", doc="O1: float32 weights, low-precision matmuls under autocast; "
+                                                       "O2: low-precision weights with float32 master weights")
+    amp_master_grad: bool = opt(True, "O2: keep gradients of low-precision weights in float32")
+    scale_loss: float = opt(32768.0, "fp16: initial loss scale")
+    scale_incr_every: int = opt(1000, "fp16: double the loss scale after this many finite steps in a row")
+    max_skipped_steps: int = opt(10, "stop after this many steps in a row skipped for inf/nan gradients; 0 = never")
+    recompute: bool = opt(False, "drop activations after the forward pass and recompute them in backward")
+    recompute_granularity: str = choice("full", "full", "full_attn", "core_attn", "moe",
+                                        doc="what recomputes: the whole decoder layer, the attention block, the "
+                                            "attention core, or the MoE block")
+    recompute_layers: int | list[int] = opt(0, "decoder layers that recompute: 0 = all, N = the first N, or a list")
+    recompute_use_reentrant: bool = opt(True, "fleet recompute as a PyLayer (true) or through saved-tensor hooks "
+                                              "(false: on Paddle 3.3 it does not lower the peak)")
     model_name_or_path: str = opt("", "start from this ERNIE 4.5 checkpoint folder (PaddleFormers, ERNIE Paddle or "
                                       "PaddleNLP form); its config.json gives the model, the model section "
                                       "overrides it; empty = random weights")

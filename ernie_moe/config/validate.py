@@ -117,6 +117,17 @@ def _check_data(cfg: Config) -> None:
 
 def _check_training(cfg: Config) -> None:
     t = cfg.training
+    _require(not (t.bf16 and t.fp16), "training.bf16 and training.fp16 are both set; choose one.")
+    _require(t.scale_loss >= 1 and t.scale_incr_every >= 1 and t.max_skipped_steps >= 0,
+             "training.scale_loss and training.scale_incr_every must be at least 1, training.max_skipped_steps "
+             "at least 0.")
+    r, layers = t.recompute_layers, cfg.model.num_hidden_layers
+    if isinstance(r, list):
+        _require(all(0 <= i < layers for i in r), f"training.recompute_layers {r} names layers outside the model's "
+                                                   f"{layers} (valid 0..{layers - 1}).")
+    else:
+        _require(0 <= r <= layers, f"training.recompute_layers ({r}) must be 0 (every layer) or a count up to the "
+                                   f"model's {layers} layers, or a list of layer indices.")
     for name in ("max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
                  "gradient_accumulation_steps"):
         _require(getattr(t, name) >= 1, f"training.{name} must be at least 1, got {getattr(t, name)}.")

@@ -8,6 +8,7 @@ from paddle import nn
 from ..moe.layer import MoELayer
 from .attention import Attention
 from .layers import SwiGLUMLP
+from .recompute import checkpoint
 
 
 class DecoderLayer(nn.Layer):
@@ -23,14 +24,35 @@ class DecoderLayer(nn.Layer):
         # The MoE block routes whole sequences: under sequence parallelism it gathers them first.
         self.mlp = (MoELayer(plan.full_sequence(), cfg, modalities, layer_idx) if self.is_moe
                     else SwiGLUMLP(plan, cfg.hidden_size, cfg.intermediate_size))
+        self.recompute, self.recompute_use_reentrant = None, True  # set by model.recompute.configure_recompute
 
     def forward(self, x, token_type_ids, angles, allowed) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Returns the new hidden state and this layer's weighted router loss (0 for a dense layer)."""
-        x = x + self.self_attn(self.input_layernorm(x), angles, allowed)
-        h = self.post_attention_layernorm(x)
-        if self.is_moe:
-            out, router_loss = self.mlp(self.plan.gather_sequence(h), token_type_ids)
-            out = self.plan.split_sequence(out)
+        if self._recomputes("full"):
+            return checkpoint(self._forward, x, token_type_ids, angles, allowed,
+                              use_reentrant=self.recompute_use_reentrant)
+        return self._forward(x, token_type_ids, angles, allowed)
+
+    def _recomputes(self, granularity: str) -> bool:
+        return self.recompute == granularity and self.training
+
+    def _forward(self, x, token_type_ids, angles, allowed):
+        if self._recomputes("full_attn"):
+            x = x + checkpoint(self._attention, x, angles, allowed, use_reentrant=self.recompute_use_reentrant)
         else:
-            out, router_loss = self.mlp(h), paddle.zeros([], dtype="float32")
+            x = x + self._attention(x, angles, allowed)
+        h = self.post_attention_layernorm(x)
+        if not self.is_moe:
+            return x + self.mlp(h), paddle.zeros([], dtype="float32")
+        if self._recomputes("moe"):
+            out, router_loss = checkpoint(self._moe, h, token_type_ids, use_reentrant=self.recompute_use_reentrant)
+        else:
+            out, router_loss = self._moe(h, token_type_ids)
         return x + out, router_loss
+
+    def _attention(self, x, angles, allowed):
+        return self.self_attn(self.input_layernorm(x), angles, allowed)
+
+    def _moe(self, h, token_type_ids):
+        out, router_loss = self.mlp(self.plan.gather_sequence(h), token_type_ids)
+        return self.plan.split_sequence(out), router_loss

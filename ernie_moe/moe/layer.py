@@ -6,6 +6,7 @@ import paddle
 from paddle import nn
 
 from ..model.layers import SwiGLUMLP
+from ..model.recompute import replaying
 from .experts import Experts
 from .losses import orthogonal_loss
 from .router import Router
@@ -94,7 +95,8 @@ class MoELayer(nn.Layer):
                 group_losses = self.gate.losses(None, g, reduce)
                 for name, value in group_losses.items():
                     router_loss = router_loss + self.loss_weights[g][name] * value
-                self.stats.record_losses(g, group_losses)
+                if not replaying():
+                    self.stats.record_losses(g, group_losses)
                 continue
             if token_index.shape[0] == 0:
                 # The orthogonal loss needs no token; it also keeps this router in the backward pass.
@@ -108,7 +110,7 @@ class MoELayer(nn.Layer):
             group_losses = self.gate.losses(routing, g, reduce)
             for name, value in group_losses.items():
                 router_loss = router_loss + self.loss_weights[g][name] * value
-            if self.training:
+            if self.training and not replaying():
                 self.stats.record_losses(g, group_losses)
             ids.append(routing.expert_ids + self.expert_offsets[g])
             weights.append(routing.weights)
@@ -122,7 +124,7 @@ class MoELayer(nn.Layer):
         out = self.dispatcher.combine(outputs, state, flat.shape[0])
         if idle_zero is not None:
             out = out + idle_zero
-        if self.training:
+        if self.training and not replaying():
             self.stats.record_routing(state.routed, state.kept)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

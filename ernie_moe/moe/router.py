@@ -51,7 +51,8 @@ class Router(nn.Layer):
                 correction_bias: paddle.Tensor | None) -> GroupRouting:
         # The router runs in float32 even under AMP: small logit errors flip top-k choices.
         h = paddle.gather(x, token_index).astype("float32")
-        logits = paddle.matmul(h, self.weight_of(group))
+        with paddle.amp.auto_cast(enable=False):
+            logits = paddle.matmul(h, self.weight_of(group))
         probs = F.softmax(logits, axis=-1) if self.gate_act == "softmax" else F.sigmoid(logits)
         scores = probs if correction_bias is None else probs + correction_bias
         _, expert_ids = paddle.topk(scores, self.k, axis=-1)

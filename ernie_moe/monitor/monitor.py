@@ -37,14 +37,17 @@ class TrainingMonitor:
     def end_window(self, step: int, window, data_stats) -> dict:
         """Log the window's metrics (rank 0 writes, every rank takes part in the reductions) and return them."""
         steps = window["steps"]
+        updated = max(steps - window["skipped_steps"], 1)  # gradient norms of skipped steps are not finite
         lm_loss = window["lm_loss_sum"] / max(window["label_tokens"], 1.0)
         router_loss = window["router_loss"] / steps
         metrics = {
             "loss": lm_loss + router_loss, "lm_loss": lm_loss, "router_loss": router_loss,
             "lr": window["lr"] / steps,
-            "grad_norm": window["grad_norm"] / steps,
-            "grad_norm_expert": window["grad_norm_expert"] / steps,
-            "grad_norm_non_expert": window["grad_norm_non_expert"] / steps,
+            "grad_norm": window["grad_norm"] / updated,
+            "grad_norm_expert": window["grad_norm_expert"] / updated,
+            "grad_norm_non_expert": window["grad_norm_non_expert"] / updated,
+            "skipped_steps": window["skipped_steps"],
+            "loss_scale": window["loss_scale"] / steps,
             "tokens_per_sec": window["tokens"] / window["time"],
             "samples_per_sec": window["rows"] / window["time"],
             "step_time_s": window["time"] / steps,

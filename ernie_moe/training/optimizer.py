@@ -28,6 +28,7 @@ def build_optimizer(model, training_cfg, env=None):
             param.optimize_attr["learning_rate"] = t.moe_gate_lr_ratio
     decayed = {p.name for n, p in params if not no_decay(n, p)}
     scheduler = WarmupDecay(t)
+    multi_precision = (t.bf16 or t.fp16) and t.fp16_opt_level == "O2"
 
     def adamw(parameters):
         return paddle.optimizer.AdamW(
@@ -38,6 +39,7 @@ def build_optimizer(model, training_cfg, env=None):
             epsilon=t.adam_epsilon,
             weight_decay=t.weight_decay,
             apply_decay_param_fun=lambda name: name in decayed,
+            multi_precision=multi_precision,  # float32 master weights for low-precision weights
         )
 
     if env is None or not env.sharding:

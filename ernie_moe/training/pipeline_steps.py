@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -12,7 +13,8 @@ from ..parallel.pipeline import stage_inputs
 from .evaluate import SCORE_SIZE, batch_scores, eval_metrics
 
 
-def pipeline_forward_backward(ddp, model, env, micro_batches, denominator: float) -> tuple[float, float]:
+def pipeline_forward_backward(ddp, model, env, micro_batches, denominator: float,
+                              precision=None) -> tuple[float, float]:
     """fleet's 1F1B (or interleaved) schedule over the micro-batches: what ``train_batch`` runs before its
     optimizer step. Returns the last stage's sums of the LM loss and of the router losses (0 elsewhere)."""
     loss = model.loss
@@ -21,7 +23,9 @@ def pipeline_forward_backward(ddp, model, env, micro_batches, denominator: float
     scale = env.data_world / denominator * len(micro_batches)
     if env.virtual_stages > 1:
         ddp.set_virtual_pipeline_rank(0)
-    ddp.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), None)
+    scaler = precision if precision is not None and precision.loss_scale != 1.0 else None  # fleet calls .scale()
+    with precision.autocast() if precision is not None else contextlib.nullcontext():
+        ddp.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), scaler)
     return loss.lm_sum, loss.router_sum
 
 

@@ -18,12 +18,14 @@ from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_expert
+from ..model.recompute import configure_recompute
 from ..monitor.monitor import TrainingMonitor
 from ..parallel import build_plan, init_distributed, sync_gradients, wrap_model
 from ..parallel.pipeline import ErniePipeline
 from .evaluate import evaluate
 from .optimizer import build_optimizer, clip_grad_norm, split_experts
 from .pipeline_steps import pipeline_evaluate, pipeline_forward_backward
+from .precision import Precision
 
 
 class Trainer:
@@ -35,8 +37,14 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg)
         check_tokenizer(self.tokenizer, cfg.model)
         self.model = build_model(cfg.model, self.env)
+        configure_recompute(self.model.decoder_layers(), t, cfg.model.num_hidden_layers)
         if t.model_name_or_path:
             self._initialise_from(t.model_name_or_path)
+        self.precision = Precision(t)
+        self.precision.cast_model(self.model)
+        if self.precision.enabled and not paddle.is_compiled_with_cuda() and self.env.is_main:
+            print(f"note: {self.precision.dtype} mixed precision needs a GPU; on this CPU build Paddle computes in "
+                  "float32 (loss scaling and the inf/nan step guard still apply)", flush=True)
         self.ddp = wrap_model(self.model, self.env)
         self.optimizer, self.scheduler = build_optimizer(self.model, t, self.env)
         self.param_groups = split_experts(self.model)
@@ -88,17 +96,25 @@ class Trainer:
         result = self.forward_backward(micro_batches)
         env = self.env
         sync_gradients(self.param_groups, env)
-        result.update(clip_grad_norm(
+        self.precision.unscale(p for params in self.param_groups.values() for p in params)
+        norms = clip_grad_norm(
             self.param_groups, t.max_grad_norm,
             reduce={"expert": lambda x: env.all_reduce_sum(x, env.expert_group)},
             reduce_split=lambda x: env.all_reduce_sum(x, env.tp_group),
             reduce_stages=lambda x: env.all_reduce_sum(x, env.pp_group),
-            uncounted=self.model.tied_copies() if env.pp_group is not None else ()))
+            uncounted=self.model.tied_copies() if env.pp_group is not None else ())
         result["lr"] = self.optimizer.get_lr()
-        self.optimizer.step()
+        if self.precision.step_is_finite(norms["grad_norm"], self.step):
+            result.update(norms)
+            self.optimizer.step()
+            self.scheduler.step()
+            self._update_router_bias()
+        else:  # inf / nan somewhere: no update, and no bias update from this step's routing
+            result["skipped_steps"] = 1
+            for moe in self.model.moe_layers():
+                moe.stats.pop_usage()
         self.optimizer.clear_grad()
-        self.scheduler.step()
-        self._update_router_bias()
+        result["loss_scale"] = self.precision.loss_scale
         self.monitor.after_step()
         result.update(rows=self.global_rows * len(micro_batches), flops=self.monitor.step_flops(micro_batches),
                       time=time.time() - started, steps=1)
@@ -113,7 +129,8 @@ class Trainer:
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.
         denominator = self._loss_denominator(label_tokens)
         if env.pp_group is not None:
-            lm_sum, router_sum = pipeline_forward_backward(self.ddp, self.model, self.env, micro_batches, denominator)
+            lm_sum, router_sum = pipeline_forward_backward(self.ddp, self.model, self.env, micro_batches, denominator,
+                                                           self.precision)
         else:
             lm_sum, router_sum = self._forward_backward(micro_batches, denominator)
         totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches)], dtype="float64")
@@ -128,10 +145,11 @@ class Trainer:
         for i, batch in enumerate(micro_batches):
             sync_later = wrapped and i < len(micro_batches) - 1
             with self.ddp.no_sync() if sync_later else contextlib.nullcontext():
-                out = self.ddp(batch)
+                with self.precision.autocast():
+                    out = self.ddp(batch)
                 # Shared gradients are averaged over the data ranks afterwards, hence their number as a factor.
                 loss = out.loss_sum * (self.env.data_world / denominator) + out.router_loss / len(micro_batches)
-                loss.backward()
+                self.precision.scale(loss).backward()
             lm_sum += float(out.loss_sum)
             router_sum += float(out.router_loss)
         return lm_sum, router_sum
@@ -146,8 +164,10 @@ class Trainer:
         global_rows = per_device * self.env.data_world
         batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
         if self.env.pp_group is not None:
-            return pipeline_evaluate(self.ddp, self.model, self.env, batches, t)
-        return evaluate(self.model, batches, self.env, self.cfg.training.max_eval_batches)
+            with self.precision.autocast():
+                return pipeline_evaluate(self.ddp, self.model, self.env, batches, t)
+        with self.precision.autocast():
+            return evaluate(self.model, batches, self.env, self.cfg.training.max_eval_batches)
 
     # -------------------------------------------------------------- helpers
     def _resume(self) -> int:
