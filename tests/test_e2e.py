@@ -82,7 +82,7 @@ def test_two_data_parallel_ranks_match_one_process_and_log_per_rank(tmp_path):
         assert [r[key] for r in records(two) if "loss" in r] == [r[key] for r in records(one) if "loss" in r]
     last = [r for r in records(two) if "loss" in r][-1]
     assert last["memory/rank0/max_rss_gb"] > 0 and last["memory/rank1/max_rss_gb"] > 0  # one curve per rank
-    assert last["memory/max_rank_max_rss_gb"] >= last["memory/min_rank_max_rss_gb"]
+    assert last["memory/max_rank_max_allocated_gb"] >= last["memory/min_rank_max_allocated_gb"]
     a = load_file(str(one / "final_model" / "model-00001-of-00001.safetensors"))
     b = load_file(str(two / "final_model" / "model-00001-of-00001.safetensors"))
     for name in a:

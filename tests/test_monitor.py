@@ -96,11 +96,14 @@ def test_router_forced_to_one_expert_shows_max_mean_equal_to_experts(tmp_path):
     assert read_scalars(logdir, "moe/layer1_text/bias_range")[-1][1] == pytest.approx(100.0)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
-    for key in ("memory/rank0/rss_gb", "memory/rank0/max_rss_gb", "memory/max_rank_max_rss_gb",
+    for key in ("memory/rank0/rss_gb", "memory/rank0/max_rss_gb", "memory/rank0/allocated_gb",
+                "memory/rank0/max_allocated_gb", "memory/max_rank_max_allocated_gb",
                 "model_tflops_per_card", "mfu", "grad_norm_expert", "grad_norm_non_expert",
                 "router/layer1_vision/z_loss", "moe/layer1_vision/load_cv"):
         assert all(np.isfinite(r[key]) for r in train), key
     assert 0 < train[-1]["memory/rank0/max_rss_gb"] < 24
+    # the allocator's peak of a step: parameters, gradients, AdamW moments and more, far below the process RSS
+    assert 4 * 265280 * 4 / 2 ** 30 < train[-1]["memory/rank0/max_allocated_gb"] < train[-1]["memory/rank0/rss_gb"]
     from visualdl import LogReader
 
     (log,) = list(logdir.glob("vdlrecords.*.log"))

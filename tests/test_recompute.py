@@ -43,8 +43,9 @@ def test_recompute_gives_the_gradients_and_counts_of_the_plain_run(tmp_path, wit
     grads, usage = gradients_and_usage(tmp_path, "training.recompute=true",
                                        f"training.recompute_granularity={granularity}",
                                        f"training.recompute_use_reentrant={str(reentrant).lower()}")
-    layers = 1 if granularity == "moe" else 2  # the default config's layer 1 is its only MoE layer
-    assert len(calls) == layers * 2 and all(k["use_reentrant"] == reentrant for k in calls)  # 2 micro-batches
+    # the default config's layer 1 is its only MoE layer; full and full_attn recompute the 2 ViT blocks too
+    blocks = {"moe": 1, "core_attn": 2, "full_attn": 2 + 2, "full": 2 + 2}[granularity]
+    assert len(calls) == blocks * 2 and all(k["use_reentrant"] == reentrant for k in calls)  # 2 micro-batches
     base, _ = without
     assert set(grads) == set(base)
     for name, g in grads.items():

@@ -59,7 +59,7 @@ def save_checkpoint(trainer, step: int) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / f"rng_state-{env.rank:05d}.pkl").write_bytes(pickle.dumps(rng))
     if env.is_main:
-        state = {"step": step, "consumed_batches": step * cfg.training.gradient_accumulation_steps,
+        state = {"step": step, "consumed_rows": trainer.consumed_rows,
                  "scheduler": trainer.scheduler.state_dict(), "loss_scaler": trainer.precision.state_dict(),
                  "config": dataclasses.asdict(cfg)}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))

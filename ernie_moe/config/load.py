@@ -23,7 +23,7 @@ class ConfigError(ValueError):
     """A config the trainer cannot run; the message says what to change."""
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), check_paths: bool = True) -> Config:
     raw: dict = {}
     if path is not None:
         path = Path(path)
@@ -41,7 +41,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     cfg = build(Config, raw, "")
     from .validate import validate
 
-    validate(cfg)
+    validate(cfg, check_paths)
     return cfg
 
 

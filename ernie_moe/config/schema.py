@@ -153,6 +153,10 @@ class TrainingConfig:
     scale_loss: float = opt(32768.0, "fp16: initial loss scale")
     scale_incr_every: int = opt(1000, "fp16: double the loss scale after this many finite steps in a row")
     max_skipped_steps: int = opt(10, "stop after this many steps in a row skipped for inf/nan gradients; 0 = never")
+    device_memory_gb: float = opt(0.0, "device memory the layout is checked against at start-up (memory planner); "
+                                       "0 = the GPU's own, or the machine's RAM on a CPU")
+    memory_guard_fraction: float = opt(0.85, "when a step's memory peak passes this fraction of the device, "
+                                            "recompute more, then halve the micro-batch; 0 = off")
     recompute: bool = opt(False, "drop activations after the forward pass and recompute them in backward")
     recompute_granularity: str = choice("full", "full", "full_attn", "core_attn", "moe",
                                         doc="what recomputes: the whole decoder layer, the attention block, the "

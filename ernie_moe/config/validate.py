@@ -8,9 +8,10 @@ from .load import ConfigError
 from .schema import Config, ModelConfig
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, check_paths: bool = True) -> None:
+    """``check_paths=False`` skips the checks that data and tokenizer files exist (planning a run elsewhere)."""
     _check_model(cfg.model)
-    _check_data(cfg)
+    _check_data(cfg, check_paths)
     _check_training(cfg)
     _check_parallel(cfg)
     lg = cfg.logging
@@ -91,7 +92,7 @@ def _check_model(m: ModelConfig) -> None:
     _require(m.temporal_conv_size in (1, 2), "model.temporal_conv_size must be 1 or 2.")
 
 
-def _check_data(cfg: Config) -> None:
+def _check_data(cfg: Config, check_paths: bool = True) -> None:
     d, v = cfg.data, cfg.model.vision_config
     _require(d.max_seq_len >= 8, f"data.max_seq_len ({d.max_seq_len}) must be at least 8.")
     _require(d.max_seq_len <= cfg.model.max_position_embeddings,
@@ -108,9 +109,9 @@ def _check_data(cfg: Config) -> None:
         _require(bool(d.train_path), "data.dataset is 'jsonl' but data.train_path is empty.")
         for name in ("train_path", "eval_path"):
             path = getattr(d, name)
-            _require(not path or Path(path).is_file(), f"data.{name} '{path}' does not exist.")
+            _require(not check_paths or not path or Path(path).is_file(), f"data.{name} '{path}' does not exist.")
         _require(d.max_image_side >= unit, f"data.max_image_side must be at least {unit} pixels.")
-    if d.tokenizer_path:
+    if d.tokenizer_path and check_paths:
         _require((Path(d.tokenizer_path) / "tokenizer.model").is_file(),
                  f"data.tokenizer_path '{d.tokenizer_path}' holds no tokenizer.model (SentencePiece).")
 
@@ -118,6 +119,7 @@ def _check_data(cfg: Config) -> None:
 def _check_training(cfg: Config) -> None:
     t = cfg.training
     _require(not (t.bf16 and t.fp16), "training.bf16 and training.fp16 are both set; choose one.")
+    _require(0 <= t.memory_guard_fraction <= 1, "training.memory_guard_fraction must be in [0, 1] (0 = off).")
     _require(t.scale_loss >= 1 and t.scale_incr_every >= 1 and t.max_skipped_steps >= 0,
              "training.scale_loss and training.scale_incr_every must be at least 1, training.max_skipped_steps "
              "at least 0.")

@@ -2,7 +2,9 @@
 
 Granularities (what is dropped after the forward pass and computed again in the backward pass):
 ``full`` the whole decoder layer, ``full_attn`` the attention block (norm + attention), ``core_attn`` the
-softmax(q k^T) v core, ``moe`` the MoE block (router, dispatch, experts, shared experts).
+softmax(q k^T) v core, ``moe`` the MoE block (router, dispatch, experts, shared experts). With ``full`` and
+``full_attn`` each ViT block recomputes too (its attention over an image's patches is the largest activation of
+a high-resolution image).
 """
 
 from __future__ import annotations
@@ -49,9 +51,13 @@ def selected_layers(layers: int | list[int], num_layers: int) -> set[int]:
     return set(range(layers if layers > 0 else num_layers))
 
 
-def configure_recompute(decoder_layers, training_cfg, num_layers: int) -> None:
-    """Mark the decoder layers (of this pipeline stage) that recompute, and what."""
+def configure_recompute(decoder_layers, training_cfg, num_layers: int, vision_models=()) -> None:
+    """Mark the decoder layers (of this pipeline stage) that recompute, and what; and the ViT blocks."""
     chosen = selected_layers(training_cfg.recompute_layers, num_layers) if training_cfg.recompute else set()
+    for vision in vision_models:
+        vision.recompute_blocks = training_cfg.recompute and training_cfg.recompute_granularity in ("full",
+                                                                                                   "full_attn")
+        vision.recompute_use_reentrant = training_cfg.recompute_use_reentrant
     for layer in decoder_layers:
         on = layer.layer_idx in chosen
         layer.recompute = training_cfg.recompute_granularity if on else None

@@ -7,6 +7,8 @@ patches is one spatial neighbourhood and the adapter's spatial merge is a reshap
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -14,6 +16,7 @@ from paddle import nn
 
 from .attention import core_attention
 from .layers import RMSNorm
+from .recompute import checkpoint
 from .rope import apply_rotary, rope_angles
 
 
@@ -113,6 +116,7 @@ class VisionTransformer(nn.Layer):
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.LayerList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.ln = nn.LayerNorm(cfg.embed_dim, epsilon=1e-6)
+        self.recompute_blocks, self.recompute_use_reentrant = False, True  # set by configure_recompute
 
     def forward(self, patches: paddle.Tensor, grid_thw: np.ndarray) -> paddle.Tensor:
         positions, _ = patch_positions(grid_thw, self.cfg.spatial_merge_size)
@@ -125,7 +129,12 @@ class VisionTransformer(nn.Layer):
                   paddle.to_tensor(np.argsort(order)))
         x = self.patch_embed(patches)
         for block in self.blocks:
-            x = block(x, angles, groups)
+            if self.recompute_blocks and self.training:
+                # the groups hold indices and sizes: bound here, since recompute takes tensors or plain values
+                x = checkpoint(functools.partial(block, groups=groups), x, angles,
+                               use_reentrant=self.recompute_use_reentrant)
+            else:
+                x = block(x, angles, groups)
         return self.ln(x)
 
 

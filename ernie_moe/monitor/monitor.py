@@ -20,8 +20,8 @@ class TrainingMonitor:
         self.logger = MetricsLogger(cfg.training.output_dir, cfg.logging.visualdl, env.is_main, resumed_at)
         for moe in model.moe_layers():
             moe.stats.enabled = self.enabled
+        self.memory = MemoryMonitor()  # also what the memory guard reads
         if self.enabled:
-            self.memory = MemoryMonitor()
             self.flops = FlopsCounter(model, cfg.model)
             self.peak_flops, self.peak_source = hardware_peak() if env.is_main else (0.0, "")
             self.alerts = Alerts(cfg.logging, self.memory.device_total_gb())
@@ -30,9 +30,13 @@ class TrainingMonitor:
     def step_flops(self, micro_batches) -> float:
         return sum(self.flops.batch_flops(b) for b in micro_batches) if self.enabled else 0.0
 
-    def after_step(self) -> None:
-        if self.enabled:
-            self.memory.sample()
+    def start(self) -> None:
+        """Training begins: memory peaks count from here (set-up is not a step)."""
+        self.memory.pop_window()
+
+    def after_step(self) -> int:
+        """The step's memory peak in bytes."""
+        return self.memory.step_peak()
 
     def end_window(self, step: int, window, data_stats) -> dict:
         """Log the window's metrics (rank 0 writes, every rank takes part in the reductions) and return them."""
@@ -47,6 +51,7 @@ class TrainingMonitor:
             "grad_norm_expert": window["grad_norm_expert"] / updated,
             "grad_norm_non_expert": window["grad_norm_non_expert"] / updated,
             "skipped_steps": window["skipped_steps"],
+            "memory_guard_rungs": window["memory_guard_rungs"],
             "loss_scale": window["loss_scale"] / steps,
             "tokens_per_sec": window["tokens"] / window["time"],
             "samples_per_sec": window["rows"] / window["time"],

@@ -19,10 +19,13 @@ from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_expert
 from ..model.recompute import configure_recompute
+from ..model.vision import VisionTransformer
+from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
 from ..parallel import build_plan, init_distributed, sync_gradients, wrap_model
 from ..parallel.pipeline import ErniePipeline
 from .evaluate import evaluate
+from .memory_guard import MemoryGuard, is_out_of_memory
 from .optimizer import build_optimizer, clip_grad_norm, split_experts
 from .pipeline_steps import pipeline_evaluate, pipeline_forward_backward
 from .precision import Precision
@@ -33,11 +36,14 @@ class Trainer:
         self.cfg = cfg
         t = cfg.training
         self.env = init_distributed(cfg.parallel, t)
+        check_memory(cfg, self.env)
         paddle.seed(t.seed)
         self.tokenizer = build_tokenizer(cfg)
         check_tokenizer(self.tokenizer, cfg.model)
         self.model = build_model(cfg.model, self.env)
-        configure_recompute(self.model.decoder_layers(), t, cfg.model.num_hidden_layers)
+        vision = [m for m in self.model.vision_modules() if isinstance(m, VisionTransformer)]
+        configure_recompute(self.model.decoder_layers(), t, cfg.model.num_hidden_layers, vision)
+        self.guard = MemoryGuard(cfg, self.env, device_bytes(t), self.model.decoder_layers(), vision)
         if t.model_name_or_path:
             self._initialise_from(t.model_name_or_path)
         self.precision = Precision(t)
@@ -51,10 +57,9 @@ class Trainer:
 
         self.data_stats: Counter = Counter()
         train_set, self.eval_set = build_datasets(cfg)
-        rows = RowStream(train_set, self.tokenizer, cfg, self.data_stats, shuffle=True)
-        # Tensor-parallel ranks read the same rows; the data ranks split the global batch.
-        self.global_rows = t.per_device_train_batch_size * self.env.data_world
-        self.batches = rank_batches(rows, self.global_rows, self.env.data_rank, self.env.data_world)
+        self.rows = iter(RowStream(train_set, self.tokenizer, cfg, self.data_stats, shuffle=True))
+        self.consumed_rows = 0
+        self._cut_batches()
         self.step = self._resume() if t.resume_from_checkpoint else 0
         self.monitor = TrainingMonitor(cfg, self.env, self.model, resumed_at=self.step)
 
@@ -62,6 +67,7 @@ class Trainer:
     def train(self) -> dict:
         t, log_every = self.cfg.training, self.cfg.logging.logging_steps
         self._write_run_config()
+        self.monitor.start()
         bar = tqdm(total=t.max_steps, initial=self.step, mininterval=2.0, dynamic_ncols=True, desc="train",
                    disable=not (self.env.is_main and self.cfg.logging.progress_bar))
         window, last_eval, started, first = Counter(), {}, time.time(), self.step + 1
@@ -85,14 +91,58 @@ class Trainer:
         self._finish(summary)
         return summary
 
+    def _cut_batches(self) -> None:
+        """Micro-batches from the row stream: tensor-parallel ranks read the same rows, the data ranks split
+        each global micro-batch. Called again when the memory guard halves the micro-batch."""
+        self.global_rows = self.cfg.training.per_device_train_batch_size * self.env.data_world
+        self.batches = rank_batches(self.rows, self.global_rows, self.env.data_rank, self.env.data_world)
+
+    def _next_rows(self) -> list:
+        """This rank's rows of each micro-batch of the next step."""
+        step = [next(self.batches) for _ in range(self.cfg.training.gradient_accumulation_steps)]
+        self.consumed_rows += self.global_rows * len(step)
+        return step
+
     def next_micro_batches(self) -> list:
-        return [collate(next(self.batches)) for _ in range(self.cfg.training.gradient_accumulation_steps)]
+        return [collate(rows) for rows in self._next_rows()]
 
     def train_step(self, micro_batches=None) -> dict:
-        """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches. An out-of-memory error runs
+        the step again on the memory guard's next rung; a step whose peak passes its limit moves to the next
+        rung for the following steps."""
+        rows = None if micro_batches is not None else self._next_rows()
+        changes = []
+        while True:
+            try:
+                result = self._step(micro_batches or [collate(r) for r in rows])
+                break
+            except Exception as err:
+                rung = self.guard.step_down(f"out of memory in step {self.step}") if is_out_of_memory(err) else None
+                if rung is None:
+                    raise
+                changes.append(rung)
+                self.optimizer.clear_grad()
+                if rung.halved and rows is not None:
+                    rows = [half for r in rows for half in (r[: len(r) // 2], r[len(r) // 2:])]
+        if self.guard.over_limit(self.monitor.after_step()):
+            rung = self.guard.step_down(f"step {self.step} passed {self.cfg.training.memory_guard_fraction:.0%} of "
+                                        "the device's memory")
+            changes += [rung] if rung is not None else []
+        for rung in changes:
+            self._announce(rung.message)
+            if rung.halved:
+                self._cut_batches()
+        result.update(memory_guard_rungs=len(changes))
+        return result
+
+    def _announce(self, change: str) -> None:
+        if self.env.is_main:
+            print(f"memory guard: {change}", flush=True)
+        self.monitor.text("memory_guard", change)
+
+    def _step(self, micro_batches) -> dict:
         t = self.cfg.training
         started = time.time()
-        micro_batches = micro_batches or self.next_micro_batches()
         result = self.forward_backward(micro_batches)
         env = self.env
         sync_gradients(self.param_groups, env)
@@ -115,7 +165,6 @@ class Trainer:
                 moe.stats.pop_usage()
         self.optimizer.clear_grad()
         result["loss_scale"] = self.precision.loss_scale
-        self.monitor.after_step()
         result.update(rows=self.global_rows * len(micro_batches), flops=self.monitor.step_flops(micro_batches),
                       time=time.time() - started, steps=1)
         return result
@@ -178,8 +227,9 @@ class Trainer:
         if path is None:
             return 0
         state = load_checkpoint(self, path)
-        for _ in range(state["consumed_batches"]):  # the stream is seeded: skipping replays the same order
-            next(self.batches)
+        for _ in range(state["consumed_rows"]):  # the stream is seeded: skipping replays the same order
+            next(self.rows)
+        self.consumed_rows = state["consumed_rows"]
         if self.env.is_main:
             print(f"resumed from {path} at step {state['step']}", flush=True)
         return state["step"]
@@ -238,6 +288,19 @@ def build_model(model_cfg, env):
             if is_expert(name):
                 param.no_sync = True
     return model
+
+
+def device_bytes(training_cfg) -> float:
+    return (training_cfg.device_memory_gb or MemoryMonitor().device_total_gb()) * 2 ** 30
+
+
+def check_memory(cfg, env) -> None:
+    """Stop before building anything when the memory planner predicts that the layout does not fit."""
+    from ..plan import report
+
+    text, ok = report(cfg, env.world_size, device_bytes(cfg.training) / 2 ** 30, run_search=False)
+    if not ok:
+        raise ConfigError(f"the memory planner predicts that this layout does not fit the device:\n{text}")
 
 
 def check_tokenizer(tokenizer, model_cfg) -> None:

@@ -1,0 +1,210 @@
+"""Predicted peak memory of one rank of each pipeline stage during a training step.
+
+Persistent: parameters, gradients (kept allocated between steps), AdamW moments and master weights (optimizer
+sharding splits the states of the non-expert weights, stage 2 their gradients too). Per step: the step's
+input batches, the activations the forward pass keeps for the backward pass of the micro-batches in flight,
+and a transient at the start of the backward pass (a recomputed block re-run, the logits' gradient).
+
+Activation terms count what this package's layers keep (float32 elements unless noted). The coefficients were
+read off the allocator, block by block, while varying one dimension at a time (batch, sequence, widths,
+heads, key/value heads, experts, k, image sizes); ``tests/test_memory.py`` checks whole-step peaks against
+the allocator for several layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .params import stage_layers, stage_params
+
+PIXEL_CHANNELS_BYTES = 4  # flattened patches arrive as float32
+INT_FIELDS = 7  # int64 per token: input ids, labels, token types, doc ids, 3 position axes
+
+
+@dataclass
+class Workload:
+    """One micro-batch on one data rank: its token and image make-up."""
+
+    rows: int
+    seq: int
+    image_tokens: int
+    image_sizes: list[int] = field(default_factory=list)  # patches of each image
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.seq
+
+    @property
+    def patches(self) -> int:
+        return sum(self.image_sizes)
+
+    @classmethod
+    def from_batch(cls, batch) -> Workload:
+        types = batch.token_type_ids.numpy()
+        sizes = [int(np.prod(g)) for g in np.asarray(batch.grid_thw).reshape(-1, 3)]
+        return cls(rows=types.shape[0], seq=types.shape[1], image_tokens=int((types > 0).sum()), image_sizes=sizes)
+
+    @classmethod
+    def assumed(cls, cfg, image_fraction: float = 0.5) -> Workload:
+        """Without data: images of ``data.max_image_side`` fill ``image_fraction`` of the tokens."""
+        v = cfg.model.vision_config
+        side = cfg.data.max_image_side // (v.patch_size * v.spatial_merge_size) * v.spatial_merge_size
+        patches = side * side
+        per_image = patches // (v.spatial_merge_size ** 2)
+        rows, seq = cfg.training.per_device_train_batch_size, cfg.data.max_seq_len
+        images = int(rows * seq * image_fraction) // max(per_image, 1)
+        return cls(rows=rows, seq=seq, image_tokens=images * per_image, image_sizes=[patches] * images)
+
+
+def sample_workload(cfg, data_world: int) -> Workload:
+    """The first micro-batch data rank 0 trains on, built by the data pipeline itself."""
+    from collections import Counter
+
+    from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
+
+    train, _ = build_datasets(cfg)
+    rows = RowStream(train, build_tokenizer(cfg), cfg, Counter(), shuffle=True)
+    global_rows = cfg.training.per_device_train_batch_size * data_world
+    return Workload.from_batch(collate(next(rank_batches(rows, global_rows, 0, data_world))))
+
+
+@dataclass
+class StageMemory:
+    """Bytes on one rank of one pipeline stage."""
+
+    stage: int
+    parameters: float
+    gradients: float
+    optimizer: float
+    inputs: float
+    activations: float
+    transient: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.inputs + self.activations + self.transient
+
+
+def _layer_activations(cfg, parallel, training, layer: int, w: Workload) -> tuple[float, float]:
+    """(bytes kept, bytes of the recomputed block) of one decoder layer for one micro-batch."""
+    m = cfg
+    tp = parallel.tensor_parallel_degree
+    sp = tp if parallel.sequence_parallel else 1
+    t, h, hd = w.tokens, m.hidden_size, m.head_dim
+    heads, kv = m.num_attention_heads // tp, m.num_key_value_heads // tp
+    grouped = m.num_attention_heads > m.num_key_value_heads
+    norm_residual = (3 * t * h) / sp + t
+    repeat = 2 * heads * t * hd if grouped else 0
+    attention_linear = t * hd * (3 * heads + 3 * kv + 2) + repeat
+    scores_bytes = 5 * w.rows * heads * w.seq ** 2  # float32 probabilities + the broadcast boolean mask
+    attention = 4 * (norm_residual + attention_linear) + scores_bytes
+
+    modalities = m.moe_modalities_at(layer)
+    if not modalities:
+        mlp = 4 * (norm_residual + 4 * t * m.intermediate_size / tp)
+    else:
+        counts, widths = m.moe_num_experts, m.moe_intermediate_size
+        hard = m.moe_use_hard_gate and len(counts) == 2
+        text = t - w.image_tokens
+        routed = [(text, counts[0], widths[0]), (w.image_tokens, counts[1], widths[1])] if hard else \
+            [(t, sum(counts), widths[0])]
+        routed = [r for i, r in enumerate(routed) if not hard or i in modalities]
+        expert_split = tp if parallel.moe_group == "mp" and tp > 1 else 1
+        copies = sum(n * m.moe_k for n, _, _ in routed) / expert_split
+        width = sum(n * m.moe_k * wd for n, _, wd in routed) / max(sum(n * m.moe_k for n, _, _ in routed), 1)
+        router = 3.4 * sum(n * e for n, e, _ in routed)
+        exchange = 2 * copies * h if parallel.expert_parallel_degree > 1 and parallel.moe_group == "ep" else 0
+        shared = 4 * t * widths[0] * m.moe_num_shared_experts / tp
+        mlp = 4 * (norm_residual + router + t * h + copies * (1.8 * h + 3.2 * width) + exchange + shared)
+
+    # (kept for backward, re-run in backward minus what the layer's backward has freed before it)
+    granularity = training.recompute_granularity if _recomputes(training, layer) else None
+    if granularity == "full":
+        return 4 * t * h / sp, attention + mlp
+    if granularity == "full_attn":
+        return 4 * t * h / sp + mlp, max(attention - mlp, 0.0)
+    if granularity == "core_attn":
+        core = scores_bytes + 4 * repeat
+        return attention - core + mlp, max(core - mlp, 0.0)
+    if granularity == "moe" and modalities:
+        return attention + 4 * (norm_residual + t * h), mlp
+    return attention + mlp, 0.0
+
+
+def _recomputes(training, layer: int) -> bool:
+    if not training.recompute:
+        return False
+    chosen = training.recompute_layers
+    return layer in chosen if isinstance(chosen, list) else (chosen == 0 or layer < chosen)
+
+
+def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, float]]:
+    """(kept, re-run in backward) of the first stage's pieces in forward order: embedding, rotary angles and
+    mask, the ViT's embedding and final norm, then each ViT block, then the adapter."""
+    m, v = cfg, cfg.vision_config
+    t, h, d = w.tokens, m.hidden_size, v.embed_dim
+    text_side = 4 * (2 * t * h + w.rows * w.seq * m.head_dim / 2) + w.rows * w.seq ** 2
+    if not w.image_sizes:
+        return [(text_side, 0.0)]
+    p = w.patches
+    block = 4 * (16.3 * p * d + 30 * p) + 5 * v.num_heads * sum(n * n for n in w.image_sizes)
+    recomputed = training.recompute and training.recompute_granularity in ("full", "full_attn")
+    blocks = [(4 * p * d, block) if recomputed else (block, 0.0)] * v.depth
+    adapter = 4 * (9 * p * d + 0.75 * p * h)
+    return [(text_side + 4 * 2.2 * p * d, 0.0), *blocks, (adapter, 0.0)]
+
+
+def _last_stage_activations(cfg, parallel, w: Workload) -> float:
+    t = w.tokens
+    return 4 * (3 * t * cfg.hidden_size + t + t * cfg.vocab_size / parallel.tensor_parallel_degree)
+
+
+def in_flight(parallel, training, stage: int) -> float:
+    """Micro-batches whose activations a stage holds at once (1F1B warm-up; interleaved in model chunks)."""
+    pp, vpp, gas = parallel.pipeline_parallel_degree, max(parallel.virtual_pp_degree, 1), \
+        training.gradient_accumulation_steps
+    if pp == 1:
+        return 1.0
+    if vpp == 1:
+        return float(min(pp - stage, gas))
+    chunks = min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, gas * vpp)
+    return chunks / vpp
+
+
+def estimate(cfg, workload: Workload) -> list[StageMemory]:
+    """Bytes on one rank of each pipeline stage for ``cfg``'s layout, model and training settings."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    low = t.bf16 or t.fp16
+    o2 = low and t.fp16_opt_level == "O2"
+    param_bytes = 2 if o2 else 4
+    grad_bytes = 4 if (not o2 or t.amp_master_grad) else 2
+    act_scale = 0.5 if low else 1.0  # activations in bf16 / fp16 under autocast (GPU)
+    sharding = p.sharding_parallel_degree if p.sharding else 1
+    data_inputs = workload.tokens * 8 * INT_FIELDS + workload.patches * (
+        m.vision_config.in_channels * m.vision_config.patch_size ** 2 * PIXEL_CHANNELS_BYTES)
+    out = []
+    for stage, (params, layers) in enumerate(zip(stage_params(m, p), stage_layers(m, p.pipeline_parallel_degree,
+                                                                                  max(p.virtual_pp_degree, 1)))):
+        parameters = param_bytes * (params.total - params.float32) + 4 * params.float32
+        gradients = grad_bytes * params.total / (sharding if p.sharding == "stage2" else 1)
+        states_per_param = 8 + (4 if o2 else 0)  # two AdamW moments, a float32 master copy under O2
+        optimizer = states_per_param * (params.shared / sharding + params.experts)
+        optimizer -= 4 * (params.float32 / sharding) if o2 else 0  # float32 weights need no master copy
+        per_layer = [_layer_activations(m, p, t, layer, workload) for layer in layers]
+        if stage == 0:
+            per_layer = _first_stage_activations(m, t, workload) + per_layer
+        kept = sum(k for k, _ in per_layer)
+        # backward runs the layers last to first: when layer j re-runs its block, the later layers are freed
+        later, transient = 0.0, 0.0
+        for layer_kept, rerun in reversed(per_layer):
+            transient = max(transient, rerun - later)
+            later += layer_kept
+        if stage == p.pipeline_parallel_degree - 1:
+            kept += _last_stage_activations(m, p, workload)
+        activations = act_scale * kept * in_flight(p, t, stage)
+        transient = act_scale * transient
+        inputs = data_inputs * t.gradient_accumulation_steps
+        out.append(StageMemory(stage, parameters, gradients, optimizer, inputs, activations, transient))
+    return out

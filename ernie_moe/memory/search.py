@@ -1,0 +1,130 @@
+"""Layouts that fit a device, ranked by a rough throughput estimate.
+
+The estimate is relative (1.0 = the best layout found): step time ~ FLOPs per rank x the recompute re-run x
+the pipeline bubble x a communication penalty for tensor (per doubling) and expert parallelism. It ranks
+candidates; it is not a prediction of tokens per second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+from ..config.load import ConfigError
+from ..config.validate import validate
+from .estimate import estimate
+
+FIT_FRACTION = 0.9  # the rest of the device: CUDA context, allocator fragmentation, communication buffers
+RECOMPUTE_ORDER = (None, "moe", "core_attn", "full_attn", "full")  # least memory saved and time spent first
+RERUN = {None: 0.0, "moe": 0.2, "core_attn": 0.05, "full_attn": 0.15, "full": 0.33}  # extra forward share
+
+
+def fits(stages, device_bytes: float) -> bool:
+    return max(s.total for s in stages) <= FIT_FRACTION * device_bytes
+
+
+def with_layout(cfg, tp, pp, vpp, sharding, ep, recompute, micro_batch, world, moe_group="ep"):
+    """``cfg`` with another layout, the global batch unchanged; None when the layout is invalid."""
+    t = cfg.training
+    data = world // (tp * pp)
+    global_rows = t.per_device_train_batch_size * t.gradient_accumulation_steps * (
+        world // (cfg.parallel.tensor_parallel_degree * cfg.parallel.pipeline_parallel_degree))
+    if global_rows % (micro_batch * data):
+        return None
+    parallel = dataclasses.replace(
+        cfg.parallel, tensor_parallel_degree=tp, pipeline_parallel_degree=pp, virtual_pp_degree=vpp,
+        sharding_parallel_degree=sharding, sharding="stage1" if sharding > 1 else "",
+        expert_parallel_degree=ep if moe_group == "ep" else tp, moe_group=moe_group,
+        sequence_parallel=moe_group == "mp" and cfg.data.max_seq_len % tp == 0)
+    training = dataclasses.replace(t, per_device_train_batch_size=micro_batch,
+                                   gradient_accumulation_steps=global_rows // (micro_batch * data),
+                                   recompute=recompute is not None, recompute_granularity=recompute or "full",
+                                   recompute_layers=0)
+    candidate = dataclasses.replace(cfg, parallel=parallel, training=training)
+    try:
+        validate(candidate, check_paths=False)
+    except ConfigError:
+        return None
+    return candidate
+
+
+def relative_time(cfg, world: int, largest_micro_batch: int) -> float:
+    p, t = cfg.parallel, cfg.training
+    small = 1 + 0.05 * math.log2(largest_micro_batch / t.per_device_train_batch_size)  # smaller kernels
+    bubble = (p.pipeline_parallel_degree - 1) / (t.gradient_accumulation_steps * max(p.virtual_pp_degree, 1))
+    rerun = RERUN[t.recompute_granularity if t.recompute else None]
+    comm = 1 + 0.08 * math.log2(p.tensor_parallel_degree) + (0.05 if p.expert_parallel_degree > 1 else 0)
+    return (1 + rerun) * (1 + bubble) * comm * small / world
+
+
+def search(cfg, workload_for, world: int, device_bytes: float, limit: int = 10) -> list[tuple]:
+    """(relative throughput, config, busiest-stage bytes) of the layouts that fit, best first.
+    ``workload_for(micro_batch)`` gives the micro-batch's make-up."""
+    m = cfg.model
+    powers = [d for d in (1, 2, 4, 8, 16, 32, 64) if world % d == 0]
+    found = []
+    micro = cfg.training.per_device_train_batch_size
+    micro_batches = sorted({max(micro >> i, 1) for i in range(4)}, reverse=True)
+    for tp, pp in itertools.product([d for d in powers if d <= 8], powers):
+        if world % (tp * pp):
+            continue
+        data = world // (tp * pp)
+        # experts over data ranks (moe_group ep, any degree that divides the counts), or over the tensor ranks
+        # (moe_group mp, with sequence parallelism)
+        groups = [("ep", d) for d in powers if d <= data and all(n % d == 0 for n in m.moe_num_experts or [1])]
+        groups += [("mp", tp)] if tp > 1 and m.moe_num_experts else []
+        for (moe_group, ep), vpp, recompute, mb in itertools.product(
+                groups, (1, 2) if pp >= 3 else (1,), RECOMPUTE_ORDER, micro_batches):
+            candidate = with_layout(cfg, tp, pp, vpp, data, ep, recompute, mb, world, moe_group)
+            if candidate is None:
+                continue
+            stages = estimate(candidate, workload_for(mb))
+            if fits(stages, device_bytes):
+                peak = max(s.total for s in stages)
+                found.append((relative_time(candidate, world, micro_batches[0]), candidate, peak))
+    found.sort(key=lambda x: (x[0], x[2]))
+    if not found:
+        return []
+    best = found[0][0]
+    return [(best / time, candidate, peak) for time, candidate, peak in found[:limit]]
+
+
+def describe(cfg) -> str:
+    p, t = cfg.parallel, cfg.training
+    parts = [f"tp{p.tensor_parallel_degree}", f"pp{p.pipeline_parallel_degree}"]
+    if p.virtual_pp_degree > 1:
+        parts.append(f"vpp{p.virtual_pp_degree}")
+    if p.sharding:
+        parts.append(f"sharding{p.sharding_parallel_degree}({p.sharding})")
+    if p.moe_group == "mp" and p.tensor_parallel_degree > 1:
+        parts.append("experts over tp (moe_group mp)" + (", sequence parallel" if p.sequence_parallel else ""))
+    elif p.expert_parallel_degree > 1:
+        parts.append(f"ep{p.expert_parallel_degree}")
+    parts.append(f"recompute {t.recompute_granularity}" if t.recompute else "no recompute")
+    parts.append(f"micro-batch {t.per_device_train_batch_size} x {t.gradient_accumulation_steps}")
+    return ", ".join(parts)
+
+
+def overrides(cfg, current) -> str:
+    """The command-line overrides that turn ``current``'s layout into ``cfg``'s."""
+    now = set(overrides_of(current))
+    items = [item for item in overrides_of(cfg) if item not in now]
+    if not cfg.training.recompute:
+        items = [item for item in items if not item.startswith("training.recompute_granularity")]
+    return " ".join(items)
+
+
+def overrides_of(cfg) -> list[str]:
+    p, t = cfg.parallel, cfg.training
+    return [f"parallel.tensor_parallel_degree={p.tensor_parallel_degree}",
+            f"parallel.pipeline_parallel_degree={p.pipeline_parallel_degree}",
+            f"parallel.virtual_pp_degree={p.virtual_pp_degree}",
+            f"parallel.sharding_parallel_degree={p.sharding_parallel_degree}",
+            f"parallel.sharding={p.sharding or chr(39) * 2}",
+            f"parallel.expert_parallel_degree={p.expert_parallel_degree}", f"parallel.moe_group={p.moe_group}",
+            f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}",
+            f"training.per_device_train_batch_size={t.per_device_train_batch_size}",
+            f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}",
+            f"training.recompute={str(t.recompute).lower()}",
+            f"training.recompute_granularity={t.recompute_granularity}"]

@@ -1,0 +1,104 @@
+"""Predict the memory a layout needs before launching it.
+
+    python -m ernie_moe.plan --config FILE [section.key=value ...] [--world-size N] [--device-memory-gb 80]
+                             [--search] [--image-fraction 0.5]
+
+Prints, for one rank of each pipeline stage, the bytes of parameters, gradients, optimizer states, input
+batches, activations and the backward-pass transient, and whether the busiest stage fits the device. With
+``--search`` it lists the layouts (tensor, pipeline, virtual stages, sharding, expert degree, recompute,
+micro-batch) that fit, the fastest first by a rough estimate. The micro-batch's make-up comes from the
+configured data when it is there (synthetic data, or the JSONL files), otherwise images of
+``data.max_image_side`` are assumed to fill ``--image-fraction`` of the tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .config import ConfigError, load_config
+from .memory.estimate import Workload, estimate, sample_workload
+from .memory.search import FIT_FRACTION, describe, fits, overrides, search
+
+GIB = 2 ** 30
+
+
+def size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2 ** 20:.1f} MiB"
+
+
+def workload_source(cfg, data_world: int, image_fraction: float):
+    """``micro_batch -> Workload``: sampled from the data when it is available, else assumed."""
+    d = cfg.data
+    available = d.dataset == "synthetic" or Path(d.train_path).is_file()
+    import dataclasses
+
+    def for_micro_batch(micro_batch: int) -> Workload:
+        sized = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
+                                                                      per_device_train_batch_size=micro_batch))
+        return sample_workload(sized, data_world) if available else Workload.assumed(sized, image_fraction)
+
+    return for_micro_batch, "sampled from the data" if available else (
+        f"assumed: images of {d.max_image_side} px filling {image_fraction:.0%} of the tokens")
+
+
+def table(stages, device_bytes: float) -> str:
+    columns = ("parameters", "gradients", "optimizer", "inputs", "activations", "transient", "total")
+    lines = ["stage " + " ".join(f"{c:>12}" for c in columns)]
+    for s in stages:
+        lines.append(f"{s.stage:>5} " + " ".join(f"{size(getattr(s, c)):>12}" for c in columns))
+    busiest = max(stages, key=lambda s: s.total)
+    verdict = "fits" if fits(stages, device_bytes) else "does NOT fit"
+    lines.append(f"busiest: stage {busiest.stage}, {size(busiest.total)} of {size(device_bytes)} "
+                 f"({busiest.total / device_bytes:.0%}): {verdict} (limit {FIT_FRACTION:.0%} of the device)")
+    return "\n".join(lines)
+
+
+def report(cfg, world: int, device_gb: float, run_search: bool, image_fraction: float = 0.5) -> tuple[str, bool]:
+    """The printed plan and whether the configured layout fits."""
+    p = cfg.parallel
+    data_world = world // (p.tensor_parallel_degree * p.pipeline_parallel_degree)
+    workload_for, source = workload_source(cfg, data_world, image_fraction)
+    workload = workload_for(cfg.training.per_device_train_batch_size)
+    device = device_gb * GIB
+    stages = estimate(cfg, workload)
+    lines = [f"layout: {world} ranks, {describe(cfg)}",
+             f"micro-batch: {workload.rows} x {workload.seq} tokens, {workload.image_tokens} image tokens, "
+             f"{workload.patches} patches ({source})",
+             table(stages, device)]
+    ok = fits(stages, device)
+    if run_search or not ok:
+        found = search(cfg, workload_for, world, device, limit=10 if run_search else 5)
+        lines.append(f"layouts that fit {world} ranks of {size(device)}, fastest first (relative estimate):"
+                     if found else f"no layout of {world} ranks fits {size(device)} per rank.")
+        for speed, candidate, peak in found:
+            lines.append(f"  {speed:4.2f}  {size(peak):>10}  {describe(candidate)}\n"
+                         f"        {overrides(candidate, cfg) or '(the configured layout)'}")
+    return "\n".join(lines), ok
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    parser.add_argument("--world-size", type=int, default=0, help="ranks (default: the product of the degrees)")
+    parser.add_argument("--device-memory-gb", type=float, default=80.0)
+    parser.add_argument("--search", action="store_true", help="list the layouts that fit")
+    parser.add_argument("--image-fraction", type=float, default=0.5)
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides, check_paths=False)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    p = cfg.parallel
+    world = args.world_size or (p.tensor_parallel_degree * p.pipeline_parallel_degree
+                                * max(p.sharding_parallel_degree, 1))
+    text, ok = report(cfg, world, args.device_memory_gb, args.search, args.image_fraction)
+    print(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The memory guard: more recompute, then smaller micro-batches, when memory runs short; nothing is lost."""
+
+import re
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from test_e2e import launch, records
+
+from ernie_moe.config import load_config
+from ernie_moe.training import Trainer
+
+# router losses are statistics of each micro-batch: off, so that halving the micro-batch leaves the loss as it is
+SAME_LOSS = ["model.moe_aux_loss_lambda=0", "model.moe_z_loss_lambda=0", "model.moe_orthogonal_loss_lambda=0",
+             "training.adam_epsilon=1e-6", "training.max_steps=8", "logging.logging_steps=1", "training.eval_steps=0",
+             "data.num_eval_samples=0"]
+
+
+def test_a_low_limit_steps_down_the_ladder_and_the_losses_stay(tmp_path):
+    """An artificially low limit (half of 16 MiB): recompute moe, core_attn, full_attn, full, then 4 x 2."""
+    plain, _ = launch(tmp_path, 1, *SAME_LOSS, "training.memory_guard_fraction=0", name="plain")
+    guarded, log = launch(tmp_path, 1, *SAME_LOSS, "training.device_memory_gb=0.016",
+                          "training.memory_guard_fraction=0.5", name="guarded")
+    # the launcher's output and the worker log both hold each line
+    changes = dict.fromkeys(re.findall(r"memory guard: step (\d) passed 50% of the device's memory: (.*)", log))
+    assert [c for _, c in changes] == ["recompute moe", "recompute core_attn", "recompute full_attn", "recompute full",
+                                       "micro-batch 4 x 2 accumulated"]
+    a, b = ([r for r in records(out) if "loss" in r] for out in (plain, guarded))
+    assert [r["memory_guard_rungs"] for r in b] == [1, 1, 1, 1, 1, 0, 0, 0]
+    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-5)
+    peaks = [r["memory/max_rank_max_allocated_gb"] for r in b]
+    assert peaks[-1] < 0.8 * max(peaks[1:5])
+
+
+def trainer(tmp_path, *overrides):
+    return Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [
+        "data.image_size=56", "data.max_seq_len=48", "training.per_device_train_batch_size=4",
+        "logging.visualdl=false", f"training.output_dir={tmp_path}", *SAME_LOSS, *overrides]))
+
+
+def out_of_memory_on(tr, calls: set):
+    real, seen = tr.forward_backward, []
+
+    def forward_backward(micro_batches):
+        seen.append(len(micro_batches))
+        if len(seen) in calls:
+            raise MemoryError("out of memory (injected)")
+        return real(micro_batches)
+
+    tr.forward_backward = forward_backward
+    return seen
+
+
+def test_an_out_of_memory_step_runs_again_on_the_next_rungs(tmp_path):
+    expected = trainer(tmp_path / "plain")
+    expected.train_step()
+    tr = trainer(tmp_path / "oom", "training.recompute=true", "training.recompute_granularity=full")
+    seen = out_of_memory_on(tr, {1})  # the ladder's last recompute rung is on: the micro-batch halves
+    result = tr.train_step()
+    assert result["memory_guard_rungs"] == 1 and seen == [1, 2]  # one micro-batch, then two halves
+    assert (tr.cfg.training.per_device_train_batch_size, tr.cfg.training.gradient_accumulation_steps) == (2, 2)
+    assert tr.guard.taken == ["out of memory in step 0: micro-batch 2 x 2 accumulated"]
+    for (name, a), (_, b) in zip(expected.model.stable_named_parameters(), tr.model.stable_named_parameters()):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_out_of_memory_with_no_rung_left_is_raised(tmp_path):
+    tr = trainer(tmp_path, "training.recompute=true", "training.recompute_granularity=full",
+                 "training.per_device_train_batch_size=1")
+    out_of_memory_on(tr, {1, 2, 3})
+    with pytest.raises(MemoryError, match="injected"):
+        tr.train_step()
