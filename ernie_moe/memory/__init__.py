@@ -1,0 +1,1 @@
+"""Memory planning: parameter counts, predicted peaks per pipeline stage, layouts that fit."""

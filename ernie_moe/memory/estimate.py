@@ -3,7 +3,8 @@
 Persistent: parameters, gradients (kept allocated between steps), AdamW moments and master weights (optimizer
 sharding splits the states of the non-expert weights, stage 2 their gradients too). Per step: the step's
 input batches, the activations the forward pass keeps for the backward pass of the micro-batches in flight,
-and a transient at the start of the backward pass (a recomputed block re-run, the logits' gradient).
+and the backward pass's transient (a recomputed block run again while the later layers' activations are
+already freed).
 
 Activation terms count what this package's layers keep (float32 elements unless noted). The coefficients were
 read off the allocator, block by block, while varying one dimension at a time (batch, sequence, widths,
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..model.recompute import selected_layers
 from .params import stage_layers, stage_params
 
 PIXEL_CHANNELS_BYTES = 4  # flattened patches arrive as float32
@@ -87,9 +89,8 @@ class StageMemory:
         return self.parameters + self.gradients + self.optimizer + self.inputs + self.activations + self.transient
 
 
-def _layer_activations(cfg, parallel, training, layer: int, w: Workload) -> tuple[float, float]:
+def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[float, float]:
     """(bytes kept, bytes of the recomputed block) of one decoder layer for one micro-batch."""
-    m = cfg
     tp = parallel.tensor_parallel_degree
     sp = tp if parallel.sequence_parallel else 1
     t, h, hd = w.tokens, m.hidden_size, m.head_dim
@@ -120,7 +121,8 @@ def _layer_activations(cfg, parallel, training, layer: int, w: Workload) -> tupl
         mlp = 4 * (norm_residual + router + t * h + copies * (1.8 * h + 3.2 * width) + exchange + shared)
 
     # (kept for backward, re-run in backward minus what the layer's backward has freed before it)
-    granularity = training.recompute_granularity if _recomputes(training, layer) else None
+    recomputes = training.recompute and layer in selected_layers(training.recompute_layers, m.num_hidden_layers)
+    granularity = training.recompute_granularity if recomputes else None
     if granularity == "full":
         return 4 * t * h / sp, attention + mlp
     if granularity == "full_attn":
@@ -131,13 +133,6 @@ def _layer_activations(cfg, parallel, training, layer: int, w: Workload) -> tupl
     if granularity == "moe" and modalities:
         return attention + 4 * (norm_residual + t * h), mlp
     return attention + mlp, 0.0
-
-
-def _recomputes(training, layer: int) -> bool:
-    if not training.recompute:
-        return False
-    chosen = training.recompute_layers
-    return layer in chosen if isinstance(chosen, list) else (chosen == 0 or layer < chosen)
 
 
 def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, float]]:
