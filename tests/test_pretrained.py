@@ -16,7 +16,7 @@ from ernie_moe.checkpoint import save_model
 from ernie_moe.checkpoint.formats import CheckpointError
 from ernie_moe.checkpoint.pretrained import format_report, load_pretrained
 from ernie_moe.config import ConfigError, load_config
-from ernie_moe.model.ernie_vl import Batch
+from ernie_moe.model.ernie_vl import Batch, is_vision
 from ernie_moe.parallel.env import DistEnv
 from ernie_moe.training.trainer import build_model
 
@@ -50,10 +50,6 @@ def imported(directory, *overrides):
 
 def weights(model) -> dict:
     return {name: param.numpy() for name, param in model.stable_named_parameters()}
-
-
-def is_vision(name: str) -> bool:
-    return name.startswith(("vision_model.", "model.resampler_model."))
 
 
 def text_batch(ids: np.ndarray) -> Batch:
@@ -180,6 +176,9 @@ def test_mismatches_and_unreadable_sources_are_errors_that_name_what_is_wrong(so
     (odd / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 4}))
     with pytest.raises(CheckpointError, match="model_type 'llama' is not one of"):
         load_pretrained(None, odd)
+    (odd / "config.json").write_text(json.dumps({"model_type": "ernie4_5", "hidden_size": 64}))
+    with pytest.raises(ConfigError, match="lacks vocab_size, num_hidden_layers, num_attention_heads"):
+        load_config(None, [f"training.model_name_or_path={odd}"])
     (odd / "config.json").write_text((sources / "dense" / "hf" / "config.json").read_text())
     with pytest.raises(CheckpointError, match="holds no weights"):
         load_pretrained(None, odd)

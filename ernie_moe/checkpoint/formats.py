@@ -14,33 +14,25 @@ vision router is ``gate.weight_1``.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
 import paddle
 from safetensors import safe_open
 
+from ..model.ernie_vl import is_router, is_vision
+
 MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "ernie4_5_moe_vl")
 VL = "ernie4_5_moe_vl"
-ROUTER = re.compile(r"\.mlp\.gate\.weight(_1)?$")
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be loaded; the message names the file or tensor."""
 
 
-def is_router(name: str) -> bool:
-    return bool(ROUTER.search(name))
-
-
 def _is_linear(name: str, ndim: int) -> bool:
     """A 2-D weight that the Hugging Face layout stores transposed."""
     return ndim == 2 and name.endswith(".weight") and "embed_tokens" not in name and not is_router(name)
-
-
-def is_vision(name: str) -> bool:
-    return name.startswith(("vision_model.", "model.resampler_model."))
 
 
 def to_hf(name: str, array: np.ndarray, cfg, model_type: str = VL) -> list[tuple[str, np.ndarray]]:

@@ -39,9 +39,16 @@ _VISION_KEYS = ("depth", "embed_dim", "num_heads", "mlp_ratio", "patch_size", "s
 
 def model_config_from(directory) -> dict:
     """The ``model`` section (this package's keys) that describes the checkpoint in ``directory``."""
-    source = json.loads((Path(directory) / "config.json").read_text()) if _has_config(directory) else None
-    if source is None:
+    config_file = Path(directory) / "config.json"
+    if not config_file.is_file():
         raise CheckpointError(f"training.model_name_or_path '{directory}' has no config.json: not a model folder.")
+    try:
+        source = json.loads(config_file.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"cannot read {config_file}: {err}") from err
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in source]
+    if missing:
+        raise CheckpointError(f"{config_file} lacks {', '.join(missing)}: not an ERNIE 4.5 model config.")
     if source.get("use_bias"):
         raise CheckpointError(f"{directory}: use_bias=true (biases in attention and MLP) is not supported.")
     if source.get("hidden_act", "silu") != "silu":
@@ -66,10 +73,6 @@ def model_config_from(directory) -> dict:
         vision = source["vision_config"]
         out["vision_config"] = {key: vision[key] for key in _VISION_KEYS if vision.get(key) is not None}
     return out
-
-
-def _has_config(directory) -> bool:
-    return (Path(directory) / "config.json").is_file()
 
 
 def load_pretrained(model, directory, env=None) -> dict:

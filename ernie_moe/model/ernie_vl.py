@@ -7,6 +7,7 @@ checkpoints convert by renaming and transposing.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -138,6 +139,16 @@ def with_images(embeddings, vision_model, resampler_model, cfg, batch: Batch, tr
 def is_expert(name: str) -> bool:
     """A routed expert's parameter (``...mlp.experts.<id>...``), local or stable name."""
     return ".mlp.experts." in name
+
+
+def is_router(name: str) -> bool:
+    """A router weight (``...mlp.gate.weight``, the vision router ``...mlp.gate.weight_1``)."""
+    return bool(re.search(r"\.mlp\.gate\.weight(_\d+)?$", name))
+
+
+def is_vision(name: str) -> bool:
+    """A parameter of the ViT or the adapter (stable name)."""
+    return name.startswith(("vision_model.", "model.resampler_model."))
 
 
 def stable_names(named_parameters, moe_layers) -> list[tuple[str, paddle.Tensor]]:

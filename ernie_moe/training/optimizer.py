@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import paddle
 
-from ..model.ernie_vl import is_expert
+from ..model.ernie_vl import is_expert, is_router
 from .schedule import WarmupDecay
-
-
-def is_router(name: str) -> bool:
-    return ".mlp.gate.weight" in name
 
 
 def no_decay(name: str, param) -> bool:

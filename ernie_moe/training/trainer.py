@@ -212,10 +212,9 @@ class Trainer:
         per_device = t.per_device_train_batch_size if self.env.pp_group is not None else t.per_device_eval_batch_size
         global_rows = per_device * self.env.data_world
         batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
-        if self.env.pp_group is not None:
-            with self.precision.autocast():
-                return pipeline_evaluate(self.ddp, self.model, self.env, batches, t)
         with self.precision.autocast():
+            if self.env.pp_group is not None:
+                return pipeline_evaluate(self.ddp, self.model, self.env, batches, t)
             return evaluate(self.model, batches, self.env, self.cfg.training.max_eval_batches)
 
     # -------------------------------------------------------------- helpers
