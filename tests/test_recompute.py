@@ -4,6 +4,7 @@ import numpy as np
 import paddle
 import pytest
 from conftest import ROOT
+from test_e2e import launch, load_model, records
 
 import ernie_moe.model.recompute as recompute_module
 from ernie_moe.config import ConfigError, load_config
@@ -85,3 +86,22 @@ def test_peak_memory_falls_in_the_expected_order(tmp_path):
              for g in ("moe", "core_attn", "full_attn", "full")]
     assert plain > peaks[0] > peaks[1] > peaks[2] > peaks[3], (plain, peaks)
     assert peaks[3] < 0.5 * plain
+
+
+@pytest.mark.parametrize("layout, granularity", [("tp2", "full"), ("pp2", "full_attn")])
+def test_recompute_under_tensor_and_pipeline_parallelism_changes_nothing(tmp_path, layout, granularity):
+    """The same layout with and without recompute, launched on 2 processes: same gradients, losses, weights."""
+    overrides = {"tp2": ["parallel.tensor_parallel_degree=2"],
+                 "pp2": ["parallel.pipeline_parallel_degree=2", "training.gradient_accumulation_steps=2"]}[layout]
+    # adam_epsilon 1e-6: AdamW turns float noise in near-zero gradients into full-size updates otherwise
+    common = ["training.max_steps=3", "logging.logging_steps=1", "training.eval_steps=0", "data.num_eval_samples=0",
+              "training.adam_epsilon=1e-6", *overrides]
+    plain, _ = launch(tmp_path, 2, *common, name="plain")
+    recomputed, _ = launch(tmp_path, 2, *common, "training.recompute=true",
+                           f"training.recompute_granularity={granularity}", name="recomputed")
+    a, b = ([r for r in records(out) if "loss" in r] for out in (plain, recomputed))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in b], [r[key] for r in a], rtol=1e-6, err_msg=key)
+    wa, wb = load_model(plain / "final_model"), load_model(recomputed / "final_model")
+    for name in wa:
+        np.testing.assert_allclose(wb[name], wa[name], rtol=1e-5, atol=1e-6, err_msg=name)
