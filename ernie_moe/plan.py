@@ -14,6 +14,8 @@ configured data when it is there (synthetic data, or the JSONL files), otherwise
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -32,8 +34,8 @@ def workload_source(cfg, data_world: int, image_fraction: float):
     """``micro_batch -> Workload``: sampled from the data when it is available, else assumed."""
     d = cfg.data
     available = d.dataset == "synthetic" or Path(d.train_path).is_file()
-    import dataclasses
 
+    @functools.cache  # the layout search asks again for each candidate: sample each size once
     def for_micro_batch(micro_batch: int) -> Workload:
         sized = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
                                                                       per_device_train_batch_size=micro_batch))
