@@ -41,7 +41,7 @@ def model_config_from(directory) -> dict:
     """The ``model`` section (this package's keys) that describes the checkpoint in ``directory``."""
     config_file = Path(directory) / "config.json"
     if not config_file.is_file():
-        raise CheckpointError(f"training.model_name_or_path '{directory}' has no config.json: not a model folder.")
+        raise CheckpointError(f"'{directory}' has no config.json: not a model folder.")
     try:
         source = json.loads(config_file.read_text())
     except ValueError as err:

@@ -30,9 +30,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
         if not path.is_file():
             raise ConfigError(f"config file '{path}' does not exist.")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
         except yaml.YAMLError as err:
             raise ConfigError(f"config file '{path}' is not valid YAML: {err}") from None
+        if raw is None:
+            raise ConfigError(f"config file '{path}' is empty; start from configs/vl_moe.yaml.")
         if not isinstance(raw, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, not {type(raw).__name__}.")
     for item in overrides:
@@ -43,6 +45,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
 
     validate(cfg, check_paths)
     return cfg
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key '{key}' is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _start_from_checkpoint(raw: dict) -> None:

@@ -113,6 +113,8 @@ class DataConfig:
     overlong: str = choice("truncate", "truncate", "skip", doc="what happens to a sample longer than max_seq_len")
     image_size: int = opt(56, "synthetic images: side in pixels")
     max_image_side: int = opt(448, "JSONL images: longest side after resizing (rounded to patch x merge)")
+    max_image_pixels: int = opt(50_000_000, "JSONL images: larger ones (width x height, read from the header "
+                                            "before decoding) are skipped as image_too_large")
     num_train_samples: int = opt(20000, "synthetic training samples per epoch")
     num_eval_samples: int = opt(256, "synthetic held-out samples")
     blank_images: bool = opt(False, "replace every image with zeros (control run: vision carries no signal)")

@@ -39,6 +39,8 @@ def _check_model(m: ModelConfig) -> None:
         _require(0 < m.freq_allocation < half and (half - m.freq_allocation) % 2 == 0,
                  f"model.freq_allocation ({m.freq_allocation}) must be between 1 and head_dim/2 - 1 ({half - 1}) and "
                  f"leave an even number of slots for the h and w axes.")
+    for name in ("initializer_range", "rms_norm_eps", "rope_theta"):
+        _require(getattr(m, name) > 0, f"model.{name} must be positive, got {getattr(m, name)}.")
     _require(0 <= m.im_patch_id < m.vocab_size,
              f"model.im_patch_id ({m.im_patch_id}) must be a token id below vocab_size.")
 
@@ -78,8 +80,12 @@ def _check_model(m: ModelConfig) -> None:
                  "use the shared experts, so model.moe_num_shared_experts must be at least 1.")
 
     v = m.vision_config
-    _require(v.depth >= 1 and v.embed_dim >= 1 and v.num_heads >= 1 and v.patch_size >= 1,
-             "model.vision_config depth, embed_dim, num_heads and patch_size must be at least 1.")
+    _require(v.depth >= 1 and v.embed_dim >= 1 and v.num_heads >= 1 and v.patch_size >= 1 and v.spatial_merge_size >= 1,
+             "model.vision_config depth, embed_dim, num_heads, patch_size and spatial_merge_size must be at least 1.")
+    for name in ("mlp_ratio", "rope_theta"):
+        _require(getattr(v, name) > 0, f"model.vision_config.{name} must be positive, got {getattr(v, name)}.")
+    _require(v.in_channels == 3, f"model.vision_config.in_channels is {v.in_channels}, but images reach the model as "
+                                 "RGB (3 channels): set it to 3.")
     _require(v.embed_dim % v.num_heads == 0 and (v.embed_dim // v.num_heads) % 4 == 0,
              f"model.vision_config.embed_dim ({v.embed_dim}) / num_heads ({v.num_heads}) must be a multiple of 4 "
              f"(2D rotary positions split each head between the h and w axes).")
@@ -111,6 +117,7 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
             path = getattr(d, name)
             _require(not check_paths or not path or Path(path).is_file(), f"data.{name} '{path}' does not exist.")
         _require(d.max_image_side >= unit, f"data.max_image_side must be at least {unit} pixels.")
+        _require(d.max_image_pixels >= unit * unit, f"data.max_image_pixels must be at least {unit * unit}.")
     if d.tokenizer_path and check_paths:
         _require((Path(d.tokenizer_path) / "tokenizer.model").is_file(),
                  f"data.tokenizer_path '{d.tokenizer_path}' holds no tokenizer.model (SentencePiece).")
@@ -118,6 +125,11 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
 
 def _check_training(cfg: Config) -> None:
     t = cfg.training
+    _require(0 <= t.seed < 2 ** 32, f"training.seed ({t.seed}) must be between 0 and 2**32 - 1.")
+    _require(t.adam_epsilon > 0, f"training.adam_epsilon must be positive, got {t.adam_epsilon}.")
+    for name in ("save_steps", "save_total_limit", "device_memory_gb"):
+        _require(getattr(t, name) >= 0, f"training.{name} cannot be negative, got {getattr(t, name)}.")
+    _check_output_dir(t.output_dir)
     _require(not (t.bf16 and t.fp16), "training.bf16 and training.fp16 are both set; choose one.")
     _require(0 <= t.memory_guard_fraction <= 1, "training.memory_guard_fraction must be in [0, 1] (0 = off).")
     _require(t.scale_loss >= 1 and t.scale_incr_every >= 1 and t.max_skipped_steps >= 0,
@@ -143,6 +155,14 @@ def _check_training(cfg: Config) -> None:
              "training.weight_decay, max_grad_norm and moe_gate_lr_ratio cannot be negative.")
     _require(t.eval_steps >= 0 and t.max_eval_batches >= 0 and t.token_balance_seqlen >= 0,
              "training.eval_steps, max_eval_batches and token_balance_seqlen cannot be negative.")
+
+
+def _check_output_dir(output_dir: str) -> None:
+    _require(bool(output_dir.strip()), "training.output_dir is empty.")
+    for folder in [Path(output_dir), *Path(output_dir).parents]:
+        if folder.exists():
+            _require(folder.is_dir(), f"training.output_dir '{output_dir}' cannot be created: '{folder}' is a file.")
+            return
 
 
 def _check_parallel(cfg: Config) -> None:

@@ -26,8 +26,9 @@ ROLE_PREFIX = {"system": "System: ", "user": "User: ", "assistant": "Assistant: 
 
 
 class JsonlDataset:
-    def __init__(self, path: str):
+    def __init__(self, path: str, max_pixels: int = 50_000_000):
         self.path = Path(path)
+        self.max_pixels = max_pixels
         self.root = self.path.parent
         self.offsets = []
         with open(self.path, "rb") as f:
@@ -55,6 +56,8 @@ class JsonlDataset:
         paths = record.get("images", [record["image"]] if "image" in record else [])
         if isinstance(paths, str):
             paths = [paths]
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise BadSample("bad_images", f"line {index + 1}: images must be a path or a list of paths, not {paths!r}")
         images = [self._load_image(p) for p in paths]
         if "messages" in record:
             chunks = self._chat_chunks(record["messages"], len(images))
@@ -70,8 +73,14 @@ class JsonlDataset:
         if not path.is_file():
             raise BadSample("missing_image", f"image '{path}' does not exist")
         try:
-            with Image.open(path) as image:
+            with Image.open(path) as image:  # reads the header only: the size is known before decoding
+                width, height = image.size
+                if width * height > self.max_pixels:
+                    raise BadSample("image_too_large", f"image '{path}' has {width} x {height} pixels, more than "
+                                                       f"data.max_image_pixels ({self.max_pixels})")
                 return np.asarray(image.convert("RGB"))
+        except Image.DecompressionBombError as err:  # Pillow's own cap, met before ours in the header
+            raise BadSample("image_too_large", f"image '{path}': {err}") from None
         except (UnidentifiedImageError, OSError, ValueError) as err:
             raise BadSample("corrupt_image", f"image '{path}' cannot be decoded: {err}") from None
 
@@ -79,17 +88,21 @@ class JsonlDataset:
     def _chat_chunks(messages, num_images: int) -> list[Chunk]:
         if not isinstance(messages, list) or not messages:
             raise BadSample("empty_text", "messages is empty")
-        marks = sum(str(m.get("content", "")).count(IMAGE_MARK) for m in messages if isinstance(m, dict))
+        for message in messages:
+            if not isinstance(message, dict) or message.get("role") not in ROLE_PREFIX:
+                raise BadSample("bad_message", f"message {message!r} needs a role of {', '.join(ROLE_PREFIX)}")
+            if not isinstance(message.get("content"), str):
+                raise BadSample("bad_message", f"the content of a {message['role']} message must be a string, not "
+                                               f"{message.get('content')!r}")
+        marks = sum(m["content"].count(IMAGE_MARK) for m in messages)
         if marks > num_images:
             raise BadSample("image_count_mismatch", f"{marks} {IMAGE_MARK} markers but {num_images} images")
         chunks = [Chunk(image=i) for i in range(num_images - marks)]
         image = num_images - marks
         for message in messages:
-            if not isinstance(message, dict) or message.get("role") not in ROLE_PREFIX:
-                raise BadSample("bad_json", f"message {message!r} needs a role of {', '.join(ROLE_PREFIX)}")
             trained = message["role"] == "assistant"
             chunks.append(Chunk(text=("\n" if len(chunks) else "") + ROLE_PREFIX[message["role"]]))
-            for i, text in enumerate(str(message.get("content", "")).split(IMAGE_MARK)):
+            for i, text in enumerate(message["content"].split(IMAGE_MARK)):
                 if i:
                     chunks.append(Chunk(image=image))
                     image += 1

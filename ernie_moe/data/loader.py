@@ -24,8 +24,12 @@ def build_tokenizer(cfg):
     d = cfg.data
     if d.tokenizer_path:
         if not (Path(d.tokenizer_path) / "tokenizer.model").is_file():
-            raise FileNotFoundError(f"data.tokenizer_path '{d.tokenizer_path}' has no tokenizer.model")
-        return SentencePieceTokenizer(d.tokenizer_path, cfg.model.im_patch_id)
+            raise DataError(f"data.tokenizer_path '{d.tokenizer_path}' has no tokenizer.model")
+        try:
+            return SentencePieceTokenizer(d.tokenizer_path, cfg.model.im_patch_id)
+        except (RuntimeError, OSError) as err:  # sentencepiece's word for a file that is not its model
+            raise DataError(f"'{Path(d.tokenizer_path) / 'tokenizer.model'}' is not a SentencePiece model: "
+                            f"{str(err).strip().splitlines()[-1]}") from None
     if d.dataset == "synthetic":
         return WordTokenizer(synthetic.vocabulary())
     return ByteTokenizer()
@@ -39,7 +43,8 @@ def build_datasets(cfg):
         held_out = synthetic.SyntheticShapes(cfg.training.seed, "eval", d.num_eval_samples, d.image_size,
                                              d.blank_images)
         return train, held_out if d.num_eval_samples else None
-    return JsonlDataset(d.train_path), JsonlDataset(d.eval_path) if d.eval_path else None
+    return (JsonlDataset(d.train_path, d.max_image_pixels),
+            JsonlDataset(d.eval_path, d.max_image_pixels) if d.eval_path else None)
 
 
 def sample_order(seed: int, epoch: int, size: int) -> np.ndarray:
@@ -48,10 +53,12 @@ def sample_order(seed: int, epoch: int, size: int) -> np.ndarray:
 
 
 class RowStream:
-    """Packed rows of a dataset, in an order that does not depend on how many processes read it."""
+    """Packed rows of a dataset, in an order that does not depend on how many processes read it. A sample
+    found unusable is counted once and passed over without being read again in later epochs."""
 
     def __init__(self, dataset, tokenizer, cfg, stats: Counter, shuffle: bool):
         self.dataset, self.tokenizer, self.stats, self.shuffle = dataset, tokenizer, stats, shuffle
+        self.unusable: set[int] = set()
         self.seed = cfg.training.seed
         self.max_seq_len = cfg.data.max_seq_len
         self.encoder = Encoder(tokenizer, cfg.model, cfg.data.max_seq_len, cfg.data.overlong,
@@ -63,11 +70,14 @@ class RowStream:
             order = sample_order(self.seed, epoch, len(self.dataset)) if self.shuffle else range(len(self.dataset))
             usable = 0
             for index in order:
+                if int(index) in self.unusable:
+                    continue
                 try:
                     yield self.encoder(self.dataset[int(index)])
                     usable += 1
                 except BadSample as bad:
                     self.stats[bad.reason] += 1
+                    self.unusable.add(int(index))
             if not self.shuffle:
                 return
             if not usable:
