@@ -21,13 +21,11 @@ import paddle
 from safetensors import safe_open
 
 from ..model.ernie_vl import is_router, is_vision
+from .errors import CheckpointError
+from .pdparams import load_pdparams
 
 MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "ernie4_5_moe_vl")
 VL = "ernie4_5_moe_vl"
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be loaded; the message names the file or tensor."""
 
 
 def _is_linear(name: str, ndim: int) -> bool:
@@ -98,14 +96,15 @@ class SourceCheckpoint:
             except (ValueError, KeyError) as err:
                 raise CheckpointError(f"cannot read {index}: {err}") from err
             return {_normalise(k): (d / f, k) for k, f in weight_map.items()}, None
-        if (d / "model.safetensors").is_file():
-            with safe_open(str(d / "model.safetensors"), framework="paddle") as f:
-                return {_normalise(k): (d / "model.safetensors", k) for k in f.keys()}, None
-        if (d / "model_state.pdparams").is_file():
+        single = d / "model.safetensors"
+        if single.is_file():
             try:
-                state = paddle.load(str(d / "model_state.pdparams"))
-            except Exception as err:  # a truncated pickle fails in several ways
-                raise CheckpointError(f"cannot read {d / 'model_state.pdparams'}: {err}") from err
+                with safe_open(str(single), framework="paddle") as f:
+                    return {_normalise(k): (single, k) for k in f.keys()}, None
+            except Exception as err:  # safetensors reports a truncated or garbage header in several ways
+                raise CheckpointError(f"cannot read {single}: {err}") from None
+        if (d / "model_state.pdparams").is_file():
+            state = load_pdparams(d / "model_state.pdparams")
             return {_normalise(k): (None, k) for k in state}, state
         raise CheckpointError(f"{d} holds no weights: expected model.safetensors.index.json, model.safetensors or "
                               "model_state.pdparams.")
