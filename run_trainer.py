@@ -37,13 +37,22 @@ def main(argv=None) -> int:
     except NonFiniteGradients as err:
         print(f"training stopped: {err}", file=sys.stderr)
         return 3
+    except OSError as err:  # the disk, permissions: the environment, not the code
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if trainer.env.is_main:
         print(format_summary(summary), flush=True)
     return 0
 
 
 def format_summary(summary: dict) -> str:
-    parts = [f"done: {summary['steps']} steps in {summary['train_time_s']:.0f}s"]
+    if not summary["trained_steps"]:
+        parts = [f"done: nothing trained (resumed at step {summary['steps']}, which training.max_steps does not "
+                 "exceed)"]
+    else:
+        parts = [f"done: {summary['steps']} steps in {summary['train_time_s']:.0f}s"]
+    if summary["skipped_steps"]:
+        parts.append(f"{summary['skipped_steps']} of {summary['trained_steps']} steps skipped for non-finite gradients")
     for key in ("eval_loss", "eval_caption_accuracy", "eval_token_accuracy"):
         if key in summary:
             parts.append(f"{key} {summary[key]:.4f}")

@@ -1,7 +1,7 @@
-"""Training checkpoints: exact resume, resume in another layout, incomplete saves ignored, corrupt files named."""
+"""Training checkpoints: exact resume, resume in another layout, corrupt files named. Crashes during a save,
+flipped bytes, a full disk and lineage rules are in test_faults.py."""
 
 import json
-import pickle
 import shutil
 import subprocess
 import sys
@@ -10,7 +10,7 @@ import numpy as np
 from conftest import ROOT
 from test_e2e import launch, load_model, records
 
-from ernie_moe.checkpoint.checkpoint import MARKER, _prune, complete_checkpoints, resolve
+from ernie_moe.checkpoint.lineage import MARKER, scan
 
 COMMON = ["training.max_steps=6", "training.save_steps=3", "logging.logging_steps=1", "training.eval_steps=0",
           "training.adam_epsilon=1e-6", "model.global_aux_loss=true", "model.moe_use_aux_free=true"]
@@ -22,9 +22,7 @@ def losses(out):
 
 def test_resume_continues_bit_for_bit(tmp_path):
     whole, _ = launch(tmp_path, 1, *COMMON, "training.per_device_train_batch_size=4", name="whole")
-    assert [p.name for p in complete_checkpoints(whole)] == ["checkpoint-3", "checkpoint-6"]
-    rng = pickle.loads((whole / "checkpoint-3" / "rng_state-00000.pkl").read_bytes())
-    assert set(rng) == {"python", "numpy", "paddle"}
+    assert [c.path.name for c in scan(whole)] == ["checkpoint-3", "checkpoint-6"]
     resumed, log = launch(tmp_path, 1, *COMMON, "training.per_device_train_batch_size=4",
                           f"training.resume_from_checkpoint={whole / 'checkpoint-3'}", name="resumed")
     assert "resumed from" in log and "at step 3" in log
@@ -60,19 +58,6 @@ def test_sharded_optimizer_state_resumes_in_a_pipeline(tmp_path):
     np.testing.assert_allclose([v for _, v in sorted(losses(pp2).items())], expected, rtol=1e-4)
 
 
-def test_auto_takes_the_newest_complete_checkpoint_and_the_limit_prunes(tmp_path):
-    for step, complete in ((2, True), (4, True), (6, False)):
-        folder = tmp_path / f"checkpoint-{step}"
-        folder.mkdir()
-        if complete:
-            (folder / MARKER).write_text(f"{step}\n")
-    (tmp_path / "checkpoint-8.tmp").mkdir()  # a save killed half-way
-    assert resolve("auto", str(tmp_path)) == tmp_path / "checkpoint-4"
-    assert resolve("auto", str(tmp_path / "empty")) is None
-    _prune(tmp_path, 1)
-    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-4"]
-
-
 def test_a_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path):
     out, _ = launch(tmp_path, 1, "training.max_steps=1", "training.eval_steps=0", "logging.logging_steps=1",
                     name="run")
@@ -94,40 +79,6 @@ def test_a_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "not a complete checkpoint" in result.stderr
     assert json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())["step"] == 1
-
-
-def test_a_run_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp_path):
-    """kill -9 as soon as a save is under way; ``auto`` then skips the half-written folder and the resumed run
-    reproduces the uninterrupted one exactly."""
-    import os
-    import signal
-    import time
-
-    args = ["training.max_steps=12", "training.save_steps=1", "training.save_total_limit=3", "training.eval_steps=0",
-            "logging.logging_steps=1", "logging.progress_bar=false", "data.image_size=56", "data.max_seq_len=48"]
-    whole, _ = launch(tmp_path, 1, *args, name="whole")
-
-    out = tmp_path / "killed"
-    cmd = [sys.executable, str(ROOT / "run_trainer.py"), "--config", str(ROOT / "configs" / "vl_moe.yaml"),
-           f"training.output_dir={out}", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if any(p.name.endswith(".tmp") for p in out.glob("checkpoint-*")) and complete_checkpoints(out):
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.001)
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run ended before a save could be interrupted"
-    newest = resolve("auto", str(out))
-    assert newest is not None and not newest.name.endswith(".tmp")
-
-    resumed, log = launch(tmp_path, 1, *args, f"training.output_dir={out}", "training.resume_from_checkpoint=auto",
-                          name="resumed")
-    assert f"resumed from {newest}" in log
-    assert losses(out) == losses(whole)  # the kept records up to the checkpoint plus the resumed ones
-    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-10", "checkpoint-11", "checkpoint-12"]
 
 
 def test_a_pipeline_and_tensor_parallel_checkpoint_resumes_with_expert_parallelism(tmp_path):

@@ -4,18 +4,18 @@
 - the AdamW state (moments and step powers) under ``<stable name>/<state>``, full tensors, one file per
   writing rank plus ``optimizer.index.json``;
 - ``trainer_state.json``: step, data position, learning-rate schedule, the config of the run;
-- ``rng_state-<rank>.pkl``: each rank's Python, NumPy and Paddle random states.
+- ``rng_state-<rank>.json``: each rank's Python, NumPy and Paddle random states;
+- ``COMPLETE``: the run, the parent checkpoint and every file's SHA-256 (see ``lineage``).
 
-A checkpoint is written under ``checkpoint-<step>.tmp`` and renamed once every rank has finished and the
-``COMPLETE`` marker is in, so an interrupted save is never picked up. Loading slices what each rank holds
-out of the full tensors, so a checkpoint loads into any layout.
+A checkpoint is written under ``checkpoint-<step>.tmp``, every file synced to the disk, and renamed once every
+rank has finished and the marker is in, so an interrupted save is never picked up. Loading slices what each
+rank holds out of the full tensors, so a checkpoint loads into any layout. Nothing here unpickles.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 import random
 import shutil
 from pathlib import Path
@@ -23,14 +23,17 @@ from pathlib import Path
 import numpy as np
 import paddle
 import paddle.distributed as dist
+from paddle.base import core
 from safetensors import safe_open
 
 from ..model.ernie_vl import is_expert
 from ..parallel.tensor_parallel import full_tensor, shard_of
-from .formats import CheckpointError
+from . import faults
+from .errors import CheckpointError
+from .files import WrittenFiles, sha256_of, sync_folder
+from .lineage import MARKER, Checkpoint, Run, folder_for, marker_text, prune, read
 from .model_files import NUMPY_DTYPES, SafetensorsWriter, save_model
 
-MARKER = "COMPLETE"
 ADAM_STATES = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
 MASTER = "master_weight"
 
@@ -46,35 +49,94 @@ def adam_parts(optimizer) -> list:
     return [getattr(part, "_inner_opt", part) for part in parts]
 
 
-def save_checkpoint(trainer, step: int) -> Path:
+def save_checkpoint(trainer, step: int, run: Run, parent: Checkpoint | None) -> Checkpoint:
+    """Write the checkpoint of ``step`` (every rank calls this), prune the run's lineage, return it. A write
+    error on any rank removes the half-written folder and raises :class:`CheckpointError` on every rank."""
     env, cfg = trainer.env, trainer.cfg
     root = Path(cfg.training.output_dir)
-    final, tmp = root / f"checkpoint-{step}", root / f"checkpoint-{step}.tmp"
+    final = folder_for(root, step, run)
+    tmp = final.with_name(final.name + ".tmp")
     if env.is_main and tmp.exists():
         shutil.rmtree(tmp)
     _barrier(env)
-    save_model(trainer.model, cfg.model, str(tmp), trainer.tokenizer, env)
-    _save_optimizer(trainer, tmp)
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "paddle": paddle.get_rng_state()}
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / f"rng_state-{env.rank:05d}.pkl").write_bytes(pickle.dumps(rng))
+    written = WrittenFiles()
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        written.fail(err)
+    save_model(trainer.model, cfg.model, str(tmp), trainer.tokenizer, env, written=written)
+    faults.hit("kill_during_save", step, env.rank)
+    _save_optimizer(trainer, tmp, step, written)
+    written.write(tmp / f"rng_state-{env.rank:05d}.json", json.dumps(rng_state()))
     if env.is_main:
         state = {"step": step, "consumed_rows": trainer.consumed_rows,
-                 "scheduler": trainer.scheduler.state_dict(), "loss_scaler": trainer.precision.state_dict(),
-                 "config": dataclasses.asdict(cfg)}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-    _barrier(env)
+                 "scheduler": trainer.scheduler.state_dict(), "schedule": trainer.scheduler.plan(),
+                 "loss_scaler": trainer.precision.state_dict(), "config": dataclasses.asdict(cfg)}
+        written.write(tmp / "trainer_state.json", json.dumps(state, indent=2))
+    outcomes = env.all_gather_object((written.digests, f"{written.error}" if written.error else None))
+    error = None
     if env.is_main:
-        (tmp / MARKER).write_text(f"{step}\n")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        _prune(root, cfg.training.save_total_limit)
+        error = next((f"rank {rank}: {e}" for rank, (_, e) in enumerate(outcomes) if e), None)
+        if error is None:
+            digests = {name: digest for files, _ in outcomes for name, digest in files.items()}
+            error = _complete(tmp, final, step, run, parent, digests)
+        if error is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    error = env.all_gather_object(error)[0]
+    if error is not None:
+        before = f"the previous checkpoint {parent.path} is intact" if parent else "no earlier checkpoint exists"
+        raise CheckpointError(f"saving {final.name} failed on {error}. The partial {tmp.name} was removed; {before}.")
+    if env.is_main:
+        prune(root, read(final), cfg.training.save_total_limit)
     _barrier(env)
-    return final
+    return read(final)
 
 
-def _save_optimizer(trainer, directory: Path) -> None:
+def _complete(tmp: Path, final: Path, step: int, run: Run, parent: Checkpoint | None, digests: dict) -> str | None:
+    """Main rank: fingerprint the files no writer reported, write the marker, rename the folder into place,
+    each durably. Returns the error, if one occurs."""
+    try:
+        for path in sorted(tmp.iterdir()):  # the small files other ranks and the tokenizer wrote
+            if path.name not in digests:
+                digests[path.name] = sha256_of(path, sync=True)
+    except OSError as err:
+        return f"rank 0: {err}"
+    marker = WrittenFiles()
+    marker.write(tmp / MARKER, marker_text(step, run, parent.key if parent else None, digests))
+    if marker.error is not None:
+        return f"rank 0: {marker.error}"
+    sync_folder(tmp)
+    faults.hit("kill_before_rename", step, 0)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    sync_folder(final.parent)
+    return None
+
+
+def rng_state() -> dict:
+    """This process's random states as plain JSON values."""
+    version, keys, gauss = random.getstate()
+    kind, mt, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(keys), gauss],
+            "numpy": [kind, mt.tolist(), int(pos), int(has_gauss), float(cached)],
+            "paddle": [list(g.__getstate__()) for g in paddle.get_rng_state()]}
+
+
+def set_rng_state(state: dict) -> None:
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    kind, mt, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(mt, dtype=np.uint32), pos, has_gauss, cached))
+    generators = []
+    for values in state["paddle"]:
+        generator = core.GeneratorState.__new__(core.GeneratorState)
+        generator.__setstate__(tuple(values))
+        generators.append(generator)
+    paddle.set_rng_state(generators)
+
+
+def _save_optimizer(trainer, directory: Path, step: int, written: WrittenFiles) -> None:
     """Full tensors (tensor-parallel slices gathered), each written by one rank into its own file."""
     env, model = trainer.env, trainer.model
     names = {p.name: (stable, p) for stable, p in model.stable_named_parameters()}
@@ -93,22 +155,23 @@ def _save_optimizer(trainer, directory: Path) -> None:
     specs = [(f"{stable}/{state}", NUMPY_DTYPES[value.dtype], _full_shape(param, value))
              for stable, state, param, value in states if writes[is_expert(stable)]]
     filename = f"optimizer-{env.rank:05d}.safetensors"
-    file = SafetensorsWriter(directory / filename, specs, {"format": "pd"}) if specs else None
+    file = None
+    try:
+        faults.hit("disk_full", step, env.rank)
+        file = SafetensorsWriter(directory / filename, specs, {"format": "pd"}) if specs else None
+    except OSError as err:
+        written.fail(err)
     for stable, state, param, value in states:
         value = full_tensor(param, env.tp_group, value)  # a collective: every rank takes part
-        if writes[is_expert(stable)]:
+        if writes[is_expert(stable)] and file is not None:
             file.write(f"{stable}/{state}", value.numpy())
     if file is not None:
-        file.close()
+        file.close(written)
     parts = [name for name, _, _ in specs]
-    listing = [(filename, sorted(parts))]
-    if env.world_size > 1:
-        gathered: list = []
-        dist.all_gather_object(gathered, listing[0])
-        listing = gathered
+    listing = env.all_gather_object((filename, sorted(parts)))
     if env.is_main:
         index = {name: file for file, keys in listing for name in keys}
-        (directory / "optimizer.index.json").write_text(json.dumps({"weight_map": index}, indent=2))
+        written.write(directory / "optimizer.index.json", json.dumps({"weight_map": index}, indent=2))
 
 
 def _keeps_master_weights(opt, param) -> bool:
@@ -135,31 +198,6 @@ def _writes_shared(env) -> bool:
     sharding each of its sharding ranks holds, and writes, its own share."""
     sharding = env.hcg.get_sharding_parallel_world_size() if env.sharding else 1
     return env.tp_rank == 0 and env.data_rank < sharding
-
-
-def _prune(root: Path, limit: int) -> None:
-    if limit <= 0:
-        return
-    for old in complete_checkpoints(root)[:-limit]:
-        shutil.rmtree(old)
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    found = [p for p in Path(root).glob("checkpoint-*") if p.is_dir() and (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
-def resolve(resume_from: str, output_dir: str) -> Path | None:
-    """``auto``: the newest complete checkpoint in ``output_dir`` (None when there is none); else the path."""
-    if resume_from == "auto":
-        found = complete_checkpoints(Path(output_dir))
-        return found[-1] if found else None
-    path = Path(resume_from)
-    if not (path / MARKER).is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker): it does not exist or "
-                              "its save was interrupted.")
-    return path
 
 
 class _Tensors:
@@ -217,13 +255,10 @@ def load_checkpoint(trainer, directory: Path) -> dict:
     trainer.scheduler.set_state_dict(state["scheduler"])
     if "loss_scaler" in state:
         trainer.precision.load_state_dict(state["loss_scaler"])
-    rng_file = directory / f"rng_state-{trainer.env.rank:05d}.pkl"
+    rng_file = directory / f"rng_state-{trainer.env.rank:05d}.json"
     if rng_file.is_file():  # absent for a rank that the saving layout did not have
         try:
-            rng = pickle.loads(rng_file.read_bytes())
-        except (pickle.UnpicklingError, EOFError, ValueError) as err:
+            set_rng_state(json.loads(rng_file.read_text()))
+        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as err:
             raise CheckpointError(f"cannot read {rng_file}: {err}") from err
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        paddle.set_rng_state(rng["paddle"])
     return state

@@ -5,16 +5,18 @@ Paddle layout (training checkpoints) or the Hugging Face layout PaddleFormers' `
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 
 import numpy as np
 import paddle
-import paddle.distributed as dist
 
 from ..model.ernie_vl import is_expert
 from ..parallel.tensor_parallel import full_tensor
+from .files import WrittenFiles
 from .formats import VL, to_hf
 
 ARCHITECTURES = {"ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
@@ -67,7 +69,9 @@ def _saved_dtype(dtype) -> np.dtype:
 
 class SafetensorsWriter:
     """A safetensors file written one tensor at a time: the header (names, dtypes, shapes, offsets) is known
-    beforehand, so no more than the tensor being written is held in memory."""
+    beforehand, so no more than the tensor being written is held in memory. The bytes are hashed on the way
+    out and synced on close; a write error is kept in ``error`` (and later writes skipped) instead of raised,
+    so the caller still takes part in the collectives around the writes."""
 
     def __init__(self, path: Path, specs: list[tuple[str, np.dtype, list[int]]], metadata: dict):
         header, offset = {"__metadata__": metadata}, 0
@@ -80,27 +84,59 @@ class SafetensorsWriter:
         encoded += b" " * (-len(encoded) % 8)
         self.expected = [(name, np.dtype(dtype), list(shape)) for name, dtype, shape in specs]
         self.total = offset
-        self.file = open(path, "wb")
-        self.file.write(struct.pack("<Q", len(encoded)) + encoded)
+        self.path = Path(path)
+        self.hash = hashlib.sha256()
+        self.error: OSError | None = None
+        self.file = None
+        try:
+            self.file = open(path, "wb")
+        except OSError as err:
+            self.error = err
+        self._put(struct.pack("<Q", len(encoded)) + encoded)
+
+    def _put(self, data: bytes) -> None:
+        if self.error is not None:
+            return
+        try:
+            self.file.write(data)
+        except OSError as err:
+            self.error = err
+        self.hash.update(data)
 
     def write(self, name: str, array: np.ndarray) -> None:
         expected = self.expected.pop(0)
         if expected != (name, array.dtype, list(array.shape)):
             raise ValueError(f"tensor {name} {array.dtype} {list(array.shape)} written where {expected} was announced")
-        self.file.write(np.ascontiguousarray(array).tobytes())
+        self._put(np.ascontiguousarray(array).tobytes())
 
-    def close(self) -> None:
-        self.file.close()
+    def close(self, written: WrittenFiles | None = None) -> None:
+        """Flush and sync; record the file's digest (or the write error) in ``written``. Without ``written``
+        a write error is raised here."""
+        if self.file is not None:
+            try:
+                self.file.flush()
+                os.fsync(self.file.fileno())
+            except OSError as err:
+                self.error = self.error or err
+            self.file.close()
+        if written is None:
+            if self.error is not None:
+                raise self.error
+        elif self.error is not None:
+            written.fail(self.error)
+        else:
+            written.digests[self.path.name] = self.hash.hexdigest()
 
 
-def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_layout: bool = False) -> Path:
+def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_layout: bool = False,
+               written: WrittenFiles | None = None) -> Path:
     """Write every parameter in full under its stable name, in the Paddle layout ([in, out] linears, fused
     q/k/v and gate/up) or, with ``hf_layout``, the Hugging Face one.
 
     Called on every rank. In each pipeline stage, rank r of the expert group holding the stage's lead rank
     writes a shard with its experts, the lead adding the stage's other parameters; without expert groups
     the lead writes the stage's shard. Tensors are gathered (tensor-parallel slices), converted and written
-    one at a time.
+    one at a time. With ``written`` (a checkpoint) write errors are recorded there, else raised.
     """
     out = Path(directory)
     rank = env.rank if env else 0
@@ -136,18 +172,27 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
             for part_name, part in converted(name, full):
                 file.write(part_name, part)
     if file is not None:
-        file.close()
+        file.close(written)
     listing = [(writer, sorted(n for n, _, _ in specs), file.total if file is not None else 0)]
-    if env is not None and env.world_size > 1:
-        gathered: list = []
-        dist.all_gather_object(gathered, listing[0])
-        listing = gathered
+    if env is not None:
+        listing = env.all_gather_object(listing[0])
     if rank == 0:
         weight_map = {name: f"model-{w + 1:05d}-of-{writers:05d}.safetensors"
                       for w, names, _ in listing if w is not None for name in names}
         index = {"metadata": {"total_size": sum(size for _, _, size in listing)}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        (out / "config.json").write_text(json.dumps(model_config_dict(model_cfg, hf_layout), indent=2))
-        if tokenizer is not None:
-            tokenizer.save(out)
+        texts = {"model.safetensors.index.json": json.dumps(index, indent=2),
+                 "config.json": json.dumps(model_config_dict(model_cfg, hf_layout), indent=2)}
+        if written is None:
+            for name, text in texts.items():
+                (out / name).write_text(text)
+            if tokenizer is not None:
+                tokenizer.save(out)
+            return out
+        for name, text in texts.items():
+            written.write(out / name, text)
+        if tokenizer is not None and written.error is None:
+            try:
+                tokenizer.save(out)  # its files are fingerprinted with the rest before the folder is renamed
+            except OSError as err:
+                written.fail(err)
     return out

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import paddle
-import paddle.distributed as dist
 
 from ..parallel.tensor_parallel import shard_of
 from .formats import CheckpointError, SourceCheckpoint
@@ -95,8 +94,7 @@ def load_pretrained(model, directory, env=None) -> dict:
         report[how].append(stable)
     report["read"] = sorted(source.used)
     if env is not None and env.world_size > 1:  # each rank filled its own parameters
-        gathered: list = []
-        dist.all_gather_object(gathered, dict(report))
+        gathered = env.all_gather_object(dict(report))
         report = defaultdict(list)
         for part in gathered:
             for key, names in part.items():

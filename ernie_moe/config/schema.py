@@ -143,9 +143,11 @@ class TrainingConfig:
     token_balance_seqlen: int = opt(0, "that fixed count; 0 = max_seq_len x per_device_train_batch_size")
     eval_steps: int = opt(100, "evaluate every N steps and at the end; 0 = only at the end")
     save_steps: int = opt(0, "write output_dir/checkpoint-<step> every N steps (and at the end); 0 = only at the end")
-    save_total_limit: int = opt(0, "keep the newest N complete checkpoints; 0 = keep all")
-    resume_from_checkpoint: str = opt("", "'auto' (the newest complete checkpoint in output_dir, if any) or a "
-                                          "checkpoint folder; empty = start fresh")
+    save_total_limit: int = opt(0, "keep the newest N checkpoints of the run's lineage; 0 = keep all")
+    resume_from_checkpoint: str = opt("", "'auto' (the newest intact checkpoint of the newest run in output_dir, "
+                                          "if any) or a checkpoint folder; empty = start fresh")
+    overwrite_output_dir: bool = opt(False, "let a fresh run remove the checkpoints an earlier run left in "
+                                            "output_dir (without it, such a run stops)")
     max_eval_batches: int = opt(0, "cap on evaluation batches; 0 = the whole held-out set")
     bf16: bool = opt(False, "mixed precision in bfloat16")
     fp16: bool = opt(False, "mixed precision in float16, with dynamic loss scaling")
@@ -154,7 +156,8 @@ class TrainingConfig:
     amp_master_grad: bool = opt(True, "O2: keep gradients of low-precision weights in float32")
     scale_loss: float = opt(32768.0, "fp16: initial loss scale")
     scale_incr_every: int = opt(1000, "fp16: double the loss scale after this many finite steps in a row")
-    max_skipped_steps: int = opt(10, "stop after this many steps in a row skipped for inf/nan gradients; 0 = never")
+    max_skipped_steps: int = opt(10, "stop after this many steps in a row skipped for inf/nan gradients; 0 = never "
+                                     "(a run that skips more than half of its steps fails at the end all the same)")
     device_memory_gb: float = opt(0.0, "device memory the layout is checked against at start-up (memory planner); "
                                        "0 = the GPU's own, or the machine's RAM on a CPU")
     memory_guard_fraction: float = opt(0.85, "when a step's memory peak passes this fraction of the device, "

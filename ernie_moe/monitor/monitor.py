@@ -41,15 +41,19 @@ class TrainingMonitor:
     def end_window(self, step: int, window, data_stats) -> dict:
         """Log the window's metrics (rank 0 writes, every rank takes part in the reductions) and return them."""
         steps = window["steps"]
-        updated = max(steps - window["skipped_steps"], 1)  # gradient norms of skipped steps are not finite
+        updated = steps - window["skipped_steps"]  # gradient norms of skipped steps are not finite
+
+        def per_update(key):
+            return window[key] / updated if updated else float("nan")
+
         lm_loss = window["lm_loss_sum"] / max(window["label_tokens"], 1.0)
         router_loss = window["router_loss"] / steps
         metrics = {
             "loss": lm_loss + router_loss, "lm_loss": lm_loss, "router_loss": router_loss,
             "lr": window["lr"] / steps,
-            "grad_norm": window["grad_norm"] / updated,
-            "grad_norm_expert": window["grad_norm_expert"] / updated,
-            "grad_norm_non_expert": window["grad_norm_non_expert"] / updated,
+            "grad_norm": per_update("grad_norm"),
+            "grad_norm_expert": per_update("grad_norm_expert"),
+            "grad_norm_non_expert": per_update("grad_norm_non_expert"),
             "skipped_steps": window["skipped_steps"],
             "memory_guard_rungs": window["memory_guard_rungs"],
             "loss_scale": window["loss_scale"] / steps,

@@ -62,6 +62,14 @@ class DistEnv:
             dist.all_reduce(tensor, group=group)
         return tensor
 
+    def all_gather_object(self, value) -> list:
+        """Every rank's picklable ``value``, in rank order (sent between the job's own processes only)."""
+        if self.world_size == 1:
+            return [value]
+        gathered: list = []
+        dist.all_gather_object(gathered, value)
+        return gathered
+
     def all_gather(self, tensor: paddle.Tensor) -> list[paddle.Tensor]:
         """Every rank's ``tensor``, in rank order."""
         if self.world_size == 1:

@@ -84,8 +84,10 @@ class SingleDevicePlan:
 
     def cross_entropy_sum(self, logits: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
         """Summed token cross-entropy in float32; label -100 marks positions without a loss."""
-        return paddle.nn.functional.cross_entropy(
-            logits.astype("float32"), labels.unsqueeze(-1), ignore_index=-100, reduction="sum")
+        logits = logits.astype("float32")
+        loss = paddle.nn.functional.cross_entropy(logits, labels.unsqueeze(-1), ignore_index=-100, reduction="sum")
+        # Paddle's CPU kernel turns nan logits into a finite loss; this keeps a non-finite logit visible in the loss
+        return loss + logits.detach().sum() * 0.0
 
 
 class ParallelPlan(SingleDevicePlan):

@@ -28,7 +28,7 @@ FLOAT32_LAYERS = [Router, RMSNorm, MoEStatics, nn.LayerNorm]
 
 
 class NonFiniteGradients(RuntimeError):
-    """Too many consecutive steps with inf/nan gradients: training stops before anything is written."""
+    """Too many steps with inf/nan gradients (in a row, or in the whole run): training failed."""
 
 
 class Precision:
@@ -51,7 +51,8 @@ class Precision:
     def load_state_dict(self, state: dict) -> None:
         if self.dtype == state.get("dtype") == "float16":  # a scale saved by another precision does not apply
             self.loss_scale = state["loss_scale"]
-        self.finite_in_a_row, self.skipped_in_a_row = state["finite_in_a_row"], state["skipped_in_a_row"]
+        self.finite_in_a_row = state["finite_in_a_row"]
+        self.skipped_in_a_row = 0  # a resume starts a fresh count: it does not inherit a streak
         self.skipped = state["skipped"]
 
     @property

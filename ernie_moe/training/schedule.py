@@ -1,4 +1,9 @@
-"""Learning-rate schedules: linear warmup, then cosine, linear, constant or warmup-stable-decay."""
+"""Learning-rate schedules: linear warmup, then cosine, linear, constant or warmup-stable-decay.
+
+A checkpoint stores the schedule it followed. A resume whose schedule keys differ (a longer ``max_steps``,
+say) re-plans from the resumed step: the rate there is kept and the rest follows the new shape down to
+``min_lr`` at the new ``max_steps``, so the rate never jumps.
+"""
 
 from __future__ import annotations
 
@@ -6,31 +11,67 @@ import math
 
 from paddle.optimizer.lr import LRScheduler
 
+KEYS = ("learning_rate", "min_lr", "warmup_steps", "max_steps", "lr_scheduler_type", "wsd_decay_ratio")
 
-def lr_at(step: int, peak: float, min_lr: float, warmup: int, total: int, kind: str, wsd_decay_ratio: float) -> float:
-    """Learning rate for optimizer step ``step`` (0-based)."""
+
+def lr_at(step: int, peak: float, min_lr: float, warmup: int, total: int, kind: str, wsd_decay_ratio: float,
+          decay_from: int | None = None) -> float:
+    """Learning rate for optimizer step ``step`` (0-based). The decay is measured from ``decay_from``
+    (default: the end of warmup); a re-planned schedule starts it at the resumed step."""
     if warmup and step < warmup:
         return peak * (step + 1) / warmup
+    start = warmup if decay_from is None else decay_from
     if kind == "constant":
         return peak
     if kind == "wsd":
         decay_steps = max(1, int(round(total * wsd_decay_ratio)))
-        decay_start = max(warmup, total - decay_steps)
+        decay_start = max(start, total - decay_steps)
         if step < decay_start:
             return peak
         progress = min(1.0, (step - decay_start) / max(1, total - decay_start))
         return min_lr + (peak - min_lr) * (1.0 - progress)
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = min(1.0, (step - start) / max(1, total - start))
     if kind == "linear":
         return min_lr + (peak - min_lr) * (1.0 - progress)
     return min_lr + (peak - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _planned(step: int, args: tuple, anchor) -> float:
+    if anchor and step >= anchor[0]:
+        _, min_lr, _, total, kind, ratio = args
+        return lr_at(step, anchor[1], min_lr, 0, total, kind, ratio, decay_from=anchor[0])
+    return lr_at(step, *args)
+
+
 class WarmupDecay(LRScheduler):
     def __init__(self, training_cfg):
-        t = training_cfg
-        self.args = (t.learning_rate, t.min_lr, t.warmup_steps, t.max_steps, t.lr_scheduler_type, t.wsd_decay_ratio)
-        super().__init__(learning_rate=t.learning_rate)
+        self.args = tuple(getattr(training_cfg, key) for key in KEYS)
+        self.anchor = None  # (step, rate) where a resume re-planned the schedule
+        super().__init__(learning_rate=training_cfg.learning_rate)
 
     def get_lr(self) -> float:
-        return lr_at(max(self.last_epoch, 0), *self.args)
+        return _planned(max(self.last_epoch, 0), self.args, self.anchor)
+
+    def plan(self) -> dict:
+        return {**dict(zip(KEYS, self.args)), "anchor": list(self.anchor) if self.anchor else None}
+
+    def continue_plan(self, saved: dict | None, step: int) -> str | None:
+        """After a resume at ``step``: follow the saved plan, or re-plan when the config's differs; returns
+        what changed, for the log (None when nothing did)."""
+        if not saved:
+            return None
+        old_args = tuple(saved[key] for key in KEYS)
+        old_anchor = tuple(saved["anchor"]) if saved.get("anchor") else None
+        if old_args == self.args:
+            self.anchor = old_anchor
+            return None
+        rate = _planned(step, old_args, old_anchor)
+        changed = ", ".join(f"{k} {a} -> {b}" for k, a, b in zip(KEYS, old_args, self.args) if a != b)
+        if step >= self.args[2]:
+            self.anchor = (step, rate)
+            how = (f"the rate continues from {rate:.4g} at step {step} and follows {self.args[4]} to min_lr "
+                   f"{self.args[1]:g} at step {self.args[3]}")
+        else:
+            how = f"the run is inside the warmup, where the new schedule applies (rate {self.get_lr():.4g})"
+        self.last_lr = self.get_lr()
+        return f"learning-rate schedule changed since the checkpoint ({changed}): {how}"

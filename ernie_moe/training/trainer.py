@@ -13,7 +13,7 @@ import paddle
 import yaml
 from tqdm import tqdm
 
-from ..checkpoint import load_checkpoint, resolve, save_checkpoint, save_model
+from ..checkpoint import Run, claim_output_dir, load_checkpoint, resolve, save_checkpoint, save_model
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
@@ -28,7 +28,10 @@ from .evaluate import evaluate
 from .memory_guard import MemoryGuard, is_out_of_memory
 from .optimizer import build_optimizer, clip_grad_norm, split_experts
 from .pipeline_steps import pipeline_evaluate, pipeline_forward_backward
-from .precision import Precision
+from .precision import NonFiniteGradients, Precision
+
+# A run that skipped more than this share of its steps for non-finite gradients ends as a failure.
+MAX_SKIPPED_FRACTION = 0.5
 
 
 class Trainer:
@@ -36,6 +39,8 @@ class Trainer:
         self.cfg = cfg
         t = cfg.training
         self.env = init_distributed(cfg.parallel, t)
+        claim_output_dir(t, self.env)
+        self.run = Run.begin(self.env)
         check_memory(cfg, self.env)
         paddle.seed(t.seed)
         self.tokenizer = build_tokenizer(cfg)
@@ -60,6 +65,7 @@ class Trainer:
         self.rows = iter(RowStream(train_set, self.tokenizer, cfg, self.data_stats, shuffle=True))
         self.consumed_rows = 0
         self._cut_batches()
+        self.last_checkpoint = None  # the newest checkpoint of this run's lineage: a resume's source, then its saves
         self.step = self._resume() if t.resume_from_checkpoint else 0
         self.monitor = TrainingMonitor(cfg, self.env, self.model, resumed_at=self.step)
 
@@ -71,8 +77,9 @@ class Trainer:
         bar = tqdm(total=t.max_steps, initial=self.step, mininterval=2.0, dynamic_ncols=True, desc="train",
                    disable=not (self.env.is_main and self.cfg.logging.progress_bar))
         window, last_eval, started, first = Counter(), {}, time.time(), self.step + 1
+        skipped_before = self.precision.skipped
         for self.step in range(first, t.max_steps + 1):
-            window.update(self.train_step())
+            window.update(self._guarded_step())
             bar.update(1)
             if self.step % log_every == 0 or self.step == t.max_steps:
                 metrics = self.monitor.end_window(self.step, window, self.data_stats)
@@ -84,12 +91,41 @@ class Trainer:
                 last_eval = self.evaluate()
                 self.monitor.log_eval(self.step, last_eval)
             if (t.save_steps and self.step % t.save_steps == 0) or self.step == t.max_steps:
-                save_checkpoint(self, self.step)
+                self._save()
         bar.close()
-        summary = {"steps": self.step, "train_time_s": time.time() - started, **last_eval,
+        trained, skipped = max(t.max_steps - first + 1, 0), self.precision.skipped - skipped_before
+        summary = {"steps": max(self.step, first - 1), "trained_steps": trained, "skipped_steps": skipped,
+                   "train_time_s": time.time() - started, **last_eval,
                    **{f"data/{k}": v for k, v in sorted(self.data_stats.items())}}
+        if skipped > trained * MAX_SKIPPED_FRACTION:
+            self._write_summary({**summary, "status": "failed"})
+            self.monitor.close()
+            raise NonFiniteGradients(
+                f"{skipped} of the {trained} steps of this run were skipped for non-finite gradients (inf/nan), so "
+                "the model hardly trained; no final model was written. Check the config (rope_theta, rms_norm_eps, "
+                "learning rate) and the data.")
         self._finish(summary)
         return summary
+
+    def _guarded_step(self) -> dict:
+        """A training step; a stop for non-finite gradients names the checkpoint to go back to."""
+        try:
+            return self.train_step()
+        except NonFiniteGradients as err:
+            where = (f"the newest checkpoint, saved before these steps, is {self.last_checkpoint.path}"
+                     if self.last_checkpoint else "no checkpoint was saved before them")
+            raise NonFiniteGradients(f"{err} ({where})") from None
+
+    def _save(self) -> None:
+        """Checkpoint, unless the last steps were skipped: a checkpoint from inside a run of non-finite steps
+        would be the one a resume picks, and pruning would remove the good ones before it."""
+        in_a_row = self.precision.skipped_in_a_row
+        if in_a_row:
+            if self.env.is_main:
+                print(f"not saving at step {self.step}: the last {in_a_row} step(s) were skipped for non-finite "
+                      "gradients", flush=True)
+            return
+        self.last_checkpoint = save_checkpoint(self, self.step, self.run, self.last_checkpoint)
 
     def _cut_batches(self) -> None:
         """Micro-batches from the row stream: tensor-parallel ranks read the same rows, the data ranks split
@@ -206,7 +242,8 @@ class Trainer:
     def evaluate(self) -> dict:
         if self.eval_set is None:
             return {}
-        rows = RowStream(self.eval_set, self.tokenizer, self.cfg, Counter(), shuffle=False)
+        skipped = Counter()
+        rows = RowStream(self.eval_set, self.tokenizer, self.cfg, skipped, shuffle=False)
         t = self.cfg.training
         # fleet's pipeline schedule keeps the tensor shapes of the first step: evaluate in training-sized batches
         per_device = t.per_device_train_batch_size if self.env.pp_group is not None else t.per_device_eval_batch_size
@@ -214,25 +251,37 @@ class Trainer:
         batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
         with self.precision.autocast():
             if self.env.pp_group is not None:
-                return pipeline_evaluate(self.ddp, self.model, self.env, batches, t)
-            return evaluate(self.model, batches, self.env, self.cfg.training.max_eval_batches)
+                result = pipeline_evaluate(self.ddp, self.model, self.env, batches, t)
+            else:
+                result = evaluate(self.model, batches, self.env, self.cfg.training.max_eval_batches)
+        if not result and self.env.is_main:
+            print(f"WARNING the held-out data gave nothing to evaluate (skipped samples: {dict(skipped) or 'none'})",
+                  flush=True)
+        return result
 
     # -------------------------------------------------------------- helpers
     def _resume(self) -> int:
-        """Load the checkpoint ``training.resume_from_checkpoint`` names (``auto``: the newest complete one in
-        output_dir, if any) and move the data stream to where it stopped; returns its step."""
+        """Load the checkpoint ``training.resume_from_checkpoint`` names (``auto``: the newest of the newest
+        run in output_dir, if any) and move the data stream to where it stopped; returns its step."""
         t = self.cfg.training
-        path = resolve(t.resume_from_checkpoint, t.output_dir)
-        if path is None:
+        say = print if self.env.is_main else (lambda *_, **__: None)
+        checkpoint = resolve(t.resume_from_checkpoint, t.output_dir, self.env, warn=say)
+        if checkpoint is None:
             return 0
-        state = load_checkpoint(self, path)
+        state = load_checkpoint(self, checkpoint.path)
         for _ in range(state["consumed_rows"]):  # the stream is seeded: skipping replays the same order
             next(self.rows)
         self.consumed_rows = state["consumed_rows"]
-        if self.env.is_main:
-            print(f"resumed from {path} at step {state['step']}", flush=True)
-        return state["step"]
-
+        self.last_checkpoint = checkpoint
+        step = state["step"]
+        say(f"resumed from {checkpoint.path} at step {step}", flush=True)
+        change = self.scheduler.continue_plan(state.get("schedule"), step)
+        if change:
+            say(change, flush=True)
+        if step >= t.max_steps:
+            say(f"nothing to train: the checkpoint is at step {step} and training.max_steps is {t.max_steps}; "
+                "raise training.max_steps to train further", flush=True)
+        return step
 
     def _loss_denominator(self, label_tokens: float) -> float:
         t = self.cfg.training
@@ -268,10 +317,13 @@ class Trainer:
     def _finish(self, summary: dict) -> None:
         final = Path(self.cfg.training.output_dir) / "final_model"
         save_model(self.model, self.cfg.model, str(final), self.tokenizer, self.env, hf_layout=True)
-        if self.env.is_main:
-            summary["model_dir"] = str(final)
-            (Path(self.cfg.training.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        summary.update(status="done", model_dir=str(final))
+        self._write_summary(summary)
         self.monitor.close()
+
+    def _write_summary(self, summary: dict) -> None:
+        if self.env.is_main:
+            (Path(self.cfg.training.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
 def build_model(model_cfg, env):

@@ -1,0 +1,33 @@
+"""Faults injected on purpose, for the tests that prove what a checkpoint survives.
+
+``ERNIE_MOE_FAULT=<point>@<step>[@<rank>]`` makes the save of ``step`` (on every rank, or on ``rank`` alone)
+fail at ``point``:
+
+- ``kill_during_save``: SIGKILL once the model files are written, before the optimizer state;
+- ``kill_before_rename``: SIGKILL with the completion marker written but the folder not yet renamed;
+- ``disk_full``: the optimizer writer raises ``ENOSPC`` (No space left on device).
+
+Unset, :func:`hit` is one dictionary look-up.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+VARIABLE = "ERNIE_MOE_FAULT"
+
+
+def hit(point: str, step: int, rank: int) -> None:
+    spec = os.environ.get(VARIABLE)
+    if not spec:
+        return
+    name, _, where = spec.partition("@")
+    at_step, _, at_rank = where.partition("@")
+    if name != point or at_step != str(step) or (at_rank and at_rank != str(rank)):
+        return
+    if point.startswith("kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if point == "disk_full":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"optimizer-{rank:05d}.safetensors")

@@ -1,0 +1,456 @@
+"""Faults injected on purpose: crafted files, kill -9 during a save, flipped bytes, a full disk, runs of non-finite
+steps, resumes that branch or change the schedule, bad configs and bad records. Each ends in a clear line and a
+known exit code, a counted skip, or a resume that continues exactly; none runs code from a file it reads.
+
+Crashes are placed with ``ERNIE_MOE_FAULT`` (``ernie_moe/checkpoint/faults.py``), so no test waits on timing.
+"""
+
+import json
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import zlib
+from collections import Counter
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from PIL import Image
+from safetensors.numpy import load_file, save_file
+from test_e2e import records
+
+import run_trainer
+from ernie_moe.checkpoint import faults, lineage
+from ernie_moe.checkpoint.lineage import MARKER, Run, marker_text, prune, read, resolve, scan
+from ernie_moe.config import load_config
+from ernie_moe.data import RowStream, build_tokenizer
+from ernie_moe.data.jsonl import JsonlDataset
+
+CONFIG = str(ROOT / "configs" / "vl_moe.yaml")
+SMALL = ["data.image_size=56", "data.max_seq_len=48", "training.per_device_train_batch_size=2",
+         "data.num_eval_samples=8", "training.eval_steps=0", "logging.logging_steps=1", "logging.progress_bar=false",
+         "logging.visualdl=false"]
+
+
+def train(out, *overrides, fault=None, nproc=1, check=True):
+    """The trainer as users start it: ``run_trainer.py`` (through ``paddle.distributed.launch`` for several
+    processes). Returns the process result with the workers' logs appended to its stdout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop(faults.VARIABLE, None)
+    if fault:
+        env[faults.VARIABLE] = fault
+    args = [str(ROOT / "run_trainer.py"), "--config", CONFIG, f"training.output_dir={out}", *SMALL, *overrides]
+    logs = out.parent / f"{out.name}_log"
+    if nproc > 1:
+        args = ["-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir", str(logs), *args]
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600,
+                            cwd=out.parent)
+    for log in sorted(logs.glob("workerlog.*")) if nproc > 1 else []:
+        result.stdout += log.read_text()
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def losses(out) -> dict:
+    return {r["step"]: r["loss"] for r in records(out) if "loss" in r}
+
+
+class TouchesAFile:
+    """A pickle payload: unpickling it would create ``path``."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+# ---------------------------------------------------------------------------------------- loading runs no code
+
+def test_a_crafted_pdparams_is_refused_and_never_executed(tmp_path):
+    touched = tmp_path / "pwned"
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "ernie4_5", "hidden_size": 64, "num_hidden_layers": 2,
+                                                   "num_attention_heads": 4, "vocab_size": 128,
+                                                   "intermediate_size": 128}))
+    (model / "model_state.pdparams").write_bytes(pickle.dumps({"model.embed_tokens.weight": TouchesAFile(touched)}))
+
+    exported = subprocess.run([sys.executable, "-m", "ernie_moe.export", str(model), str(tmp_path / "out")],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert exported.returncode == 2, exported.stderr[-2000:]
+    assert "refusing to read" in exported.stderr and "model_state.pdparams" in exported.stderr
+    assert "posix.system" in exported.stderr and "Traceback" not in exported.stderr
+
+    trained = train(tmp_path / "run", f"training.model_name_or_path={model}", "model.moe_num_experts=[]",
+                    "model.moe_intermediate_size=[]", check=False)
+    assert trained.returncode == 2 and "refusing to read" in trained.stderr, trained.stderr[-2000:]
+    assert not touched.exists()
+
+
+def test_a_real_pdparams_reads_as_paddle_load_reads_it(tmp_path):
+    import paddle
+
+    from ernie_moe.checkpoint.pdparams import load_pdparams
+
+    state = {"w": paddle.randn([3, 4]), "half": paddle.randn([5]).astype("float16"),
+             "bf16": paddle.randn([2, 3]).astype("bfloat16")}
+    paddle.save(state, str(tmp_path / "model_state.pdparams"))
+    loaded = load_pdparams(tmp_path / "model_state.pdparams")
+    assert set(loaded) == set(state)
+    for name, tensor in state.items():
+        np.testing.assert_array_equal(loaded[name], tensor.astype("float32").numpy(), err_msg=name)
+
+
+def test_checkpoints_keep_random_states_as_json_and_never_unpickle(tmp_path):
+    out = tmp_path / "run"
+    train(out, "training.max_steps=2", "training.save_steps=1")
+    checkpoint = out / "checkpoint-1"
+    state = json.loads((checkpoint / "rng_state-00000.json").read_text())
+    assert set(state) == {"python", "numpy", "paddle"}
+    touched = tmp_path / "pwned"
+    (checkpoint / "rng_state-00000.pkl").write_bytes(pickle.dumps(TouchesAFile(touched)))  # the old file name
+    train(tmp_path / "resumed", "training.max_steps=2", f"training.resume_from_checkpoint={checkpoint}")
+    assert not touched.exists()
+    assert losses(tmp_path / "resumed") == {2: losses(out)[2]}
+
+
+# ------------------------------------------------------------------------------------------ kill -9 and disk
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole") / "run"
+    train(out, "training.max_steps=10", "training.save_steps=1", "training.save_total_limit=3")
+    return out
+
+
+@pytest.mark.parametrize("point", ["kill_during_save", "kill_before_rename"])
+def test_kill_9_during_a_save_resumes_exactly(tmp_path, uninterrupted, point):
+    """SIGKILL half-way through the save of step 6 (or with its marker written and the rename not done):
+    ``auto`` takes checkpoint-5 and the run ends as if never interrupted."""
+    out = tmp_path / "run"
+    args = ["training.max_steps=10", "training.save_steps=1", "training.save_total_limit=3"]
+    killed = train(out, *args, fault=f"{point}@6", check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (out / "checkpoint-6.tmp").is_dir() and not (out / "checkpoint-6").exists()
+    assert ((out / "checkpoint-6.tmp" / MARKER).is_file()) == (point == "kill_before_rename")
+    assert resolve("auto", str(out)).path == out / "checkpoint-5"
+
+    resumed = train(out, *args, "training.resume_from_checkpoint=auto")
+    assert f"resumed from {out / 'checkpoint-5'} at step 5" in resumed.stdout
+    assert losses(out) == losses(uninterrupted)
+    assert [c.path.name for c in scan(out)] == ["checkpoint-8", "checkpoint-9", "checkpoint-10"]
+    final, whole = load_file(str(out / "checkpoint-10" / "model-00001-of-00001.safetensors")), \
+        load_file(str(uninterrupted / "checkpoint-10" / "model-00001-of-00001.safetensors"))
+    for name in whole:
+        np.testing.assert_array_equal(final[name], whole[name], err_msg=name)
+
+
+def test_a_full_disk_on_one_rank_fails_the_save_cleanly_on_every_rank(tmp_path):
+    out = tmp_path / "run"
+    result = train(out, "training.max_steps=3", "training.save_steps=1", "parallel.expert_parallel_degree=2",
+                   fault="disk_full@2@1", nproc=2, check=False)
+    assert result.returncode != 0
+    assert "checkpoint error: saving checkpoint-2 failed on rank 1: [Errno 28] No space left on device" in result.stdout
+    assert f"the previous checkpoint {out / 'checkpoint-1'} is intact" in result.stdout
+    assert "Traceback" not in result.stdout
+    assert not (out / "checkpoint-2.tmp").exists() and not (out / "checkpoint-2").exists()
+    assert lineage.verify(read(out / "checkpoint-1")) is None
+
+    single = train(tmp_path / "one", "training.max_steps=2", "training.save_steps=1", fault="disk_full@2", check=False)
+    assert single.returncode == 2 and "No space left on device" in single.stderr, single.stderr[-2000:]
+    assert "Traceback" not in single.stderr and not (tmp_path / "one" / "checkpoint-2.tmp").exists()
+
+
+# ------------------------------------------------------------------------------------ flipped bytes, lineage
+
+def test_flipped_bytes_are_caught_and_auto_falls_back(tmp_path):
+    out = tmp_path / "run"
+    train(out, "training.max_steps=2", "training.save_steps=1")
+    shard = out / "checkpoint-2" / "optimizer-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x10  # one bit of a tensor, the file still parses
+    shard.write_bytes(bytes(data))
+
+    named = train(tmp_path / "again", "training.max_steps=3", f"training.resume_from_checkpoint={out / 'checkpoint-2'}",
+                  check=False)
+    assert named.returncode == 2 and "Traceback" not in named.stderr
+    assert f"{shard} does not match the checksum" in named.stderr
+    assert f"training.resume_from_checkpoint={out / 'checkpoint-1'}" in named.stderr
+
+    auto = train(out, "training.max_steps=3", "training.resume_from_checkpoint=auto")
+    assert f"checkpoint {out / 'checkpoint-2'} is damaged" in auto.stdout
+    assert f"falling back to {out / 'checkpoint-1'}" in auto.stdout and "at step 1" in auto.stdout
+
+
+def test_a_branch_keeps_its_lineage_and_leaves_the_other_alone(tmp_path):
+    """Resume checkpoint-4 of an 8-step run with save_total_limit=2: the new run's checkpoints are kept, the
+    first run's later ones are neither overwritten nor pruned, and ``auto`` continues the new run."""
+    out = tmp_path / "run"
+    train(out, "training.max_steps=8", "training.save_steps=2")
+    first = {c.step: c.run_id for c in scan(out)}
+    train(out, "training.max_steps=7", "training.save_steps=1", "training.save_total_limit=2",
+          f"training.resume_from_checkpoint={out / 'checkpoint-4'}")
+    found = scan(out)
+    branch = [c for c in found if c.run_id not in first.values()]
+    assert [c.step for c in branch] == [6, 7]
+    assert branch[0].path.name == f"checkpoint-6-{branch[0].run_id}"  # checkpoint-6 is the first run's
+    assert branch[0].parent == (branch[0].run_id, 5) and branch[1].parent == (branch[0].run_id, 6)
+    assert {c.step: c.run_id for c in found if c.run_id in first.values()} == {6: first[6], 8: first[8]}
+    assert [r["step"] for r in records(out) if "loss" in r] == [1, 2, 3, 4, 5, 6, 7]
+
+    resumed = train(out, "training.max_steps=8", "training.save_steps=1", "training.resume_from_checkpoint=auto")
+    assert f"resumed from {branch[1].path} at step 7" in resumed.stdout
+
+
+def test_lineage_rules_on_folders(tmp_path):
+    """``auto`` ignores every .tmp folder, whatever it holds, and takes the newest run; pruning stays inside
+    one lineage."""
+    old, new = Run("old", 1.0), Run("new", 2.0)
+
+    def make(name, step, run, parent):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / MARKER).write_text(marker_text(step, run, parent, {}))
+
+    make("checkpoint-2", 2, old, None)
+    make("checkpoint-4", 4, old, ("old", 2))
+    make("checkpoint-6", 6, old, ("old", 4))
+    make("checkpoint-5", 5, new, ("old", 4))
+    make("checkpoint-9.tmp", 9, new, ("new", 5))  # marker in, rename not done
+    (tmp_path / "checkpoint-x").mkdir()  # no marker at all
+    assert resolve("auto", str(tmp_path)).path == tmp_path / "checkpoint-5"
+    assert [c.path.name for c in lineage.lineage(scan(tmp_path), read(tmp_path / "checkpoint-5"))] == \
+        ["checkpoint-5", "checkpoint-4", "checkpoint-2"]
+    prune(tmp_path, read(tmp_path / "checkpoint-5"), 2)
+    assert sorted(c.path.name for c in scan(tmp_path)) == ["checkpoint-4", "checkpoint-5", "checkpoint-6"]
+    assert resolve("auto", str(tmp_path / "empty")) is None
+
+
+def test_a_fresh_run_does_not_mix_with_an_earlier_one(tmp_path):
+    out = tmp_path / "run"
+    train(out, "training.max_steps=2", "training.save_steps=1")
+    again = train(out, "training.max_steps=1", check=False)
+    assert again.returncode == 2 and "already holds checkpoints of an earlier run" in again.stderr
+    assert "overwrite_output_dir" in again.stderr and "Traceback" not in again.stderr
+    assert [r["step"] for r in records(out) if "loss" in r] == [1, 2]
+
+    replaced = train(out, "training.max_steps=1", "training.overwrite_output_dir=true")
+    assert "removed 2 checkpoint folder(s)" in replaced.stdout
+    assert [c.step for c in scan(out)] == [1] and [r["step"] for r in records(out) if "loss" in r] == [1]
+
+
+def test_a_changed_schedule_continues_from_the_rate_it_had(tmp_path):
+    """Resumed at step 4 with max_steps 6 -> 12: the first resumed step uses the rate the first run would have
+    used, and the rest decays to min_lr at step 12."""
+    out = tmp_path / "run"
+    args = ["training.warmup_steps=2", "training.save_steps=4"]
+    train(out, *args, "training.max_steps=6")
+    first = {r["step"]: r["lr"] for r in records(out) if "lr" in r}
+    resumed = train(tmp_path / "longer", *args, "training.max_steps=12",
+                    f"training.resume_from_checkpoint={out / 'checkpoint-4'}")
+    assert "learning-rate schedule changed since the checkpoint (max_steps 6 -> 12)" in resumed.stdout
+    lr = {r["step"]: r["lr"] for r in records(tmp_path / "longer") if "lr" in r}
+    assert lr[5] == pytest.approx(first[5], abs=1e-8)  # metrics.jsonl keeps 8 decimals
+    cfg = load_config(CONFIG).training
+    from ernie_moe.training.schedule import lr_at
+
+    for step in range(5, 13):  # a cosine from the rate at step 5 down to min_lr after step 12
+        expected = lr_at(step - 1, first[5], cfg.min_lr, 0, 12, "cosine", 0.1, decay_from=4)
+        assert lr[step] == pytest.approx(expected, abs=1e-8), step
+    assert all(a > b for a, b in zip(list(lr.values()), list(lr.values())[1:]))
+
+
+# ------------------------------------------------------------------------------------------ non-finite steps
+
+def trainer(tmp_path, *overrides):
+    from ernie_moe.training import Trainer
+
+    return Trainer(load_config(CONFIG, [*SMALL, f"training.output_dir={tmp_path}", *overrides]))
+
+
+def test_a_streak_of_skipped_steps_saves_nothing_and_names_the_checkpoint_before_it(tmp_path):
+    from test_precision import poison_gradients
+
+    from ernie_moe.training.precision import NonFiniteGradients
+
+    tr = trainer(tmp_path, "training.max_steps=8", "training.save_steps=1", "training.save_total_limit=1",
+                 "training.max_skipped_steps=3")
+    poison_gradients(tr, {3, 4, 5})
+    with pytest.raises(NonFiniteGradients) as err:
+        tr.train()
+    assert f"saved before these steps, is {tmp_path / 'checkpoint-2'}" in str(err.value)
+    assert [c.step for c in scan(tmp_path)] == [2]
+
+    resumed = trainer(tmp_path, "training.max_steps=8", "training.resume_from_checkpoint=auto")
+    assert resumed.step == 2 and resumed.precision.skipped_in_a_row == 0
+
+
+def test_a_run_whose_every_step_is_non_finite_fails(tmp_path):
+    """A model folder with a nan weight: every step is skipped, the log says nan, the run exits 3."""
+    source = tmp_path / "source"
+    train(source, "training.max_steps=1")
+    shard = source / "final_model" / "model-00001-of-00001.safetensors"
+    tensors = load_file(str(shard))
+    tensors["model.embed_tokens.weight"][:] = np.nan
+    save_file(tensors, str(shard), metadata={"format": "pd"})
+
+    out = tmp_path / "run"
+    result = train(out, "training.max_steps=3", "training.max_skipped_steps=0",
+                   f"training.model_name_or_path={source / 'final_model'}", check=False)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "3 of the 3 steps of this run were skipped" in result.stderr and "done:" not in result.stdout
+    logged = [r for r in records(out) if "loss" in r]
+    assert all(np.isnan(r["loss"]) and np.isnan(r["grad_norm"]) and r["skipped_steps"] == 1 for r in logged)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["skipped_steps"] == 3
+    assert not (out / "final_model").exists()
+
+
+def test_nan_logits_give_a_nan_loss():
+    import paddle
+
+    from ernie_moe.parallel.plan import SingleDevicePlan
+
+    logits = paddle.zeros([1, 3, 8])
+    logits[0, 1, 2] = float("nan")
+    loss = SingleDevicePlan.cross_entropy_sum(None, logits, paddle.to_tensor([[1, 2, -100]]))
+    assert np.isnan(float(loss))
+
+
+# ---------------------------------------------------------------------------------------------- bad configs
+
+@pytest.mark.parametrize("override, words", [
+    ("training.seed=-1", "training.seed (-1)"),
+    ("training.seed=4294967296", "training.seed (4294967296)"),
+    ("model.initializer_range=0", "model.initializer_range must be positive"),
+    ("training.adam_epsilon=0", "training.adam_epsilon must be positive"),
+    ("model.rms_norm_eps=-1e-6", "model.rms_norm_eps must be positive"),
+    ("model.rope_theta=0", "model.rope_theta must be positive"),
+    ("model.vision_config.rope_theta=0", "model.vision_config.rope_theta must be positive"),
+    ("model.vision_config.mlp_ratio=0", "model.vision_config.mlp_ratio must be positive"),
+    ("model.vision_config.spatial_merge_size=0", "spatial_merge_size must be at least 1"),
+    ("model.vision_config.in_channels=1", "RGB (3 channels)"),
+    ("training.save_steps=-1", "training.save_steps cannot be negative"),
+    ("training.save_total_limit=-2", "training.save_total_limit cannot be negative"),
+    ("training.device_memory_gb=-4", "training.device_memory_gb cannot be negative"),
+])
+def test_bad_config_values_are_one_line_errors(override, words, capsys):
+    assert run_trainer.main(["--config", CONFIG, *SMALL, "training.max_steps=1", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_config_files_are_one_line_errors(tmp_path, capsys):
+    (tmp_path / "empty.yaml").write_text("# nothing here\n")
+    (tmp_path / "twice.yaml").write_text("training:\n  max_steps: 3\n  max_steps: 4\n")
+    (tmp_path / "a_file").write_text("")
+    cases = {str(tmp_path / "empty.yaml"): [], str(tmp_path / "twice.yaml"): [],
+             CONFIG: [*SMALL, "training.max_steps=1", f"training.output_dir={tmp_path / 'a_file' / 'out'}"]}
+    words = ["is empty", "key 'max_steps' is given twice", "is a file"]
+    for (config, overrides), expected in zip(cases.items(), words):
+        assert run_trainer.main(["--config", config, *overrides]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("config error: ") and expected in err and "Traceback" not in err, err
+
+
+def test_garbage_tokenizer_and_model_files_are_clear_errors(tmp_path, capsys):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.model").write_bytes(b"\x00garbage" * 50)
+    assert run_trainer.main(["--config", CONFIG, *SMALL, f"training.output_dir={tmp_path / 'a'}",
+                             f"data.tokenizer_path={tmp_path / 'tok'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("data error: ") and "is not a SentencePiece model" in err and len(err.splitlines()) == 1
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "ernie4_5", "hidden_size": 64,
+                                                   "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                   "vocab_size": 128, "intermediate_size": 128}))
+    for content in (b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": garbage", b"x" * 3):
+        (model / "model.safetensors").write_bytes(content)
+        assert run_trainer.main(["--config", CONFIG, *SMALL, f"training.output_dir={tmp_path / 'b'}",
+                                 f"training.model_name_or_path={model}", "model.moe_num_experts=[]",
+                                 "model.moe_intermediate_size=[]"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("checkpoint error: cannot read ") and "model.safetensors" in err, err
+        assert len(err.strip().splitlines()) == 1
+
+    assert run_trainer.main(["--config", CONFIG, "training.max_steps=1",
+                             f"training.model_name_or_path={tmp_path / 'nothing'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("training.model_name_or_path") == 1 and "has no config.json" in err
+
+
+def test_resuming_past_max_steps_says_nothing_was_trained(tmp_path):
+    out = tmp_path / "run"
+    train(out, "training.max_steps=2")
+    again = train(out, "training.max_steps=2", "training.resume_from_checkpoint=auto")
+    assert "nothing to train: the checkpoint is at step 2 and training.max_steps is 2" in again.stdout
+    assert "done: nothing trained" in again.stdout
+
+
+# ---------------------------------------------------------------------------------------------- bad records
+
+def png_claiming(path, width, height):
+    """A small PNG whose header claims ``width`` x ``height`` pixels (a decompression bomb's first bytes)."""
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(path)
+    data = bytearray(path.read_bytes())
+    ihdr = data.index(b"IHDR")
+    data[ihdr + 4: ihdr + 12] = struct.pack(">II", width, height)
+    data[ihdr + 17: ihdr + 21] = struct.pack(">I", zlib.crc32(bytes(data[ihdr: ihdr + 17])))
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def bad_records(tmp_path):
+    Image.fromarray(np.full((40, 60, 3), 200, np.uint8)).save(tmp_path / "ok.png")
+    png_claiming(tmp_path / "bomb.png", 100_000, 100_000)
+    Image.fromarray(np.zeros((300, 300, 3), np.uint8)).save(tmp_path / "big.png")
+    lines = [
+        {"image": "ok.png", "text": "a grey picture"},
+        {"images": None, "text": "null images"},
+        {"images": 7, "text": "a number"},
+        {"images": ["ok.png", 3], "text": "a number in the list"},
+        {"image": "bomb.png", "text": "a decompression bomb"},
+        {"image": "big.png", "text": "over the cap"},
+        {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": {"text": "x"}}]},
+        {"messages": [{"role": "robot", "content": "hi"}]},
+        {"image": "ok.png", "text": "word " * 200},
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_bad_records_are_skipped_and_counted_once(bad_records):
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={bad_records}", "model.vocab_size=300",
+                             "data.max_seq_len=128", "data.overlong=skip", "data.max_image_pixels=50000"])
+    reads = Counter()
+
+    class Counting(JsonlDataset):
+        def __getitem__(self, index):
+            reads[index] += 1
+            return super().__getitem__(index)
+
+    dataset = Counting(str(bad_records), cfg.data.max_image_pixels)
+    stats = Counter()
+    rows = iter(RowStream(dataset, build_tokenizer(cfg), cfg, stats, shuffle=True))
+    for _ in range(6):  # several epochs of the one usable sample
+        next(rows)
+    assert dict(stats) == {"bad_images": 3, "image_too_large": 2, "bad_message": 3, "overlong_skipped": 1}
+    assert reads[9] == 1 and reads[0] >= 3  # the overlong one was encoded once, the good one every epoch
+
+
+def test_an_eval_file_without_usable_records_warns(bad_records, tmp_path):
+    bad_only = tmp_path / "eval.jsonl"
+    bad_only.write_text("".join(bad_records.read_text().splitlines(keepends=True)[1:4]))
+    out = tmp_path / "run"
+    result = train(out, "data.dataset=jsonl", f"data.train_path={bad_records}", f"data.eval_path={bad_only}",
+                   "model.vocab_size=300", "data.max_seq_len=128", "training.max_steps=1")
+    assert "WARNING the held-out data gave nothing to evaluate (skipped samples: {'bad_images': 3})" in result.stdout
