@@ -29,8 +29,9 @@ def np_swiglu(expert, x):
     return ((gate / (1 + np.exp(-gate))) * up) @ expert.down_proj.weight.numpy()
 
 
-def reference(layer, x, types, capacity=None, bias=None):
-    """Plain loop over tokens: route within the token's modality, keep first-come choices under capacity."""
+def reference(layer, x, types, capacity=None, bias=None, renormalize_after_drop=True):
+    """Plain loop over tokens: route within the token's modality, keep first-come choices under capacity, then
+    renormalise each token's kept weights (ERNIE's rule; ``renormalize_after_drop=False``: before the drop)."""
     flat, t = x.reshape(-1, x.shape[-1]), types.reshape(-1)
     out = np.zeros_like(flat)
     offsets = {0: 0, 1: layer.router_counts[0]}
@@ -49,12 +50,16 @@ def reference(layer, x, types, capacity=None, bias=None):
         cap = None if capacity is None else int(capacity * len(rows) // w.shape[1])
         choices.append((rows, top + offsets[g], weights, cap))
     for rows, top, weights, cap in choices:
+        kept = np.zeros(top.shape, bool)
         for k in range(2):  # k-major: first choices claim slots before second choices
-            for r, e, wgt in zip(rows, top[:, k], weights[:, k]):
-                if cap is not None and used[e] >= cap:
-                    continue
-                used[e] += 1
-                out[r] += wgt * np_swiglu(layer.experts[e], flat[r:r + 1])[0]
+            for i, e in enumerate(top[:, k]):
+                if cap is None or used[e] < cap:
+                    used[e] += 1
+                    kept[i, k] = True
+        if renormalize_after_drop:
+            weights = weights * kept / np.maximum((weights * kept).sum(1, keepdims=True), 1e-12)
+        for (i, k), r in zip(np.argwhere(kept), rows[np.argwhere(kept)[:, 0]]):
+            out[r] += weights[i, k] * np_swiglu(layer.experts[top[i, k]], flat[r:r + 1])[0]
     out += np_swiglu(layer.shared_experts, flat)
     return out.reshape(x.shape), used
 
@@ -76,6 +81,18 @@ def test_capacity_drops_the_same_tokens_as_the_reference():
     window = layer.stats.pop_window()
     np.testing.assert_array_equal(window["kept"], used)
     assert window["routed"].sum() == 2 * 30 and window["kept"].sum() < window["routed"].sum()
+
+
+def test_a_dropped_choice_leaves_the_kept_ones_renormalised():
+    """ERNIE's rule: with capacity, a token whose second choice is dropped mixes its first choice at weight 1."""
+    layer, _ = make_layer("model.moe_capacity=[1.0, 1.0, 1.0]")
+    x, types = inputs(n=30)
+    out, _ = layer(paddle.to_tensor(x), paddle.to_tensor(types))
+    kept_rule, _ = reference(layer, x, types, capacity=1.0)
+    before_drop, _ = reference(layer, x, types, capacity=1.0, renormalize_after_drop=False)
+    scale = np.abs(kept_rule).max()
+    np.testing.assert_allclose(out.numpy(), kept_rule, rtol=0, atol=1e-5 * scale)
+    assert np.abs(out.numpy() - before_drop).max() > 0.05 * scale  # some token lost a choice: the rules differ
 
 
 def test_routing_is_isolated_by_modality():

@@ -21,11 +21,16 @@ class DispatchState:
 
 
 class LocalDispatcher:
+    def __init__(self, renormalize_kept: bool = False):
+        # ERNIE's rule when capacity drops a choice: the token's kept weights are renormalised to sum to 1
+        self.renormalize_kept = renormalize_kept
+
     def route(self, token_index, expert_ids, weights, num_experts: int, capacity):
         """Flatten the choices and keep those within capacity, sorted by expert.
 
         ``expert_ids``/``weights`` are ``[tokens, k]``; ``capacity`` ``[experts]`` or None for dropless.
         Choices are ordered k-major, so every token's first choice claims a slot before any second choice.
+        With ``renormalize_kept`` each token's kept weights are divided by their sum (at least 1e-12).
         Returns (flat token rows, flat weights, flat experts, kept order, routed counts, kept counts).
         """
         k = expert_ids.shape[1]
@@ -41,6 +46,10 @@ class LocalDispatcher:
             rank_in_expert = paddle.arange(sorted_expert.shape[0]) - paddle.gather(first, sorted_expert)
             order = paddle.masked_select(order, rank_in_expert < paddle.gather(capacity, sorted_expert))
             kept = paddle.bincount(paddle.gather(flat_expert, order), minlength=num_experts)
+            if self.renormalize_kept and flat_token.shape[0]:
+                totals = paddle.index_add(paddle.zeros([int(flat_token.max()) + 1], flat_weight.dtype),
+                                          paddle.gather(flat_token, order), 0, paddle.gather(flat_weight, order))
+                flat_weight = flat_weight / paddle.clip(paddle.gather(totals, flat_token), min=1e-12)
         return flat_token, flat_weight, flat_expert, order, routed, kept
 
     def dispatch(self, x, token_index, expert_ids, weights, num_experts: int, capacity):

@@ -66,7 +66,7 @@ class MoELayer(nn.Layer):
         if cfg.moe_use_aux_free:
             self.moe_statics = MoEStatics(len(self.router_counts), max(self.router_counts))
         self.aux_free_coef = cfg.moe_aux_free_update_coef
-        self.dispatcher = plan.dispatcher(counts)
+        self.dispatcher = plan.dispatcher(counts, renormalize_kept=cfg.moe_norm_gate_logits)
         self.reduce_router_stats = plan.router_stats_reduce()
         self.stats = ExpertStats(self.router_counts)
 

@@ -50,7 +50,8 @@ class ExpertParallelState(DispatchState):
 class _ByOwner(LocalDispatcher):
     """Routing with the kept choices ordered by the rank that owns their expert, then its local expert."""
 
-    def __init__(self, counts: list[int], group):
+    def __init__(self, counts: list[int], group, renormalize_kept: bool = False):
+        super().__init__(renormalize_kept)
         self.group = group
         self.size, self.rank = group.nranks, group.rank
         self.local = sum(counts) // self.size

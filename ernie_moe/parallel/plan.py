@@ -75,8 +75,8 @@ class SingleDevicePlan:
         """Global ids of the routed experts this process holds."""
         return list(range(sum(expert_counts)))
 
-    def dispatcher(self, expert_counts: list[int]) -> LocalDispatcher:
-        return LocalDispatcher()
+    def dispatcher(self, expert_counts: list[int], renormalize_kept: bool = False) -> LocalDispatcher:
+        return LocalDispatcher(renormalize_kept)
 
     def predict(self, logits: paddle.Tensor) -> paddle.Tensor:
         """The most likely token id at each position."""
@@ -152,12 +152,12 @@ class ParallelPlan(SingleDevicePlan):
             return super().local_expert_ids(expert_counts)
         return local_expert_ids(expert_counts, self.expert_group.rank, self.expert_group.nranks)
 
-    def dispatcher(self, expert_counts):
+    def dispatcher(self, expert_counts, renormalize_kept=False):
         if self.expert_group is None:
-            return LocalDispatcher()
+            return LocalDispatcher(renormalize_kept)
         if self.experts_on_tp_ranks:
-            return TensorParallelExpertDispatcher(expert_counts, self.expert_group)
-        return ExpertParallelDispatcher(expert_counts, self.expert_group)
+            return TensorParallelExpertDispatcher(expert_counts, self.expert_group, renormalize_kept)
+        return ExpertParallelDispatcher(expert_counts, self.expert_group, renormalize_kept)
 
     def predict(self, logits):
         if self.tp_group is None:
