@@ -7,10 +7,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import ROOT
 from test_e2e import launch, load_model, records
 
 from ernie_moe.checkpoint.lineage import MARKER, scan
+
+pytestmark = pytest.mark.slow  # starts processes
 
 COMMON = ["training.max_steps=6", "training.save_steps=3", "logging.logging_steps=1", "training.eval_steps=0",
           "training.adam_epsilon=1e-6", "model.global_aux_loss=true", "model.moe_use_aux_free=true"]

@@ -81,6 +81,7 @@ def test_moe_layer_rule():
     assert [per_modality.moe_modalities_at(i) for i in range(4)] == [[], [0], [0, 1], [0]]
 
 
+@pytest.mark.slow
 def test_cli_reports_config_errors_without_traceback(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "run_trainer.py"), "--config",
                              str(ROOT / "configs" / "vl_moe.yaml"), "model.moe_k=9"],

@@ -10,6 +10,8 @@ import pytest
 from conftest import ROOT
 from safetensors.numpy import load_file
 
+pytestmark = pytest.mark.slow  # starts processes
+
 SMALL = ["data.image_size=56", "data.max_seq_len=48", "data.num_eval_samples=32", "logging.progress_bar=false"]
 
 

@@ -71,6 +71,7 @@ class TouchesAFile:
 
 # ---------------------------------------------------------------------------------------- loading runs no code
 
+@pytest.mark.slow
 def test_a_crafted_pdparams_is_refused_and_never_executed(tmp_path):
     touched = tmp_path / "pwned"
     model = tmp_path / "model"
@@ -106,6 +107,7 @@ def test_a_real_pdparams_reads_as_paddle_load_reads_it(tmp_path):
         np.testing.assert_array_equal(loaded[name], tensor.astype("float32").numpy(), err_msg=name)
 
 
+@pytest.mark.slow
 def test_checkpoints_keep_random_states_as_json_and_never_unpickle(tmp_path):
     out = tmp_path / "run"
     train(out, "training.max_steps=2", "training.save_steps=1")
@@ -129,6 +131,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("point", ["kill_during_save", "kill_before_rename"])
+@pytest.mark.slow
 def test_kill_9_during_a_save_resumes_exactly(tmp_path, uninterrupted, point):
     """SIGKILL half-way through the save of step 6 (or with its marker written and the rename not done):
     ``auto`` takes checkpoint-5 and the run ends as if never interrupted."""
@@ -150,6 +153,7 @@ def test_kill_9_during_a_save_resumes_exactly(tmp_path, uninterrupted, point):
         np.testing.assert_array_equal(final[name], whole[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_full_disk_on_one_rank_fails_the_save_cleanly_on_every_rank(tmp_path):
     out = tmp_path / "run"
     result = train(out, "training.max_steps=3", "training.save_steps=1", "parallel.expert_parallel_degree=2",
@@ -168,6 +172,7 @@ def test_a_full_disk_on_one_rank_fails_the_save_cleanly_on_every_rank(tmp_path):
 
 # ------------------------------------------------------------------------------------ flipped bytes, lineage
 
+@pytest.mark.slow
 def test_flipped_bytes_are_caught_and_auto_falls_back(tmp_path):
     out = tmp_path / "run"
     train(out, "training.max_steps=2", "training.save_steps=1")
@@ -187,6 +192,7 @@ def test_flipped_bytes_are_caught_and_auto_falls_back(tmp_path):
     assert f"falling back to {out / 'checkpoint-1'}" in auto.stdout and "at step 1" in auto.stdout
 
 
+@pytest.mark.slow
 def test_a_branch_keeps_its_lineage_and_leaves_the_other_alone(tmp_path):
     """Resume checkpoint-4 of an 8-step run with save_total_limit=2: the new run's checkpoints are kept, the
     first run's later ones are neither overwritten nor pruned, and ``auto`` continues the new run."""
@@ -231,6 +237,7 @@ def test_lineage_rules_on_folders(tmp_path):
     assert resolve("auto", str(tmp_path / "empty")) is None
 
 
+@pytest.mark.slow
 def test_a_fresh_run_does_not_mix_with_an_earlier_one(tmp_path):
     out = tmp_path / "run"
     train(out, "training.max_steps=2", "training.save_steps=1")
@@ -244,6 +251,7 @@ def test_a_fresh_run_does_not_mix_with_an_earlier_one(tmp_path):
     assert [c.step for c in scan(out)] == [1] and [r["step"] for r in records(out) if "loss" in r] == [1]
 
 
+@pytest.mark.slow
 def test_a_changed_schedule_continues_from_the_rate_it_had(tmp_path):
     """Resumed at step 4 with max_steps 6 -> 12: the first resumed step uses the rate the first run would have
     used, and the rest decays to min_lr at step 12."""
@@ -290,6 +298,7 @@ def test_a_streak_of_skipped_steps_saves_nothing_and_names_the_checkpoint_before
     assert resumed.step == 2 and resumed.precision.skipped_in_a_row == 0
 
 
+@pytest.mark.slow
 def test_a_run_whose_every_step_is_non_finite_fails(tmp_path):
     """A model folder with a nan weight: every step is skipped, the log says nan, the run exits 3."""
     source = tmp_path / "source"
@@ -386,6 +395,7 @@ def test_garbage_tokenizer_and_model_files_are_clear_errors(tmp_path, capsys):
     assert err.count("training.model_name_or_path") == 1 and "has no config.json" in err
 
 
+@pytest.mark.slow
 def test_resuming_past_max_steps_says_nothing_was_trained(tmp_path):
     out = tmp_path / "run"
     train(out, "training.max_steps=2")
@@ -447,6 +457,7 @@ def test_bad_records_are_skipped_and_counted_once(bad_records):
     assert reads[9] == 1 and reads[0] >= 3  # the overlong one was encoded once, the good one every epoch
 
 
+@pytest.mark.slow
 def test_an_eval_file_without_usable_records_warns(bad_records, tmp_path):
     bad_only = tmp_path / "eval.jsonl"
     bad_only.write_text("".join(bad_records.read_text().splitlines(keepends=True)[1:4]))

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from test_e2e import launch, load_model, records
 
+pytestmark = pytest.mark.slow  # starts processes
+
 STEPS = 5
 # Router losses on, their statistics taken over every data rank's tokens (global_aux_loss), so the losses do
 # not depend on how the batch is split; aux-loss-free balancing on, its bias updated from counts summed over

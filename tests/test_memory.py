@@ -77,17 +77,20 @@ def measured(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.slow
 def test_predicted_peak_is_within_15_percent_of_the_allocator(measured, layout):
     predicted, actual = measured[layout]
     assert abs(predicted / actual - 1) <= 0.15, (predicted, actual)
 
 
+@pytest.mark.slow
 def test_the_planner_ranks_recompute_choices_as_the_allocator_does(measured):
     """At this size full recompute's re-run of a layer outweighs what it saves over full_attn: both agree."""
     names = ["no recompute", "recompute full", "recompute full_attn"]
     assert sorted(names, key=lambda n: measured[n][0]) == sorted(names, key=lambda n: measured[n][1])
 
 
+@pytest.mark.slow
 def test_a_layout_that_does_not_fit_stops_at_start_up_with_layouts_that_do(tmp_path):
     """12 MiB: the small default (about 13 MiB) does not fit; the first suggestion runs and stays inside."""
     limit = "training.device_memory_gb=0.012"
@@ -102,6 +105,7 @@ def test_a_layout_that_does_not_fit_stops_at_start_up_with_layouts_that_do(tmp_p
     assert peak <= 0.9 * 0.012
 
 
+@pytest.mark.slow
 def test_the_real_scale_configs_are_planned(tmp_path):
     for name, world in (("ernie45_vl_28b_a3b.yaml", 8), ("ernie45_vl_424b_a47b.yaml", 96)):
         cfg = load_config(ROOT / "configs" / name, check_paths=False)

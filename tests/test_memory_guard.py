@@ -16,6 +16,7 @@ SAME_LOSS = ["model.moe_aux_loss_lambda=0", "model.moe_z_loss_lambda=0", "model.
              "data.num_eval_samples=0"]
 
 
+@pytest.mark.slow
 def test_a_low_limit_steps_down_the_ladder_and_the_losses_stay(tmp_path):
     """An artificially low limit (half of 16 MiB): recompute moe, core_attn, full_attn, full, then 4 x 2."""
     plain, _ = launch(tmp_path, 1, *SAME_LOSS, "training.memory_guard_fraction=0", name="plain")

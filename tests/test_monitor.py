@@ -181,6 +181,7 @@ def get_json(url):
     return body["data"]
 
 
+@pytest.mark.slow
 def test_visualdl_server_serves_the_scalars_and_histograms(dashboard):
     from urllib.parse import quote
 
@@ -200,6 +201,7 @@ def test_visualdl_server_serves_the_scalars_and_histograms(dashboard):
     assert len(histogram) == 6 and sum(bucket[2] for bucket in histogram[-1][2]) == 4  # 4 text experts per step
 
 
+@pytest.mark.slow
 def test_scalars_page_renders_in_a_real_browser(dashboard, tmp_path):
     import shutil
     import subprocess

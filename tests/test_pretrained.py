@@ -20,6 +20,8 @@ from ernie_moe.model.ernie_vl import Batch, is_vision
 from ernie_moe.parallel.env import DistEnv
 from ernie_moe.training.trainer import build_model
 
+pytestmark = pytest.mark.slow  # starts processes
+
 PF_SIDE = Path(__file__).with_name("paddleformers_side.py")
 
 

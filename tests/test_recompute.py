@@ -89,6 +89,7 @@ def test_peak_memory_falls_in_the_expected_order(tmp_path):
 
 
 @pytest.mark.parametrize("layout, granularity", [("tp2", "full"), ("pp2", "full_attn")])
+@pytest.mark.slow
 def test_recompute_under_tensor_and_pipeline_parallelism_changes_nothing(tmp_path, layout, granularity):
     """The same layout with and without recompute, launched on 2 processes: same gradients, losses, weights."""
     overrides = {"tp2": ["parallel.tensor_parallel_degree=2"],

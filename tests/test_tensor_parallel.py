@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import ROOT
 
 from ernie_moe.parallel.tensor_parallel import shard_index
@@ -18,6 +19,7 @@ def test_shard_index_splits_every_segment():
     assert both.tolist() == list(range(10))
 
 
+@pytest.mark.slow
 def test_parallel_layers_match_unsharded_references(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
