@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from ernie_moe.batch import IGNORE_INDEX as IGNORE
 from ernie_moe.config import load_config
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ernie_moe.data.images import patchify
 from ernie_moe.data.jsonl import JsonlDataset
-from ernie_moe.data.packing import IGNORE, BadSample, Encoder
+from ernie_moe.data.packing import BadSample, Encoder
 from ernie_moe.data.sample import Chunk, Sample
 from ernie_moe.data.synthetic import SyntheticShapes
 from ernie_moe.data.tokenizer import SentencePieceTokenizer

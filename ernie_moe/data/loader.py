@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from ..model.ernie_vl import Batch
+from ..batch import IGNORE_INDEX, Batch
 from . import synthetic
 from .jsonl import JsonlDataset
-from .packing import IGNORE, BadSample, Encoder, Row, pack
+from .packing import BadSample, Encoder, Row, pack
 from .tokenizer import ByteTokenizer, SentencePieceTokenizer, WordTokenizer
 
 
@@ -106,7 +106,7 @@ def rank_batches(rows, global_rows: int, rank: int, world: int, drop_last: bool 
     if batch and not drop_last:
         share = -(-len(batch) // world)
         mine = batch[rank * share: (rank + 1) * share]
-        yield mine or [dataclasses.replace(batch[0], labels=np.full_like(batch[0].labels, IGNORE),
+        yield mine or [dataclasses.replace(batch[0], labels=np.full_like(batch[0].labels, IGNORE_INDEX),
                                            scored=np.zeros_like(batch[0].scored))]
 
 

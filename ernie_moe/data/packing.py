@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..batch import IGNORE_INDEX
 from .images import patchify, prepare
 from .sample import Sample
 
-IGNORE = -100
 PAD_TYPE = -1
 # Caption-accuracy categories a data source may mark its words with.
 SCORE_CATEGORIES = ("color", "shape", "row", "column")
@@ -133,7 +133,7 @@ def pack(samples, max_seq_len: int, pad_id: int):
 
 def make_row(docs: list[Encoded], length: int, pad_id: int) -> Row:
     ids = np.full(length, pad_id, np.int64)
-    labels = np.full(length, IGNORE, np.int64)
+    labels = np.full(length, IGNORE_INDEX, np.int64)
     scored = np.zeros(length, np.int64)
     types = np.full(length, PAD_TYPE, np.int64)
     positions = np.zeros((length, 3), np.int64)
@@ -143,7 +143,7 @@ def make_row(docs: list[Encoded], length: int, pad_id: int) -> Row:
         end = start + len(doc)
         ids[start:end] = doc.input_ids
         # The label at position i is token i + 1 when that token is trained on; a document's last position has none.
-        nxt = np.where(doc.target[1:], doc.input_ids[1:], IGNORE)
+        nxt = np.where(doc.target[1:], doc.input_ids[1:], IGNORE_INDEX)
         labels[start: end - 1] = nxt
         scored[start: end - 1] = doc.scored[1:]
         types[start:end] = doc.token_type_ids

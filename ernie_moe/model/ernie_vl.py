@@ -8,32 +8,19 @@ checkpoints convert by renaming and transposing.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import paddle
 from paddle import nn
 
+from ..batch import IGNORE_INDEX, Batch
 from ..parallel.plan import SingleDevicePlan
 from .attention import causal_document_mask
 from .decoder import DecoderLayer
 from .init import init_weights, mark_default_rules
 from .rope import rope_angles
 from .vision import Adapter, VisionTransformer
-
-
-@dataclass
-class Batch:
-    """One micro-batch. ``token_type_ids``: 0 text, 1 image, 2 video, -1 padding."""
-
-    input_ids: paddle.Tensor  # [batch, seq] int64
-    labels: paddle.Tensor  # [batch, seq] int64, next token or -100
-    token_type_ids: paddle.Tensor  # [batch, seq] int64
-    position_ids: paddle.Tensor  # [batch, seq, 3] int64 (t, h, w)
-    doc_ids: paddle.Tensor  # [batch, seq] int64, packed document of each position
-    pixel_patches: paddle.Tensor  # [patches, channels * patch * patch] float32
-    grid_thw: np.ndarray  # [images, 3] patches per image along t, h, w
 
 
 class ModelOutput(NamedTuple):
@@ -104,7 +91,7 @@ class ErnieMoEForConditionalGeneration(nn.Layer):
         hidden, router_loss = self.model(self.embed(batch), batch)
         logits = self.logits(hidden)
         loss_sum = self.plan.cross_entropy_sum(logits, batch.labels)
-        num_label_tokens = int((batch.labels != -100).sum())
+        num_label_tokens = int((batch.labels != IGNORE_INDEX).sum())
         return ModelOutput(loss_sum, num_label_tokens, router_loss, logits if return_logits else None)
 
 

@@ -16,8 +16,9 @@ import paddle
 from paddle import nn
 from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, SharedLayerDesc
 
+from ..batch import Batch
 from ..model.decoder import DecoderLayer
-from ..model.ernie_vl import Batch, attention_inputs, stable_names, with_images
+from ..model.ernie_vl import attention_inputs, stable_names, with_images
 from ..model.init import init_weights, mark_default_rules
 from ..model.vision import Adapter, VisionTransformer
 

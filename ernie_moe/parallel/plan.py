@@ -13,6 +13,7 @@ import copy
 import paddle
 from paddle import nn
 
+from ..batch import IGNORE_INDEX
 from ..model.init import mark_normal
 from ..model.layers import RMSNorm
 from ..moe.dispatcher import LocalDispatcher
@@ -83,9 +84,10 @@ class SingleDevicePlan:
         return logits.argmax(axis=-1)
 
     def cross_entropy_sum(self, logits: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
-        """Summed token cross-entropy in float32; label -100 marks positions without a loss."""
+        """Summed token cross-entropy in float32; label IGNORE_INDEX marks positions without a loss."""
         logits = logits.astype("float32")
-        loss = paddle.nn.functional.cross_entropy(logits, labels.unsqueeze(-1), ignore_index=-100, reduction="sum")
+        loss = paddle.nn.functional.cross_entropy(logits, labels.unsqueeze(-1), ignore_index=IGNORE_INDEX,
+                                                  reduction="sum")
         # Paddle's CPU kernel turns nan logits into a finite loss; this keeps a non-finite logit visible in the loss
         return loss + logits.detach().sum() * 0.0
 

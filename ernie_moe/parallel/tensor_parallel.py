@@ -13,6 +13,7 @@ import paddle
 import paddle.distributed as dist
 from paddle import nn
 
+from ..batch import IGNORE_INDEX
 from .comm import CopyToGroup, GatherAlong, ReduceFromGroup, ReduceScatterAlong
 
 SEQUENCE_AXIS = 1  # activations are [batch, seq, hidden]
@@ -106,7 +107,7 @@ class VocabParallelEmbedding(nn.Layer):
 def vocab_parallel_cross_entropy_sum(logits: paddle.Tensor, labels: paddle.Tensor, group) -> paddle.Tensor:
     """Summed cross-entropy from logits split over the vocabulary; never forms the full logits.
 
-    ``logits [..., vocab / ranks]`` hold this rank's vocabulary block; label -100 marks positions without loss.
+    ``logits [..., vocab / ranks]`` hold this rank's vocabulary block; label IGNORE_INDEX marks positions without loss.
     """
     logits = logits.astype("float32")
     block = logits.shape[-1]
@@ -120,7 +121,7 @@ def vocab_parallel_cross_entropy_sum(logits: paddle.Tensor, labels: paddle.Tenso
                                     axis=-1).squeeze(-1)
     picked = ReduceFromGroup.apply(picked * inside.astype("float32"), group)
     per_token = paddle.log(sum_exp) - picked
-    return (per_token * (labels != -100).astype("float32")).sum()
+    return (per_token * (labels != IGNORE_INDEX).astype("float32")).sum()
 
 
 @paddle.no_grad()

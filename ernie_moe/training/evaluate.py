@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from ..batch import IGNORE_INDEX
 from ..data import collate
 from ..data.packing import SCORE_CATEGORIES
 
@@ -14,7 +15,7 @@ SCORE_SIZE = 3 + 2 * CATEGORIES  # loss sum, label tokens, correct tokens, then 
 
 def batch_scores(plan, logits, labels, scored, loss_sum) -> np.ndarray:
     """One batch's contribution to the evaluation sums; ``scored [rows, seq]`` is each position's category."""
-    has_label = labels != -100
+    has_label = labels != IGNORE_INDEX
     correct = paddle.logical_and(plan.predict(logits) == labels, has_label).numpy()
     category = np.asarray(scored)
     seen = np.bincount(category.reshape(-1), minlength=CATEGORIES)

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import paddle
 
+from ..batch import IGNORE_INDEX
 from ..data import collate
 from ..parallel.pipeline import stage_inputs
 from .evaluate import SCORE_SIZE, batch_scores, eval_metrics
@@ -71,7 +72,7 @@ def _scored(group: list, rows_per_batch: int) -> tuple[list, list]:
         rows = rows + [rows[-1]] * (rows_per_batch - len(rows))
         batch = collate(rows)
         labels, category = batch.labels.numpy(), np.stack([r.scored for r in rows])
-        labels[keep:], category[keep:] = -100, 0
+        labels[keep:], category[keep:] = IGNORE_INDEX, 0
         micro.append(dataclasses.replace(batch, labels=paddle.to_tensor(labels)))
         scored.append(paddle.to_tensor(category))
     return micro, scored

@@ -13,6 +13,7 @@ import paddle
 import yaml
 from tqdm import tqdm
 
+from ..batch import IGNORE_INDEX
 from ..checkpoint import Run, claim_output_dir, load_checkpoint, resolve, save_checkpoint, save_model
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
@@ -208,7 +209,7 @@ class Trainer:
     def forward_backward(self, micro_batches) -> dict:
         """Accumulate the step's gradients; returns the step's loss sums and token counts over all ranks."""
         env = self.env
-        counts = paddle.to_tensor([[float((b.labels != -100).sum()), float((b.token_type_ids >= 0).sum())]
+        counts = paddle.to_tensor([[float((b.labels != IGNORE_INDEX).sum()), float((b.token_type_ids >= 0).sum())]
                                    for b in micro_batches], dtype="float64").sum(axis=0)
         label_tokens, tokens = env.all_reduce_sum(counts, env.data_group).numpy().tolist()
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.

@@ -1,0 +1,23 @@
+"""What the data pipeline hands the model: one micro-batch, and the label value that carries no loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+IGNORE_INDEX = -100  # a label position that is not trained on (prompts, images, padding)
+
+
+@dataclass
+class Batch:
+    """One micro-batch. ``token_type_ids``: 0 text, 1 image, 2 video, -1 padding."""
+
+    input_ids: paddle.Tensor  # [batch, seq] int64
+    labels: paddle.Tensor  # [batch, seq] int64, next token or IGNORE_INDEX
+    token_type_ids: paddle.Tensor  # [batch, seq] int64
+    position_ids: paddle.Tensor  # [batch, seq, 3] int64 (t, h, w)
+    doc_ids: paddle.Tensor  # [batch, seq] int64, packed document of each position
+    pixel_patches: paddle.Tensor  # [patches, channels * patch * patch] float32
+    grid_thw: np.ndarray  # [images, 3] patches per image along t, h, w
