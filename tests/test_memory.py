@@ -11,8 +11,8 @@ from test_e2e import SMALL, launch, records
 from ernie_moe.config import load_config
 from ernie_moe.memory.estimate import estimate, sample_workload
 from ernie_moe.memory.params import stage_params
+from ernie_moe.memory.report import report
 from ernie_moe.parallel.env import DistEnv
-from ernie_moe.plan import report
 from ernie_moe.training.trainer import build_model
 
 MIB = 2 ** 20
@@ -113,7 +113,7 @@ def test_the_real_scale_configs_are_planned(tmp_path):
         p = cfg.parallel
         assert text.count("\n") >= 3 + p.pipeline_parallel_degree
         assert "assumed: images of" in text
-    done = subprocess.run([sys.executable, "-m", "ernie_moe.plan", "--config", "configs/vl_moe.yaml", "--search"],
+    done = subprocess.run([sys.executable, "-m", "ernie_moe.memory", "--config", "configs/vl_moe.yaml", "--search"],
                           cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and "busiest: stage 0" in done.stdout and ": fits" in done.stdout
     assert "layouts that fit 1 ranks" in done.stdout

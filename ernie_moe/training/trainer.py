@@ -348,7 +348,7 @@ def device_bytes(training_cfg) -> float:
 
 def check_memory(cfg, env) -> None:
     """Stop before building anything when the memory planner predicts that the layout does not fit."""
-    from ..plan import report
+    from ..memory.report import report
 
     text, ok = report(cfg, env.world_size, device_bytes(cfg.training) / 2 ** 30, run_search=False)
     if not ok:

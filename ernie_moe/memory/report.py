@@ -1,6 +1,6 @@
 """Predict the memory a layout needs before launching it.
 
-    python -m ernie_moe.plan --config FILE [section.key=value ...] [--world-size N] [--device-memory-gb 80]
+    python -m ernie_moe.memory --config FILE [section.key=value ...] [--world-size N] [--device-memory-gb 80]
                              [--search] [--image-fraction 0.5]
 
 Prints, for one rank of each pipeline stage, the bytes of parameters, gradients, optimizer states, input
@@ -19,9 +19,9 @@ import functools
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config
-from .memory.estimate import Workload, estimate, sample_workload
-from .memory.search import FIT_FRACTION, describe, fits, overrides, search
+from ..config import ConfigError, load_config
+from .estimate import Workload, estimate, sample_workload
+from .search import FIT_FRACTION, describe, fits, overrides, search
 
 GIB = 2 ** 30
 
@@ -100,7 +100,3 @@ def main(argv=None) -> int:
     text, ok = report(cfg, world, args.device_memory_gb, args.search, args.image_fraction)
     print(text)
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
