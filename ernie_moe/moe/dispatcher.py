@@ -1,8 +1,8 @@
 """Token dispatch: sort (token, choice) pairs by expert, drop what exceeds capacity, gather, combine.
 
-``LocalDispatcher`` keeps every expert in this process. The expert-parallel dispatcher
-(``ernie_moe.parallel.expert_parallel``) keeps the same ``dispatch`` / ``combine`` contract and moves the
-per-expert rows between ranks with all-to-all.
+``LocalDispatcher`` keeps every expert in this process. The dispatchers of ``ernie_moe.parallel.expert_parallel``
+share its routing and its combine, and differ only in where the rows go (``dispatch``) and how the expert
+outputs come back (``rows_back``): by all-to-all, or gathered over the tensor-parallel ranks.
 """
 
 from __future__ import annotations
@@ -10,6 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import paddle
+
+
+@dataclass
+class Choices:
+    """Every (token, choice) pair of a layer's routing, flattened k-major, and which of them capacity kept."""
+
+    token: paddle.Tensor  # [tokens * k] row of the flattened hidden state
+    weight: paddle.Tensor  # [tokens * k] mixing weight
+    expert: paddle.Tensor  # [tokens * k] expert id
+    order: paddle.Tensor  # [kept] indices of the kept pairs, sorted by expert
+    routed: paddle.Tensor  # [experts] pairs per expert before capacity
+    kept: paddle.Tensor  # [experts] pairs per expert after it
 
 
 @dataclass
@@ -21,17 +33,19 @@ class DispatchState:
 
 
 class LocalDispatcher:
+    """Every expert in this process. Subclasses move the rows elsewhere and back; routing and the weighted
+    combine are the same for all."""
+
     def __init__(self, renormalize_kept: bool = False):
         # ERNIE's rule when capacity drops a choice: the token's kept weights are renormalised to sum to 1
         self.renormalize_kept = renormalize_kept
 
-    def route(self, token_index, expert_ids, weights, num_experts: int, capacity):
+    def route(self, token_index, expert_ids, weights, num_experts: int, capacity) -> Choices:
         """Flatten the choices and keep those within capacity, sorted by expert.
 
         ``expert_ids``/``weights`` are ``[tokens, k]``; ``capacity`` ``[experts]`` or None for dropless.
         Choices are ordered k-major, so every token's first choice claims a slot before any second choice.
         With ``renormalize_kept`` each token's kept weights are divided by their sum (at least 1e-12).
-        Returns (flat token rows, flat weights, flat experts, kept order, routed counts, kept counts).
         """
         k = expert_ids.shape[1]
         flat_expert = expert_ids.T.flatten()
@@ -50,19 +64,22 @@ class LocalDispatcher:
                 totals = paddle.index_add(paddle.zeros([int(flat_token.max()) + 1], flat_weight.dtype),
                                           paddle.gather(flat_token, order), 0, paddle.gather(flat_weight, order))
                 flat_weight = flat_weight / paddle.clip(paddle.gather(totals, flat_token), min=1e-12)
-        return flat_token, flat_weight, flat_expert, order, routed, kept
+        return Choices(flat_token, flat_weight, flat_expert, order, routed, kept)
 
     def dispatch(self, x, token_index, expert_ids, weights, num_experts: int, capacity):
         """Split ``x`` rows into one slice per expert; see :meth:`route` for the arguments."""
-        flat_token, flat_weight, _, order, routed, kept = self.route(
-            token_index, expert_ids, weights, num_experts, capacity)
-        state = DispatchState(paddle.gather(flat_token, order), paddle.gather(flat_weight, order), routed, kept)
+        c = self.route(token_index, expert_ids, weights, num_experts, capacity)
+        state = DispatchState(paddle.gather(c.token, c.order), paddle.gather(c.weight, c.order), c.routed, c.kept)
         inputs = paddle.gather(x, state.token_index)
-        return paddle.split(inputs, kept.tolist(), axis=0), state
+        return paddle.split(inputs, c.kept.tolist(), axis=0), state
 
     def combine(self, expert_outputs: list[paddle.Tensor], state: DispatchState, num_rows: int) -> paddle.Tensor:
         """Weighted sum of each token's expert outputs; dropped choices contribute nothing."""
-        out = paddle.concat(expert_outputs, axis=0)
+        out = self.rows_back(expert_outputs, state)
         weighted = out * state.weights.unsqueeze(-1).astype(out.dtype)
         zeros = paddle.zeros([num_rows, out.shape[-1]], dtype=out.dtype)
         return paddle.index_add(zeros, state.token_index, 0, weighted)
+
+    def rows_back(self, expert_outputs: list[paddle.Tensor], state: DispatchState) -> paddle.Tensor:
+        """The expert outputs as rows in the order of ``state.token_index``."""
+        return paddle.concat(expert_outputs, axis=0)

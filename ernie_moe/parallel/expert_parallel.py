@@ -20,16 +20,12 @@ import paddle.distributed as dist
 
 from ..moe.dispatcher import DispatchState, LocalDispatcher
 from .comm import CopyToGroup, GatherRows, all_to_all
+from .tensor_parallel import shard_index
 
 
 def local_expert_ids(counts: list[int], rank: int, size: int) -> list[int]:
-    """Global ids of the experts ``rank`` holds, in local order."""
-    ids, start = [], 0
-    for n in counts:
-        per = n // size
-        ids += list(range(start + rank * per, start + (rank + 1) * per))
-        start += n
-    return ids
+    """Global ids of the experts ``rank`` holds, in local order: its share of every modality's segment."""
+    return shard_index(counts, rank, size).tolist()
 
 
 def rank_major_order(counts: list[int], size: int) -> np.ndarray:
@@ -59,13 +55,12 @@ class _ByOwner(LocalDispatcher):
 
     def route_by_owner(self, token_index, expert_ids, weights, num_experts, capacity):
         """Returns (token rows, weights, routed, kept, choices per [owner rank x local expert])."""
-        flat_token, flat_weight, flat_expert, order, routed, kept = self.route(
-            token_index, expert_ids, weights, num_experts, capacity)
-        position = paddle.gather(self.position, paddle.gather(flat_expert, order))
+        c = self.route(token_index, expert_ids, weights, num_experts, capacity)
+        position = paddle.gather(self.position, paddle.gather(c.expert, c.order))
         regroup = paddle.argsort(position, stable=True)
-        order = paddle.gather(order, regroup)
+        order = paddle.gather(c.order, regroup)
         per_slot = paddle.bincount(paddle.gather(position, regroup), minlength=num_experts)
-        return paddle.gather(flat_token, order), paddle.gather(flat_weight, order), routed, kept, per_slot
+        return paddle.gather(c.token, order), paddle.gather(c.weight, order), c.routed, c.kept, per_slot
 
 
 class ExpertParallelDispatcher(_ByOwner):
@@ -89,15 +84,12 @@ class ExpertParallelDispatcher(_ByOwner):
         inputs = paddle.gather(received, index) if received.shape[0] else received
         return paddle.split(inputs, mine.sum(axis=0).tolist(), axis=0), state
 
-    def combine(self, expert_outputs, state: ExpertParallelState, num_rows: int):
+    def rows_back(self, expert_outputs, state: ExpertParallelState):
         out = paddle.concat(expert_outputs, axis=0)
         source_major = paddle.zeros_like(out)
         if out.shape[0]:
             source_major = paddle.scatter(source_major, state.to_expert_major, out)
-        back = all_to_all(source_major, state.recv_splits, state.send_splits, self.group)
-        weighted = back * state.weights.unsqueeze(-1).astype(back.dtype)
-        zeros = paddle.zeros([num_rows, out.shape[-1]], dtype=out.dtype)
-        return paddle.index_add(zeros, state.token_index, 0, weighted)
+        return all_to_all(source_major, state.recv_splits, state.send_splits, self.group)
 
 
 @dataclass
@@ -130,8 +122,5 @@ class TensorParallelExpertDispatcher(_ByOwner):
         state = TensorParallelExpertState(rows, row_weights, routed, kept, per_rank.sum(axis=1).tolist())
         return paddle.split(inputs, per_rank[self.rank].tolist(), axis=0), state
 
-    def combine(self, expert_outputs, state: TensorParallelExpertState, num_rows: int):
-        out = GatherRows.apply(paddle.concat(expert_outputs, axis=0), state.block_sizes, self.group)
-        weighted = out * state.weights.unsqueeze(-1).astype(out.dtype)
-        zeros = paddle.zeros([num_rows, out.shape[-1]], dtype=out.dtype)
-        return paddle.index_add(zeros, state.token_index, 0, weighted)
+    def rows_back(self, expert_outputs, state: TensorParallelExpertState):
+        return GatherRows.apply(paddle.concat(expert_outputs, axis=0), state.block_sizes, self.group)
