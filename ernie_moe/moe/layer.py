@@ -78,48 +78,11 @@ class MoELayer(nn.Layer):
         """``x [batch, seq, hidden]`` -> (output, weighted router loss of this layer)."""
         shape = x.shape
         flat = x.reshape([-1, shape[-1]])
-        types = token_type_ids.flatten()
-
-        k = self.gate.k
-        ids = [paddle.zeros([0, k], dtype="int64")]
-        weights = [paddle.zeros([0, k], dtype="float32")]
-        routed_tokens = [paddle.zeros([0], dtype="int64")]
-        capacities = []
-        router_loss = paddle.zeros([], dtype="float32")
-        for g, modality in enumerate(self.group_modality):
-            token_index = self._tokens_of(types, modality)
-            capacities += [self._capacity(token_index.shape[0], self.router_counts[g])] * self.router_counts[g]
-            # Global router statistics (training only): every rank joins the sums, with or without tokens.
-            reduce = self.reduce_router_stats if self.training else None
-            if token_index.shape[0] == 0 and reduce is not None:
-                group_losses = self.gate.losses(None, g, reduce)
-                for name, value in group_losses.items():
-                    router_loss = router_loss + self.loss_weights[g][name] * value
-                if not replaying():
-                    self.stats.record_losses(g, group_losses)
-                continue
-            if token_index.shape[0] == 0:
-                # The orthogonal loss needs no token; it also keeps this router in the backward pass.
-                weight = self.loss_weights[g]["orthogonal_loss"]
-                router_loss = router_loss + weight * orthogonal_loss(self.gate.weight_of(g))
-                continue
-            bias = None
-            if self.moe_statics is not None:
-                bias = self.moe_statics.e_score_correction_bias[g, : self.router_counts[g]]
-            routing = self.gate(flat, token_index, g, bias)
-            group_losses = self.gate.losses(routing, g, reduce)
-            for name, value in group_losses.items():
-                router_loss = router_loss + self.loss_weights[g][name] * value
-            if self.training and not replaying():
-                self.stats.record_losses(g, group_losses)
-            ids.append(routing.expert_ids + self.expert_offsets[g])
-            weights.append(routing.weights)
-            routed_tokens.append(token_index)
-
+        tokens = [self._tokens_of(token_type_ids.flatten(), modality) for modality in self.group_modality]
+        (token_index, expert_ids, weights), router_loss = self._route(flat, tokens)
         # Dispatch even without routed tokens: expert-parallel ranks exchange rows in every layer.
-        capacity = paddle.to_tensor(capacities, dtype="int64") if self.capacity_factors else None
-        inputs, state = self.dispatcher.dispatch(flat, paddle.concat(routed_tokens), paddle.concat(ids),
-                                                 paddle.concat(weights), self.num_experts, capacity)
+        inputs, state = self.dispatcher.dispatch(flat, token_index, expert_ids, weights, self.num_experts,
+                                                 self._capacities(tokens))
         outputs, idle_zero = self.experts(inputs)
         out = self.dispatcher.combine(outputs, state, flat.shape[0])
         if idle_zero is not None:
@@ -129,6 +92,43 @@ class MoELayer(nn.Layer):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.reshape(shape), router_loss
+
+    def _route(self, flat: paddle.Tensor, tokens: list[paddle.Tensor]):
+        """Each group's tokens through its router: ((token rows, global expert ids, weights) of every routed
+        token, the weighted router loss). Losses and statistics are recorded once, not again in a recompute."""
+        k = self.gate.k
+        routed = [(paddle.zeros([0], dtype="int64"), paddle.zeros([0, k], dtype="int64"),
+                   paddle.zeros([0, k], dtype="float32"))]
+        router_loss = paddle.zeros([], dtype="float32")
+        # Global router statistics (training only): every rank joins the sums, with or without tokens.
+        reduce = self.reduce_router_stats if self.training else None
+        for g, token_index in enumerate(tokens):
+            if token_index.shape[0] == 0 and reduce is None:
+                # The orthogonal loss needs no token; it also keeps this router in the backward pass.
+                weight = self.loss_weights[g]["orthogonal_loss"]
+                router_loss = router_loss + weight * orthogonal_loss(self.gate.weight_of(g))
+                continue
+            routing = None
+            if token_index.shape[0]:
+                bias = None
+                if self.moe_statics is not None:
+                    bias = self.moe_statics.e_score_correction_bias[g, : self.router_counts[g]]
+                routing = self.gate(flat, token_index, g, bias)
+                routed.append((token_index, routing.expert_ids + self.expert_offsets[g], routing.weights))
+            group_losses = self.gate.losses(routing, g, reduce)
+            for name, value in group_losses.items():
+                router_loss = router_loss + self.loss_weights[g][name] * value
+            if self.training and not replaying():  # a group without tokens gets here only in training
+                self.stats.record_losses(g, group_losses)
+        token_index, expert_ids, weights = (paddle.concat(list(part)) for part in zip(*routed))
+        return (token_index, expert_ids, weights), router_loss
+
+    def _capacities(self, tokens: list[paddle.Tensor]) -> paddle.Tensor | None:
+        """Each expert's capacity for this batch ([experts]), or None when dropless."""
+        if not self.capacity_factors:
+            return None
+        per_expert = [self._capacity(t.shape[0], n) for t, n in zip(tokens, self.router_counts) for _ in range(n)]
+        return paddle.to_tensor(per_expert, dtype="int64")
 
     @staticmethod
     def _tokens_of(types: paddle.Tensor, modality: int | None) -> paddle.Tensor:
