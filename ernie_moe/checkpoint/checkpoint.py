@@ -57,7 +57,7 @@ def save_checkpoint(trainer, step: int, run: Run, parent: Checkpoint | None) -> 
     final = folder_for(root, step, run)
     tmp = final.with_name(final.name + ".tmp")
     if env.is_main and tmp.exists():
-        shutil.rmtree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save interrupted earlier; what is left is overwritten
     _barrier(env)
     written = WrittenFiles()
     try:
@@ -94,23 +94,23 @@ def save_checkpoint(trainer, step: int, run: Run, parent: Checkpoint | None) -> 
 
 def _complete(tmp: Path, final: Path, step: int, run: Run, parent: Checkpoint | None, digests: dict) -> str | None:
     """Main rank: fingerprint the files no writer reported, write the marker, rename the folder into place,
-    each durably. Returns the error, if one occurs."""
+    each durably. Returns the error, if one occurs (the other ranks are waiting to hear it)."""
     try:
         for path in sorted(tmp.iterdir()):  # the small files other ranks and the tokenizer wrote
             if path.name not in digests:
                 digests[path.name] = sha256_of(path, sync=True)
+        marker = WrittenFiles()
+        marker.write(tmp / MARKER, marker_text(step, run, parent.key if parent else None, digests))
+        if marker.error is not None:
+            raise marker.error
+        sync_folder(tmp)
+        faults.hit("kill_before_rename", step, 0)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        sync_folder(final.parent)
     except OSError as err:
         return f"rank 0: {err}"
-    marker = WrittenFiles()
-    marker.write(tmp / MARKER, marker_text(step, run, parent.key if parent else None, digests))
-    if marker.error is not None:
-        return f"rank 0: {marker.error}"
-    sync_folder(tmp)
-    faults.hit("kill_before_rename", step, 0)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    sync_folder(final.parent)
     return None
 
 
