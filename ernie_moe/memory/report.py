@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, load_config
+from ..parallel.layout import Layout
 from .estimate import Workload, estimate, sample_workload
 from .search import FIT_FRACTION, describe, fits, overrides, search
 
@@ -60,7 +61,7 @@ def table(stages, device_bytes: float) -> str:
 def report(cfg, world: int, device_gb: float, run_search: bool, image_fraction: float = 0.5) -> tuple[str, bool]:
     """The printed plan and whether the configured layout fits."""
     p = cfg.parallel
-    data_world = world // (p.tensor_parallel_degree * p.pipeline_parallel_degree)
+    data_world = Layout.of(p, world).data_world
     workload_for, source = workload_source(cfg, data_world, image_fraction)
     workload = workload_for(cfg.training.per_device_train_batch_size)
     device = device_gb * GIB

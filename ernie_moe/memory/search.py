@@ -13,6 +13,7 @@ import math
 
 from ..config.load import ConfigError
 from ..config.validate import validate
+from ..parallel.layout import Layout
 from .estimate import estimate
 
 FIT_FRACTION = 0.9  # the rest of the device: CUDA context, allocator fragmentation, communication buffers
@@ -27,9 +28,9 @@ def fits(stages, device_bytes: float) -> bool:
 def with_layout(cfg, tp, pp, vpp, sharding, ep, recompute, micro_batch, world, moe_group="ep"):
     """``cfg`` with another layout, the global batch unchanged; None when the layout is invalid."""
     t = cfg.training
-    data = world // (tp * pp)
-    global_rows = t.per_device_train_batch_size * t.gradient_accumulation_steps * (
-        world // (cfg.parallel.tensor_parallel_degree * cfg.parallel.pipeline_parallel_degree))
+    data = Layout(world, tp, pp).data_world
+    global_rows = t.per_device_train_batch_size * t.gradient_accumulation_steps * Layout.of(cfg.parallel,
+                                                                                             world).data_world
     if global_rows % (micro_batch * data):
         return None
     parallel = dataclasses.replace(
@@ -69,7 +70,7 @@ def search(cfg, workload_for, world: int, device_bytes: float, limit: int = 10) 
     for tp, pp in itertools.product([d for d in powers if d <= 8], powers):
         if world % (tp * pp):
             continue
-        data = world // (tp * pp)
+        data = Layout(world, tp, pp).data_world
         # experts over data ranks (moe_group ep, any degree that divides the counts), or over the tensor ranks
         # (moe_group mp, with sequence parallelism)
         groups = [("ep", d) for d in powers if d <= data and all(n % d == 0 for n in m.moe_num_experts or [1])]

@@ -1,10 +1,7 @@
-"""Process setup through fleet's hybrid topology.
+"""Process setup through fleet's hybrid topology, in the rank order of ``layout.Layout``.
 
-Ranks are laid out in fleet's order (data, pipeline, sharding, tensor; tensor-parallel ranks adjacent):
-``rank = ((dp_rank * pp + stage) * sharding + sharding_rank) * tp + tp_rank``. ``data_rank = dp_rank *
-sharding + sharding_rank`` numbers the ranks that read different data. Expert groups are carved out of the
-data ranks that share a stage and tensor-parallel rank (``moe_group: ep``) or are the tensor-parallel group
-itself (``moe_group: mp``).
+Expert groups are carved out of the data ranks that share a stage and tensor-parallel rank (``moe_group:
+ep``) or are the tensor-parallel group itself (``moe_group: mp``).
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ import paddle.distributed as dist
 from paddle.distributed import fleet
 
 from . import cpu_fallbacks
+from .layout import Layout
 
 
 @dataclass
@@ -81,28 +79,12 @@ class DistEnv:
 
 def data_degree(parallel_cfg, world_size: int) -> int:
     """Data-parallel ranks: what the other degrees leave of the processes. Raises ConfigError when they do not fit."""
-    from ..config import ConfigError
-
-    p = parallel_cfg
-    model_ranks = p.tensor_parallel_degree * p.pipeline_parallel_degree * p.sharding_parallel_degree
-    if world_size % model_ranks:
-        raise ConfigError(
-            f"{world_size} processes cannot hold tensor x pipeline x sharding = {p.tensor_parallel_degree} x "
-            f"{p.pipeline_parallel_degree} x {p.sharding_parallel_degree} = {model_ranks} ranks per data-parallel "
-            f"replica; launch a multiple of {model_ranks} processes or lower the degrees.")
-    dp = world_size // model_ranks
-    ep = p.expert_parallel_degree
-    if p.moe_group == "ep" and (dp * p.sharding_parallel_degree) % ep:
-        raise ConfigError(
-            f"parallel.expert_parallel_degree ({ep}) must divide the data x sharding ranks "
-            f"({dp} x {p.sharding_parallel_degree}): expert groups are carved out of them. Launch more processes "
-            "or lower the degree.")
-    return dp
+    return Layout.of(parallel_cfg, world_size).check().dp
 
 
 def check_layout(parallel_cfg, world_size: int) -> None:
     """Degrees that do not fit the launched processes; raises ConfigError before any group is built."""
-    data_degree(parallel_cfg, world_size)
+    Layout.of(parallel_cfg, world_size).check()
 
 
 def new_groups(rank_lists: list[list[int]]):
@@ -118,11 +100,10 @@ def new_groups(rank_lists: list[list[int]]):
 def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
     p = parallel_cfg
     world = dist.get_world_size()
-    check_layout(p, world)
+    layout = Layout.of(p, world).check()
     if world == 1:
         return DistEnv()
-    dp, tp, sh, pp = data_degree(p, world), p.tensor_parallel_degree, p.sharding_parallel_degree, \
-        p.pipeline_parallel_degree
+    dp, tp, sh, pp = layout.dp, layout.tp, layout.sharding, layout.pp
     strategy = fleet.DistributedStrategy()
     on_cpu = paddle.device.get_device() == "cpu"  # the launcher then uses gloo
     hybrid = {"dp_degree": dp, "mp_degree": tp, "pp_degree": pp, "sharding_degree": sh}
@@ -139,19 +120,13 @@ def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
     rank = dist.get_rank()
-    env = DistEnv(rank=rank, world_size=world, hcg=hcg, data_world=dp * sh, sharding=p.sharding,
+    env = DistEnv(rank=rank, world_size=world, hcg=hcg, data_world=layout.data_world, sharding=p.sharding,
                   data_rank=hcg.get_data_parallel_rank() * sh + hcg.get_sharding_parallel_rank(),
                   virtual_stages=p.virtual_pp_degree)
-
-    def rank_of(data_rank: int, stage: int, tp_rank: int) -> int:
-        return ((data_rank // sh * pp + stage) * sh + data_rank % sh) * tp + tp_rank
-
-    assert rank == rank_of(env.data_rank, hcg.get_stage_id(), hcg.get_model_parallel_rank()), \
+    assert rank == layout.rank_of(env.data_rank, hcg.get_stage_id(), hcg.get_model_parallel_rank()), \
         "unexpected fleet rank order"
-    # per (stage, tensor-parallel rank): the ranks that read different data
-    data_ranks = [[rank_of(d, s, t) for d in range(env.data_world)] for s in range(pp) for t in range(tp)]
-    env.data_group = new_groups(data_ranks)
-    env.stage_lead = rank_of(0, hcg.get_stage_id(), 0)
+    env.data_group = new_groups(layout.data_groups())
+    env.stage_lead = layout.rank_of(0, hcg.get_stage_id(), 0)
     if pp > 1:
         env.pp_group = hcg.get_pipe_parallel_group()
         if on_cpu:
@@ -162,12 +137,10 @@ def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
     if p.moe_group == "mp" and tp > 1:
         env.expert_group = env.tp_group
         env.expert_replica_group = env.data_group if env.data_world > 1 else None
-    elif p.expert_parallel_degree > 1:
-        ep = p.expert_parallel_degree
-        env.expert_group = new_groups([ranks[s: s + ep] for ranks in data_ranks
-                                       for s in range(0, len(ranks), ep)])
-        if env.data_world > ep:
-            env.expert_replica_group = new_groups([ranks[i::ep] for ranks in data_ranks for i in range(ep)])
+    elif layout.ep > 1:
+        env.expert_group = new_groups(layout.expert_groups())
+        if env.data_world > layout.ep:
+            env.expert_replica_group = new_groups(layout.expert_replica_groups())
     elif env.data_world > 1:
         env.expert_replica_group = env.data_group  # every data rank holds every expert
     return env
