@@ -19,27 +19,20 @@ def main(argv=None) -> int:
     from ernie_moe.data import DataError
     from ernie_moe.training.precision import NonFiniteGradients
 
+    # (error, how its one line starts, exit code); OSError: the disk or permissions, the environment
+    expected = ((ConfigError, "config error", 2), (DataError, "data error", 2),
+                (CheckpointError, "checkpoint error", 2), (NonFiniteGradients, "training stopped", 3),
+                (OSError, "error", 2))
     try:
         cfg = load_config(args.config, args.overrides)
         from ernie_moe.training import Trainer
 
         trainer = Trainer(cfg)
         summary = trainer.train()
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    except DataError as err:
-        print(f"data error: {err}", file=sys.stderr)
-        return 2
-    except CheckpointError as err:
-        print(f"checkpoint error: {err}", file=sys.stderr)
-        return 2
-    except NonFiniteGradients as err:
-        print(f"training stopped: {err}", file=sys.stderr)
-        return 3
-    except OSError as err:  # the disk, permissions: the environment, not the code
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except tuple(kind for kind, _, _ in expected) as err:
+        label, code = next((label, code) for kind, label, code in expected if isinstance(err, kind))
+        print(f"{label}: {err}", file=sys.stderr)
+        return code
     if trainer.env.is_main:
         print(format_summary(summary), flush=True)
     return 0
