@@ -8,7 +8,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from .recompute import checkpoint
+from .recompute import recomputed
 from .rope import apply_rotary
 
 
@@ -59,7 +59,7 @@ class Attention(nn.Layer):
         q, k, v = paddle.split(qkv, [q_heads, kv_heads, kv_heads], axis=2)
         q, k = apply_rotary(q, angles), apply_rotary(k, angles)
         if self.recompute_core and self.training:
-            out = checkpoint(core_attention, q, k, v, allowed, use_reentrant=self.recompute_use_reentrant)
+            out = recomputed(core_attention, q, k, v, allowed, use_reentrant=self.recompute_use_reentrant)
         else:
             out = core_attention(q, k, v, allowed)
         return self.o_proj(out.reshape([batch, seq, -1]))

@@ -8,7 +8,7 @@ from paddle import nn
 from ..moe.layer import MoELayer
 from .attention import Attention
 from .layers import SwiGLUMLP
-from .recompute import checkpoint
+from .recompute import recomputed
 
 
 class DecoderLayer(nn.Layer):
@@ -29,7 +29,7 @@ class DecoderLayer(nn.Layer):
     def forward(self, x, token_type_ids, angles, allowed) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Returns the new hidden state and this layer's weighted router loss (0 for a dense layer)."""
         if self._recomputes("full"):
-            return checkpoint(self._forward, x, token_type_ids, angles, allowed,
+            return recomputed(self._forward, x, token_type_ids, angles, allowed,
                               use_reentrant=self.recompute_use_reentrant)
         return self._forward(x, token_type_ids, angles, allowed)
 
@@ -38,14 +38,14 @@ class DecoderLayer(nn.Layer):
 
     def _forward(self, x, token_type_ids, angles, allowed):
         if self._recomputes("full_attn"):
-            x = x + checkpoint(self._attention, x, angles, allowed, use_reentrant=self.recompute_use_reentrant)
+            x = x + recomputed(self._attention, x, angles, allowed, use_reentrant=self.recompute_use_reentrant)
         else:
             x = x + self._attention(x, angles, allowed)
         h = self.post_attention_layernorm(x)
         if not self.is_moe:
             return x + self.mlp(h), paddle.zeros([], dtype="float32")
         if self._recomputes("moe"):
-            out, router_loss = checkpoint(self._moe, h, token_type_ids, use_reentrant=self.recompute_use_reentrant)
+            out, router_loss = recomputed(self._moe, h, token_type_ids, use_reentrant=self.recompute_use_reentrant)
         else:
             out, router_loss = self._moe(h, token_type_ids)
         return x + out, router_loss

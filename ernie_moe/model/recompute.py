@@ -32,7 +32,7 @@ def _replay(active: bool):
         _replaying = previous
 
 
-def checkpoint(function, *args, use_reentrant: bool = True):
+def recomputed(function, *args, use_reentrant: bool = True):
     """``function(*args)`` whose activations are recomputed in backward (the RNG state is restored by fleet)."""
     calls = []
 

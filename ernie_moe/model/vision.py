@@ -16,7 +16,7 @@ from paddle import nn
 
 from .attention import core_attention
 from .layers import RMSNorm
-from .recompute import checkpoint
+from .recompute import recomputed
 from .rope import apply_rotary, rope_angles
 
 
@@ -131,7 +131,7 @@ class VisionTransformer(nn.Layer):
         for block in self.blocks:
             if self.recompute_blocks and self.training:
                 # the groups hold indices and sizes: bound here, since recompute takes tensors or plain values
-                x = checkpoint(functools.partial(block, groups=groups), x, angles,
+                x = recomputed(functools.partial(block, groups=groups), x, angles,
                                use_reentrant=self.recompute_use_reentrant)
             else:
                 x = block(x, angles, groups)

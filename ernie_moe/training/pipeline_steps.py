@@ -14,7 +14,7 @@ from ..parallel.pipeline import stage_inputs
 from .evaluate import SCORE_SIZE, batch_scores, eval_metrics
 
 
-def pipeline_forward_backward(ddp, model, env, micro_batches, denominator: float,
+def pipeline_forward_backward(schedule, model, env, micro_batches, denominator: float,
                               precision=None) -> tuple[float, float]:
     """fleet's 1F1B (or interleaved) schedule over the micro-batches: what ``train_batch`` runs before its
     optimizer step. Returns the last stage's sums of the LM loss and of the router losses (0 elsewhere)."""
@@ -23,15 +23,15 @@ def pipeline_forward_backward(ddp, model, env, micro_batches, denominator: float
     # fleet divides each micro-batch's loss by their number: the scale undoes it
     scale = env.data_world / denominator * len(micro_batches)
     if env.virtual_stages > 1:
-        ddp.set_virtual_pipeline_rank(0)
+        schedule.set_virtual_pipeline_rank(0)
     scaler = precision if precision is not None and precision.loss_scale != 1.0 else None  # fleet calls .scale()
     with precision.autocast() if precision is not None else contextlib.nullcontext():
-        ddp.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), scaler)
+        schedule.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), scaler)
     return loss.lm_sum, loss.router_sum
 
 
 @paddle.no_grad()
-def pipeline_evaluate(ddp, model, env, batches, training_cfg) -> dict:
+def pipeline_evaluate(schedule, model, env, batches, training_cfg) -> dict:
     """Evaluation through fleet's schedule, forward only; the last stage's loss function scores each batch.
 
     The schedule takes ``gradient_accumulation_steps`` micro-batches of the training shape at a time: short
@@ -42,19 +42,19 @@ def pipeline_evaluate(ddp, model, env, batches, training_cfg) -> dict:
     loss.score = lambda logits, labels, scored, lm_sum: batch_scores(model.plan, logits, labels, scored.numpy(),
                                                                      lm_sum)
     loss.reset()
-    ddp.eval()  # the schedule then skips its shape checks on outputs that carry no gradient
+    schedule.eval()  # the schedule then skips its shape checks on outputs that carry no gradient
     group: list = []
     for i, rows in enumerate(batches):
         if t.max_eval_batches and i >= t.max_eval_batches:
             break
         group.append(rows)
         if len(group) == steps:
-            ddp.eval_batch(stage_inputs(*_scored(group, rows_per_batch), scale=1.0), compute_loss=True)
+            schedule.eval_batch(stage_inputs(*_scored(group, rows_per_batch), scale=1.0), compute_loss=True)
             group = []
     if group:
         group += [None] * (steps - len(group))
-        ddp.eval_batch(stage_inputs(*_scored(group, rows_per_batch), scale=1.0), compute_loss=True)
-    ddp.train()
+        schedule.eval_batch(stage_inputs(*_scored(group, rows_per_batch), scale=1.0), compute_loss=True)
+    schedule.train()
     totals = paddle.to_tensor(np.sum(loss.scores, axis=0) if loss.scores else np.zeros(SCORE_SIZE))
     loss.score = None
     env.all_reduce_sum(totals, env.pp_group)

@@ -57,7 +57,7 @@ class Trainer:
         if self.precision.enabled and not paddle.is_compiled_with_cuda() and self.env.is_main:
             print(f"note: {self.precision.dtype} mixed precision needs a GPU; on this CPU build Paddle computes in "
                   "float32 (loss scaling and the inf/nan step guard still apply)", flush=True)
-        self.ddp = wrap_model(self.model, self.env)
+        self.fleet_model = wrap_model(self.model, self.env)  # fleet's pipeline schedule or data-parallel wrapper
         self.optimizer, self.scheduler = build_optimizer(self.model, t, self.env)
         self.param_groups = split_experts(self.model)
 
@@ -215,8 +215,8 @@ class Trainer:
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.
         denominator = self._loss_denominator(label_tokens)
         if env.pp_group is not None:
-            lm_sum, router_sum = pipeline_forward_backward(self.ddp, self.model, self.env, micro_batches, denominator,
-                                                           self.precision)
+            lm_sum, router_sum = pipeline_forward_backward(self.fleet_model, self.model, self.env, micro_batches,
+                                                           denominator, self.precision)
         else:
             lm_sum, router_sum = self._forward_backward(micro_batches, denominator)
         totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches)], dtype="float64")
@@ -227,12 +227,12 @@ class Trainer:
 
     def _forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:
         lm_sum, router_sum = 0.0, 0.0
-        wrapped = self.ddp is not self.model
+        wrapped = self.fleet_model is not self.model
         for i, batch in enumerate(micro_batches):
             sync_later = wrapped and i < len(micro_batches) - 1
-            with self.ddp.no_sync() if sync_later else contextlib.nullcontext():
+            with self.fleet_model.no_sync() if sync_later else contextlib.nullcontext():
                 with self.precision.autocast():
-                    out = self.ddp(batch)
+                    out = self.fleet_model(batch)
                 # Shared gradients are averaged over the data ranks afterwards, hence their number as a factor.
                 loss = out.loss_sum * (self.env.data_world / denominator) + out.router_loss / len(micro_batches)
                 self.precision.scale(loss).backward()
@@ -252,7 +252,7 @@ class Trainer:
         batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
         with self.precision.autocast():
             if self.env.pp_group is not None:
-                result = pipeline_evaluate(self.ddp, self.model, self.env, batches, t)
+                result = pipeline_evaluate(self.fleet_model, self.model, self.env, batches, t)
             else:
                 result = evaluate(self.model, batches, self.env, self.cfg.training.max_eval_batches)
         if not result and self.env.is_main:
