@@ -86,10 +86,11 @@ def save_checkpoint(trainer, step: int, run: Run, parent: Checkpoint | None) -> 
     if error is not None:
         before = f"the previous checkpoint {parent.path} is intact" if parent else "no earlier checkpoint exists"
         raise CheckpointError(f"saving {final.name} failed on {error}. The partial {tmp.name} was removed; {before}.")
+    saved = read(final)
     if env.is_main:
-        prune(root, read(final), cfg.training.save_total_limit)
+        prune(root, saved, cfg.training.save_total_limit)
     _barrier(env)
-    return read(final)
+    return saved
 
 
 def _complete(tmp: Path, final: Path, step: int, run: Run, parent: Checkpoint | None, digests: dict) -> str | None:

@@ -102,7 +102,7 @@ def folder_for(root: Path, step: int, run: Run) -> Path:
     it), ``checkpoint-<step>-<run id>``, so that no other lineage is overwritten."""
     plain = Path(root) / f"{PREFIX}{step}"
     other = read(plain)
-    if other is None or other.run_id == run.run_id or not plain.exists():
+    if other is None or other.run_id == run.run_id:
         return plain
     return Path(root) / f"{PREFIX}{step}-{run.run_id}"
 
@@ -144,7 +144,7 @@ def resolve(resume_from: str, output_dir: str, env=None, warn=print) -> Checkpoi
         found = scan(output_dir)
         if not found:
             return None
-        chain = lineage(found, max(found, key=lambda c: (c.run_started, c.step)))
+        chain = lineage(found, found[-1])  # scan sorts by run start, then step
         for i, candidate in enumerate(chain):
             problem = verify(candidate, env)
             if problem is None:
