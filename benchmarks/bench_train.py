@@ -46,7 +46,7 @@ def main() -> None:
         for _ in range(args.steps):
             micro_batches = trainer.next_micro_batches()
             flops += sum(counter.batch_flops(batch) for batch in micro_batches)
-            tokens += trainer.train_step(micro_batches)["tokens"]
+            tokens += trainer.train_step(micro_batches).tokens
         elapsed = time.perf_counter() - start
     peak, source = hardware_peak()
     achieved = flops / elapsed

@@ -13,7 +13,7 @@ from ernie_moe.memory.estimate import estimate, sample_workload
 from ernie_moe.memory.params import stage_params
 from ernie_moe.memory.report import report
 from ernie_moe.parallel.env import DistEnv
-from ernie_moe.training.trainer import build_model
+from ernie_moe.training.runner import build_model
 
 MIB = 2 ** 20
 STEPS = ["training.max_steps=3", "logging.logging_steps=1", "training.eval_steps=0", "data.num_eval_samples=0"]

@@ -112,8 +112,8 @@ def test_loss_counts_tokens_not_micro_batches(tiny_cfg, tmp_path):
                                                 "training.gradient_accumulation_steps=2"]))
     a = whole.forward_backward([collate(next(whole.batches))])
     b = split.forward_backward([collate(next(split.batches)) for _ in range(2)])
-    assert a["label_tokens"] == b["label_tokens"]
-    np.testing.assert_allclose(a["lm_loss_sum"], b["lm_loss_sum"], rtol=1e-5)
+    assert a.label_tokens == b.label_tokens
+    np.testing.assert_allclose(a.lm_loss_sum, b.lm_loss_sum, rtol=1e-5)
     for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters()):
         if p.stop_gradient:
             continue

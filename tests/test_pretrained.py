@@ -18,7 +18,7 @@ from ernie_moe.checkpoint.pretrained import format_report, load_pretrained
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.model.ernie_vl import Batch, is_vision
 from ernie_moe.parallel.env import DistEnv
-from ernie_moe.training.trainer import build_model
+from ernie_moe.training.runner import build_model
 
 pytestmark = pytest.mark.slow  # starts processes
 

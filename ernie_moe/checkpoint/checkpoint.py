@@ -18,6 +18,7 @@ import dataclasses
 import json
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +50,22 @@ def adam_parts(optimizer) -> list:
     return [getattr(part, "_inner_opt", part) for part in parts]
 
 
-def save_checkpoint(trainer, step: int, run: Run, parent: Checkpoint | None) -> Checkpoint:
-    """Write the checkpoint of ``step`` (every rank calls this), prune the run's lineage, return it. A write
-    error on any rank removes the half-written folder and raises :class:`CheckpointError` on every rank."""
-    env, cfg = trainer.env, trainer.cfg
+@dataclass
+class TrainingParts:
+    """What a checkpoint saves and restores."""
+
+    model: object  # the model, or this rank's pipeline stages
+    optimizer: object
+    scheduler: object  # the learning-rate schedule (training.schedule)
+    scaler: object  # loss scaling and skipped-step counts (training.precision.Precision)
+    state: object  # the run's position, a dataclass of JSON values with ``step`` and ``consumed_rows``
+
+
+def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent: Checkpoint | None) -> Checkpoint:
+    """Write the checkpoint of the state's step (every rank calls this), prune the run's lineage, return it.
+    A write error on any rank removes the half-written folder and raises :class:`CheckpointError` on every
+    rank. ``cfg`` is the run's config, saved with it; ``tokenizer`` is saved beside the model."""
+    step = parts.state.step
     root = Path(cfg.training.output_dir)
     final = folder_for(root, step, run)
     tmp = final.with_name(final.name + ".tmp")
@@ -64,14 +77,14 @@ def save_checkpoint(trainer, step: int, run: Run, parent: Checkpoint | None) -> 
         tmp.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         written.fail(err)
-    save_model(trainer.model, cfg.model, str(tmp), trainer.tokenizer, env, written=written)
+    save_model(parts.model, cfg.model, str(tmp), tokenizer, env, written=written)
     faults.hit("kill_during_save", step, env.rank)
-    _save_optimizer(trainer, tmp, step, written)
+    _save_optimizer(parts, env, tmp, step, written)
     written.write(tmp / f"rng_state-{env.rank:05d}.json", json.dumps(rng_state()))
     if env.is_main:
-        state = {"step": step, "consumed_rows": trainer.consumed_rows,
-                 "scheduler": trainer.scheduler.state_dict(), "schedule": trainer.scheduler.plan(),
-                 "loss_scaler": trainer.precision.state_dict(), "config": dataclasses.asdict(cfg)}
+        state = {**dataclasses.asdict(parts.state),
+                 "scheduler": parts.scheduler.state_dict(), "schedule": parts.scheduler.plan(),
+                 "loss_scaler": parts.scaler.state_dict(), "config": dataclasses.asdict(cfg)}
         written.write(tmp / "trainer_state.json", json.dumps(state, indent=2))
     outcomes = env.all_gather_object((written.digests, f"{written.error}" if written.error else None))
     error = None
@@ -137,13 +150,12 @@ def set_rng_state(state: dict) -> None:
     paddle.set_rng_state(generators)
 
 
-def _save_optimizer(trainer, directory: Path, step: int, written: WrittenFiles) -> None:
+def _save_optimizer(parts: TrainingParts, env, directory: Path, step: int, written: WrittenFiles) -> None:
     """Full tensors (tensor-parallel slices gathered), each written by one rank into its own file."""
-    env, model = trainer.env, trainer.model
-    names = {p.name: (stable, p) for stable, p in model.stable_named_parameters()}
+    names = {p.name: (stable, p) for stable, p in parts.model.stable_named_parameters()}
     writes = {True: _writes_experts(env), False: _writes_shared(env)}
     states = []  # (stable name, state, parameter, local value), the same order on every rank
-    for opt in adam_parts(trainer.optimizer):
+    for opt in adam_parts(parts.optimizer):
         for state in ADAM_STATES:
             for pname, value in sorted(opt._accumulators.get(state, {}).items()):
                 if pname in names:  # not a second stage's copy of a tied weight
@@ -225,11 +237,11 @@ class _Tensors:
             raise CheckpointError(f"cannot read tensor '{name}' from {path}: {err}") from err
 
 
-def load_checkpoint(trainer, directory: Path) -> dict:
-    """Load model weights, optimizer state and schedule into this rank's layout; returns the trainer state."""
+def load_checkpoint(parts: TrainingParts, directory: Path, env) -> dict:
+    """Load model weights, optimizer state, schedule and loss scaling into this rank's layout; returns the
+    saved ``trainer_state.json`` (the caller restores its state from it)."""
     weights = _Tensors(directory, "model.safetensors.index.json")
-    named = trainer.model.stable_named_parameters(**({"include_tied_copy": True}
-                                                     if trainer.env.pp_group is not None else {}))
+    named = parts.model.stable_named_parameters(include_tied_copy=True)
     for stable, param in named:
         value = shard_of(param, weights.get(stable))
         if list(value.shape) != list(param.shape):
@@ -242,7 +254,7 @@ def load_checkpoint(trainer, directory: Path) -> dict:
         raise CheckpointError(f"cannot read {directory / 'trainer_state.json'}: {err}") from err
     states = _Tensors(directory, "optimizer.index.json")
     names = {p.name: (stable, p) for stable, p in named}
-    for opt in adam_parts(trainer.optimizer):
+    for opt in adam_parts(parts.optimizer):
         loaded = {"LR_Scheduler": dict(state["scheduler"])}
         for param in opt._parameter_list:
             stable, _ = names[param.name]
@@ -253,10 +265,10 @@ def load_checkpoint(trainer, directory: Path) -> dict:
                 master = paddle.to_tensor(shard_of(param, states.get(f"{stable}/{MASTER}")))
                 loaded.setdefault("master_weights", {})[param.name] = master
         opt.set_state_dict(loaded)
-    trainer.scheduler.set_state_dict(state["scheduler"])
+    parts.scheduler.set_state_dict(state["scheduler"])
     if "loss_scaler" in state:
-        trainer.precision.load_state_dict(state["loss_scaler"])
-    rng_file = directory / f"rng_state-{trainer.env.rank:05d}.json"
+        parts.scaler.load_state_dict(state["loss_scaler"])
+    rng_file = directory / f"rng_state-{env.rank:05d}.json"
     if rng_file.is_file():  # absent for a rank that the saving layout did not have
         try:
             set_rng_state(json.loads(rng_file.read_text()))

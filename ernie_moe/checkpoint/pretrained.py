@@ -78,8 +78,7 @@ def load_pretrained(model, directory, env=None) -> dict:
     """Fill this rank's parameters from ``directory``; returns the report (all ranks' names, on every rank)."""
     source = SourceCheckpoint(directory)
     report = defaultdict(list)
-    named = model.stable_named_parameters(**({"include_tied_copy": True}
-                                             if env is not None and env.pp_group is not None else {}))
+    named = model.stable_named_parameters(include_tied_copy=True)
     for stable, param in named:
         full_shape = list(param.full_shape) if getattr(param, "is_distributed", False) else list(param.shape)
         value, how = _source_tensor(source, stable, full_shape)

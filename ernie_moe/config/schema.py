@@ -20,7 +20,7 @@ def opt(default, doc=""):
     return field(default=default, metadata={"doc": doc})
 
 
-@dataclass
+@dataclass(frozen=True)
 class VisionConfig:
     depth: int = opt(2, "ViT blocks")
     embed_dim: int = opt(32, "ViT width (= model.pixel_hidden_size)")
@@ -33,7 +33,7 @@ class VisionConfig:
     rope_theta: float = opt(10000.0, "base of the ViT's 2D rotary positions")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = opt(128, "token vocabulary (must cover the tokenizer)")
     hidden_size: int = opt(64, "decoder width")
@@ -103,7 +103,7 @@ def _per_modality(value, n: int) -> list:
     return [value] * n
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     dataset: str = choice("synthetic", "synthetic", "jsonl", doc="bundled synthetic shapes, or JSONL files")
     train_path: str = opt("", "JSONL training file (dataset: jsonl)")
@@ -120,7 +120,7 @@ class DataConfig:
     blank_images: bool = opt(False, "replace every image with zeros (control run: vision carries no signal)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingConfig:
     output_dir: str = opt("output/vl_moe", "where metrics, VisualDL logs and the final model go")
     seed: int = opt(42, "seed for weights and data order")
@@ -174,7 +174,7 @@ class TrainingConfig:
                                       "overrides it; empty = random weights")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     # The data-parallel degree is what the other degrees leave of the launched processes:
     # world = data x pipeline x sharding x tensor. Expert groups come out of the data x sharding ranks
@@ -192,7 +192,7 @@ class ParallelConfig:
     sequence_parallel: bool = opt(False, "split activations along the sequence between tensor-parallel regions")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     logging_steps: int = opt(10, "log every N optimizer steps")
     visualdl: bool = opt(True, "write VisualDL scalars, histograms and images under output_dir/visualdl")
@@ -203,7 +203,7 @@ class LoggingConfig:
     memory_warn_fraction: float = opt(0.9, "warn when a rank's peak memory passes this fraction of the device")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -8,7 +8,6 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from .recompute import recomputed
 from .rope import apply_rotary
 
 
@@ -47,7 +46,6 @@ class Attention(nn.Layer):
         self.qkv_proj = plan.column_linear(cfg.hidden_size, qkv_out, segments=[
             self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim])
         self.o_proj = plan.row_linear(self.num_heads * self.head_dim, cfg.hidden_size)
-        self.recompute_core, self.recompute_use_reentrant = False, True  # set by configure_recompute
 
     def forward(self, x, angles, allowed):
         qkv = self.qkv_proj(x)  # the whole sequence, also when x is a sequence-parallel piece
@@ -58,8 +56,9 @@ class Attention(nn.Layer):
         kv_heads = (heads - q_heads) // 2
         q, k, v = paddle.split(qkv, [q_heads, kv_heads, kv_heads], axis=2)
         q, k = apply_rotary(q, angles), apply_rotary(k, angles)
-        if self.recompute_core and self.training:
-            out = recomputed(core_attention, q, k, v, allowed, use_reentrant=self.recompute_use_reentrant)
-        else:
-            out = core_attention(q, k, v, allowed)
+        out = self.core(q, k, v, allowed)
         return self.o_proj(out.reshape([batch, seq, -1]))
+
+    def core(self, q, k, v, allowed):
+        """softmax(q k^T) v: what the ``core_attn`` recompute drops."""
+        return core_attention(q, k, v, allowed)

@@ -8,7 +8,6 @@ from paddle import nn
 from ..moe.layer import MoELayer
 from .attention import Attention
 from .layers import SwiGLUMLP
-from .recompute import recomputed
 
 
 class DecoderLayer(nn.Layer):
@@ -24,35 +23,23 @@ class DecoderLayer(nn.Layer):
         # The MoE block routes whole sequences: under sequence parallelism it gathers them first.
         self.mlp = (MoELayer(plan.full_sequence(), cfg, modalities, layer_idx) if self.is_moe
                     else SwiGLUMLP(plan, cfg.hidden_size, cfg.intermediate_size))
-        self.recompute, self.recompute_use_reentrant = None, True  # set by model.recompute.configure_recompute
 
+    # body, attention_block, moe_block: the pieces model.recompute.apply_recompute may recompute
     def forward(self, x, token_type_ids, angles, allowed) -> tuple[paddle.Tensor, paddle.Tensor]:
         """Returns the new hidden state and this layer's weighted router loss (0 for a dense layer)."""
-        if self._recomputes("full"):
-            return recomputed(self._forward, x, token_type_ids, angles, allowed,
-                              use_reentrant=self.recompute_use_reentrant)
-        return self._forward(x, token_type_ids, angles, allowed)
+        return self.body(x, token_type_ids, angles, allowed)
 
-    def _recomputes(self, granularity: str) -> bool:
-        return self.recompute == granularity and self.training
-
-    def _forward(self, x, token_type_ids, angles, allowed):
-        if self._recomputes("full_attn"):
-            x = x + recomputed(self._attention, x, angles, allowed, use_reentrant=self.recompute_use_reentrant)
-        else:
-            x = x + self._attention(x, angles, allowed)
+    def body(self, x, token_type_ids, angles, allowed):
+        x = x + self.attention_block(x, angles, allowed)
         h = self.post_attention_layernorm(x)
         if not self.is_moe:
             return x + self.mlp(h), paddle.zeros([], dtype="float32")
-        if self._recomputes("moe"):
-            out, router_loss = recomputed(self._moe, h, token_type_ids, use_reentrant=self.recompute_use_reentrant)
-        else:
-            out, router_loss = self._moe(h, token_type_ids)
+        out, router_loss = self.moe_block(h, token_type_ids)
         return x + out, router_loss
 
-    def _attention(self, x, angles, allowed):
+    def attention_block(self, x, angles, allowed):
         return self.self_attn(self.input_layernorm(x), angles, allowed)
 
-    def _moe(self, h, token_type_ids):
+    def moe_block(self, h, token_type_ids):
         out, router_loss = self.mlp(self.plan.gather_sequence(h), token_type_ids)
         return self.plan.split_sequence(out), router_loss

@@ -74,8 +74,10 @@ class ErnieMoEForConditionalGeneration(nn.Layer):
     def vision_modules(self):
         return [self.vision_model, self.model.resampler_model]
 
-    def stable_named_parameters(self):
-        """(name in the exported model, parameter): routed experts carry their global ids wherever they live."""
+    def stable_named_parameters(self, include_tied_copy: bool = False):
+        """(name in the exported model, parameter): routed experts carry their global ids wherever they live.
+        ``include_tied_copy`` is for pipeline stages, which may hold another stage's tied weight; one model
+        holds no copies."""
         return stable_names(self.named_parameters(), self.moe_layers())
 
     def embed(self, batch: Batch) -> paddle.Tensor:

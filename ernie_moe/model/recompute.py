@@ -1,4 +1,4 @@
-"""Activation recompute through fleet's ``recompute``, chosen per decoder layer.
+"""Activation recompute through fleet's ``recompute``, applied to a built model by :func:`apply_recompute`.
 
 Granularities (what is dropped after the forward pass and computed again in the backward pass):
 ``full`` the whole decoder layer, ``full_attn`` the attention block (norm + attention), ``core_attn`` the
@@ -10,6 +10,7 @@ a high-resolution image).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from paddle.distributed.fleet.utils import recompute
 
@@ -51,16 +52,41 @@ def selected_layers(layers: int | list[int], num_layers: int) -> set[int]:
     return set(range(layers if layers > 0 else num_layers))
 
 
-def configure_recompute(decoder_layers, training_cfg, num_layers: int, vision_models=()) -> None:
-    """Mark the decoder layers (of this pipeline stage) that recompute, and what; and the ViT blocks."""
-    chosen = selected_layers(training_cfg.recompute_layers, num_layers) if training_cfg.recompute else set()
-    for vision in vision_models:
-        vision.recompute_blocks = training_cfg.recompute and training_cfg.recompute_granularity in ("full",
-                                                                                                   "full_attn")
-        vision.recompute_use_reentrant = training_cfg.recompute_use_reentrant
-    for layer in decoder_layers:
+def apply_recompute(model, granularity: str | None, layers: int | list[int] = 0, use_reentrant: bool = True) -> None:
+    """Make a built model (or pipeline stage) recompute at ``granularity`` (None: nothing) in the chosen decoder
+    layers, replacing whatever was applied before. Only while training: evaluation runs the plain methods."""
+    chosen = selected_layers(layers, model.cfg.num_hidden_layers) if granularity else set()
+    for layer in model.decoder_layers():
         on = layer.layer_idx in chosen
-        layer.recompute = training_cfg.recompute_granularity if on else None
-        layer.recompute_use_reentrant = training_cfg.recompute_use_reentrant
-        layer.self_attn.recompute_core = on and training_cfg.recompute_granularity == "core_attn"
-        layer.self_attn.recompute_use_reentrant = training_cfg.recompute_use_reentrant
+        for kind, (owner, method) in _points(layer).items():
+            _wrap(owner, method, on and kind == granularity, use_reentrant)
+        # what each layer does, for whoever inspects the model
+        layer.recompute = granularity if on else None
+        layer.self_attn.recompute_core = on and granularity == "core_attn"
+    for vision in model.vision_modules():
+        for block in getattr(vision, "blocks", []):  # the ViT's blocks; the adapter has none
+            _wrap(block, "forward", granularity in ("full", "full_attn"), use_reentrant)
+
+
+def _points(layer) -> dict:
+    """Granularity -> the (object, method) of a decoder layer whose activations it drops."""
+    points = {"full": (layer, "body"), "full_attn": (layer, "attention_block"), "core_attn": (layer.self_attn, "core")}
+    if layer.is_moe:
+        points["moe"] = (layer, "moe_block")
+    return points
+
+
+def _wrap(owner, method: str, on: bool, use_reentrant: bool) -> None:
+    """Route ``owner.<method>`` through :func:`recomputed` while ``owner`` trains (on), or back to the plain
+    method (off). Keyword arguments are bound, not passed to recompute, which takes tensors and plain values."""
+    owner.__dict__.pop(method, None)
+    if not on:
+        return
+    plain = getattr(owner, method)
+
+    def run(*args, **kwargs):
+        if not owner.training:
+            return plain(*args, **kwargs)
+        return recomputed(functools.partial(plain, **kwargs), *args, use_reentrant=use_reentrant)
+
+    object.__setattr__(owner, method, run)

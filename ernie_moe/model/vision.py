@@ -7,8 +7,6 @@ patches is one spatial neighbourhood and the adapter's spatial merge is a reshap
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -16,7 +14,6 @@ from paddle import nn
 
 from .attention import core_attention
 from .layers import RMSNorm
-from .recompute import recomputed
 from .rope import apply_rotary, rope_angles
 
 
@@ -116,7 +113,6 @@ class VisionTransformer(nn.Layer):
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.LayerList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.ln = nn.LayerNorm(cfg.embed_dim, epsilon=1e-6)
-        self.recompute_blocks, self.recompute_use_reentrant = False, True  # set by configure_recompute
 
     def forward(self, patches: paddle.Tensor, grid_thw: np.ndarray) -> paddle.Tensor:
         positions, _ = patch_positions(grid_thw, self.cfg.spatial_merge_size)
@@ -129,12 +125,7 @@ class VisionTransformer(nn.Layer):
                   paddle.to_tensor(np.argsort(order)))
         x = self.patch_embed(patches)
         for block in self.blocks:
-            if self.recompute_blocks and self.training:
-                # the groups hold indices and sizes: bound here, since recompute takes tensors or plain values
-                x = recomputed(functools.partial(block, groups=groups), x, angles,
-                               use_reentrant=self.recompute_use_reentrant)
-            else:
-                x = block(x, angles, groups)
+            x = block(x, angles, groups=groups)  # by keyword: a recomputed block binds it (see model.recompute)
         return self.ln(x)
 
 

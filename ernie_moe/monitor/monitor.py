@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
-import paddle.distributed as dist
 
 from .alerts import Alerts
 from .expert_balance import layer_windows, summarize
@@ -14,8 +13,8 @@ from .metrics import MetricsLogger
 
 
 class TrainingMonitor:
-    def __init__(self, cfg, env, model, resumed_at: int = 0):
-        self.env, self.model = env, model
+    def __init__(self, cfg, env, model, gather_stages, resumed_at: int = 0):
+        self.env, self.model, self.gather_stages = env, model, gather_stages
         self.enabled = cfg.logging.monitor
         self.logger = MetricsLogger(cfg.training.output_dir, cfg.logging.visualdl, env.is_main, resumed_at)
         for moe in model.moe_layers():
@@ -38,40 +37,42 @@ class TrainingMonitor:
         """The step's memory peak in bytes."""
         return self.memory.step_peak()
 
-    def end_window(self, step: int, window, data_stats) -> dict:
-        """Log the window's metrics (rank 0 writes, every rank takes part in the reductions) and return them."""
-        steps = window["steps"]
-        updated = steps - window["skipped_steps"]  # gradient norms of skipped steps are not finite
+    def end_window(self, step: int, results: list, data_stats) -> dict:
+        """Log the metrics of the window's step results (rank 0 writes, every rank takes part in the
+        reductions) and return them."""
+        steps = len(results)
+        updated = [r for r in results if not r.skipped]  # gradient norms of skipped steps are not finite
+
+        def total(key):
+            return sum(getattr(r, key) for r in results)
 
         def per_update(key):
-            return window[key] / updated if updated else float("nan")
+            return sum(getattr(r, key) for r in updated) / len(updated) if updated else float("nan")
 
-        lm_loss = window["lm_loss_sum"] / max(window["label_tokens"], 1.0)
-        router_loss = window["router_loss"] / steps
+        lm_loss = total("lm_loss_sum") / max(total("label_tokens"), 1.0)
+        router_loss = total("router_loss") / steps
+        elapsed = total("time")
         metrics = {
             "loss": lm_loss + router_loss, "lm_loss": lm_loss, "router_loss": router_loss,
-            "lr": window["lr"] / steps,
+            "lr": total("lr") / steps,
             "grad_norm": per_update("grad_norm"),
             "grad_norm_expert": per_update("grad_norm_expert"),
             "grad_norm_non_expert": per_update("grad_norm_non_expert"),
-            "skipped_steps": window["skipped_steps"],
-            "memory_guard_rungs": window["memory_guard_rungs"],
-            "loss_scale": window["loss_scale"] / steps,
-            "tokens_per_sec": window["tokens"] / window["time"],
-            "samples_per_sec": window["rows"] / window["time"],
-            "step_time_s": window["time"] / steps,
+            "skipped_steps": steps - len(updated),
+            "memory_guard_rungs": total("memory_guard_rungs"),
+            "loss_scale": total("loss_scale") / steps,
+            "tokens_per_sec": total("tokens") / elapsed,
+            "samples_per_sec": total("rows") / elapsed,
+            "step_time_s": elapsed / steps,
         }
         for moe in self.model.moe_layers():
             moe.stats.all_reduce(lambda t: self.env.all_reduce_sum(t, self.env.data_group))
-        windows = layer_windows(self.model.moe_layers())
-        if self.env.pp_group is not None:  # every stage's layers reach rank 0
-            gathered: list = []
-            dist.all_gather_object(gathered, windows, group=self.env.pp_group)
-            windows = [w for stage in gathered for w in stage]
+        # every stage's layers reach rank 0
+        windows = [w for stage in self.gather_stages(layer_windows(self.model.moe_layers())) for w in stage]
         scalars, histograms, images = summarize(windows)
         metrics.update(scalars)
         if self.enabled:
-            tflops = window["flops"] / window["time"] / 1e12
+            tflops = total("flops") / elapsed / 1e12
             metrics["model_tflops_per_card"] = tflops
             if self.peak_flops:
                 metrics["mfu"] = tflops * 1e12 / self.peak_flops

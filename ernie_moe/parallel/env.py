@@ -144,12 +144,3 @@ def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
     elif env.data_world > 1:
         env.expert_replica_group = env.data_group  # every data rank holds every expert
     return env
-
-
-def wrap_model(model, env: DistEnv):
-    """fleet's wrapper: its pipeline schedule for a pipeline, its data-parallel wrapper for a pure data-parallel
-    layout; other layouts synchronise gradients in the trainer (``parallel.grad_sync``). fleet refuses to wrap
-    on one rank."""
-    if env.pp_group is not None or (env.world_size > 1 and env.pure_data_parallel):
-        return fleet.distributed_model(model)
-    return model

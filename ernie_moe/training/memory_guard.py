@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import paddle
 
-from ..model.recompute import GRANULARITIES, configure_recompute
+from ..model.recompute import GRANULARITIES, apply_recompute
 
 LADDER = (None, "moe", "core_attn", "full_attn", "full")
 assert set(LADDER[1:]) == set(GRANULARITIES)
@@ -32,11 +32,11 @@ class Rung:
 
 
 class MemoryGuard:
-    def __init__(self, cfg, env, device_bytes: float, layers, vision_models):
-        self.cfg, self.env = cfg, env
-        self.limit = cfg.training.memory_guard_fraction * device_bytes
-        self.layers, self.vision_models = layers, vision_models
-        self.can_halve = env.pp_group is None
+    def __init__(self, training_cfg, env, device_bytes: float, model, can_halve: bool):
+        self.env, self.model = env, model
+        self.limit = training_cfg.memory_guard_fraction * device_bytes
+        self.use_reentrant = training_cfg.recompute_use_reentrant
+        self.can_halve = can_halve
         self.taken: list[str] = []
 
     @property
@@ -52,19 +52,18 @@ class MemoryGuard:
             paddle.distributed.all_reduce(peak, op=paddle.distributed.ReduceOp.MAX)
         return float(peak) > self.limit
 
-    def step_down(self, reason: str) -> Rung | None:
-        """Take the next rung; None when none is left."""
-        t = self.cfg.training
-        level = LADDER.index(t.recompute_granularity if t.recompute else None)
+    def step_down(self, state, reason: str) -> Rung | None:
+        """Take the next rung, changing the training ``state`` (and the model's recompute); None when none is
+        left."""
+        level = LADDER.index(state.recompute)
         if level + 1 < len(LADDER):
-            t.recompute, t.recompute_granularity, t.recompute_layers = True, LADDER[level + 1], 0
-            configure_recompute(self.layers, t, self.cfg.model.num_hidden_layers, self.vision_models)
-            change, halved = f"recompute {t.recompute_granularity}", False
-        elif self.can_halve and t.per_device_train_batch_size > 1:
-            t.per_device_train_batch_size //= 2
-            t.gradient_accumulation_steps *= 2
-            change, halved = (f"micro-batch {t.per_device_train_batch_size} x {t.gradient_accumulation_steps} "
-                              "accumulated"), True
+            state.recompute, state.recompute_layers = LADDER[level + 1], 0
+            apply_recompute(self.model, state.recompute, state.recompute_layers, self.use_reentrant)
+            change, halved = f"recompute {state.recompute}", False
+        elif self.can_halve and state.micro_batch_size > 1:
+            state.micro_batch_size //= 2
+            state.accumulation_steps *= 2
+            change, halved = f"micro-batch {state.micro_batch_size} x {state.accumulation_steps} accumulated", True
         else:
             return None
         self.taken.append(f"{reason}: {change}")

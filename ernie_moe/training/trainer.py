@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import time
@@ -14,22 +13,19 @@ import yaml
 from tqdm import tqdm
 
 from ..batch import IGNORE_INDEX
-from ..checkpoint import Run, claim_output_dir, load_checkpoint, resolve, save_checkpoint, save_model
+from ..checkpoint import Run, TrainingParts, claim_output_dir, load_checkpoint, resolve, save_checkpoint, save_model
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
-from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_expert
-from ..model.recompute import configure_recompute
-from ..model.vision import VisionTransformer
+from ..model.recompute import apply_recompute
 from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
-from ..parallel import build_plan, init_distributed, sync_gradients, wrap_model
-from ..parallel.pipeline import ErniePipeline
-from .evaluate import evaluate
+from ..parallel import init_distributed, sync_gradients
 from .memory_guard import MemoryGuard, is_out_of_memory
 from .optimizer import build_optimizer, clip_grad_norm, split_experts
-from .pipeline_steps import pipeline_evaluate, pipeline_forward_backward
 from .precision import NonFiniteGradients, Precision
+from .runner import build_model, build_runner
+from .state import StepResult, TrainingState
 
 # A run that skipped more than this share of its steps for non-finite gradients ends as a failure.
 MAX_SKIPPED_FRACTION = 0.5
@@ -46,10 +42,9 @@ class Trainer:
         paddle.seed(t.seed)
         self.tokenizer = build_tokenizer(cfg)
         check_tokenizer(self.tokenizer, cfg.model)
+        self.state = TrainingState.start(t)
         self.model = build_model(cfg.model, self.env)
-        vision = [m for m in self.model.vision_modules() if isinstance(m, VisionTransformer)]
-        configure_recompute(self.model.decoder_layers(), t, cfg.model.num_hidden_layers, vision)
-        self.guard = MemoryGuard(cfg, self.env, device_bytes(t), self.model.decoder_layers(), vision)
+        apply_recompute(self.model, self.state.recompute, self.state.recompute_layers, t.recompute_use_reentrant)
         if t.model_name_or_path:
             self._initialise_from(t.model_name_or_path)
         self.precision = Precision(t)
@@ -57,18 +52,32 @@ class Trainer:
         if self.precision.enabled and not paddle.is_compiled_with_cuda() and self.env.is_main:
             print(f"note: {self.precision.dtype} mixed precision needs a GPU; on this CPU build Paddle computes in "
                   "float32 (loss scaling and the inf/nan step guard still apply)", flush=True)
-        self.fleet_model = wrap_model(self.model, self.env)  # fleet's pipeline schedule or data-parallel wrapper
+        self.runner = build_runner(self.model, self.env, self.precision)
+        self.guard = MemoryGuard(t, self.env, device_bytes(t), self.model,
+                                 can_halve=not self.runner.fixed_micro_batches)
         self.optimizer, self.scheduler = build_optimizer(self.model, t, self.env)
         self.param_groups = split_experts(self.model)
 
         self.data_stats: Counter = Counter()
         train_set, self.eval_set = build_datasets(cfg)
         self.rows = iter(RowStream(train_set, self.tokenizer, cfg, self.data_stats, shuffle=True))
-        self.consumed_rows = 0
         self._cut_batches()
         self.last_checkpoint = None  # the newest checkpoint of this run's lineage: a resume's source, then its saves
-        self.step = self._resume() if t.resume_from_checkpoint else 0
-        self.monitor = TrainingMonitor(cfg, self.env, self.model, resumed_at=self.step)
+        if t.resume_from_checkpoint:
+            self._resume()
+        self.monitor = TrainingMonitor(cfg, self.env, self.model, self.runner.gather_stages, resumed_at=self.step)
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def parts(self) -> TrainingParts:
+        return TrainingParts(self.model, self.optimizer, self.scheduler, self.precision, self.state)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -77,17 +86,17 @@ class Trainer:
         self.monitor.start()
         bar = tqdm(total=t.max_steps, initial=self.step, mininterval=2.0, dynamic_ncols=True, desc="train",
                    disable=not (self.env.is_main and self.cfg.logging.progress_bar))
-        window, last_eval, started, first = Counter(), {}, time.time(), self.step + 1
+        window, last_eval, started, first = [], {}, time.time(), self.step + 1
         skipped_before = self.precision.skipped
         for self.step in range(first, t.max_steps + 1):
-            window.update(self._guarded_step())
+            window.append(self._guarded_step())
             bar.update(1)
             if self.step % log_every == 0 or self.step == t.max_steps:
                 metrics = self.monitor.end_window(self.step, window, self.data_stats)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
                 for line in self.monitor.warnings if self.env.is_main else []:
                     bar.write(f"WARNING {line}")
-                window = Counter()
+                window = []
             if (t.eval_steps and self.step % t.eval_steps == 0) or self.step == t.max_steps:
                 last_eval = self.evaluate()
                 self.monitor.log_eval(self.step, last_eval)
@@ -108,7 +117,7 @@ class Trainer:
         self._finish(summary)
         return summary
 
-    def _guarded_step(self) -> dict:
+    def _guarded_step(self) -> StepResult:
         """A training step; a stop for non-finite gradients names the checkpoint to go back to."""
         try:
             return self.train_step()
@@ -126,24 +135,25 @@ class Trainer:
                 print(f"not saving at step {self.step}: the last {in_a_row} step(s) were skipped for non-finite "
                       "gradients", flush=True)
             return
-        self.last_checkpoint = save_checkpoint(self, self.step, self.run, self.last_checkpoint)
+        self.last_checkpoint = save_checkpoint(self.parts, self.cfg, self.tokenizer, self.env, self.run,
+                                               self.last_checkpoint)
 
     def _cut_batches(self) -> None:
         """Micro-batches from the row stream: tensor-parallel ranks read the same rows, the data ranks split
         each global micro-batch. Called again when the memory guard halves the micro-batch."""
-        self.global_rows = self.cfg.training.per_device_train_batch_size * self.env.data_world
+        self.global_rows = self.state.micro_batch_size * self.env.data_world
         self.batches = rank_batches(self.rows, self.global_rows, self.env.data_rank, self.env.data_world)
 
     def _next_rows(self) -> list:
         """This rank's rows of each micro-batch of the next step."""
-        step = [next(self.batches) for _ in range(self.cfg.training.gradient_accumulation_steps)]
-        self.consumed_rows += self.global_rows * len(step)
+        step = [next(self.batches) for _ in range(self.state.accumulation_steps)]
+        self.state.consumed_rows += self.global_rows * len(step)
         return step
 
     def next_micro_batches(self) -> list:
         return [collate(rows) for rows in self._next_rows()]
 
-    def train_step(self, micro_batches=None) -> dict:
+    def train_step(self, micro_batches=None) -> StepResult:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches. An out-of-memory error runs
         the step again on the memory guard's next rung; a step whose peak passes its limit moves to the next
         rung for the following steps."""
@@ -154,7 +164,8 @@ class Trainer:
                 result = self._step(micro_batches or [collate(r) for r in rows])
                 break
             except Exception as err:
-                rung = self.guard.step_down(f"out of memory in step {self.step}") if is_out_of_memory(err) else None
+                rung = self.guard.step_down(self.state, f"out of memory in step {self.step}") \
+                    if is_out_of_memory(err) else None
                 if rung is None:
                     raise
                 changes.append(rung)
@@ -162,14 +173,14 @@ class Trainer:
                 if rung.halved and rows is not None:
                     rows = [half for r in rows for half in (r[: len(r) // 2], r[len(r) // 2:])]
         if self.guard.over_limit(self.monitor.after_step()):
-            rung = self.guard.step_down(f"step {self.step} passed {self.cfg.training.memory_guard_fraction:.0%} of "
-                                        "the device's memory")
+            limit = self.cfg.training.memory_guard_fraction
+            rung = self.guard.step_down(self.state, f"step {self.step} passed {limit:.0%} of the device's memory")
             changes += [rung] if rung is not None else []
         for rung in changes:
             self._announce(rung.message)
             if rung.halved:
                 self._cut_batches()
-        result.update(memory_guard_rungs=len(changes))
+        result.memory_guard_rungs = len(changes)
         return result
 
     def _announce(self, change: str) -> None:
@@ -177,7 +188,7 @@ class Trainer:
             print(f"memory guard: {change}", flush=True)
         self.monitor.text("memory_guard", change)
 
-    def _step(self, micro_batches) -> dict:
+    def _step(self, micro_batches) -> StepResult:
         t = self.cfg.training
         started = time.time()
         result = self.forward_backward(micro_batches)
@@ -188,25 +199,24 @@ class Trainer:
             self.param_groups, t.max_grad_norm,
             reduce={"expert": lambda x: env.all_reduce_sum(x, env.expert_group)},
             reduce_split=lambda x: env.all_reduce_sum(x, env.tp_group),
-            reduce_stages=lambda x: env.all_reduce_sum(x, env.pp_group),
-            uncounted=self.model.tied_copies() if env.pp_group is not None else ())
-        result["lr"] = self.optimizer.get_lr()
+            reduce_stages=self.runner.sum_over_stages, uncounted=self.runner.copies_of_other_stages())
+        result.lr = self.optimizer.get_lr()
         if self.precision.step_is_finite(norms["grad_norm"], self.step):
-            result.update(norms)
+            result.grad_norm, result.grad_norm_expert = norms["grad_norm"], norms["grad_norm_expert"]
+            result.grad_norm_non_expert = norms["grad_norm_non_expert"]
             self.optimizer.step()
             self.scheduler.step()
             self._update_router_bias()
         else:  # inf / nan somewhere: no update, and no bias update from this step's routing
-            result["skipped_steps"] = 1
             for moe in self.model.moe_layers():
                 moe.stats.pop_usage()
         self.optimizer.clear_grad()
-        result["loss_scale"] = self.precision.loss_scale
-        result.update(rows=self.global_rows * len(micro_batches), flops=self.monitor.step_flops(micro_batches),
-                      time=time.time() - started, steps=1)
+        result.loss_scale = self.precision.loss_scale
+        result.rows = self.global_rows * len(micro_batches)
+        result.flops, result.time = self.monitor.step_flops(micro_batches), time.time() - started
         return result
 
-    def forward_backward(self, micro_batches) -> dict:
+    def forward_backward(self, micro_batches) -> StepResult:
         """Accumulate the step's gradients; returns the step's loss sums and token counts over all ranks."""
         env = self.env
         counts = paddle.to_tensor([[float((b.labels != IGNORE_INDEX).sum()), float((b.token_type_ids >= 0).sum())]
@@ -214,81 +224,54 @@ class Trainer:
         label_tokens, tokens = env.all_reduce_sum(counts, env.data_group).numpy().tolist()
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.
         denominator = self._loss_denominator(label_tokens)
-        if env.pp_group is not None:
-            lm_sum, router_sum = pipeline_forward_backward(self.fleet_model, self.model, self.env, micro_batches,
-                                                           denominator, self.precision)
-        else:
-            lm_sum, router_sum = self._forward_backward(micro_batches, denominator)
+        lm_sum, router_sum = self.runner.forward_backward(micro_batches, denominator)
         totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches)], dtype="float64")
-        env.all_reduce_sum(totals, env.pp_group)  # with pipeline stages only the last one computes the loss
         lm_sum, router_mean = env.all_reduce_sum(totals, env.data_group).numpy().tolist()
-        return {"lm_loss_sum": lm_sum, "label_tokens": label_tokens, "router_loss": router_mean / env.data_world,
-                "tokens": tokens}
-
-    def _forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:
-        lm_sum, router_sum = 0.0, 0.0
-        wrapped = self.fleet_model is not self.model
-        for i, batch in enumerate(micro_batches):
-            sync_later = wrapped and i < len(micro_batches) - 1
-            with self.fleet_model.no_sync() if sync_later else contextlib.nullcontext():
-                with self.precision.autocast():
-                    out = self.fleet_model(batch)
-                # Shared gradients are averaged over the data ranks afterwards, hence their number as a factor.
-                loss = out.loss_sum * (self.env.data_world / denominator) + out.router_loss / len(micro_batches)
-                self.precision.scale(loss).backward()
-            lm_sum += float(out.loss_sum)
-            router_sum += float(out.router_loss)
-        return lm_sum, router_sum
+        return StepResult(lm_loss_sum=lm_sum, label_tokens=label_tokens, router_loss=router_mean / env.data_world,
+                          tokens=tokens)
 
     def evaluate(self) -> dict:
         if self.eval_set is None:
             return {}
         skipped = Counter()
         rows = RowStream(self.eval_set, self.tokenizer, self.cfg, skipped, shuffle=False)
-        t = self.cfg.training
-        # fleet's pipeline schedule keeps the tensor shapes of the first step: evaluate in training-sized batches
-        per_device = t.per_device_train_batch_size if self.env.pp_group is not None else t.per_device_eval_batch_size
-        global_rows = per_device * self.env.data_world
+        global_rows = self.runner.eval_rows_per_device(self.cfg.training) * self.env.data_world
         batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
-        with self.precision.autocast():
-            if self.env.pp_group is not None:
-                result = pipeline_evaluate(self.fleet_model, self.model, self.env, batches, t)
-            else:
-                result = evaluate(self.model, batches, self.env, self.cfg.training.max_eval_batches)
+        result = self.runner.evaluate(batches, self.cfg.training)
         if not result and self.env.is_main:
             print(f"WARNING the held-out data gave nothing to evaluate (skipped samples: {dict(skipped) or 'none'})",
                   flush=True)
         return result
 
     # -------------------------------------------------------------- helpers
-    def _resume(self) -> int:
+    def _resume(self) -> None:
         """Load the checkpoint ``training.resume_from_checkpoint`` names (``auto``: the newest of the newest
-        run in output_dir, if any) and move the data stream to where it stopped; returns its step."""
+        run in output_dir, if any) and move the data stream to where it stopped. The micro-batch and recompute
+        start again from the config (the memory guard steps down again where it must)."""
         t = self.cfg.training
         say = print if self.env.is_main else (lambda *_, **__: None)
         checkpoint = resolve(t.resume_from_checkpoint, t.output_dir, self.env, warn=say)
         if checkpoint is None:
-            return 0
-        state = load_checkpoint(self, checkpoint.path)
-        for _ in range(state["consumed_rows"]):  # the stream is seeded: skipping replays the same order
+            return
+        saved = load_checkpoint(self.parts, checkpoint.path, self.env)
+        for _ in range(saved["consumed_rows"]):  # the stream is seeded: skipping replays the same order
             next(self.rows)
-        self.consumed_rows = state["consumed_rows"]
+        self.state.step, self.state.consumed_rows = saved["step"], saved["consumed_rows"]
         self.last_checkpoint = checkpoint
-        step = state["step"]
+        step = self.state.step
         say(f"resumed from {checkpoint.path} at step {step}", flush=True)
-        change = self.scheduler.continue_plan(state.get("schedule"), step)
+        change = self.scheduler.continue_plan(saved.get("schedule"), step)
         if change:
             say(change, flush=True)
         if step >= t.max_steps:
             say(f"nothing to train: the checkpoint is at step {step} and training.max_steps is {t.max_steps}; "
                 "raise training.max_steps to train further", flush=True)
-        return step
 
     def _loss_denominator(self, label_tokens: float) -> float:
         t = self.cfg.training
         if t.token_balance_loss:
-            per_micro = t.token_balance_seqlen or self.cfg.data.max_seq_len * t.per_device_train_batch_size
-            return float(per_micro * t.gradient_accumulation_steps * self.env.data_world)
+            per_micro = t.token_balance_seqlen or self.cfg.data.max_seq_len * self.state.micro_batch_size
+            return float(per_micro * self.state.accumulation_steps * self.env.data_world)
         return max(label_tokens, 1.0)
 
     def _update_router_bias(self) -> None:
@@ -325,21 +308,6 @@ class Trainer:
     def _write_summary(self, summary: dict) -> None:
         if self.env.is_main:
             (Path(self.cfg.training.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
-
-
-def build_model(model_cfg, env):
-    """The single-device model, or this rank's pipeline stages; expert weights that differ between ranks
-    are marked so that fleet's parameter broadcasts leave them alone."""
-    plan = build_plan(model_cfg, env)
-    if env.pp_group is not None:
-        model = ErniePipeline(model_cfg, plan, env, env.virtual_stages)
-    else:
-        model = ErnieMoEForConditionalGeneration(model_cfg, plan)
-    if env.expert_group is not None:
-        for name, param in model.named_parameters():
-            if is_expert(name):
-                param.no_sync = True
-    return model
 
 
 def device_bytes(training_cfg) -> float:

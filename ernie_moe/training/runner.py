@@ -1,0 +1,175 @@
+"""How a built model turns a step's micro-batches into gradients and held-out batches into scores.
+
+One runner per run, chosen when the run is built: :class:`PlainRunner` calls the model (wrapped by fleet's
+data-parallel wrapper in a pure data-parallel layout), :class:`PipelineRunner` drives fleet's 1F1B (or
+interleaved) schedule over this rank's stages. Nothing outside this module asks whether there is a pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import fleet
+
+from ..batch import IGNORE_INDEX
+from ..data import collate
+from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_expert
+from ..parallel import build_plan
+from ..parallel.pipeline import ErniePipeline, stage_inputs
+from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
+
+
+def build_model(model_cfg, env):
+    """The single-device model, or this rank's pipeline stages; expert weights that differ between ranks
+    are marked so that fleet's parameter broadcasts leave them alone."""
+    plan = build_plan(model_cfg, env)
+    if env.pp_group is not None:
+        model = ErniePipeline(model_cfg, plan, env, env.virtual_stages)
+    else:
+        model = ErnieMoEForConditionalGeneration(model_cfg, plan)
+    if env.expert_group is not None:
+        for name, param in model.named_parameters():
+            if is_expert(name):
+                param.no_sync = True
+    return model
+
+
+def build_runner(model, env, precision) -> PlainRunner | PipelineRunner:
+    """The runner for ``model`` as :func:`build_model` built it for this layout."""
+    return (PipelineRunner if env.pp_group is not None else PlainRunner)(model, env, precision)
+
+
+class PlainRunner:
+    """The whole model on every rank of a stage: a forward and a backward per micro-batch."""
+
+    # whether the micro-batch shape is fixed once the run is built (the memory guard cannot halve it)
+    fixed_micro_batches = False
+
+    def __init__(self, model, env, precision):
+        self.model, self.env, self.precision = model, env, precision
+        # fleet refuses to wrap on one rank; layouts other than pure data parallelism sync in parallel.grad_sync
+        self.wrapped = env.world_size > 1 and env.pure_data_parallel
+        self.fleet_model = fleet.distributed_model(model) if self.wrapped else model
+
+    def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:
+        """Accumulate gradients of ``loss_sum x data ranks / denominator + router loss / micro-batches``;
+        returns this rank's sums of the LM loss and of the router losses over its micro-batches."""
+        lm_sum, router_sum = 0.0, 0.0
+        for i, batch in enumerate(micro_batches):
+            sync_later = self.wrapped and i < len(micro_batches) - 1
+            with self.fleet_model.no_sync() if sync_later else contextlib.nullcontext():
+                with self.precision.autocast():
+                    out = self.fleet_model(batch)
+                # Shared gradients are averaged over the data ranks afterwards, hence their number as a factor.
+                loss = out.loss_sum * (self.env.data_world / denominator) + out.router_loss / len(micro_batches)
+                self.precision.scale(loss).backward()
+            lm_sum += float(out.loss_sum)
+            router_sum += float(out.router_loss)
+        return lm_sum, router_sum
+
+    def evaluate(self, batches, training_cfg) -> dict:
+        with self.precision.autocast():
+            return evaluate(self.model, batches, self.env, training_cfg.max_eval_batches)
+
+    def eval_rows_per_device(self, training_cfg) -> int:
+        return training_cfg.per_device_eval_batch_size
+
+    def sum_over_stages(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        return tensor
+
+    def gather_stages(self, value) -> list:
+        """Every stage's ``value``, in stage order."""
+        return [value]
+
+    def copies_of_other_stages(self) -> list:
+        """Parameters that another stage owns (left out of gradient norms)."""
+        return []
+
+
+class PipelineRunner(PlainRunner):
+    """This rank's stages of fleet's pipeline schedule; the last stage computes the loss."""
+
+    fixed_micro_batches = True  # fleet's schedule keeps the tensor shapes of its first step
+
+    def __init__(self, model, env, precision):
+        self.model, self.env, self.precision = model, env, precision
+        self.fleet_model = fleet.distributed_model(model)
+
+    def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:
+        """What fleet's ``train_batch`` runs before its optimizer step; the sums come from the last stage."""
+        loss = self.model.loss
+        loss.reset()
+        # fleet divides each micro-batch's loss by their number: the scale undoes it
+        scale = self.env.data_world / denominator * len(micro_batches)
+        if self.env.virtual_stages > 1:
+            self.fleet_model.set_virtual_pipeline_rank(0)
+        scaler = self.precision if self.precision.loss_scale != 1.0 else None  # fleet calls .scale()
+        with self.precision.autocast():
+            self.fleet_model.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), scaler)
+        totals = self.sum_over_stages(paddle.to_tensor([loss.lm_sum, loss.router_sum], dtype="float64"))
+        lm_sum, router_sum = totals.numpy().tolist()
+        return lm_sum, router_sum
+
+    @paddle.no_grad()
+    def evaluate(self, batches, training_cfg) -> dict:
+        """Forward only through fleet's schedule; the last stage's loss function scores each batch. The
+        schedule takes ``gradient_accumulation_steps`` micro-batches of the training shape at a time: short
+        batches and the last group are filled with unlabelled copies."""
+        t, schedule, loss = training_cfg, self.fleet_model, self.model.loss
+        steps, rows_per_batch = t.gradient_accumulation_steps, t.per_device_train_batch_size
+        loss.score = lambda logits, labels, scored, lm_sum: batch_scores(self.model.plan, logits, labels,
+                                                                         scored.numpy(), lm_sum)
+        loss.reset()
+        schedule.eval()  # the schedule then skips its shape checks on outputs that carry no gradient
+        group: list = []
+        with self.precision.autocast():
+            for i, rows in enumerate(batches):
+                if t.max_eval_batches and i >= t.max_eval_batches:
+                    break
+                group.append(rows)
+                if len(group) == steps:
+                    schedule.eval_batch(stage_inputs(*_filled(group, rows_per_batch), scale=1.0), compute_loss=True)
+                    group = []
+            if group:
+                group += [None] * (steps - len(group))
+                schedule.eval_batch(stage_inputs(*_filled(group, rows_per_batch), scale=1.0), compute_loss=True)
+        schedule.train()
+        totals = paddle.to_tensor(np.sum(loss.scores, axis=0) if loss.scores else np.zeros(SCORE_SIZE))
+        loss.score = None
+        totals = self.sum_over_stages(totals)
+        return eval_metrics(self.env.all_reduce_sum(totals, self.env.data_group).numpy())
+
+    def eval_rows_per_device(self, training_cfg) -> int:
+        return training_cfg.per_device_train_batch_size  # the schedule's shape
+
+    def sum_over_stages(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        return self.env.all_reduce_sum(tensor, self.env.pp_group)
+
+    def gather_stages(self, value) -> list:
+        gathered: list = []
+        dist.all_gather_object(gathered, value, group=self.env.pp_group)
+        return gathered
+
+    def copies_of_other_stages(self) -> list:
+        return self.model.tied_copies()
+
+
+def _filled(group: list, rows_per_batch: int) -> tuple[list, list]:
+    """Collated evaluation batches of ``rows_per_batch`` rows and their caption categories. Missing rows
+    (a short batch, a None entry) are filled with unlabelled copies, which add nothing to the scores."""
+    last = [rows for rows in group if rows][-1]
+    micro, scored = [], []
+    for rows in group:
+        keep = len(rows) if rows else 0
+        rows = rows or last
+        rows = rows + [rows[-1]] * (rows_per_batch - len(rows))
+        batch = collate(rows)
+        labels, category = batch.labels.numpy(), np.stack([r.scored for r in rows])
+        labels[keep:], category[keep:] = IGNORE_INDEX, 0
+        micro.append(dataclasses.replace(batch, labels=paddle.to_tensor(labels)))
+        scored.append(paddle.to_tensor(category))
+    return micro, scored

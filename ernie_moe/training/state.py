@@ -1,0 +1,49 @@
+"""What a run carries from step to step, apart from the weights and the optimizer: its position, what the
+memory guard changed, and the result of each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainingState:
+    """Where the run is and how it steps now; saved in each checkpoint's ``trainer_state.json``. The config
+    stays as the user wrote it: the memory guard changes these fields instead."""
+
+    step: int = 0  # optimizer steps taken
+    consumed_rows: int = 0  # rows of the seeded row stream read so far: the data position
+    micro_batch_size: int = 1  # rows per device and micro-batch
+    accumulation_steps: int = 1  # micro-batches per optimizer step
+    recompute: str | None = None  # the recompute granularity in force (None: nothing is recomputed)
+    recompute_layers: int | list[int] = 0  # which decoder layers recompute (see ``model.recompute``)
+
+    @classmethod
+    def start(cls, training_cfg) -> TrainingState:
+        t = training_cfg
+        return cls(micro_batch_size=t.per_device_train_batch_size, accumulation_steps=t.gradient_accumulation_steps,
+                   recompute=t.recompute_granularity if t.recompute else None, recompute_layers=t.recompute_layers)
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: sums over every rank, and what the step did."""
+
+    lm_loss_sum: float  # cross-entropy summed over the step's label tokens
+    label_tokens: float
+    router_loss: float  # weighted router losses, mean over micro-batches and data ranks
+    tokens: float  # text and image tokens read
+    rows: int = 0
+    lr: float = 0.0
+    # gradient norms before clipping; None when the step was skipped for non-finite gradients
+    grad_norm: float | None = None
+    grad_norm_expert: float | None = None
+    grad_norm_non_expert: float | None = None
+    loss_scale: float = 1.0
+    flops: float = 0.0
+    time: float = 0.0  # seconds
+    memory_guard_rungs: int = 0  # rungs the memory guard took in this step
+
+    @property
+    def skipped(self) -> bool:
+        return self.grad_norm is None
