@@ -19,8 +19,8 @@ from safetensors.numpy import save_file
 
 from .checkpoint.formats import MODEL_TYPES, VL, CheckpointError, SourceCheckpoint, to_hf
 from .checkpoint.model_files import model_config_dict
-from .checkpoint.pretrained import model_config_from
 from .config.load import ConfigError, build
+from .config.model_folder import model_config_from
 from .config.schema import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

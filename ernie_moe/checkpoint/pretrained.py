@@ -1,6 +1,6 @@
 """Starting a run from a published ERNIE 4.5 checkpoint (``training.model_name_or_path``).
 
-The folder's ``config.json`` gives the model's shape (:func:`model_config_from`); keys set in the run's
+The folder's ``config.json`` gives the model's shape (``config.model_folder``); keys set in the run's
 ``model`` section override it, which is how a dense or text-only source grows experts or a vision side.
 :func:`load_pretrained` then fills every parameter it can and says what it did with each:
 
@@ -14,64 +14,14 @@ The folder's ``config.json`` gives the model's shape (:func:`model_config_from`)
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import paddle
 
 from ..parallel.tensor_parallel import shard_of
 from .formats import CheckpointError, SourceCheckpoint
-
-_SAME_NAME = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "initializer_range",
-              "moe_k", "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval",
-              "moe_num_shared_experts", "moe_capacity", "moe_norm_gate_logits", "moe_use_hard_gate",
-              "moe_use_aux_free", "moe_aux_loss_lambda", "moe_z_loss_lambda", "moe_orthogonal_loss_lambda",
-              "global_aux_loss", "rope_3d", "freq_allocation", "im_patch_id", "spatial_conv_size",
-              "temporal_conv_size", "pixel_hidden_size")
-_VISION_KEYS = ("depth", "embed_dim", "num_heads", "mlp_ratio", "patch_size", "spatial_merge_size", "in_channels",
-                "hidden_act")
-
-
-def model_config_from(directory) -> dict:
-    """The ``model`` section (this package's keys) that describes the checkpoint in ``directory``."""
-    config_file = Path(directory) / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"'{directory}' has no config.json: not a model folder.")
-    try:
-        source = json.loads(config_file.read_text())
-    except ValueError as err:
-        raise CheckpointError(f"cannot read {config_file}: {err}") from err
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in source]
-    if missing:
-        raise CheckpointError(f"{config_file} lacks {', '.join(missing)}: not an ERNIE 4.5 model config.")
-    if source.get("use_bias"):
-        raise CheckpointError(f"{directory}: use_bias=true (biases in attention and MLP) is not supported.")
-    if source.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{directory}: hidden_act {source['hidden_act']!r} is not supported (only silu).")
-    out = {key: source[key] for key in _SAME_NAME if source.get(key) is not None}
-    heads = source["num_attention_heads"]
-    out["num_key_value_heads"] = source.get("num_key_value_heads") or heads
-    out["head_dim"] = source.get("head_dim") or source["hidden_size"] // heads
-    experts = source.get("moe_num_experts") or 0
-    experts = [experts] if isinstance(experts, int) else list(experts)
-    experts = [n for n in experts if n] if any(experts) else []
-    widths = source.get("moe_intermediate_size") or source.get("intermediate_size")
-    widths = [widths] * len(experts) if isinstance(widths, int) else list(widths)[: len(experts)]
-    out.update(moe_num_experts=experts, moe_intermediate_size=widths if experts else [])
-    gate_act = source.get("moe_gate_act") or source.get("scoring_func")
-    if gate_act:
-        out["moe_gate_act"] = gate_act
-    out.setdefault("rope_3d", False)
-    if source.get("model_type") == "ernie4_5_moe":
-        out.setdefault("moe_use_aux_free", True)  # PaddleFormers' default for the text MoE model
-    if isinstance(source.get("vision_config"), dict):
-        vision = source["vision_config"]
-        out["vision_config"] = {key: vision[key] for key in _VISION_KEYS if vision.get(key) is not None}
-    return out
 
 
 def load_pretrained(model, directory, env=None) -> dict:

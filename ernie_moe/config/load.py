@@ -14,13 +14,11 @@ from pathlib import Path
 
 import yaml
 
+from .errors import ConfigError
+from .model_folder import model_config_from
 from .schema import Config
 
 _SCIENTIFIC = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
-
-
-class ConfigError(ValueError):
-    """A config the trainer cannot run; the message says what to change."""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), check_paths: bool = True) -> Config:
@@ -68,12 +66,9 @@ def _start_from_checkpoint(raw: dict) -> None:
     source = training.get("model_name_or_path") if isinstance(training, dict) else None
     if not source or not isinstance(source, str):
         return
-    from ..checkpoint.formats import CheckpointError
-    from ..checkpoint.pretrained import model_config_from
-
     try:
         base = model_config_from(source)
-    except (CheckpointError, OSError, ValueError) as err:
+    except (OSError, ValueError) as err:
         raise ConfigError(f"training.model_name_or_path: {err}") from None
     raw["model"] = _overlay(base, raw.get("model") or {})
     data = raw.setdefault("data", {})

@@ -15,11 +15,11 @@ import paddle
 from paddle import nn
 
 from ..batch import IGNORE_INDEX, Batch
-from ..parallel.plan import SingleDevicePlan
 from .attention import causal_document_mask
 from .decoder import DecoderLayer
 from .init import init_weights, mark_default_rules
 from .rope import rope_angles
+from .single_device import SingleDevicePlan
 from .vision import Adapter, VisionTransformer
 
 

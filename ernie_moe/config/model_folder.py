@@ -1,0 +1,57 @@
+"""The ``model`` section that describes a model folder (PaddleFormers' / Hugging Face ``config.json`` of an
+ERNIE 4.5 model, or this package's own output): the base a run started from a checkpoint overrides."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import ConfigError
+
+_SAME_NAME = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "initializer_range",
+              "moe_k", "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval",
+              "moe_num_shared_experts", "moe_capacity", "moe_norm_gate_logits", "moe_use_hard_gate",
+              "moe_use_aux_free", "moe_aux_loss_lambda", "moe_z_loss_lambda", "moe_orthogonal_loss_lambda",
+              "global_aux_loss", "rope_3d", "freq_allocation", "im_patch_id", "spatial_conv_size",
+              "temporal_conv_size", "pixel_hidden_size")
+_VISION_KEYS = ("depth", "embed_dim", "num_heads", "mlp_ratio", "patch_size", "spatial_merge_size", "in_channels",
+                "hidden_act")
+
+
+def model_config_from(directory) -> dict:
+    """The ``model`` section (this package's keys) that describes the checkpoint in ``directory``."""
+    config_file = Path(directory) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"'{directory}' has no config.json: not a model folder.")
+    try:
+        source = json.loads(config_file.read_text())
+    except ValueError as err:
+        raise ConfigError(f"cannot read {config_file}: {err}") from err
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in source]
+    if missing:
+        raise ConfigError(f"{config_file} lacks {', '.join(missing)}: not an ERNIE 4.5 model config.")
+    if source.get("use_bias"):
+        raise ConfigError(f"{directory}: use_bias=true (biases in attention and MLP) is not supported.")
+    if source.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{directory}: hidden_act {source['hidden_act']!r} is not supported (only silu).")
+    out = {key: source[key] for key in _SAME_NAME if source.get(key) is not None}
+    heads = source["num_attention_heads"]
+    out["num_key_value_heads"] = source.get("num_key_value_heads") or heads
+    out["head_dim"] = source.get("head_dim") or source["hidden_size"] // heads
+    experts = source.get("moe_num_experts") or 0
+    experts = [experts] if isinstance(experts, int) else list(experts)
+    experts = [n for n in experts if n] if any(experts) else []
+    widths = source.get("moe_intermediate_size") or source.get("intermediate_size")
+    widths = [widths] * len(experts) if isinstance(widths, int) else list(widths)[: len(experts)]
+    out.update(moe_num_experts=experts, moe_intermediate_size=widths if experts else [])
+    gate_act = source.get("moe_gate_act") or source.get("scoring_func")
+    if gate_act:
+        out["moe_gate_act"] = gate_act
+    out.setdefault("rope_3d", False)
+    if source.get("model_type") == "ernie4_5_moe":
+        out.setdefault("moe_use_aux_free", True)  # PaddleFormers' default for the text MoE model
+    if isinstance(source.get("vision_config"), dict):
+        vision = source["vision_config"]
+        out["vision_config"] = {key: vision[key] for key in _VISION_KEYS if vision.get(key) is not None}
+    return out
