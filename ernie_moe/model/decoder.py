@@ -11,9 +11,10 @@ from .layers import SwiGLUMLP
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, plan, cfg, layer_idx: int):
+    def __init__(self, plan, cfg, layer_idx: int, attention_inputs):
         super().__init__()
         self.layer_idx = layer_idx
+        self.attention_inputs = attention_inputs  # rotary angles and mask, shared by the model's layers
         self.plan, self.cfg = plan, cfg
         self.input_layernorm = plan.norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(plan, cfg)
@@ -25,11 +26,16 @@ class DecoderLayer(nn.Layer):
                     else SwiGLUMLP(plan, cfg.hidden_size, cfg.intermediate_size))
 
     # body, attention_block, moe_block: the pieces model.recompute.apply_recompute may recompute
-    def forward(self, x, token_type_ids, angles, allowed) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """Returns the new hidden state and this layer's weighted router loss (0 for a dense layer)."""
-        return self.body(x, token_type_ids, angles, allowed)
+    def forward(self, inputs):
+        """``(hidden, router_loss, token_type_ids, position_ids, doc_ids)`` -> the same tuple with the new
+        hidden state and the router loss grown by this layer's (see ``model.blocks``)."""
+        x, router_loss, token_type_ids, position_ids, doc_ids = inputs
+        angles, allowed = self.attention_inputs(position_ids, doc_ids)
+        x, layer_loss = self.body(x, token_type_ids, angles, allowed)
+        return x, router_loss + layer_loss, token_type_ids, position_ids, doc_ids
 
-    def body(self, x, token_type_ids, angles, allowed):
+    def body(self, x, token_type_ids, angles, allowed) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """The new hidden state and this layer's weighted router loss (0 for a dense layer)."""
         x = x + self.attention_block(x, angles, allowed)
         h = self.post_attention_layernorm(x)
         if not self.is_moe:

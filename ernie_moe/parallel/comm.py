@@ -120,26 +120,13 @@ class GatherAlong(PyLayer):
 
 
 class SplitAlong(PyLayer):
-    """Keep this rank's piece along ``axis``; backward gathers the pieces."""
+    """Keep this rank's piece along ``axis``, of the sum over the ranks when ``summed`` (a reduce-scatter);
+    backward gathers the pieces."""
 
     @staticmethod
-    def forward(ctx, x, axis, group):
+    def forward(ctx, x, axis, group, summed=False):
         ctx.args = (axis, group)
-        return _own_chunk(x, axis, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        axis, group = ctx.args
-        return _all_gather(grad, axis, group)
-
-
-class ReduceScatterAlong(PyLayer):
-    """Sum over the ranks and keep this rank's piece along ``axis``; backward gathers the pieces."""
-
-    @staticmethod
-    def forward(ctx, x, axis, group):
-        ctx.args = (axis, group)
-        return _reduce_scatter(x, axis, group)
+        return _reduce_scatter(x, axis, group) if summed else _own_chunk(x, axis, group)
 
     @staticmethod
     def backward(ctx, grad):

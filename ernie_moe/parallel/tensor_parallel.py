@@ -14,7 +14,7 @@ import paddle.distributed as dist
 from paddle import nn
 
 from ..batch import IGNORE_INDEX
-from .comm import CopyToGroup, GatherAlong, ReduceFromGroup, ReduceScatterAlong
+from .comm import CopyToGroup, GatherAlong, ReduceFromGroup, SplitAlong
 
 SEQUENCE_AXIS = 1  # activations are [batch, seq, hidden]
 
@@ -58,7 +58,7 @@ def enter_region(x: paddle.Tensor, group, sequence_parallel: bool) -> paddle.Ten
 def leave_region(x: paddle.Tensor, group, sequence_parallel: bool) -> paddle.Tensor:
     """Output of a row-parallel layer: partial sums added up (and split along the sequence under SP)."""
     if sequence_parallel:
-        return ReduceScatterAlong.apply(x, SEQUENCE_AXIS, group)
+        return SplitAlong.apply(x, SEQUENCE_AXIS, group, True)
     return ReduceFromGroup.apply(x, group)
 
 

@@ -13,10 +13,11 @@ CATEGORIES = len(SCORE_CATEGORIES) + 1
 SCORE_SIZE = 3 + 2 * CATEGORIES  # loss sum, label tokens, correct tokens, then (scored, correct) per category
 
 
-def batch_scores(plan, logits, labels, scored, loss_sum) -> np.ndarray:
-    """One batch's contribution to the evaluation sums; ``scored [rows, seq]`` is each position's category."""
+def batch_scores(predicted, labels, scored, loss_sum) -> np.ndarray:
+    """One batch's contribution to the evaluation sums; ``predicted`` holds the most likely token at each
+    position, ``scored [rows, seq]`` each position's category."""
     has_label = labels != IGNORE_INDEX
-    correct = paddle.logical_and(plan.predict(logits) == labels, has_label).numpy()
+    correct = paddle.logical_and(predicted == labels, has_label).numpy()
     category = np.asarray(scored)
     seen = np.bincount(category.reshape(-1), minlength=CATEGORIES)
     right = np.bincount(category[correct], minlength=CATEGORIES)
@@ -33,7 +34,8 @@ def evaluate(model, batches, env, max_batches: int = 0) -> dict:
             break
         batch = collate(rows)
         out = model(batch, return_logits=True)
-        totals += batch_scores(model.plan, out.logits, batch.labels, np.stack([r.scored for r in rows]), out.loss_sum)
+        totals += batch_scores(model.plan.predict(out.logits), batch.labels, np.stack([r.scored for r in rows]),
+                               out.loss_sum)
     if was_training:
         model.train()
     return eval_metrics(env.all_reduce_sum(paddle.to_tensor(totals), env.data_group).numpy())

@@ -121,8 +121,6 @@ class PipelineRunner(PlainRunner):
         batches and the last group are filled with unlabelled copies."""
         t, schedule, loss = training_cfg, self.fleet_model, self.model.loss
         steps, rows_per_batch = t.gradient_accumulation_steps, t.per_device_train_batch_size
-        loss.score = lambda logits, labels, scored, lm_sum: batch_scores(self.model.plan, logits, labels,
-                                                                         scored.numpy(), lm_sum)
         loss.reset()
         schedule.eval()  # the schedule then skips its shape checks on outputs that carry no gradient
         group: list = []
@@ -138,8 +136,9 @@ class PipelineRunner(PlainRunner):
                 group += [None] * (steps - len(group))
                 schedule.eval_batch(stage_inputs(*_filled(group, rows_per_batch), scale=1.0), compute_loss=True)
         schedule.train()
-        totals = paddle.to_tensor(np.sum(loss.scores, axis=0) if loss.scores else np.zeros(SCORE_SIZE))
-        loss.score = None
+        scores = [batch_scores(*evaluated) for evaluated in loss.evaluated]
+        loss.reset()
+        totals = paddle.to_tensor(np.sum(scores, axis=0) if scores else np.zeros(SCORE_SIZE))
         totals = self.sum_over_stages(totals)
         return eval_metrics(self.env.all_reduce_sum(totals, self.env.data_group).numpy())
 
