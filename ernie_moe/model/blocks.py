@@ -152,10 +152,11 @@ class Block:
 
 def ordered_blocks(cfg, plan) -> list[Block]:
     attention_inputs = AttentionInputs(cfg)
-    return [Block(TokenEmbedding, (cfg, plan)), Block(ImageFeatures, (cfg, plan)),
+    pieces = {"cfg": cfg, "plan": plan}
+    return [Block(TokenEmbedding, (), pieces), Block(ImageFeatures, (), pieces),
             *[Block(DecoderLayer, (plan, cfg, i, attention_inputs)) for i in range(cfg.num_hidden_layers)],
-            Block(FinalNorm, (cfg, plan)),
-            Block(TokenEmbedding, (cfg, plan), tied=True) if cfg.tie_word_embeddings else Block(LMHead, (cfg, plan))]
+            Block(FinalNorm, (), pieces),
+            Block(TokenEmbedding, (), pieces, tied=True) if cfg.tie_word_embeddings else Block(LMHead, (), pieces)]
 
 
 # Stable-name prefixes (the exported model's names) of each block's parameters.

@@ -62,8 +62,8 @@ class ErniePipeline(BlockQueries, PipelineLayer):
         descs = []
         for block in ordered_blocks(cfg, plan):
             if block.layer is TokenEmbedding and cfg.tie_word_embeddings:
-                descs.append(SharedLayerDesc("embed", TokenEmbedding, *block.args, shared_weight_attr="weight",
-                                             **({"forward_func": tied_head(plan)} if block.tied else {})))
+                head = tied_head(plan) if block.tied else None
+                descs.append(SharedLayerDesc("embed", TokenEmbedding, head, "weight", **block.kwargs))
             else:
                 descs.append(LayerDesc(block.layer, *block.args, **block.kwargs))
         super().__init__(layers=descs, topology=env.hcg.topology(), loss_fn=PipelineLoss(plan),
