@@ -5,6 +5,7 @@ libraries the rest of the suite uses).
                                                     # and DIR/paddle (its in-memory state as model_state.pdparams)
     python paddleformers_side.py dump KIND DIR OUT  # from_pretrained(DIR), in-memory state -> OUT (.npz)
     python paddleformers_side.py logits DIR IDS OUT # dense model's forward logits on IDS (.npy) -> OUT (.npy)
+    python paddleformers_side.py generate DIR IDS N OUT  # dense model's greedy generate(): N new tokens per row
 """
 
 import json
@@ -69,6 +70,19 @@ def logits(directory, ids, out):
     np.save(out, (result.logits if hasattr(result, "logits") else result[0]).astype("float32").numpy())
 
 
+def generate(directory, ids, new_tokens, out):
+    _, model_cls, _ = classes("dense")
+    model = model_cls.from_pretrained(directory, convert_from_hf=True)
+    model.eval()
+    rows = []
+    for prompt in np.load(ids):  # one prompt at a time: no padding
+        with paddle.no_grad():
+            result = model.generate(input_ids=paddle.to_tensor(prompt[None]), max_new_tokens=int(new_tokens),
+                                    decode_strategy="greedy_search", use_cache=True)
+        rows.append((result[0] if isinstance(result, tuple) else result).numpy()[0])
+    np.save(out, np.stack(rows))
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"make": make, "dump": dump, "logits": logits}[command](*args)
+    {"make": make, "dump": dump, "logits": logits, "generate": generate}[command](*args)

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -111,12 +112,35 @@ def test_caption_words_need_the_image(tmp_path, blank):
         "logging.progress_bar=false", "data.num_eval_samples=128", f"data.blank_images={str(blank).lower()}",
         *(["training.max_steps=400"] if blank else []),
     ])
-    accuracy = Trainer(cfg).train()["eval_caption_accuracy"]
+    summary = Trainer(cfg).train()
+    accuracy = summary["eval_caption_accuracy"]
     # chance: colour 1/6, shape 1/4, row 1/3, column 1/3 -> about 0.27
     if blank:
         assert accuracy < 0.4
-    else:
-        assert accuracy > 0.75
+        return
+    assert accuracy > 0.75
+    # the saved model, read back: the evaluation command gives the trainer's figures, and greedy captions of
+    # held-out images are mostly the reference captions
+    from ernie_moe.data.packing import Encoder
+    from ernie_moe.data.sample import Sample
+    from ernie_moe.data.synthetic import SyntheticShapes, caption
+    from ernie_moe.evaluate import scores
+    from ernie_moe.generation import generate, load_model_folder
+
+    figures, _ = scores(summary["model_dir"], "synthetic", cfg, cfg.training.per_device_eval_batch_size,
+                        cfg.training.max_eval_batches)
+    for key in ("eval_loss", "eval_token_accuracy", "eval_caption_accuracy"):
+        assert abs(figures[key] - summary[key]) < 1e-5, key
+    loaded = load_model_folder(summary["model_dir"])
+    model, tokenizer, model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
+    encoder = Encoder(tokenizer, model_cfg, 64, "skip", cfg.data.max_image_side, Counter())
+    held_out = SyntheticShapes(cfg.training.seed, "eval", 20, cfg.data.image_size)
+    right = 0
+    for sample in (held_out[i] for i in range(20)):
+        prompt = encoder.prompt(Sample(sample.images, sample.chunks[:1]))
+        generated = generate(model, prompt, 12, tokenizer.eos_id, never=(model_cfg.im_patch_id,))
+        right += tokenizer.decode(generated.ids) == caption(sample)
+    assert right >= 12, f"{right} of 20 captions right"
 
 
 def test_unusable_data_stops_with_a_message_not_a_traceback(tmp_path):

@@ -78,6 +78,27 @@ def test_dense_model_gives_paddleformers_logits(sources, tmp_path):
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
+def test_greedy_tokens_equal_paddleformers_generate(sources, tmp_path):
+    """5 prompts, 32 new tokens each, through the key/value cache: PaddleFormers' greedy ``generate()`` tokens."""
+    from ernie_moe.data.packing import Encoded
+    from ernie_moe.generation import generate, load_model_folder
+
+    prompts = np.random.RandomState(1).randint(3, 96, size=[5, 8]).astype("int64")
+    np.save(tmp_path / "prompts.npy", prompts)
+    paddleformers("generate", sources / "dense" / "hf", tmp_path / "prompts.npy", 32, tmp_path / "theirs.npy",
+                  cwd=tmp_path)
+    theirs = np.load(tmp_path / "theirs.npy")
+    loaded = load_model_folder(sources / "dense" / "hf", need_tokenizer=False)
+    assert not loaded.sees_images
+    eos = json.loads((sources / "dense" / "hf" / "config.json").read_text()).get("eos_token_id", 2)
+    for prompt, expected in zip(prompts, theirs):
+        positions = np.repeat(np.arange(len(prompt))[:, None], 3, axis=1)
+        encoded = Encoded(prompt, np.zeros(len(prompt), bool), np.zeros(len(prompt), np.int64),
+                          np.zeros(len(prompt), np.int64), positions, [], [])
+        ours = generate(loaded.model, encoded, 32, eos).ids
+        expected = list(expected[: list(expected).index(eos)] if eos in expected else expected)
+        assert ours == expected and len(expected) == 32
+
 @pytest.mark.parametrize("kind", ["dense", "moe", "vl"])
 def test_hugging_face_and_paddle_layouts_load_the_same_weights(sources, kind):
     """PaddleFormers' files and its in-memory state (a model_state.pdparams in the Paddle layout, with its

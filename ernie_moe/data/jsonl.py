@@ -60,7 +60,7 @@ class JsonlDataset:
             raise BadSample("bad_images", f"line {index + 1}: images must be a path or a list of paths, not {paths!r}")
         images = [self._load_image(p) for p in paths]
         if "messages" in record:
-            chunks = self._chat_chunks(record["messages"], len(images))
+            chunks = chat_chunks(record["messages"], len(images))
         else:
             text = record.get("text", "")
             if not isinstance(text, str) or not text.strip():
@@ -69,45 +69,53 @@ class JsonlDataset:
         return Sample(images=images, chunks=chunks)
 
     def _load_image(self, relative) -> np.ndarray:
-        path = self.root / str(relative)
-        if not path.is_file():
-            raise BadSample("missing_image", f"image '{path}' does not exist")
-        try:
-            with Image.open(path) as image:  # reads the header only: the size is known before decoding
-                width, height = image.size
-                if width * height > self.max_pixels:
-                    raise BadSample("image_too_large", f"image '{path}' has {width} x {height} pixels, more than "
-                                                       f"data.max_image_pixels ({self.max_pixels})")
-                return np.asarray(image.convert("RGB"))
-        except Image.DecompressionBombError as err:  # Pillow's own cap, met before ours in the header
-            raise BadSample("image_too_large", f"image '{path}': {err}") from None
-        except (UnidentifiedImageError, OSError, ValueError) as err:
-            raise BadSample("corrupt_image", f"image '{path}' cannot be decoded: {err}") from None
+        return load_image(self.root / str(relative), self.max_pixels)
 
-    @staticmethod
-    def _chat_chunks(messages, num_images: int) -> list[Chunk]:
-        if not isinstance(messages, list) or not messages:
-            raise BadSample("empty_text", "messages is empty")
-        for message in messages:
-            if not isinstance(message, dict) or message.get("role") not in ROLE_PREFIX:
-                raise BadSample("bad_message", f"message {message!r} needs a role of {', '.join(ROLE_PREFIX)}")
-            if not isinstance(message.get("content"), str):
-                raise BadSample("bad_message", f"the content of a {message['role']} message must be a string, not "
-                                               f"{message.get('content')!r}")
-        marks = sum(m["content"].count(IMAGE_MARK) for m in messages)
-        if marks > num_images:
-            raise BadSample("image_count_mismatch", f"{marks} {IMAGE_MARK} markers but {num_images} images")
-        chunks = [Chunk(image=i) for i in range(num_images - marks)]
-        image = num_images - marks
-        for message in messages:
-            trained = message["role"] == "assistant"
-            chunks.append(Chunk(text=("\n" if len(chunks) else "") + ROLE_PREFIX[message["role"]]))
-            for i, text in enumerate(message["content"].split(IMAGE_MARK)):
-                if i:
-                    chunks.append(Chunk(image=image))
-                    image += 1
-                if text:
-                    chunks.append(Chunk(text=text, loss=trained))
-        if not any(c.loss and c.text.strip() for c in chunks):
-            raise BadSample("empty_text", "no assistant text to train on")
-        return chunks
+
+def load_image(path: Path, max_pixels: int) -> np.ndarray:
+    """An image file as RGB ``uint8 [H, W, 3]``; BadSample when it is missing, too large or undecodable."""
+    if not path.is_file():
+        raise BadSample("missing_image", f"image '{path}' does not exist")
+    try:
+        with Image.open(path) as image:  # reads the header only: the size is known before decoding
+            width, height = image.size
+            if width * height > max_pixels:
+                raise BadSample("image_too_large", f"image '{path}' has {width} x {height} pixels, more than "
+                                                   f"data.max_image_pixels ({max_pixels})")
+            return np.asarray(image.convert("RGB"))
+    except Image.DecompressionBombError as err:  # Pillow's own cap, met before ours in the header
+        raise BadSample("image_too_large", f"image '{path}': {err}") from None
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise BadSample("corrupt_image", f"image '{path}' cannot be decoded: {err}") from None
+
+
+def chat_chunks(messages, num_images: int, open_turn: bool = False) -> list[Chunk]:
+    """A conversation as chunks, assistant text trained on. ``open_turn`` (a prompt to generate from): the
+    conversation ends with the assistant's prefix and needs no assistant text."""
+    if not isinstance(messages, list) or not messages:
+        raise BadSample("empty_text", "messages is empty")
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in ROLE_PREFIX:
+            raise BadSample("bad_message", f"message {message!r} needs a role of {', '.join(ROLE_PREFIX)}")
+        if not isinstance(message.get("content"), str):
+            raise BadSample("bad_message", f"the content of a {message['role']} message must be a string, not "
+                                           f"{message.get('content')!r}")
+    marks = sum(m["content"].count(IMAGE_MARK) for m in messages)
+    if marks > num_images:
+        raise BadSample("image_count_mismatch", f"{marks} {IMAGE_MARK} markers but {num_images} images")
+    chunks = [Chunk(image=i) for i in range(num_images - marks)]
+    image = num_images - marks
+    for message in messages:
+        trained = message["role"] == "assistant"
+        chunks.append(Chunk(text=("\n" if len(chunks) else "") + ROLE_PREFIX[message["role"]]))
+        for i, text in enumerate(message["content"].split(IMAGE_MARK)):
+            if i:
+                chunks.append(Chunk(image=image))
+                image += 1
+            if text:
+                chunks.append(Chunk(text=text, loss=trained))
+    if open_turn:
+        return chunks + [Chunk(text="\n" + ROLE_PREFIX["assistant"])]
+    if not any(c.loss and c.text.strip() for c in chunks):
+        raise BadSample("empty_text", "no assistant text to train on")
+    return chunks

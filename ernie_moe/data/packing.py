@@ -56,6 +56,19 @@ class Encoder:
         self.stats = stats
 
     def __call__(self, sample: Sample) -> Encoded:
+        """A training sample: the prompt, its trained tokens and the closing end-of-sentence token."""
+        e = self.prompt(sample)
+        if not e.target.any():
+            raise BadSample("empty_text", "sample has no text to train on")
+        next_position = e.position_ids[-1].max() + 1
+        encoded = Encoded(np.append(e.input_ids, self.tok.eos_id), np.append(e.target, True), np.append(e.scored, 0),
+                          np.append(e.token_type_ids, 0), np.vstack([e.position_ids, [[next_position] * 3]]),
+                          e.patches, e.grids)
+        return self._fit(encoded)
+
+    def prompt(self, sample: Sample) -> Encoded:
+        """The sample's tokens from the beginning-of-sentence token on, with no end: what generation
+        continues."""
         ids, target, scored, types, positions = [self.tok.bos_id], [False], [0], [0], [(0, 0, 0)]
         patches, grids = [], []
         for chunk in sample.chunks:
@@ -80,16 +93,8 @@ class Encoder:
             target += [chunk.loss] * len(pieces)
             scored += [score_category(chunk.scored)] * len(pieces)
             types += [0] * len(pieces)
-        if not any(target):
-            raise BadSample("empty_text", "sample has no text to train on")
-        ids.append(self.tok.eos_id)
-        target.append(True)
-        scored.append(0)
-        types.append(0)
-        positions.append((max(positions[-1]) + 1,) * 3)
-        encoded = Encoded(np.array(ids, np.int64), np.array(target), np.array(scored, np.int64),
-                          np.array(types, np.int64), np.array(positions, np.int64), patches, grids)
-        return self._fit(encoded)
+        return Encoded(np.array(ids, np.int64), np.array(target), np.array(scored, np.int64),
+                       np.array(types, np.int64), np.array(positions, np.int64), patches, grids)
 
     def _fit(self, e: Encoded) -> Encoded:
         if len(e) <= self.max_seq_len:

@@ -98,3 +98,31 @@ class SentencePieceTokenizer:
 
     def save(self, directory: Path) -> None:
         (Path(directory) / "tokenizer.model").write_bytes(self.path.read_bytes())
+
+
+def tokenizer_in(directory, image_token_id: int):
+    """The tokenizer a model folder holds (as ``save`` wrote it, or a SentencePiece ``tokenizer.model``), or
+    None when it holds none. Raises ValueError for tokenizer files that cannot be read."""
+    folder = Path(directory)
+    if (folder / "tokenizer.model").is_file():
+        try:
+            return SentencePieceTokenizer(str(folder), image_token_id)
+        except (RuntimeError, OSError) as err:  # sentencepiece's word for a file that is not its model
+            raise ValueError(f"'{folder / 'tokenizer.model'}' is not a SentencePiece model") from err
+    if (folder / "vocab.json").is_file():
+        try:
+            words = json.loads((folder / "vocab.json").read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot read {folder / 'vocab.json'}: {err}") from None
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise ValueError(f"{folder / 'vocab.json'} is not a list of words")
+        return WordTokenizer(words)
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            kind = json.loads(config.read_text()).get("tokenizer_class")
+        except (OSError, ValueError, AttributeError) as err:
+            raise ValueError(f"cannot read {config}: {err}") from None
+        if kind == "ByteTokenizer":
+            return ByteTokenizer()
+    return None

@@ -47,7 +47,8 @@ class Attention(nn.Layer):
             self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim])
         self.o_proj = plan.row_linear(self.num_heads * self.head_dim, cfg.hidden_size)
 
-    def forward(self, x, angles, allowed):
+    def forward(self, x, angles, allowed, cache=None):
+        """``cache`` (generation): keys and values of the earlier tokens, extended by these tokens'."""
         qkv = self.qkv_proj(x)  # the whole sequence, also when x is a sequence-parallel piece
         batch, seq = qkv.shape[0], qkv.shape[1]
         qkv = qkv.reshape([batch, seq, -1, self.head_dim])
@@ -56,6 +57,8 @@ class Attention(nn.Layer):
         kv_heads = (heads - q_heads) // 2
         q, k, v = paddle.split(qkv, [q_heads, kv_heads, kv_heads], axis=2)
         q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        if cache is not None:
+            k, v = cache.extend(k, v)
         out = self.core(q, k, v, allowed)
         return self.o_proj(out.reshape([batch, seq, -1]))
 

@@ -70,8 +70,7 @@ class ImageFeatures(nn.Layer):
 
     def with_images(self, embeddings, input_ids, pixel_patches, grid_thw: np.ndarray) -> paddle.Tensor:
         cfg = self.cfg
-        slots = paddle.nonzero((input_ids == cfg.im_patch_id).flatten()).flatten()
-        if pixel_patches.shape[0] == 0 and slots.shape[0] == 0:
+        if pixel_patches.shape[0] == 0:  # no images: im_patch_id may then be a text token (a text model's)
             if not self.vision_model.training:
                 return embeddings
             # Text-only batch in training: run the vision side on one blank merge block, times 0, so that
@@ -81,6 +80,7 @@ class ImageFeatures(nn.Layer):
             blank = paddle.zeros([merge * merge, cfg.vision_config.in_channels * cfg.vision_config.patch_size ** 2],
                                  dtype=embeddings.dtype)
             return embeddings + self.resampler_model(self.vision_model(blank, grid), grid).sum() * 0.0
+        slots = paddle.nonzero((input_ids == cfg.im_patch_id).flatten()).flatten()
         features = self.resampler_model(self.vision_model(pixel_patches, grid_thw), grid_thw)
         if features.shape[0] != slots.shape[0]:
             raise ValueError(f"the batch has {slots.shape[0]} image placeholder tokens but its images give "
@@ -103,10 +103,12 @@ class AttentionInputs:
     def __call__(self, position_ids: paddle.Tensor, doc_ids: paddle.Tensor):
         seen_positions, seen_docs, value = self.last
         if seen_positions is not position_ids or seen_docs is not doc_ids:
-            value = (rope_angles(position_ids, self.head_dim, self.theta, self.t_slots),
-                     causal_document_mask(doc_ids))
+            value = self.angles(position_ids), causal_document_mask(doc_ids)
             self.last = (position_ids, doc_ids, value)
         return value
+
+    def angles(self, position_ids: paddle.Tensor) -> paddle.Tensor:
+        return rope_angles(position_ids, self.head_dim, self.theta, self.t_slots)
 
 
 class FinalNorm(nn.Layer):

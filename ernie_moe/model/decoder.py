@@ -34,17 +34,18 @@ class DecoderLayer(nn.Layer):
         x, layer_loss = self.body(x, token_type_ids, angles, allowed)
         return x, router_loss + layer_loss, token_type_ids, position_ids, doc_ids
 
-    def body(self, x, token_type_ids, angles, allowed) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """The new hidden state and this layer's weighted router loss (0 for a dense layer)."""
-        x = x + self.attention_block(x, angles, allowed)
+    def body(self, x, token_type_ids, angles, allowed, cache=None) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """The new hidden state and this layer's weighted router loss (0 for a dense layer); ``cache``: the
+        layer's keys and values of earlier tokens (generation)."""
+        x = x + self.attention_block(x, angles, allowed, cache)
         h = self.post_attention_layernorm(x)
         if not self.is_moe:
             return x + self.mlp(h), paddle.zeros([], dtype="float32")
         out, router_loss = self.moe_block(h, token_type_ids)
         return x + out, router_loss
 
-    def attention_block(self, x, angles, allowed):
-        return self.self_attn(self.input_layernorm(x), angles, allowed)
+    def attention_block(self, x, angles, allowed, cache=None):
+        return self.self_attn(self.input_layernorm(x), angles, allowed, cache)
 
     def moe_block(self, h, token_type_ids):
         out, router_loss = self.mlp(self.plan.gather_sequence(h), token_type_ids)

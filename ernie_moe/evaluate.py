@@ -1,0 +1,75 @@
+"""Score a model folder on held-out data, as the trainer does:
+``python -m ernie_moe.evaluate --model DIR --data val.jsonl [--config FILE] [--out FILE.json]``.
+
+``--data synthetic`` takes the held-out synthetic split a run with ``--config`` draws (``data.image_size``,
+``data.num_eval_samples``, ``training.seed``) and adds caption accuracy. Prints the loss, token accuracy and
+(synthetic data) caption accuracy, and writes them as JSON with ``--out``. One process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from .checkpoint.errors import CheckpointError
+from .config import ConfigError, load_config
+from .data import DataError, RowStream, rank_batches
+from .data.jsonl import JsonlDataset
+from .data.synthetic import SyntheticShapes
+from .generation import load_model_folder
+from .parallel import DistEnv
+from .training.evaluate import evaluate
+
+
+def scores(model_dir, data: str, base, batch_size: int = 8, max_batches: int = 0) -> tuple[dict, dict]:
+    """(figures, skipped samples by reason) of the model in ``model_dir`` on ``data``; ``base``: the config
+    whose data section and seed apply (its model section is the folder's)."""
+    loaded = load_model_folder(model_dir)
+    model, tokenizer, model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
+    if data == "synthetic":
+        held_out = SyntheticShapes(base.training.seed, "eval", base.data.num_eval_samples, base.data.image_size)
+    else:
+        if not Path(data).is_file():
+            raise DataError(f"--data file '{data}' does not exist")
+        held_out = JsonlDataset(data, base.data.max_image_pixels)
+    cfg = dataclasses.replace(base, model=model_cfg)
+    skipped: Counter = Counter()
+    rows = RowStream(held_out, tokenizer, cfg, skipped, shuffle=False)
+    return evaluate(model, rank_batches(rows, batch_size, 0, 1, drop_last=False), DistEnv(), max_batches), skipped
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="final model, checkpoint or PaddleFormers ERNIE 4.5 folder")
+    parser.add_argument("--data", required=True, help="a JSONL file (the training shapes) or 'synthetic'")
+    parser.add_argument("--config", help="training config whose data section (sequence length, images) applies")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-batches", type=int, default=0, help="0 = all")
+    parser.add_argument("--out", help="write the figures here as JSON")
+    args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        print("evaluate error: --batch-size must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        base = load_config(args.config, check_paths=False)
+        figures, skipped = scores(args.model, args.data, base, args.batch_size, args.max_batches)
+    except (CheckpointError, ConfigError, DataError, OSError) as err:
+        print(f"evaluate error: {err}", file=sys.stderr)
+        return 2
+    if not figures:
+        print(f"evaluate error: {args.data} gave nothing to evaluate (skipped samples: {dict(skipped) or 'none'})",
+              file=sys.stderr)
+        return 2
+    result = {**figures, **{f"skipped/{k}": v for k, v in sorted(skipped.items())}}
+    print(" | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Ask a trained model: ``python -m ernie_moe.generate --model DIR [--image IMG ...] [--prompt TEXT]``.
+
+With images and no prompt the model continues from the images (a captioning model captions them); with
+``--prompt`` the text goes in as a user turn of the chat format the trainer writes (``User: ... Assistant: ``);
+``--messages FILE.jsonl`` takes one conversation per line, in the training JSONL shape, image paths relative to
+the file. Decoding is greedy unless ``--temperature`` is above 0, one forward per new token over a key/value
+cache, and stops at the end-of-sentence token. One process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from .checkpoint.errors import CheckpointError
+from .config import ConfigError
+from .config.schema import DataConfig
+from .data.jsonl import chat_chunks, load_image
+from .data.packing import BadSample, Encoder
+from .data.sample import Chunk, Sample
+from .generation import generate, load_model_folder
+
+
+class UsageError(ValueError):
+    """A request that cannot be answered; the message says why."""
+
+
+def prompts_from(args) -> list[Sample]:
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
+    max_pixels = DataConfig().max_image_pixels
+    if args.messages:
+        path = Path(args.messages)
+        if not path.is_file():
+            raise UsageError(f"--messages file '{path}' does not exist")
+        samples = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise UsageError(f"{path} line {number} is not JSON: {err}") from None
+            if not isinstance(record, dict):
+                raise UsageError(f"{path} line {number} is not a JSON object")
+            images = [load_image(path.parent / str(p), max_pixels) for p in record.get("images", [])]
+            samples.append(Sample(images, chat_chunks(record.get("messages"), len(images), open_turn=True)))
+        if not samples:
+            raise UsageError(f"--messages file '{path}' holds no conversation")
+        return samples
+    images = [load_image(Path(p), max_pixels) for p in args.image]
+    chunks = [Chunk(image=i) for i in range(len(images))]
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise UsageError("--prompt is empty")
+        chunks = chat_chunks([{"role": "user", "content": args.prompt}], len(images), open_turn=True)
+    elif not images:
+        raise UsageError("nothing to continue: give --image, --prompt or --messages")
+    return [Sample(images, chunks)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="final model, checkpoint or PaddleFormers ERNIE 4.5 folder")
+    parser.add_argument("--image", action="append", default=[], help="an image file (repeat for several)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="a user turn")
+    source.add_argument("--messages", help="JSONL: one {'images': [...], 'messages': [...]} conversation per line")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        samples = prompts_from(args)
+        loaded = load_model_folder(args.model)
+        model, tokenizer, cfg = loaded.model, loaded.tokenizer, loaded.cfg
+        if not loaded.sees_images and any(sample.images for sample in samples):
+            raise UsageError(f"'{args.model}' is a text model (it holds no vision encoder): it cannot take images")
+        data = DataConfig()
+        encoder = Encoder(tokenizer, cfg, cfg.max_position_embeddings, "skip", data.max_image_side, Counter())
+        prompts = [encoder.prompt(sample) for sample in samples]
+    except (BadSample, UsageError, CheckpointError, ConfigError, OSError) as err:
+        print(f"generate error: {err}", file=sys.stderr)
+        return 2
+    for prompt in prompts:
+        if prompt.position_ids.max() + 1 >= cfg.max_position_embeddings:
+            print(f"generate error: the prompt takes {int(prompt.position_ids.max()) + 1} positions; the model has "
+                  f"{cfg.max_position_embeddings} (max_position_embeddings), leaving none to generate", file=sys.stderr)
+            return 2
+    for prompt in prompts:
+        out = generate(model, prompt, args.max_new_tokens, tokenizer.eos_id, args.temperature, args.top_p, args.seed,
+                       never=(cfg.im_patch_id,) if loaded.sees_images else ())
+        text = tokenizer.decode(out.ids)
+        print(json.dumps({"text": text, "tokens": len(out.ids), "stop": out.stop}) if args.messages else text,
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""Generation and evaluation off the training loop: a model folder, prompts, a key/value cache."""
+
+from .decoding import Generated, generate
+from .kv_cache import KVCache, forward_cached
+from .model_folder import LoadedModel, load_model_folder
+
+__all__ = ["Generated", "KVCache", "LoadedModel", "forward_cached", "generate", "load_model_folder"]

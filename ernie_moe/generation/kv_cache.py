@@ -1,0 +1,48 @@
+"""The model's blocks over new tokens, attending to the keys and values cached for the earlier ones."""
+
+from __future__ import annotations
+
+import paddle
+
+from ..model.decoder import DecoderLayer
+
+
+class LayerCache:
+    """One decoder layer's keys and values, ``[batch, tokens so far, kv heads, head dim]``."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    def extend(self, keys: paddle.Tensor, values: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        if self.keys is not None:
+            keys, values = paddle.concat([self.keys, keys], axis=1), paddle.concat([self.values, values], axis=1)
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+class KVCache:
+    def __init__(self, num_layers: int):
+        self.layers = [LayerCache() for _ in range(num_layers)]
+        self.length = 0  # tokens cached
+
+
+@paddle.no_grad()
+def forward_cached(model, inputs: tuple, cache: KVCache) -> paddle.Tensor:
+    """Logits ``[batch, new tokens, vocab]`` of the single-device ``model`` for ``inputs`` (the first block's
+    tuple, ``model.blocks.block_inputs``: one document per row), the new tokens seeing the cached ones;
+    their keys and values join the cache. With an empty cache this is the model's own forward."""
+    past, new = cache.length, inputs[0].shape[1]
+    # token i of the new ones sees every cached token and the new ones up to itself
+    allowed = (paddle.arange(past + new)[None, :] <= past + paddle.arange(new)[:, None])[None, None]
+    x = inputs
+    for block in model.blocks():
+        if isinstance(block, DecoderLayer):
+            hidden, router_loss, token_type_ids, position_ids, doc_ids = x
+            angles = block.attention_inputs.angles(position_ids)
+            hidden, _ = block.body(hidden, token_type_ids, angles, allowed, cache.layers[block.layer_idx])
+            x = hidden, router_loss, token_type_ids, position_ids, doc_ids
+        else:
+            x = block(x)
+    cache.length += new
+    logits, _ = model.tied(model.blocks()[0], x) if model.tied else x
+    return logits

@@ -1,0 +1,51 @@
+"""A model folder (a final model, a training checkpoint, a PaddleFormers ERNIE 4.5 folder) as a
+single-device model in evaluation mode, with its tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import paddle
+
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.pretrained import load_pretrained
+from ..config.load import build
+from ..config.model_folder import model_config_from
+from ..config.schema import ModelConfig
+from ..data.tokenizer import tokenizer_in
+from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_vision
+
+
+@dataclass
+class LoadedModel:
+    model: ErnieMoEForConditionalGeneration  # in evaluation mode
+    tokenizer: object | None
+    cfg: ModelConfig
+    sees_images: bool  # the folder held the vision encoder and adapter (a text model's folder does not)
+
+
+def load_model_folder(directory, need_tokenizer: bool = True) -> LoadedModel:
+    """Raises CheckpointError (or ConfigError) naming what is wrong: no folder, no config.json, tensors of
+    another shape, weights missing (only a text model's missing vision side is allowed)."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder '{folder}' does not exist")
+    cfg = build(ModelConfig, model_config_from(folder), "model")
+    paddle.seed(0)
+    model = ErnieMoEForConditionalGeneration(cfg)
+    report = load_pretrained(model, folder)
+    missing = report.get("new", [])
+    text_only = bool(missing) and all(is_vision(name) for name in missing)
+    if missing and not text_only:
+        unexpected = [name for name in missing if not is_vision(name)]
+        raise CheckpointError(f"'{folder}' holds no weights for {len(unexpected)} of this model's parameters (e.g. "
+                              f"{unexpected[0]}): not a complete model of the shape its config.json describes")
+    model.eval()
+    try:
+        tokenizer = tokenizer_in(folder, cfg.im_patch_id)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    if tokenizer is None and need_tokenizer:
+        raise CheckpointError(f"'{folder}' holds no tokenizer (tokenizer.model, vocab.json or tokenizer_config.json)")
+    return LoadedModel(model, tokenizer, cfg, sees_images=not text_only)

@@ -1,0 +1,133 @@
+"""Generation: key/value-cached logits against the plain forward, decoding, the command line and its errors."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import paddle
+import pytest
+from conftest import ROOT
+
+from ernie_moe.checkpoint import save_model
+from ernie_moe.config import load_config
+from ernie_moe.data import build_tokenizer
+from ernie_moe.data.packing import Encoder
+from ernie_moe.data.sample import Chunk, Sample
+from ernie_moe.data.synthetic import SyntheticShapes
+from ernie_moe.generation import KVCache, forward_cached, generate
+from ernie_moe.generation.decoding import _extended, choose, prompt_inputs, token_inputs
+from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+
+SMALL = ["data.image_size=56"]
+KINDS = {"dense": ["model.moe_num_experts=[]", "model.moe_intermediate_size=[]"],
+         "text_moe": ["model.moe_num_experts=[4]", "model.moe_intermediate_size=[64]"],
+         "vl": []}
+
+
+def built(kind, *overrides):
+    cfg = load_config(ROOT / "configs" / "vl_moe.yaml", [*SMALL, *KINDS[kind], *overrides])
+    paddle.seed(3)
+    model = ErnieMoEForConditionalGeneration(cfg.model)
+    model.eval()
+    return cfg, model
+
+
+def a_prompt(cfg, with_image: bool):
+    sample = SyntheticShapes(0, "eval", 1, cfg.data.image_size)[0]
+    chunks = [Chunk(image=0)] if with_image else []
+    sample = Sample(sample.images if with_image else [], chunks + sample.chunks[1:3])
+    tokenizer = build_tokenizer(cfg)
+    return Encoder(tokenizer, cfg.model, 64, "skip", cfg.data.max_image_side, Counter()).prompt(sample), tokenizer
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_cached_logits_equal_the_whole_sequence_forward(kind):
+    """Prefill, then one token at a time: every step's logits equal those of the whole sequence run at once."""
+    cfg, model = built(kind)
+    prompt, _ = a_prompt(cfg, with_image=kind == "vl")
+    new = [7, 9, 11, 5, 8]
+    whole = forward_cached(model, prompt_inputs(prompt, 588), KVCache(cfg.model.num_hidden_layers))
+    full = forward_cached(model, prompt_inputs(_extended(prompt, new), 588), KVCache(cfg.model.num_hidden_layers))
+    np.testing.assert_allclose(whole.numpy(), full.numpy()[:, : len(prompt)], atol=1e-5, rtol=1e-5)
+    cache = KVCache(cfg.model.num_hidden_layers)
+    forward_cached(model, prompt_inputs(prompt, 588), cache)
+    position = int(prompt.position_ids.max()) + 1
+    for i, token in enumerate(new):
+        step = forward_cached(model, token_inputs(token, position + i, 588), cache)
+        np.testing.assert_allclose(step.numpy()[0, -1], full.numpy()[0, len(prompt) + i], atol=1e-5, rtol=1e-5)
+    # and the model's own training forward gives the same logits
+    ids = paddle.to_tensor(_extended(prompt, new).input_ids[None])
+    from ernie_moe.batch import Batch
+
+    batch = Batch(ids, paddle.full_like(ids, -100), paddle.to_tensor(_extended(prompt, new).token_type_ids[None]),
+                  paddle.to_tensor(_extended(prompt, new).position_ids[None]), paddle.zeros_like(ids),
+                  prompt_inputs(prompt, 588)[4], prompt_inputs(prompt, 588)[5].numpy())
+    np.testing.assert_allclose(model(batch, return_logits=True).logits.numpy(), full.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_decoding_with_and_without_the_cache_agree():
+    cfg, model = built("vl")
+    prompt, tokenizer = a_prompt(cfg, with_image=True)
+    image = (cfg.model.im_patch_id,)
+    cached = generate(model, prompt, 12, eos_id=-1, never=image)
+    plain = generate(model, prompt, 12, eos_id=-1, use_cache=False, never=image)
+    assert cached.ids == plain.ids and cached.stop == "length" and len(cached.ids) == 12
+    assert image[0] not in cached.ids
+    sampled = [generate(model, prompt, 12, eos_id=-1, temperature=1.0, seed=s, never=image).ids for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+
+
+def test_sampling_keeps_to_the_nucleus():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(0)
+    drawn = Counter(choose(logits, 1.0, 0.7, rng) for _ in range(2000))
+    assert set(drawn) == {0, 1} and 0.55 < drawn[0] / 2000 < 0.7  # 0.5 / 0.8 of the draws
+    assert choose(logits, 0.0, 1.0, rng) == 0
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "ernie_moe.generate", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("model")
+    cfg, model = built("vl")
+    save_model(model, cfg.model, str(out), build_tokenizer(cfg), hf_layout=True)
+    return out, cfg
+
+
+@pytest.mark.slow
+def test_the_command_line_captions_an_image_and_reports_bad_input(model_dir, tmp_path):
+    out, cfg = model_dir
+    from ernie_moe.data.synthetic import write_held_out
+
+    write_held_out(tmp_path, 0, cfg.data.image_size, 1)
+    done = run("--model", out, "--image", tmp_path / "00000.png", "--max-new-tokens", 6)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.split()) == 6  # an untrained model: six words, none of them the end
+    conversation = tmp_path / "chat.jsonl"
+    conversation.write_text(json.dumps({"images": ["00000.png"], "messages": [{"role": "user", "content": "<image>"}]})
+                            + "\n")
+    done = run("--model", out, "--messages", conversation, "--max-new-tokens", 3)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tokens"] == 3
+    (tmp_path / "other").mkdir()
+    other = load_config(ROOT / "configs" / "vl_moe.yaml", ["model.hidden_size=32"]).model
+    (tmp_path / "other" / "config.json").write_text((out / "config.json").read_text().replace(
+        '"hidden_size": 64', f'"hidden_size": {other.hidden_size}'))
+    for name in out.iterdir():
+        if name.name != "config.json":
+            (tmp_path / "other" / name.name).write_bytes(name.read_bytes())
+    bad = {"missing image": (["--image", tmp_path / "nope.png"], "nope.png' does not exist"),
+           "empty prompt": (["--prompt", " "], "--prompt is empty"),
+           "no new tokens": (["--image", tmp_path / "00000.png", "--max-new-tokens", 0], "at least 1"),
+           "incompatible folder": (["--image", tmp_path / "00000.png"], "has shape"),
+           "too long": (["--prompt", "a " * 5000], "positions")}
+    for what, (args, message) in bad.items():
+        model = tmp_path / "other" if what == "incompatible folder" else out
+        done = run("--model", model, *args)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, (what, done.stderr)
