@@ -103,7 +103,7 @@ def model_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_the_command_line_captions_an_image_and_reports_bad_input(model_dir, tmp_path):
     out, cfg = model_dir
-    from ernie_moe.data.synthetic import write_held_out
+    from ernie_moe.data.held_out import write_held_out
 
     write_held_out(tmp_path, 0, cfg.data.image_size, 1)
     done = run("--model", out, "--image", tmp_path / "00000.png", "--max-new-tokens", 6)

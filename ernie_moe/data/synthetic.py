@@ -7,10 +7,6 @@ function of (seed, split, index).
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from .sample import Chunk, Sample
@@ -98,46 +94,3 @@ class SyntheticShapes:
 def caption(sample: Sample) -> str:
     return "".join(chunk.text for chunk in sample.chunks).strip()
 
-
-def write_held_out(directory, seed: int, image_size: int, count: int) -> Path:
-    """The first ``count`` held-out samples as PNG files and ``captions.jsonl`` (the JSONL caption shape);
-    returns the JSONL file."""
-    from PIL import Image
-
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    held_out = SyntheticShapes(seed, "eval", count, image_size)
-    lines = []
-    for index in range(count):
-        sample = held_out[index]
-        name = f"{index:05d}.png"
-        Image.fromarray(sample.images[0]).save(out / name)
-        lines.append(json.dumps({"image": name, "text": caption(sample)}))
-    (out / "captions.jsonl").write_text("\n".join(lines) + "\n")
-    return out / "captions.jsonl"
-
-
-def main(argv=None) -> int:
-    """``python -m ernie_moe.data.synthetic --out DIR [--count N] [--config FILE]``: held-out images to look at,
-    caption or evaluate on, drawn as a run with that config draws them."""
-    import argparse
-
-    from ..config import ConfigError, load_config
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--count", type=int, default=20)
-    parser.add_argument("--config", help="the training config (its data.image_size and training.seed)")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, check_paths=False)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    path = write_held_out(args.out, cfg.training.seed, cfg.data.image_size, args.count)
-    print(f"wrote {args.count} held-out images and their captions to {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
