@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
+from .cli import at_least_one
 from .config import ConfigError, load_config
 from .data import DataError, RowStream, rank_batches
 from .data.jsonl import JsonlDataset
@@ -47,13 +48,10 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True, help="final model, checkpoint or PaddleFormers ERNIE 4.5 folder")
     parser.add_argument("--data", required=True, help="a JSONL file (the training shapes) or 'synthetic'")
     parser.add_argument("--config", help="training config whose data section (sequence length, images) applies")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=at_least_one, default=8)
     parser.add_argument("--max-batches", type=int, default=0, help="0 = all")
     parser.add_argument("--out", help="write the figures here as JSON")
     args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        print("evaluate error: --batch-size must be at least 1", file=sys.stderr)
-        return 2
     try:
         base = load_config(args.config, check_paths=False)
         figures, skipped = scores(args.model, args.data, base, args.batch_size, args.max_batches)

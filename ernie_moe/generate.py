@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
+from .cli import at_least_one
 from .config import ConfigError
 from .config.schema import DataConfig
 from .data.jsonl import chat_chunks, load_image
@@ -29,8 +30,6 @@ class UsageError(ValueError):
 
 
 def prompts_from(args) -> list[Sample]:
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
     max_pixels = DataConfig().max_image_pixels
     if args.messages:
         path = Path(args.messages)
@@ -69,7 +68,7 @@ def main(argv=None) -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="a user turn")
     source.add_argument("--messages", help="JSONL: one {'images': [...], 'messages': [...]} conversation per line")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=at_least_one, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)

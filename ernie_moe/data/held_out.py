@@ -11,6 +11,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from ..cli import at_least_one
 from ..config import ConfigError, load_config
 from .synthetic import SyntheticShapes, caption
 
@@ -34,12 +35,9 @@ def write_held_out(directory, seed: int, image_size: int, count: int) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--count", type=int, default=20)
+    parser.add_argument("--count", type=at_least_one, default=20)
     parser.add_argument("--config", help="the training config (its data.image_size and training.seed)")
     args = parser.parse_args(argv)
-    if args.count < 1:
-        print("error: --count must be at least 1", file=sys.stderr)
-        return 2
     try:
         cfg = load_config(args.config, check_paths=False)
     except ConfigError as err:
