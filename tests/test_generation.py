@@ -109,6 +109,11 @@ def test_the_command_line_captions_an_image_and_reports_bad_input(model_dir, tmp
     done = run("--model", out, "--image", tmp_path / "00000.png", "--max-new-tokens", 6)
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.split()) == 6  # an untrained model: six words, none of them the end
+    # the same model in a checkpoint's (Paddle) layout says the same
+    _, model = built("vl")
+    save_model(model, cfg.model, str(tmp_path / "paddle_layout"), build_tokenizer(cfg))
+    again = run("--model", tmp_path / "paddle_layout", "--image", tmp_path / "00000.png", "--max-new-tokens", 6)
+    assert again.returncode == 0 and again.stdout == done.stdout, again.stderr
     conversation = tmp_path / "chat.jsonl"
     conversation.write_text(json.dumps({"images": ["00000.png"], "messages": [{"role": "user", "content": "<image>"}]})
                             + "\n")
