@@ -31,6 +31,8 @@ LAYOUTS = {
     "ep2": (2, ["parallel.expert_parallel_degree=2", "training.per_device_train_batch_size=4"]),
     "sharding stage1 x2": (2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage1",
                                "training.per_device_train_batch_size=4"]),
+    "vocabulary 32k": (1, ["model.vocab_size=32000"]),
+    "vocabulary 32k, loss over chunks of 8": (1, ["model.vocab_size=32000", "training.loss_subbatch_seqlen=8"]),
 }
 
 

@@ -141,6 +141,9 @@ class TrainingConfig:
     moe_gate_lr_ratio: float = opt(1.0, "router learning rate = learning_rate x this")
     token_balance_loss: bool = opt(False, "divide the gradient by a fixed token count instead of the step's")
     token_balance_seqlen: int = opt(0, "that fixed count; 0 = max_seq_len x per_device_train_batch_size")
+    loss_subbatch_seqlen: int = opt(0, "run the LM head and loss over sequence chunks of this many tokens, each "
+                                       "recomputed in the backward pass, so the whole logits are never held; 0 = "
+                                       "the whole sequence at once")
     eval_steps: int = opt(100, "evaluate every N steps and at the end; 0 = only at the end")
     save_steps: int = opt(0, "write output_dir/checkpoint-<step> every N steps (and at the end); 0 = only at the end")
     save_total_limit: int = opt(0, "keep the newest N checkpoints of the run's lineage; 0 = keep all")

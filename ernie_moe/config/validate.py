@@ -127,7 +127,7 @@ def _check_training(cfg: Config) -> None:
     t = cfg.training
     _require(0 <= t.seed < 2 ** 32, f"training.seed ({t.seed}) must be between 0 and 2**32 - 1.")
     _require(t.adam_epsilon > 0, f"training.adam_epsilon must be positive, got {t.adam_epsilon}.")
-    for name in ("save_steps", "save_total_limit", "device_memory_gb"):
+    for name in ("save_steps", "save_total_limit", "device_memory_gb", "loss_subbatch_seqlen"):
         _require(getattr(t, name) >= 0, f"training.{name} cannot be negative, got {getattr(t, name)}.")
     _check_output_dir(t.output_dir)
     _require(not (t.bf16 and t.fp16), "training.bf16 and training.fp16 are both set; choose one.")
@@ -204,6 +204,10 @@ def _check_parallel(cfg: Config) -> None:
         _require(shared % tp == 0, f"the shared experts' width ({shared} = moe_intermediate_size[0] x "
                                    f"moe_num_shared_experts) must be divisible by parallel.tensor_parallel_degree "
                                    f"({tp}).")
+    if cfg.training.loss_subbatch_seqlen:
+        _require(pp == 1 and not p.sequence_parallel,
+                 "training.loss_subbatch_seqlen (a chunked LM head and loss) is not available with pipeline "
+                 "parallelism or sequence_parallel in this release; set it to 0 for those layouts.")
     _require(not p.sequence_parallel or tp > 1,
              "parallel.sequence_parallel splits activations over tensor-parallel ranks; it needs "
              "parallel.tensor_parallel_degree > 1 (or set it to false).")

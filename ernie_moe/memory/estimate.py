@@ -151,9 +151,16 @@ def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, fl
     return [(text_side + 4 * 2.2 * p * d, 0.0), *blocks, (adapter, 0.0)]
 
 
-def _last_stage_activations(cfg, parallel, w: Workload) -> float:
-    t = w.tokens
-    return 4 * (3 * t * cfg.hidden_size + t + t * cfg.vocab_size / parallel.tensor_parallel_degree)
+def _last_stage_activations(cfg, parallel, training, w: Workload) -> tuple[float, float]:
+    """(kept, re-run in backward) of the final norm, head and loss. The float32 logits are kept for the
+    backward pass, whose gradient of them is as large again; over sequence chunks
+    (``training.loss_subbatch_seqlen``) nothing of them is kept and one chunk's come back, twice over."""
+    t, vocab = w.tokens, cfg.vocab_size / parallel.tensor_parallel_degree
+    hidden = 4 * (3 * t * cfg.hidden_size + t)
+    chunk = training.loss_subbatch_seqlen
+    if chunk:
+        return hidden, 2 * 4 * w.rows * min(chunk, w.seq) * vocab
+    return hidden + 4 * t * vocab, 4 * t * vocab
 
 
 def in_flight(parallel, training, stage: int) -> float:
@@ -196,8 +203,10 @@ def estimate(cfg, workload: Workload) -> list[StageMemory]:
         for layer_kept, rerun in reversed(per_layer):
             transient = max(transient, rerun - later)
             later += layer_kept
-        if stage == p.pipeline_parallel_degree - 1:
-            kept += _last_stage_activations(m, p, workload)
+        if stage == p.pipeline_parallel_degree - 1:  # the head's backward runs first: nothing is freed yet
+            head_kept, head_rerun = _last_stage_activations(m, p, t, workload)
+            kept += head_kept
+            transient = max(transient, head_rerun)
         activations = act_scale * kept * in_flight(p, t, stage)
         transient = act_scale * transient
         inputs = data_inputs * t.gradient_accumulation_steps

@@ -38,10 +38,11 @@ def with_layout(cfg, tp, pp, vpp, sharding, ep, recompute, micro_batch, world, m
         sharding_parallel_degree=sharding, sharding="stage1" if sharding > 1 else "",
         expert_parallel_degree=ep if moe_group == "ep" else tp, moe_group=moe_group,
         sequence_parallel=moe_group == "mp" and cfg.data.max_seq_len % tp == 0)
+    chunked = t.loss_subbatch_seqlen if pp == 1 and not parallel.sequence_parallel else 0  # where it is built
     training = dataclasses.replace(t, per_device_train_batch_size=micro_batch,
                                    gradient_accumulation_steps=global_rows // (micro_batch * data),
                                    recompute=recompute is not None, recompute_granularity=recompute or "full",
-                                   recompute_layers=0)
+                                   recompute_layers=0, loss_subbatch_seqlen=chunked)
     candidate = dataclasses.replace(cfg, parallel=parallel, training=training)
     try:
         validate(candidate, check_paths=False)
@@ -128,4 +129,5 @@ def overrides_of(cfg) -> list[str]:
             f"training.per_device_train_batch_size={t.per_device_train_batch_size}",
             f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}",
             f"training.recompute={str(t.recompute).lower()}",
-            f"training.recompute_granularity={t.recompute_granularity}"]
+            f"training.recompute_granularity={t.recompute_granularity}",
+            f"training.loss_subbatch_seqlen={t.loss_subbatch_seqlen}"]

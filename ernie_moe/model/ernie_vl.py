@@ -18,6 +18,7 @@ from ..batch import IGNORE_INDEX, Batch
 from .blocks import ImageFeatures, block_inputs, ordered_blocks, stable_names_of, tied_head
 from .decoder import DecoderLayer
 from .init import init_weights
+from .recompute import recomputed
 from .single_device import SingleDevicePlan
 
 
@@ -54,10 +55,11 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
     the exported names (``model.layers.3``, ``vision_model``, ...), so that ``named_parameters`` and
     ``state_dict`` read like PaddleFormers'; the wrapping blocks are kept in order beside them."""
 
-    def __init__(self, cfg, plan=None):
+    def __init__(self, cfg, plan=None, loss_chunk: int = 0):
         super().__init__()
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # first, so that it does not depend on what gets built
         self.cfg = cfg
+        self.loss_chunk = loss_chunk  # tokens per chunk of the head and loss (0: the whole sequence at once)
         self.plan = plan or SingleDevicePlan(cfg.initializer_range)
         self.tied = tied_head(self.plan) if cfg.tie_word_embeddings else None
         self._ordered = tuple(spec.build() for spec in ordered_blocks(cfg, self.plan) if not spec.tied)
@@ -74,12 +76,34 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
 
     def forward(self, batch: Batch, return_logits: bool = False) -> ModelOutput:
         x = block_inputs(batch)
-        for block in self._ordered:
+        for block in self._ordered if self.tied else self._ordered[:-1]:
             x = block(x)
-        logits, router_loss = self.tied(self._ordered[0], x) if self.tied else x
-        loss_sum = self.plan.cross_entropy_sum(logits, batch.labels)
+        hidden, router_loss = x
         num_label_tokens = int((batch.labels != IGNORE_INDEX).sum())
+        if self.loss_chunk and not return_logits:
+            loss_sum = self._chunked_loss(hidden, batch.labels)
+            return ModelOutput(loss_sum, num_label_tokens, router_loss.sum())
+        logits = self.head(hidden)
+        loss_sum = self.plan.cross_entropy_sum(logits, batch.labels)
         return ModelOutput(loss_sum, num_label_tokens, router_loss.sum(), logits if return_logits else None)
+
+    def head(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """Logits of the final hidden states (the last block, or the tied embedding's matrix)."""
+        logits, _ = self.tied(self._ordered[0], (hidden, None)) if self.tied else self._ordered[-1]((hidden, None))
+        return logits
+
+    def _head_loss(self, hidden: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
+        return self.plan.cross_entropy_sum(self.head(hidden), labels)
+
+    def _chunked_loss(self, hidden: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
+        """The summed loss over sequence chunks of ``loss_chunk`` tokens; in training each chunk's logits are
+        dropped after its loss and computed again in the backward pass, so at most one chunk's are held."""
+        train = self.training and not hidden.stop_gradient
+        parts = []
+        for start in range(0, hidden.shape[1], self.loss_chunk):
+            piece = hidden[:, start: start + self.loss_chunk], labels[:, start: start + self.loss_chunk]
+            parts.append(recomputed(self._head_loss, *piece) if train else self._head_loss(*piece))
+        return paddle.add_n(parts)
 
 
 class _Named(nn.Layer):

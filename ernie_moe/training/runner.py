@@ -23,14 +23,15 @@ from ..parallel.pipeline import ErniePipeline, stage_inputs
 from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
 
 
-def build_model(model_cfg, env):
+def build_model(model_cfg, env, loss_chunk: int = 0):
     """The single-device model, or this rank's pipeline stages; expert weights that differ between ranks
-    are marked so that fleet's parameter broadcasts leave them alone."""
+    are marked so that fleet's parameter broadcasts leave them alone. ``loss_chunk``: tokens per chunk of
+    the LM head and loss (``training.loss_subbatch_seqlen``; not with a pipeline)."""
     plan = build_plan(model_cfg, env)
     if env.pp_group is not None:
         model = ErniePipeline(model_cfg, plan, env, env.virtual_stages)
     else:
-        model = ErnieMoEForConditionalGeneration(model_cfg, plan)
+        model = ErnieMoEForConditionalGeneration(model_cfg, plan, loss_chunk)
     if env.expert_group is not None:
         for name, param in model.named_parameters():
             if is_expert(name):

@@ -43,7 +43,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg)
         check_tokenizer(self.tokenizer, cfg.model)
         self.state = TrainingState.start(t)
-        self.model = build_model(cfg.model, self.env)
+        self.model = build_model(cfg.model, self.env, t.loss_subbatch_seqlen)
         apply_recompute(self.model, self.state.recompute, self.state.recompute_layers, t.recompute_use_reentrant)
         if t.model_name_or_path:
             self._initialise_from(t.model_name_or_path)
