@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from ernie_moe.batch import IGNORE_INDEX as IGNORE
-from ernie_moe.config import load_config
+from ernie_moe.config import ConfigError, load_config
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ernie_moe.data.images import patchify
 from ernie_moe.data.jsonl import JsonlDataset
@@ -192,3 +192,44 @@ def test_a_rank_left_without_rows_gets_an_unlabelled_copy(tiny_cfg):
     blank = shares[1][1][0]
     np.testing.assert_array_equal(blank.input_ids, rows[4].input_ids)
     assert (blank.labels == IGNORE).all() and not blank.scored.any()
+
+
+def two_sources(tmp_path, sizes=(30, 10)):
+    paths = []
+    for name, size in zip("ab", sizes):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"{name} {i}"}) + "\n" for i in range(size)))
+        paths.append(str(path))
+    return paths
+
+
+def test_train_files_mix_by_probability_as_a_function_of_the_index(tmp_path):
+    """data.train_path [a, b] with train_probs [0.8, 0.2]: sample i comes from b about 1 time in 5, and which
+    sample it is depends on (seed, i) only, however many times the data is built."""
+    paths = two_sources(tmp_path)
+    overrides = ["data.dataset=jsonl", f"data.train_path=[{paths[0]}, {paths[1]}]", "data.train_probs=[4, 1]"]
+    mixed, _ = build_datasets(load_config(None, overrides))
+    again, _ = build_datasets(load_config(None, overrides))
+    texts = [mixed[i].chunks[-1].text for i in range(len(mixed))]
+    assert len(mixed) == 40 and texts == [again[i].chunks[-1].text for i in range(40)]
+    share = np.mean([mixed.source_of(i)[0] for i in range(4000)])
+    assert abs(share - 0.2) < 0.03, share
+    other_seed, _ = build_datasets(load_config(None, [*overrides, "training.seed=7"]))
+    assert texts != [other_seed[i].chunks[-1].text for i in range(40)]
+
+
+def test_train_files_without_probabilities_follow_one_another(tmp_path):
+    paths = two_sources(tmp_path)
+    joined, _ = build_datasets(load_config(None, ["data.dataset=jsonl", f"data.train_path=[{paths[0]}, {paths[1]}]"]))
+    assert [joined[i].chunks[-1].text for i in (0, 29, 30, 39)] == ["a 0", "a 29", "b 0", "b 9"]
+
+
+@pytest.mark.parametrize("probs, message", [("[1]", "one probability"), ("[1, -1]", "one probability"),
+                                            ("[0, 0]", "one probability")])
+def test_bad_train_probabilities_are_config_errors(tmp_path, probs, message):
+    paths = two_sources(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["data.dataset=jsonl", f"data.train_path=[{paths[0]}, {paths[1]}]",
+                           f"data.train_probs={probs}"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(None, ["data.dataset=jsonl", f"data.train_path=[{paths[0]}, {tmp_path / 'none.jsonl'}]"])

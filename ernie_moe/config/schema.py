@@ -106,7 +106,9 @@ def _per_modality(value, n: int) -> list:
 @dataclass(frozen=True)
 class DataConfig:
     dataset: str = choice("synthetic", "synthetic", "jsonl", doc="bundled synthetic shapes, or JSONL files")
-    train_path: str = opt("", "JSONL training file (dataset: jsonl)")
+    train_path: str | list[str] = opt("", "JSONL training file, or a list of them (dataset: jsonl)")
+    train_probs: list[float] = opt([], "with several train_path files: the probability each sample is drawn from "
+                                       "each (normalised); [] = the files one after another")
     eval_path: str = opt("", "JSONL held-out file (dataset: jsonl); empty = no evaluation")
     tokenizer_path: str = opt("", "directory with tokenizer.model (SentencePiece); empty = built-in")
     max_seq_len: int = opt(64, "tokens per packed row")
@@ -118,6 +120,12 @@ class DataConfig:
     num_train_samples: int = opt(20000, "synthetic training samples per epoch")
     num_eval_samples: int = opt(256, "synthetic held-out samples")
     blank_images: bool = opt(False, "replace every image with zeros (control run: vision carries no signal)")
+
+    @property
+    def train_files(self) -> list[str]:
+        """``train_path`` as a list of files."""
+        paths = self.train_path
+        return list(paths) if isinstance(paths, list) else ([paths] if paths else [])
 
 
 @dataclass(frozen=True)

@@ -112,10 +112,14 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
         _require(d.num_train_samples >= 1 and d.num_eval_samples >= 0,
                  "data.num_train_samples must be at least 1 and data.num_eval_samples not negative.")
     else:
-        _require(bool(d.train_path), "data.dataset is 'jsonl' but data.train_path is empty.")
-        for name in ("train_path", "eval_path"):
-            path = getattr(d, name)
+        files = d.train_files
+        _require(bool(files) and all(files), "data.dataset is 'jsonl' but data.train_path is empty.")
+        for name, path in [("train_path", f) for f in files] + [("eval_path", d.eval_path)]:
             _require(not check_paths or not path or Path(path).is_file(), f"data.{name} '{path}' does not exist.")
+        if d.train_probs:
+            _require(len(d.train_probs) == len(files) and all(p >= 0 for p in d.train_probs) and sum(d.train_probs) > 0,
+                     f"data.train_probs ({d.train_probs}) needs one probability (not negative, not all 0) for each "
+                     f"of the {len(files)} data.train_path files.")
         _require(d.max_image_side >= unit, f"data.max_image_side must be at least {unit} pixels.")
         _require(d.max_image_pixels >= unit * unit, f"data.max_image_pixels must be at least {unit * unit}.")
     if d.tokenizer_path and check_paths:

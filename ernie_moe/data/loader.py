@@ -43,8 +43,40 @@ def build_datasets(cfg):
         held_out = synthetic.SyntheticShapes(cfg.training.seed, "eval", d.num_eval_samples, d.image_size,
                                              d.blank_images)
         return train, held_out if d.num_eval_samples else None
-    return (JsonlDataset(d.train_path, d.max_image_pixels),
-            JsonlDataset(d.eval_path, d.max_image_pixels) if d.eval_path else None)
+    sources = [JsonlDataset(path, d.max_image_pixels) for path in d.train_files]
+    train = sources[0] if len(sources) == 1 else MixedDataset(sources, d.train_probs, cfg.training.seed)
+    return train, JsonlDataset(d.eval_path, d.max_image_pixels) if d.eval_path else None
+
+
+class MixedDataset:
+    """Several data sets as one. With ``probs``, sample ``i`` is drawn from source ``s`` with probability
+    ``probs[s]`` (normalised) and is a random sample of it, with replacement: a function of (seed, i) only, so
+    any layout reads the same global batches. Without, the sources follow one another."""
+
+    def __init__(self, sources: list, probs: list[float], seed: int):
+        self.sources, self.seed = sources, seed
+        self.starts = np.cumsum([0] + [len(s) for s in sources])
+        self.probs = np.asarray(probs, np.float64) / np.sum(probs) if probs else None
+        if self.probs is not None:
+            empty = [s.path for s, p in zip(sources, self.probs) if p > 0 and len(s) == 0]
+            if empty:
+                raise DataError(f"data.train_path '{empty[0]}' holds no records but its data.train_probs is not 0")
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def source_of(self, index: int) -> tuple[int, int]:
+        """(source, index in it) of sample ``index``."""
+        if self.probs is None:
+            source = int(np.searchsorted(self.starts, index, side="right") - 1)
+            return source, index - int(self.starts[source])
+        rng = np.random.default_rng([self.seed, 0x6D6978, index])  # a stream of its own ("mix")
+        source = int(rng.choice(len(self.sources), p=self.probs))
+        return source, int(rng.integers(len(self.sources[source])))
+
+    def __getitem__(self, index: int):
+        source, inner = self.source_of(index)
+        return self.sources[source][inner]
 
 
 def sample_order(seed: int, epoch: int, size: int) -> np.ndarray:

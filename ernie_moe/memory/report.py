@@ -34,7 +34,8 @@ def size(nbytes: float) -> str:
 def workload_source(cfg, data_world: int, image_fraction: float):
     """``micro_batch -> Workload``: sampled from the data when it is available, else assumed."""
     d = cfg.data
-    available = d.dataset == "synthetic" or Path(d.train_path).is_file()
+    files = d.train_files
+    available = d.dataset == "synthetic" or bool(files) and all(Path(f).is_file() for f in files)
 
     @functools.cache  # the layout search asks again for each candidate: sample each size once
     def for_micro_batch(micro_batch: int) -> Workload:
