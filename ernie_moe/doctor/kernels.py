@@ -1,0 +1,137 @@
+"""Each computation the model runs, on this device and in each dtype it trains in, against a plain NumPy
+reference (float64) on small random inputs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+from ..model.attention import causal_document_mask, core_attention
+from ..model.init import init_layer
+from ..model.layers import RMSNorm, SwiGLUMLP
+from ..model.rope import apply_rotary, rope_angles
+from ..model.single_device import SingleDevicePlan
+from ..moe.dispatcher import LocalDispatcher
+
+# largest difference allowed, relative to the reference's largest magnitude; float32 matmuls on GPUs may run in
+# TF32 (10-bit mantissa)
+TOLERANCE = {"float32": 1e-5, "float32 (TF32 matmuls)": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
+
+
+@dataclass
+class Check:
+    name: str
+    dtype: str
+    difference: float  # largest |ours - reference| / max(|reference|, 1)
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.difference <= self.tolerance)
+
+
+def _tensor(array: np.ndarray, dtype: str) -> paddle.Tensor:
+    return paddle.to_tensor(array.astype(np.float32)).astype(dtype)
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def attention(rng, dtype):
+    q, k, v = (rng.standard_normal(shape) for shape in ([2, 6, 4, 8], [2, 6, 2, 8], [2, 6, 2, 8]))
+    docs = np.array([[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 1]])
+    allowed = causal_document_mask(paddle.to_tensor(docs))
+    ours = core_attention(*(_tensor(a, dtype) for a in (q, k, v)), allowed)
+    kk, vv = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, kk) / math.sqrt(8)
+    scores = np.where(allowed.numpy(), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return ours, np.einsum("bhqk,bkhd->bqhd", probs, vv)
+
+
+def rms_norm(rng, dtype):
+    x, w = rng.standard_normal([3, 5, 16]), rng.standard_normal(16)
+    norm = RMSNorm(16, 1e-6)
+    norm.weight.set_value(_tensor(w, "float32"))
+    return norm(_tensor(x, dtype)), x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6) * w
+
+
+def swiglu(rng, dtype):
+    mlp = init_layer(SwiGLUMLP(SingleDevicePlan(0.2), 16, 24), seed=int(rng.integers(1 << 30)))
+    x = rng.standard_normal([7, 16])
+    mlp.to(dtype=dtype)
+    up_gate = mlp.up_gate_proj.weight.astype("float32").numpy().astype(np.float64)
+    down = mlp.down_proj.weight.astype("float32").numpy().astype(np.float64)
+    gate, up = np.split(x @ up_gate, 2, axis=-1)
+    return mlp(_tensor(x, dtype)), (_silu(gate) * up) @ down
+
+
+def rotary(rng, dtype):
+    x, pos = rng.standard_normal([2, 7, 3, 16]), rng.integers(0, 50, size=[2, 7, 3])
+    ours = apply_rotary(_tensor(x, dtype), rope_angles(paddle.to_tensor(pos), 16, 10000.0, t_slots=2))
+    half = 8
+    axis = [0 if i >= half - 2 else 1 + i % 2 for i in range(half)]
+    angle = pos[..., axis] * 10000.0 ** (-(2.0 * np.arange(half)) / 16)
+    cos, sin = np.cos(angle)[:, :, None], np.sin(angle)[:, :, None]
+    ref = np.empty_like(x)
+    ref[..., 0::2] = x[..., 0::2] * cos - x[..., 1::2] * sin
+    ref[..., 1::2] = x[..., 0::2] * sin + x[..., 1::2] * cos
+    return ours, ref
+
+
+def dispatch_and_combine(rng, dtype):
+    """Top-2 of 4 experts, expert j multiplying its rows by j + 1: each token's weighted sum."""
+    x = rng.standard_normal([9, 8])
+    experts = np.stack([rng.permutation(4)[:2] for _ in range(9)])
+    weights = rng.random([9, 2])
+    dispatcher = LocalDispatcher()
+    inputs, state = dispatcher.dispatch(_tensor(x, dtype), paddle.arange(9), paddle.to_tensor(experts),
+                                        paddle.to_tensor(weights.astype(np.float32)), 4, None)
+    ours = dispatcher.combine([rows * (j + 1) for j, rows in enumerate(inputs)], state, 9)
+    return ours, x * ((experts + 1) * weights).sum(axis=1, keepdims=True)
+
+
+def loss(rng, dtype):
+    logits, labels = rng.standard_normal([2, 5, 11]) * 3, rng.integers(0, 11, size=[2, 5])
+    labels[0, :2] = -100
+    ours = SingleDevicePlan().cross_entropy_sum(_tensor(logits, dtype), paddle.to_tensor(labels))
+    top = logits.max(-1, keepdims=True)
+    log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    kept = labels != -100
+    return ours, -np.take_along_axis(log_probs, np.where(kept, labels, 0)[..., None], -1)[..., 0][kept].sum()
+
+
+CHECKS = {"attention": attention, "rms_norm": rms_norm, "swiglu": swiglu, "rotary embedding": rotary,
+          "expert dispatch and combine": dispatch_and_combine, "loss": loss}
+
+
+def _on_gpu() -> bool:
+    return paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+
+
+def device_dtypes() -> list[str]:
+    """float32 everywhere; bfloat16 and float16 on a GPU that has them."""
+    dtypes = ["float32"]
+    if _on_gpu():
+        if paddle.amp.is_bfloat16_supported():
+            dtypes.append("bfloat16")
+        if paddle.amp.is_float16_supported():
+            dtypes.append("float16")
+    return dtypes
+
+
+def run_checks(dtypes: list[str], seed: int = 0) -> list[Check]:
+    checks = []
+    for name, make in CHECKS.items():
+        for dtype in dtypes:
+            ours, reference = make(np.random.default_rng(seed), dtype)
+            ours = ours.astype("float32").numpy().astype(np.float64)
+            scale = max(float(np.abs(reference).max()), 1.0)
+            tolerance = TOLERANCE["float32 (TF32 matmuls)" if dtype == "float32" and _on_gpu() else dtype]
+            checks.append(Check(name, dtype, float(np.abs(ours - reference).max()) / scale, tolerance))
+    return checks

@@ -1,0 +1,40 @@
+"""The self-check users run on their machines: it passes here, and it fails when a computation is wrong."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+import ernie_moe.doctor.kernels as kernels
+from ernie_moe.doctor.__main__ import main
+from ernie_moe.model.attention import core_attention
+from ernie_moe.model.layers import RMSNorm
+
+
+def test_every_computation_matches_its_reference_here(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "6 of 6 checks passed" in out and "FAIL" not in out
+
+
+@pytest.mark.parametrize("broken", ["attention", "rms_norm"])
+def test_a_broken_computation_fails_the_doctor(monkeypatch, capsys, broken):
+    if broken == "attention":  # the packed-document mask ignored
+        monkeypatch.setattr(kernels, "core_attention", lambda q, k, v, allowed: core_attention(
+            q, k, v, allowed.logical_or(allowed.logical_not())))
+    else:  # an epsilon far too large
+        monkeypatch.setattr(kernels, "RMSNorm", lambda dim, eps: RMSNorm(dim, eps * 1e5))
+    assert main([]) == 1
+    failed = [line for line in capsys.readouterr().out.splitlines() if "FAIL" in line]
+    assert len(failed) == 1 and failed[0].startswith(f"| {broken} |")
+
+
+@pytest.mark.slow
+def test_the_layout_checks_pass_here(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "ernie_moe.doctor", "--layouts", "--workdir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for layout in ("data parallel x2", "tensor parallel x2", "expert parallel x2", "pipeline x2"):
+        assert f"| {layout} | float32 |" in done.stdout
+    assert "10 of 10 checks passed" in done.stdout
