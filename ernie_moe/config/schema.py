@@ -209,6 +209,8 @@ class LoggingConfig:
     visualdl: bool = opt(True, "write VisualDL scalars, histograms and images under output_dir/visualdl")
     progress_bar: bool = opt(True, "tqdm progress bar on rank 0")
     monitor: bool = opt(True, "expert-balance, memory and FLOPs metrics (off: losses, lr, speed only)")
+    time_breakdown: bool = opt(True, "time/... metrics: where each step's time goes (data, forward, backward, "
+                                     "collectives, gradient sync, optimizer)")
     imbalance_warn_ratio: float = opt(1.15, "warn when a layer's max/mean expert load stays above this")
     imbalance_warn_windows: int = opt(5, "... for this many logging windows in a row")
     memory_warn_fraction: float = opt(0.9, "warn when a rank's peak memory passes this fraction of the device")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from ..timing import COMMUNICATION
 from .alerts import Alerts
 from .expert_balance import layer_windows, summarize
 from .flops import FlopsCounter, hardware_peak
@@ -65,6 +66,7 @@ class TrainingMonitor:
             "samples_per_sec": total("rows") / elapsed,
             "step_time_s": elapsed / steps,
         }
+        metrics.update(time_breakdown(results, elapsed))
         for moe in self.model.moe_layers():
             moe.stats.all_reduce(lambda t: self.env.all_reduce_sum(t, self.env.data_group))
         # every stage's layers reach rank 0
@@ -108,3 +110,20 @@ class TrainingMonitor:
 
     def close(self) -> None:
         self.logger.close()
+
+
+def time_breakdown(results: list, elapsed: float) -> dict:
+    """``time/<part>_s`` (mean seconds per step), ``time/other_s`` (what no part covers) and
+    ``time/communication_share`` (collectives, gradient synchronisation and the step's reductions)."""
+    parts: dict[str, float] = {}
+    for result in results:
+        for name, seconds in result.times.items():
+            parts[name] = parts.get(name, 0.0) + seconds
+    if not parts:
+        return {}
+    steps = len(results)
+    out = {f"time/{name}_s": seconds / steps for name, seconds in sorted(parts.items())}
+    out["time/other_s"] = (elapsed - sum(parts.values())) / steps
+    communication = sum(seconds for name, seconds in parts.items() if name in COMMUNICATION)
+    out["time/communication_share"] = communication / elapsed if elapsed else 0.0
+    return out

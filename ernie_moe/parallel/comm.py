@@ -6,15 +6,17 @@ import paddle
 import paddle.distributed as dist
 from paddle.autograd import PyLayer
 
+from ..timing import part
 from . import cpu_fallbacks
 
 
 def _exchange(x: paddle.Tensor, in_splits: list[int], out_splits: list[int], group) -> paddle.Tensor:
-    if dist.get_backend(group) == "GLOO":
-        return cpu_fallbacks.all_to_all_single(x, in_splits, out_splits, group)
-    out = paddle.empty([sum(out_splits)] + x.shape[1:], dtype=x.dtype)
-    dist.alltoall_single(out, x.contiguous(), in_splits, out_splits, group=group)
-    return out
+    with part("expert_all_to_all"):
+        if dist.get_backend(group) == "GLOO":
+            return cpu_fallbacks.all_to_all_single(x, in_splits, out_splits, group)
+        out = paddle.empty([sum(out_splits)] + x.shape[1:], dtype=x.dtype)
+        dist.alltoall_single(out, x.contiguous(), in_splits, out_splits, group=group)
+        return out
 
 
 class AllToAll(PyLayer):
@@ -36,16 +38,18 @@ def all_to_all(x: paddle.Tensor, in_splits: list[int], out_splits: list[int], gr
 
 
 # ---------------------------------------------------------------- tensor-parallel regions (Megatron's f and g)
-def _all_reduce(x: paddle.Tensor, group) -> paddle.Tensor:
-    out = x.clone()
-    dist.all_reduce(out, group=group)
-    return out
+def _all_reduce(x: paddle.Tensor, group, timed_as: str = "tensor_parallel_comm") -> paddle.Tensor:
+    with part(timed_as):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
 
 
 def _all_gather(x: paddle.Tensor, axis: int, group) -> paddle.Tensor:
-    parts: list[paddle.Tensor] = []
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return paddle.concat(parts, axis=axis)
+    with part("tensor_parallel_comm"):
+        parts: list[paddle.Tensor] = []
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return paddle.concat(parts, axis=axis)
 
 
 def _own_chunk(x: paddle.Tensor, axis: int, group) -> paddle.Tensor:
@@ -53,12 +57,13 @@ def _own_chunk(x: paddle.Tensor, axis: int, group) -> paddle.Tensor:
 
 
 def _reduce_scatter(x: paddle.Tensor, axis: int, group) -> paddle.Tensor:
-    if dist.get_backend(group) == "GLOO":
-        return cpu_fallbacks.reduce_scatter(x, axis, group)
-    chunks = [c.contiguous() for c in paddle.split(x, group.nranks, axis=axis)]
-    out = paddle.empty_like(chunks[group.rank])
-    dist.reduce_scatter(out, chunks, group=group)
-    return out
+    with part("tensor_parallel_comm"):
+        if dist.get_backend(group) == "GLOO":
+            return cpu_fallbacks.reduce_scatter(x, axis, group)
+        chunks = [c.contiguous() for c in paddle.split(x, group.nranks, axis=axis)]
+        out = paddle.empty_like(chunks[group.rank])
+        dist.reduce_scatter(out, chunks, group=group)
+        return out
 
 
 class CopyToGroup(PyLayer):
@@ -96,7 +101,7 @@ class SumOverRanks(PyLayer):
     @staticmethod
     def forward(ctx, x, group):
         ctx.ranks = group.nranks
-        return _all_reduce(x, group)
+        return _all_reduce(x, group, timed_as="router_stats_comm")
 
     @staticmethod
     def backward(ctx, grad):

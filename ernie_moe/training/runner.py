@@ -20,6 +20,7 @@ from ..data import collate
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_expert
 from ..parallel import build_plan
 from ..parallel.pipeline import ErniePipeline, stage_inputs
+from ..timing import part
 from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
 
 
@@ -63,11 +64,12 @@ class PlainRunner:
         for i, batch in enumerate(micro_batches):
             sync_later = self.wrapped and i < len(micro_batches) - 1
             with self.fleet_model.no_sync() if sync_later else contextlib.nullcontext():
-                with self.precision.autocast():
+                with part("forward"), self.precision.autocast():
                     out = self.fleet_model(batch)
                 # Shared gradients are averaged over the data ranks afterwards, hence their number as a factor.
                 loss = out.loss_sum * (self.env.data_world / denominator) + out.router_loss / len(micro_batches)
-                self.precision.scale(loss).backward()
+                with part("backward"):  # with fleet's data-parallel wrapper, its gradient all-reduce too
+                    self.precision.scale(loss).backward()
             lm_sum += float(out.loss_sum)
             router_sum += float(out.router_loss)
         return lm_sum, router_sum
@@ -109,7 +111,7 @@ class PipelineRunner(PlainRunner):
         if self.env.virtual_stages > 1:
             self.fleet_model.set_virtual_pipeline_rank(0)
         scaler = self.precision if self.precision.loss_scale != 1.0 else None  # fleet calls .scale()
-        with self.precision.autocast():
+        with part("pipeline_schedule"), self.precision.autocast():  # forward, backward, send/receive, bubble
             self.fleet_model.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), scaler)
         totals = self.sum_over_stages(paddle.to_tensor([loss.lm_sum, loss.router_sum], dtype="float64"))
         lm_sum, router_sum = totals.numpy().tolist()

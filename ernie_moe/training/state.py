@@ -3,7 +3,7 @@ memory guard changed, and the result of each step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -41,7 +41,8 @@ class StepResult:
     grad_norm_non_expert: float | None = None
     loss_scale: float = 1.0
     flops: float = 0.0
-    time: float = 0.0  # seconds
+    time: float = 0.0  # seconds, from reading the data to the cleared gradients
+    times: dict[str, float] = field(default_factory=dict)  # seconds of each timed part (``ernie_moe.timing``)
     memory_guard_rungs: int = 0  # rungs the memory guard took in this step
 
     @property

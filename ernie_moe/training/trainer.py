@@ -21,6 +21,7 @@ from ..model.recompute import apply_recompute
 from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
 from ..parallel import init_distributed, sync_gradients
+from ..timing import STEP_TIMES, part
 from .memory_guard import MemoryGuard, is_out_of_memory
 from .optimizer import build_optimizer, clip_grad_norm, split_experts
 from .precision import NonFiniteGradients, Precision
@@ -36,6 +37,7 @@ class Trainer:
         self.cfg = cfg
         t = cfg.training
         self.env = init_distributed(cfg.parallel, t)
+        STEP_TIMES.enabled = cfg.logging.time_breakdown
         claim_output_dir(t, self.env)
         self.run = Run.begin(self.env)
         check_memory(cfg, self.env)
@@ -157,11 +159,16 @@ class Trainer:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches. An out-of-memory error runs
         the step again on the memory guard's next rung; a step whose peak passes its limit moves to the next
         rung for the following steps."""
-        rows = None if micro_batches is not None else self._next_rows()
+        started = time.perf_counter()
+        STEP_TIMES.pop()
+        with part("data"):
+            rows = None if micro_batches is not None else self._next_rows()
         changes = []
         while True:
             try:
-                result = self._step(micro_batches or [collate(r) for r in rows])
+                with part("data"):
+                    batches = micro_batches or [collate(r) for r in rows]
+                result = self._step(batches)
                 break
             except Exception as err:
                 rung = self.guard.step_down(self.state, f"out of memory in step {self.step}") \
@@ -181,6 +188,7 @@ class Trainer:
             if rung.halved:
                 self._cut_batches()
         result.memory_guard_rungs = len(changes)
+        result.time, result.times = time.perf_counter() - started, STEP_TIMES.pop()
         return result
 
     def _announce(self, change: str) -> None:
@@ -189,11 +197,19 @@ class Trainer:
         self.monitor.text("memory_guard", change)
 
     def _step(self, micro_batches) -> StepResult:
-        t = self.cfg.training
-        started = time.time()
         result = self.forward_backward(micro_batches)
-        env = self.env
-        sync_gradients(self.param_groups, env)
+        with part("gradient_sync"):
+            sync_gradients(self.param_groups, self.env)
+        with part("optimizer"):
+            self._update(result)
+        result.loss_scale = self.precision.loss_scale
+        result.rows = self.global_rows * len(micro_batches)
+        result.flops = self.monitor.step_flops(micro_batches)
+        return result
+
+    def _update(self, result: StepResult) -> None:
+        """Unscale, clip and step (or skip a step with non-finite gradients), then clear the gradients."""
+        t, env = self.cfg.training, self.env
         self.precision.unscale(p for params in self.param_groups.values() for p in params)
         norms = clip_grad_norm(
             self.param_groups, t.max_grad_norm,
@@ -211,22 +227,20 @@ class Trainer:
             for moe in self.model.moe_layers():
                 moe.stats.pop_usage()
         self.optimizer.clear_grad()
-        result.loss_scale = self.precision.loss_scale
-        result.rows = self.global_rows * len(micro_batches)
-        result.flops, result.time = self.monitor.step_flops(micro_batches), time.time() - started
-        return result
 
     def forward_backward(self, micro_batches) -> StepResult:
         """Accumulate the step's gradients; returns the step's loss sums and token counts over all ranks."""
         env = self.env
         counts = paddle.to_tensor([[float((b.labels != IGNORE_INDEX).sum()), float((b.token_type_ids >= 0).sum())]
                                    for b in micro_batches], dtype="float64").sum(axis=0)
-        label_tokens, tokens = env.all_reduce_sum(counts, env.data_group).numpy().tolist()
+        with part("step_reduce"):
+            label_tokens, tokens = env.all_reduce_sum(counts, env.data_group).numpy().tolist()
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.
         denominator = self._loss_denominator(label_tokens)
         lm_sum, router_sum = self.runner.forward_backward(micro_batches, denominator)
         totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches)], dtype="float64")
-        lm_sum, router_mean = env.all_reduce_sum(totals, env.data_group).numpy().tolist()
+        with part("step_reduce"):
+            lm_sum, router_mean = env.all_reduce_sum(totals, env.data_group).numpy().tolist()
         return StepResult(lm_loss_sum=lm_sum, label_tokens=label_tokens, router_loss=router_mean / env.data_world,
                           tokens=tokens)
 

@@ -1,0 +1,60 @@
+"""Where the default config's step time goes, and what measuring it costs.
+
+    python benchmarks/bench_time_breakdown.py [--steps 40] [--rounds 3] [section.key=value ...]
+
+One training process. Rounds of ``--steps`` steps alternate the breakdown on and off in the same trainer, so
+that drift in machine load hits both; the ratio compares the fastest round of each. Then the mean seconds of
+each part over the breakdown's rounds, and the share of the step the named parts cover.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections import defaultdict
+
+from ernie_moe.config import load_config
+from ernie_moe.timing import STEP_TIMES
+from ernie_moe.training import Trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(load_config("configs/vl_moe.yaml", [
+            f"training.output_dir={out}", "data.num_eval_samples=0", "logging.progress_bar=false",
+            "logging.visualdl=false", *args.overrides]))
+        for _ in range(5):  # warm-up
+            trainer.train_step()
+        rounds, parts, steps_timed = {True: [], False: []}, defaultdict(float), 0
+        for _ in range(args.rounds):
+            for on in (True, False):
+                STEP_TIMES.enabled = on
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    result = trainer.train_step()
+                    if on:
+                        steps_timed += 1
+                        for name, seconds in result.times.items():
+                            parts[name] += seconds
+                rounds[on].append((time.perf_counter() - start) / args.steps)
+    on, off = min(rounds[True]), min(rounds[False])
+    print(f"{args.steps} steps per round, fastest of {args.rounds} rounds each")
+    print(f"breakdown on    {on * 1e3:8.1f} ms per step")
+    print(f"breakdown off   {off * 1e3:8.1f} ms per step")
+    print(f"on / off        {on / off:8.3f}")
+    step = sum(rounds[True]) / len(rounds[True])
+    print("\npart                  ms per step   share")
+    for name, seconds in sorted(parts.items(), key=lambda item: -item[1]):
+        print(f"{name:<20} {seconds / steps_timed * 1e3:12.2f}   {seconds / steps_timed / step:6.1%}")
+    covered = sum(parts.values()) / steps_timed / step
+    print(f"the named parts cover {covered:.1%} of the step")
+
+
+if __name__ == "__main__":
+    main()

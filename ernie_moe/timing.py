@@ -1,0 +1,53 @@
+"""Where a step's time goes: named parts timed by exclusive wall time (a part nested in another, such as a
+collective inside the forward pass, is counted once, in the inner part). The trainer times consecutive
+phases of the step; the collectives time themselves through :func:`part`."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+
+import paddle
+
+# the parts that are communication
+COMMUNICATION = ("tensor_parallel_comm", "expert_all_to_all", "router_stats_comm", "gradient_sync", "step_reduce")
+
+
+class StepTimes:
+    def __init__(self):
+        self.enabled = False
+        self.totals: dict[str, float] = defaultdict(float)
+        self._open: list[list] = []  # [name, time spent in parts nested inside it]
+        # kernels run asynchronously on GPUs: a part ends when the device has finished its work
+        self._synchronize = paddle.device.synchronize if paddle.is_compiled_with_cuda() else (lambda: None)
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        self._synchronize()
+        start = time.perf_counter()
+        self._open.append([name, 0.0])
+        try:
+            yield
+        finally:
+            self._synchronize()
+            elapsed = time.perf_counter() - start
+            _, nested = self._open.pop()
+            self.totals[name] += elapsed - nested
+            if self._open:
+                self._open[-1][1] += elapsed
+
+    def pop(self) -> dict[str, float]:
+        """The seconds of each part since the last pop."""
+        totals, self.totals = dict(self.totals), defaultdict(float)
+        return totals
+
+
+STEP_TIMES = StepTimes()  # one per process: the collectives deep inside the model report here
+
+
+def part(name: str):
+    return STEP_TIMES.part(name)
