@@ -35,7 +35,7 @@ def forward_cached(model, inputs: tuple, cache: KVCache) -> paddle.Tensor:
     # token i of the new ones sees every cached token and the new ones up to itself
     allowed = (paddle.arange(past + new)[None, :] <= past + paddle.arange(new)[:, None])[None, None]
     x = inputs
-    for block in model.blocks():
+    for block in model.trunk():
         if isinstance(block, DecoderLayer):
             hidden, router_loss, token_type_ids, position_ids, doc_ids = x
             angles = block.attention_inputs.angles(position_ids)
@@ -44,5 +44,4 @@ def forward_cached(model, inputs: tuple, cache: KVCache) -> paddle.Tensor:
         else:
             x = block(x)
     cache.length += new
-    logits, _ = model.tied(model.blocks()[0], x) if model.tied else x
-    return logits
+    return model.head(x[0])

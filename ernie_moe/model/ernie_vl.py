@@ -74,9 +74,13 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
     def blocks(self) -> list[nn.Layer]:
         return list(self._ordered)
 
+    def trunk(self) -> list[nn.Layer]:
+        """The blocks before the head: their output is ``(final hidden states, router loss)``."""
+        return list(self._ordered if self.tied else self._ordered[:-1])
+
     def forward(self, batch: Batch, return_logits: bool = False) -> ModelOutput:
         x = block_inputs(batch)
-        for block in self._ordered if self.tied else self._ordered[:-1]:
+        for block in self.trunk():
             x = block(x)
         hidden, router_loss = x
         num_label_tokens = int((batch.labels != IGNORE_INDEX).sum())
