@@ -1,9 +1,12 @@
 """Write a model folder as PaddleFormers' ``from_pretrained`` reads it (Hugging Face layout).
 
     python -m ernie_moe.export SOURCE OUTPUT [--model-type ernie4_5_moe_vl|ernie4_5_moe|ernie4_5]
+    python -m ernie_moe.export ADAPTER OUTPUT --merge-lora [--base BASE]
 
 SOURCE is a training checkpoint (``checkpoint-<step>``), a final model, or any folder that
-``training.model_name_or_path`` reads. Tensors are read and converted one at a time and written in shards of at
+``training.model_name_or_path`` reads. With ``--merge-lora``, ADAPTER is a LoRA run's final model (its
+adapter): the output is the base model it refers to (or ``--base``) with ``A B * scaling`` added to each
+adapted weight. Tensors are read and converted one at a time and written in shards of at
 most ``--max-shard-size-gb``; the tokenizer files are copied. The text model types leave out the vision side.
 """
 
@@ -22,6 +25,7 @@ from .checkpoint.model_files import model_config_dict
 from .config.load import ConfigError, build
 from .config.model_folder import model_config_from
 from .config.schema import ModelConfig
+from .finetune.adapter_files import adapter_base, merged_weight, read_adapter
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "tokenizer.json")
@@ -40,9 +44,11 @@ def model_names(source_names) -> list[str]:
     return names
 
 
-def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 5 * 2 ** 30) -> dict:
+def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 5 * 2 ** 30,
+           adapter_dir=None) -> dict:
     source = SourceCheckpoint(source_dir)
     cfg = build(ModelConfig, model_config_from(source_dir), "model")
+    adapter = read_adapter(adapter_dir) if adapter_dir is not None else None
     config = model_config_dict(cfg, hf_layout=True, model_type=model_type, base=source.config)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -62,6 +68,8 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
         names.remove("lm_head.weight")  # a copy of the embedding that a tied model does not read
     for name in names:
         value, _ = source.paddle_tensor(name)
+        if adapter is not None:
+            value = merged_weight(name, value, adapter, cfg)
         for hf_name, array in to_hf(name, value, cfg, model_type):
             shard[hf_name] = array
             size += array.nbytes
@@ -88,9 +96,14 @@ def main(argv=None) -> int:
     parser.add_argument("output", help="folder to write")
     parser.add_argument("--model-type", default=VL, choices=MODEL_TYPES)
     parser.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    parser.add_argument("--merge-lora", action="store_true", help="SOURCE is a LoRA adapter: merge it into its base")
+    parser.add_argument("--base", help="with --merge-lora: the base model folder (default: the one the adapter names)")
     args = parser.parse_args(argv)
     try:
-        done = export(args.source, args.output, args.model_type, int(args.max_shard_size_gb * 2 ** 30))
+        source, adapter = args.source, None
+        if args.merge_lora:
+            source, adapter = adapter_base(args.source, args.base), args.source
+        done = export(source, args.output, args.model_type, int(args.max_shard_size_gb * 2 ** 30), adapter)
     except (CheckpointError, ConfigError, ValueError, OSError) as err:
         print(f"export error: {err}", file=sys.stderr)
         return 2

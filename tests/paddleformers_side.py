@@ -6,6 +6,8 @@ libraries the rest of the suite uses).
     python paddleformers_side.py dump KIND DIR OUT  # from_pretrained(DIR), in-memory state -> OUT (.npz)
     python paddleformers_side.py logits DIR IDS OUT # dense model's forward logits on IDS (.npy) -> OUT (.npy)
     python paddleformers_side.py generate DIR IDS N OUT  # dense model's greedy generate(): N new tokens per row
+    python paddleformers_side.py lora_logits KIND DIR ADAPTER IDS OUT  # logits of DIR with LoRAModel.from_pretrained
+    python paddleformers_side.py lora_dump KIND DIR ADAPTER OUT  # the LoRA tensors LoRAModel.from_pretrained holds
 """
 
 import json
@@ -83,6 +85,27 @@ def generate(directory, ids, new_tokens, out):
     np.save(out, np.stack(rows))
 
 
+def lora_model(kind, directory, adapter):
+    from paddleformers.peft import LoRAModel
+
+    _, model_cls, _ = classes(kind)
+    return LoRAModel.from_pretrained(model_cls.from_pretrained(directory, convert_from_hf=True), adapter)
+
+
+def lora_dump(kind, directory, adapter, out):
+    state = lora_model(kind, directory, adapter).get_trainable_state_dict()
+    np.savez(out, **{k: v.astype("float32").numpy() for k, v in state.items()})
+
+
+def lora_logits(kind, directory, adapter, ids, out):
+    model = lora_model(kind, directory, adapter)
+    model.eval()
+    with paddle.no_grad():
+        result = model(input_ids=paddle.to_tensor(np.load(ids)))
+    np.save(out, (result.logits if hasattr(result, "logits") else result[0]).astype("float32").numpy())
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"make": make, "dump": dump, "logits": logits, "generate": generate}[command](*args)
+    {"make": make, "dump": dump, "logits": logits, "generate": generate, "lora_logits": lora_logits,
+     "lora_dump": lora_dump}[command](*args)

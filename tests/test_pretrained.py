@@ -236,3 +236,49 @@ def test_training_starts_from_a_paddleformers_checkpoint_and_ends_in_its_format(
                           f"training.model_name_or_path={tmp_path / 'missing'}"], cwd=ROOT, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "has no config.json" in bad.stderr
+
+
+def train_lora(base, out):
+    done = subprocess.run(
+        [sys.executable, "run_trainer.py", "--config", "configs/finetune_ernie45_vl.yaml",
+         f"training.model_name_or_path={base}", f"training.output_dir={out}", "model.im_patch_id=4",
+         "data.dataset=synthetic", "data.max_seq_len=64", "data.image_size=56", "training.max_steps=3",
+         "training.eval_steps=0", "training.per_device_train_batch_size=2", "data.num_eval_samples=8",
+         "logging.progress_bar=false", "training.fine_tuning=lora", "training.learning_rate=1e-2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out / "final_model"
+
+
+def test_a_lora_adapter_trained_here_gives_paddleformers_lora_logits(sources, tmp_path):
+    """PaddleFormers' ``LoRAModel.from_pretrained`` reads the adapter of a LoRA run on its dense model and
+    computes our logits."""
+    from ernie_moe.generation.model_folder import load_model_folder
+
+    adapter = train_lora(sources / "dense" / "hf", tmp_path / "run")
+    ids = np.random.default_rng(0).integers(6, 90, [2, 12])
+    np.save(tmp_path / "ids.npy", ids)
+    paddleformers("lora_logits", "dense", sources / "dense" / "hf", adapter, tmp_path / "ids.npy",
+                  tmp_path / "theirs.npy", cwd=tmp_path)
+    with paddle.no_grad():
+        ours = load_model_folder(adapter, need_tokenizer=False).model(text_batch(ids), return_logits=True).logits
+        base = load_model_folder(sources / "dense" / "hf", need_tokenizer=False).model(text_batch(ids),
+                                                                                      return_logits=True).logits
+    theirs = np.load(tmp_path / "theirs.npy")
+    assert np.abs(ours.numpy() - base.numpy()).max() > 1e-2  # the adapter changes the model
+    np.testing.assert_allclose(ours.numpy(), theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_paddleformers_loads_a_text_moe_adapter_trained_here(sources, tmp_path):
+    """On the text MoE every pair PaddleFormers' LoRA model expects (experts and shared experts included) is
+    read from the adapter, with our values; its MoE forward needs GPU-only dispatch kernels, so the logits
+    are compared on the dense model above."""
+    from ernie_moe.finetune.adapter_files import read_adapter
+
+    adapter = train_lora(sources / "moe" / "hf", tmp_path / "run")
+    paddleformers("lora_dump", "moe", sources / "moe" / "hf", adapter, tmp_path / "theirs.npz", cwd=tmp_path)
+    theirs = dict(np.load(tmp_path / "theirs.npz"))
+    _, ours = read_adapter(adapter)
+    assert set(theirs) == set(ours) and any(".mlp.experts.3." in k for k in theirs)
+    for name, value in ours.items():
+        np.testing.assert_array_equal(theirs[name], value, err_msg=name)

@@ -5,6 +5,8 @@
   writing rank plus ``optimizer.index.json``;
 - ``trainer_state.json``: step, data position, learning-rate schedule, the config of the run;
 - ``rng_state-<rank>.json``: each rank's Python, NumPy and Paddle random states;
+- for a LoRA run, ``base_model.json`` (the base model folder and its digest): the model files then hold only
+  what trains, the frozen base coming from that folder;
 - ``COMPLETE``: the run, the parent checkpoint and every file's SHA-256 (see ``lineage``).
 
 A checkpoint is written under ``checkpoint-<step>.tmp``, every file synced to the disk, and renamed once every
@@ -35,6 +37,7 @@ from .files import WrittenFiles, sha256_of, sync_folder
 from .lineage import MARKER, Checkpoint, Run, folder_for, marker_text, prune, read
 from .model_files import NUMPY_DTYPES, SafetensorsWriter, save_model
 
+BASE_FILE = "base_model.json"
 ADAM_STATES = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
 MASTER = "master_weight"
 
@@ -59,6 +62,7 @@ class TrainingParts:
     scheduler: object  # the learning-rate schedule (training.schedule)
     scaler: object  # loss scaling and skipped-step counts (training.precision.Precision)
     state: object  # the run's position, a dataclass of JSON values with ``step`` and ``consumed_rows``
+    base: dict | None = None  # a LoRA run's base model (``finetune.adapter_files.base_reference``)
 
 
 def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent: Checkpoint | None) -> Checkpoint:
@@ -77,7 +81,10 @@ def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent:
         tmp.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         written.fail(err)
-    save_model(parts.model, cfg.model, str(tmp), tokenizer, env, written=written)
+    only = {n for n, p in parts.model.stable_named_parameters() if not p.stop_gradient} if parts.base else None
+    save_model(parts.model, cfg.model, str(tmp), tokenizer, env, written=written, only=only)
+    if parts.base and env.is_main:
+        written.write(tmp / BASE_FILE, json.dumps(parts.base, indent=2))
     faults.hit("kill_during_save", step, env.rank)
     _save_optimizer(parts, env, tmp, step, written)
     written.write(tmp / f"rng_state-{env.rank:05d}.json", json.dumps(rng_state()))
@@ -237,12 +244,35 @@ class _Tensors:
             raise CheckpointError(f"cannot read tensor '{name}' from {path}: {err}") from err
 
 
+def _check_base(directory: Path, base: dict | None) -> dict | None:
+    """The base model a LoRA checkpoint was trained on, checked against this run's."""
+    path = directory / BASE_FILE
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        path_, digest = saved["path"], saved["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+    if base is None:
+        raise CheckpointError(f"{directory} is a LoRA run's checkpoint (only the adapter, on the base model "
+                              f"{path_}): resume it with training.fine_tuning: lora")
+    if digest != base["sha256"]:
+        raise CheckpointError(f"{directory} was trained on the base model {path_} (sha256 {digest[:12]}...); "
+                              f"training.model_name_or_path {base['path']} holds other weights "
+                              f"(sha256 {base['sha256'][:12]}...)")
+    return saved
+
+
 def load_checkpoint(parts: TrainingParts, directory: Path, env) -> dict:
     """Load model weights, optimizer state, schedule and loss scaling into this rank's layout; returns the
     saved ``trainer_state.json`` (the caller restores its state from it)."""
     weights = _Tensors(directory, "model.safetensors.index.json")
     named = parts.model.stable_named_parameters(include_tied_copy=True)
+    base = _check_base(directory, parts.base)
     for stable, param in named:
+        if base and param.stop_gradient:
+            continue  # the frozen base: loaded from training.model_name_or_path, checked by its digest
         value = shard_of(param, weights.get(stable))
         if list(value.shape) != list(param.shape):
             raise CheckpointError(f"tensor '{stable}' in {directory} has shape {list(value.shape)}; this model "

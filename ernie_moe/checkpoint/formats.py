@@ -147,18 +147,29 @@ class SourceCheckpoint:
             return None, False
         value = self.raw(name)
         if name.endswith("self_attn.qkv_proj.weight") and self.qkv_grouped:
-            return self._ungroup_qkv(value), True
+            heads = self.config["num_attention_heads"]
+            return ungroup_qkv(value, heads, self.config.get("num_key_value_heads") or heads), True
         text_router = is_router(name) and self.model_type != VL
         if self.hf_layout and (_is_linear(name, value.ndim) or text_router):
             return np.ascontiguousarray(value.T), True
         return value, False
 
-    def _ungroup_qkv(self, value: np.ndarray) -> np.ndarray:
-        kv = self.config.get("num_key_value_heads") or self.config["num_attention_heads"]
-        grouped = value.reshape([value.shape[0], kv, -1])
-        head_dim = grouped.shape[-1] // (self.config["num_attention_heads"] // kv + 2)
-        q, k, v = np.split(grouped, [grouped.shape[-1] - 2 * head_dim, grouped.shape[-1] - head_dim], axis=-1)
-        return np.concatenate([p.reshape([value.shape[0], -1]) for p in (q, k, v)], axis=1)
+
+def ungroup_qkv(value: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
+    """Columns of a fused q/k/v tensor ``[rows, out]`` from PaddleFormers' order (per key/value head: the
+    group's query heads, its key, its value) to this package's (every query head, every key, every value)."""
+    grouped = value.reshape([value.shape[0], kv_heads, -1])
+    head_dim = grouped.shape[-1] // (heads // kv_heads + 2)
+    q, k, v = np.split(grouped, [grouped.shape[-1] - 2 * head_dim, grouped.shape[-1] - head_dim], axis=-1)
+    return np.concatenate([p.reshape([value.shape[0], -1]) for p in (q, k, v)], axis=1)
+
+
+def group_qkv(value: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
+    """The inverse of :func:`ungroup_qkv`."""
+    rows, head_dim = value.shape[0], value.shape[1] // (heads + 2 * kv_heads)
+    q, k, v = np.split(value, [heads * head_dim, (heads + kv_heads) * head_dim], axis=1)
+    parts = [q.reshape([rows, kv_heads, -1]), k.reshape([rows, kv_heads, -1]), v.reshape([rows, kv_heads, -1])]
+    return np.concatenate(parts, axis=-1).reshape([rows, -1])
 
 
 def _normalise(name: str) -> str:

@@ -129,9 +129,12 @@ class SafetensorsWriter:
 
 
 def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_layout: bool = False,
-               written: WrittenFiles | None = None) -> Path:
+               written: WrittenFiles | None = None, only: set[str] | None = None, stem: str = "model",
+               convert=None) -> Path:
     """Write every parameter in full under its stable name, in the Paddle layout ([in, out] linears, fused
-    q/k/v and gate/up) or, with ``hf_layout``, the Hugging Face one.
+    q/k/v and gate/up) or, with ``hf_layout``, the Hugging Face one. ``only``: the stable names to write
+    (a LoRA run's adapter); ``stem`` names the files (``<stem>-0000k-of-0000n.safetensors``, ``<stem>.
+    safetensors.index.json``); ``convert(name, array) -> [(name, array)]`` replaces the layout conversion.
 
     Called on every rank. In each pipeline stage, rank r of the expert group holding the stage's lead rank
     writes a shard with its experts, the lead adding the stage's other parameters; without expert groups
@@ -148,10 +151,12 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
     in_group = group.rank if group is not None and lead in group.ranks else (0 if rank == lead else None)
     writer = None if in_group is None else stage * per_stage + in_group
     tp_group = env.tp_group if env else None
-    named = model.stable_named_parameters()
+    named = [(n, p) for n, p in model.stable_named_parameters() if only is None or n in only]
     mine = {name for name, _ in named if writer is not None and (rank == lead or is_expert(name))}
 
     def converted(name, array):
+        if convert is not None:
+            return convert(name, array)
         return to_hf(name, array, model_cfg) if hf_layout else [(name, array)]
 
     specs = []
@@ -163,7 +168,7 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
     file = None
     if writer is not None:
         out.mkdir(parents=True, exist_ok=True)
-        filename = f"model-{writer + 1:05d}-of-{writers:05d}.safetensors"
+        filename = f"{stem}-{writer + 1:05d}-of-{writers:05d}.safetensors"
         file = SafetensorsWriter(out / filename, specs, {"format": "pd"})
     for name, param in named:
         tensor = full_tensor(param, tp_group)  # a collective over the tensor-parallel group: every rank calls it
@@ -177,10 +182,10 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
     if env is not None:
         listing = env.all_gather_object(listing[0])
     if rank == 0:
-        weight_map = {name: f"model-{w + 1:05d}-of-{writers:05d}.safetensors"
+        weight_map = {name: f"{stem}-{w + 1:05d}-of-{writers:05d}.safetensors"
                       for w, names, _ in listing if w is not None for name in names}
         index = {"metadata": {"total_size": sum(size for _, _, size in listing)}, "weight_map": weight_map}
-        texts = {"model.safetensors.index.json": json.dumps(index, indent=2),
+        texts = {f"{stem}.safetensors.index.json": json.dumps(index, indent=2),
                  "config.json": json.dumps(model_config_dict(model_cfg, hf_layout), indent=2)}
         if written is None:
             for name, text in texts.items():

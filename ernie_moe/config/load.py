@@ -37,7 +37,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, not {type(raw).__name__}.")
     for item in overrides:
         _apply_override(raw, item)
-    _start_from_checkpoint(raw)
+    _start_from_checkpoint(raw, check_paths)
     cfg = build(Config, raw, "")
     from .validate import validate
 
@@ -59,12 +59,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _start_from_checkpoint(raw: dict) -> None:
+def _start_from_checkpoint(raw: dict, check_paths: bool = True) -> None:
     """With ``training.model_name_or_path`` the checkpoint's config.json describes the model; keys of the
-    ``model`` section override it. Its tokenizer is used unless ``data.tokenizer_path`` names another."""
+    ``model`` section override it. Its tokenizer is used unless ``data.tokenizer_path`` names another.
+    Without ``check_paths`` (the memory planner on another machine) a folder that is not there is skipped:
+    the model section describes the model."""
     training = raw.get("training")
     source = training.get("model_name_or_path") if isinstance(training, dict) else None
-    if not source or not isinstance(source, str):
+    if not source or not isinstance(source, str) or (not check_paths and not Path(source).exists()):
         return
     try:
         base = model_config_from(source)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The names training.lora_targets and training.freeze accept (finetune holds what each one selects).
+LORA_TARGET_GROUPS = ("attention", "mlp", "shared_experts", "text_experts", "vision_experts", "vit", "adapter")
+FREEZE_PARTS = ("vision", "adapter", "lm", "embedding", "head", "router")
+
 
 def choice(default, *options, doc=""):
     return field(default=default, metadata={"choices": options, "doc": doc})
@@ -180,6 +184,20 @@ class TrainingConfig:
     recompute_layers: int | list[int] = opt(0, "decoder layers that recompute: 0 = all, N = the first N, or a list")
     recompute_use_reentrant: bool = opt(True, "fleet recompute as a PyLayer (true) or through saved-tensor hooks "
                                               "(false: on Paddle 3.3 it does not lower the peak)")
+    fine_tuning: str = choice("full", "full", "lora", doc="what trains: every weight, or LoRA pairs beside the "
+                                                         "lora_targets linears with the base weights frozen")
+    lora_rank: int = opt(8, "LoRA: rank r of each pair (A [in, r], B [r, out])")
+    lora_alpha: float = opt(16.0, "LoRA: the pair's output is scaled by lora_alpha / r")
+    rslora: bool = opt(False, "LoRA: scale by lora_alpha / sqrt(r) (rank-stabilised LoRA)")
+    lora_dropout: float = opt(0.0, "LoRA: dropout on the pair's input")
+    lora_targets: list[str] = opt(["attention", "mlp", "shared_experts", "text_experts", "vision_experts"],
+                                  "LoRA: groups (attention, mlp, shared_experts, text_experts, vision_experts, "
+                                  "vit, adapter) or regular expressions matched in full against layer names "
+                                  "(model.layers.1.self_attn.qkv_proj)")
+    freeze: list[str] = opt([], "parts that do not train: vision, adapter, lm, embedding, head, router "
+                                "(ERNIEKit's freeze_vision = [vision])")
+    vit_lr_ratio: float = opt(1.0, "ViT learning rate = learning_rate x this")
+    visual_ld: float = opt(1.0, "layer-wise decay of the ViT learning rate: block i of D gets visual_ld^(D-i)")
     model_name_or_path: str = opt("", "start from this ERNIE 4.5 checkpoint folder (PaddleFormers, ERNIE Paddle or "
                                       "PaddleNLP form); its config.json gives the model, the model section "
                                       "overrides it; empty = random weights")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .load import ConfigError
-from .schema import Config, ModelConfig
+from .schema import FREEZE_PARTS, LORA_TARGET_GROUPS, Config, ModelConfig
 
 
 def validate(cfg: Config, check_paths: bool = True) -> None:
@@ -159,6 +160,31 @@ def _check_training(cfg: Config) -> None:
              "training.weight_decay, max_grad_norm and moe_gate_lr_ratio cannot be negative.")
     _require(t.eval_steps >= 0 and t.max_eval_batches >= 0 and t.token_balance_seqlen >= 0,
              "training.eval_steps, max_eval_batches and token_balance_seqlen cannot be negative.")
+    _check_fine_tuning(t)
+
+
+def _check_fine_tuning(t) -> None:
+    unknown = [p for p in t.freeze if p not in FREEZE_PARTS]
+    _require(not unknown, f"training.freeze names unknown parts {unknown}; choose from {', '.join(FREEZE_PARTS)}.")
+    _require(t.vit_lr_ratio > 0 and 0 < t.visual_ld <= 1,
+             f"training.vit_lr_ratio ({t.vit_lr_ratio}) must be positive and training.visual_ld ({t.visual_ld}) "
+             "in (0, 1].")
+    if t.fine_tuning != "lora":
+        return
+    _require(t.lora_rank >= 1, f"training.lora_rank must be at least 1, got {t.lora_rank}.")
+    _require(t.lora_alpha > 0, f"training.lora_alpha must be positive, got {t.lora_alpha}.")
+    _require(0 <= t.lora_dropout < 1, f"training.lora_dropout must be in [0, 1), got {t.lora_dropout}.")
+    _require(bool(t.lora_targets), "training.lora_targets is empty: LoRA needs at least one target.")
+    for target in t.lora_targets:
+        if target not in LORA_TARGET_GROUPS:
+            try:
+                re.compile(target)
+            except re.error as err:
+                raise ConfigError(f"training.lora_targets: {target!r} is neither a group "
+                                  f"({', '.join(LORA_TARGET_GROUPS)}) nor a regular expression: {err}") from None
+    _require(bool(t.model_name_or_path),
+             "training.fine_tuning 'lora' adapts a pretrained model: set training.model_name_or_path to its folder "
+             "(the adapter's checkpoints hold only the LoRA pairs and refer to that folder).")
 
 
 def _check_output_dir(output_dir: str) -> None:

@@ -1,5 +1,5 @@
-"""A model folder (a final model, a training checkpoint, a PaddleFormers ERNIE 4.5 folder) as a
-single-device model in evaluation mode, with its tokenizer."""
+"""A model folder (a final model, a training checkpoint, a PaddleFormers ERNIE 4.5 folder, a LoRA run's
+adapter) as a single-device model in evaluation mode, with its tokenizer."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ..config.load import build
 from ..config.model_folder import model_config_from
 from ..config.schema import ModelConfig
 from ..data.tokenizer import tokenizer_in
+from ..finetune.adapter_files import BASE, adapter_base, load_adapter
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_vision
 
 
@@ -31,15 +32,19 @@ def load_model_folder(directory, need_tokenizer: bool = True) -> LoadedModel:
     folder = Path(directory)
     if not folder.is_dir():
         raise CheckpointError(f"model folder '{folder}' does not exist")
-    cfg = build(ModelConfig, model_config_from(folder), "model")
+    adapter = folder if (folder / BASE).is_file() else None  # a LoRA adapter: its base, then its pairs
+    weights = Path(adapter_base(folder)) if adapter else folder
+    cfg = build(ModelConfig, model_config_from(weights), "model")
     paddle.seed(0)
     model = ErnieMoEForConditionalGeneration(cfg)
-    report = load_pretrained(model, folder)
+    report = load_pretrained(model, weights)
+    if adapter:
+        load_adapter(model, cfg, adapter)
     missing = report.get("new", [])
     text_only = bool(missing) and all(is_vision(name) for name in missing)
     if missing and not text_only:
         unexpected = [name for name in missing if not is_vision(name)]
-        raise CheckpointError(f"'{folder}' holds no weights for {len(unexpected)} of this model's parameters (e.g. "
+        raise CheckpointError(f"'{weights}' holds no weights for {len(unexpected)} of this model's parameters (e.g. "
                               f"{unexpected[0]}): not a complete model of the shape its config.json describes")
     model.eval()
     try:

@@ -43,6 +43,8 @@ def draw(rule: tuple, shape: list[int], rng: np.random.Generator) -> np.ndarray:
     if rule[0] == "xavier_uniform":
         limit = float(np.sqrt(6.0 / (shape[0] + shape[1])))
         return rng.uniform(-limit, limit, shape).astype("float32")
+    if rule[0] == "uniform":
+        return rng.uniform(-rule[1], rule[1], shape).astype("float32")
     raise ValueError(f"unknown init rule {rule}")
 
 

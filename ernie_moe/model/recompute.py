@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import paddle
 from paddle.distributed.fleet.utils import recompute
 
 GRANULARITIES = ("full", "full_attn", "core_attn", "moe")
@@ -87,6 +88,22 @@ def _wrap(owner, method: str, on: bool, use_reentrant: bool) -> None:
     def run(*args, **kwargs):
         if not owner.training:
             return plain(*args, **kwargs)
-        return recomputed(functools.partial(plain, **kwargs), *args, use_reentrant=use_reentrant)
+        return recomputed(functools.partial(plain, **kwargs), *_taking_gradient(args, owner),
+                          use_reentrant=use_reentrant)
 
     object.__setattr__(owner, method, run)
+
+
+def _taking_gradient(args: tuple, owner) -> tuple:
+    """fleet's recompute gives its outputs a gradient only when an input has one. Where no input needs one
+    (everything before the block frozen, as under LoRA) but the block trains, its first float input takes one."""
+    tensors = [a for a in args if isinstance(a, paddle.Tensor)]
+    if any(not t.stop_gradient for t in tensors) or all(p.stop_gradient for p in owner.parameters()):
+        return args
+    args = list(args)
+    for i, a in enumerate(args):
+        if isinstance(a, paddle.Tensor) and a.dtype in (paddle.float32, paddle.bfloat16, paddle.float16):
+            args[i] = a.detach()
+            args[i].stop_gradient = False
+            break
+    return tuple(args)

@@ -23,6 +23,7 @@ class MoEStatics(nn.Layer):
         self.e_score_correction_bias = self.create_parameter(
             [groups, max_experts], dtype="float32", default_initializer=nn.initializer.Constant(0.0))
         self.e_score_correction_bias.stop_gradient = True
+        self.frozen = False  # a run that freezes the routers keeps the bias too (fine_tuning, training.freeze)
 
 
 class MoELayer(nn.Layer):
@@ -157,7 +158,7 @@ class MoELayer(nn.Layer):
         ``usage`` is the per-expert token count since the last update, already summed over the ranks that
         saw different tokens.
         """
-        if self.moe_statics is None:
+        if self.moe_statics is None or self.moe_statics.frozen:
             return
         bias = self.moe_statics.e_score_correction_bias
         for g, n in enumerate(self.router_counts):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import paddle
 
-from ..model.ernie_vl import is_expert, is_router
+from ..finetune import learning_rate_ratios
+from ..model.ernie_vl import is_expert
 from .schedule import WarmupDecay
 
 
@@ -19,9 +20,9 @@ def build_optimizer(model, training_cfg, env=None):
     one (different ranks hold different experts: they must never be broadcast across the sharding group)."""
     t = training_cfg
     params = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
-    for name, param in params:
-        if is_router(name):
-            param.optimize_attr["learning_rate"] = t.moe_gate_lr_ratio
+    ratios = learning_rate_ratios(model, t)
+    for _, param in params:
+        param.optimize_attr["learning_rate"] = ratios.get(id(param), 1.0)
     decayed = {p.name for n, p in params if not no_decay(n, p)}
     scheduler = WarmupDecay(t)
     multi_precision = (t.bf16 or t.fp16) and t.fp16_opt_level == "O2"

@@ -17,6 +17,9 @@ from ..checkpoint import Run, TrainingParts, claim_output_dir, load_checkpoint, 
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
+from ..finetune import prepare_fine_tuning
+from ..finetune.adapter_files import base_reference, save_adapter
+from ..finetune.lora import LoRASettings
 from ..model.recompute import apply_recompute
 from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
@@ -49,6 +52,14 @@ class Trainer:
         apply_recompute(self.model, self.state.recompute, self.state.recompute_layers, t.recompute_use_reentrant)
         if t.model_name_or_path:
             self._initialise_from(t.model_name_or_path)
+        self.fine_tuning = prepare_fine_tuning(self.model, t, cfg.model, self.env)
+        # a LoRA run's checkpoints and adapter hold the pairs only, and refer to the base by its digest
+        self.base = None
+        if t.fine_tuning == "lora":
+            self.base = self.env.all_gather_object(base_reference(t.model_name_or_path) if self.env.is_main
+                                                   else None)[0]
+        if self.env.is_main:
+            print(self.fine_tuning.describe(), flush=True)
         self.precision = Precision(t)
         self.precision.cast_model(self.model)
         if self.precision.enabled and not paddle.is_compiled_with_cuda() and self.env.is_main:
@@ -79,7 +90,7 @@ class Trainer:
 
     @property
     def parts(self) -> TrainingParts:
-        return TrainingParts(self.model, self.optimizer, self.scheduler, self.precision, self.state)
+        return TrainingParts(self.model, self.optimizer, self.scheduler, self.precision, self.state, self.base)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -313,8 +324,12 @@ class Trainer:
             (out / "import_report.json").write_text(json.dumps(report, indent=2))
 
     def _finish(self, summary: dict) -> None:
-        final = Path(self.cfg.training.output_dir) / "final_model"
-        save_model(self.model, self.cfg.model, str(final), self.tokenizer, self.env, hf_layout=True)
+        t = self.cfg.training
+        final = Path(t.output_dir) / "final_model"
+        if self.base is not None:  # the adapter alone, as PaddleFormers' LoRAModel reads it
+            save_adapter(self.model, self.cfg.model, LoRASettings.of(t), final, self.tokenizer, self.env, self.base)
+        else:
+            save_model(self.model, self.cfg.model, str(final), self.tokenizer, self.env, hf_layout=True)
         summary.update(status="done", model_dir=str(final))
         self._write_summary(summary)
         self.monitor.close()

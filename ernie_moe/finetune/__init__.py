@@ -1,0 +1,100 @@
+"""What trains in a run: full fine-tuning, LoRA (``finetune.lora``), frozen parts and per-part learning rates.
+
+Applied once to the built model after its pretrained weights are in, before the optimizer is built: frozen
+parameters take no gradient and the optimizer never sees them (no moments, no float32 master copy).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..config.errors import ConfigError
+from ..model.ernie_vl import is_router
+from .lora import TARGET_GROUPS, LoRASettings, apply_lora, is_lora
+
+# Parts ``training.freeze`` names, by stable parameter name (ERNIEKit's freeze_vision / freeze_lm).
+PARTS = {
+    "vision": lambda n: n.startswith("vision_model."),
+    "adapter": lambda n: n.startswith("model.resampler_model."),
+    "lm": lambda n: n.startswith(("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")),
+    "embedding": lambda n: n.startswith("model.embed_tokens."),
+    "head": lambda n: n.startswith("lm_head."),
+    "router": lambda n: is_router(n) or n.endswith("e_score_correction_bias"),
+}
+
+
+@dataclass
+class FineTuning:
+    """What :func:`prepare_fine_tuning` did; parameter counts are this rank's (its slices and experts)."""
+
+    mode: str
+    trainable: int
+    total: int
+    lora_layers: dict[str, int]
+
+    def describe(self) -> str:
+        share = 100.0 * self.trainable / max(self.total, 1)
+        what = f"LoRA on {sum(self.lora_layers.values())} linear layers" if self.mode == "lora" else "full fine-tuning"
+        return f"{what}: {self.trainable:,} of this rank's {self.total:,} parameters train ({share:.2f}%)"
+
+
+def frozen(name: str, training_cfg) -> bool:
+    """Whether the parameter of this stable name is frozen by the run's settings."""
+    if training_cfg.fine_tuning == "lora" and not is_lora(name):
+        return True
+    return any(PARTS[part](name) for part in training_cfg.freeze)
+
+
+def prepare_fine_tuning(model, training_cfg, model_cfg, env) -> FineTuning:
+    """Add the LoRA pairs, freeze what does not train and stop the router-bias rule where routers are frozen.
+    Every rank calls it (a target is checked against the layers of every pipeline stage)."""
+    t = training_cfg
+    counts: dict[str, int] = {}
+    if t.fine_tuning == "lora":
+        vision_start = model_cfg.moe_num_experts[0] if len(model_cfg.moe_num_experts) == 2 else None
+        local = apply_lora(model, LoRASettings.of(t), vision_start)
+        counts = {k: sum(c[k] for c in env.all_gather_object(local)) for k in local}
+        # a group the model lacks (experts of a dense model) is no error; a pattern that matches nothing is
+        missing = [k for k, n in counts.items() if n == 0 and (k not in TARGET_GROUPS or not any(counts.values()))]
+        if missing:
+            raise ConfigError(f"training.lora_targets: {', '.join(map(repr, missing))} matched no linear layer of "
+                              "this model (groups: " + ", ".join(TARGET_GROUPS) + "; anything else is a regular "
+                              "expression matched in full against a layer name such as "
+                              "'model.layers.1.self_attn.qkv_proj')")
+    named = model.stable_named_parameters(include_tied_copy=True)
+    for name, param in named:
+        if frozen(name, t):
+            param.stop_gradient = True
+    if frozen("model.layers.0.mlp.gate.weight", t):  # the aux-loss-free bias is the router's, by rule
+        for moe in model.moe_layers():
+            if moe.moe_statics is not None:
+                moe.moe_statics.frozen = True
+    own = {id(p): p for _, p in model.stable_named_parameters()}.values()  # a tied copy counts once
+    trainable, total = sum(p.size for p in own if not p.stop_gradient), sum(p.size for p in own)
+    return FineTuning(t.fine_tuning, int(trainable), int(total), counts)
+
+
+def learning_rate_ratios(model, training_cfg) -> dict[int, float]:
+    """id(parameter) -> its learning rate as a multiple of the schedule's: routers ``moe_gate_lr_ratio``; the
+    ViT ``vit_lr_ratio`` with layer-wise decay ``visual_ld`` (the patch embedding decays most, the final norm
+    not at all)."""
+    t = training_cfg
+    named = model.stable_named_parameters(include_tied_copy=True)
+    blocks = [int(m.group(1)) for n, _ in named if (m := _VIT_BLOCK.match(n))]
+    depth = max(blocks) + 1 if blocks else 0
+
+    def ratio(name: str) -> float:
+        if is_router(name):
+            return t.moe_gate_lr_ratio
+        if not name.startswith("vision_model."):
+            return 1.0
+        block = _VIT_BLOCK.match(name)
+        below_top = depth - int(block.group(1)) if block else depth + 1 if name.startswith(_PATCHES) else 0
+        return t.vit_lr_ratio * t.visual_ld ** below_top
+
+    return {id(p): ratio(n) for n, p in named}
+
+
+_VIT_BLOCK = re.compile(r"vision_model\.blocks\.(\d+)\.")
+_PATCHES = "vision_model.patch_embed."

@@ -1,0 +1,174 @@
+"""A LoRA adapter on disk, in PaddleFormers' form, and what it refers to.
+
+    lora_config.json                        PaddleFormers' LoRAConfig (r, lora_alpha, rslora, target_modules, ...)
+    peft_model.safetensors.index.json       weight_map of the pairs
+    peft_model-0000k-of-0000n.safetensors   ``<layer>.lora_A [in, r]`` and ``<layer>.lora_B [r, out]``
+    base_model.json                         the base model folder and the SHA-256 of its files
+
+Tensors are in PaddleFormers' in-memory (Paddle) layout, so ``LoRAModel.from_pretrained`` reads them; the
+one difference from this package's own layout is the column order of a fused q/k/v (``formats.group_qkv``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import paddle
+from safetensors import safe_open
+
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.files import sha256_of
+from ..checkpoint.formats import group_qkv, ungroup_qkv
+from ..checkpoint.model_files import save_model
+from ..parallel.tensor_parallel import shard_of
+from .lora import LoRASettings, apply_lora, is_lora, linear_layers
+
+CONFIG = "lora_config.json"
+BASE = "base_model.json"
+INDEX = "peft_model.safetensors.index.json"
+_WEIGHTS = (".safetensors", ".pdparams")
+
+
+def base_reference(directory: str) -> dict:
+    """The base model folder and a digest of its config and weight files (one pass over them)."""
+    folder = Path(directory).resolve()
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        if path.name == "config.json" or path.name.endswith(_WEIGHTS) or path.name.endswith(".index.json"):
+            digest.update(f"{path.name}:{sha256_of(path)}\n".encode())
+    return {"path": str(folder), "sha256": digest.hexdigest()}
+
+
+def trained_names(model) -> set[str]:
+    """Stable names of the parameters that train (what a LoRA run's checkpoints and adapter hold)."""
+    return {n for n, p in model.stable_named_parameters() if not p.stop_gradient}
+
+
+def _qkv_order(model_cfg, to_paddleformers: bool):
+    heads, kv = model_cfg.num_attention_heads, model_cfg.num_key_value_heads
+
+    def convert(name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        if name.endswith("self_attn.qkv_proj.lora_B"):
+            array = group_qkv(array, heads, kv) if to_paddleformers else ungroup_qkv(array, heads, kv)
+        return [(name, array)]
+
+    return convert
+
+
+def save_adapter(model, model_cfg, settings: LoRASettings, directory, tokenizer, env, base: dict) -> Path:
+    """Write the model's LoRA pairs in PaddleFormers' form (every rank calls this)."""
+    out = Path(directory)
+    names = trained_names(model)
+    save_model(model, model_cfg, str(out), tokenizer, env, only=names, stem="peft_model",
+               convert=_qkv_order(model_cfg, to_paddleformers=True))
+    layers = {n for n, _, _, _ in linear_layers(model)}
+    adapted = {n[: -len(".lora_A")] for n in names if n.endswith(".lora_A")}
+    listing = env.all_gather_object((sorted(adapted), sorted(layers))) if env.world_size > 1 else [(adapted, layers)]
+    if env.is_main:
+        adapted = {n for a, _ in listing for n in a}
+        layers = {n for _, x in listing for n in x}
+        config = {"r": settings.rank, "lora_alpha": settings.alpha, "rslora": settings.rslora,
+                  "lora_dropout": settings.dropout, "scaling": settings.scaling,
+                  "target_modules": target_patterns(adapted, layers), "base_model_name_or_path": base["path"],
+                  "trainable_modules": None, "trainable_bias": None, "tensor_model_parallel_size": 1,
+                  "dtype": "float32", "lora_plus_scale": 1.0, "merge_weights": False, "do_qat": False,
+                  "loraga": False, "enable_lora_list": None, "head_dim": None}
+        (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+        (out / BASE).write_text(json.dumps(base, indent=2))
+    return out
+
+
+def target_patterns(adapted: set[str], layers: set[str]) -> list[str]:
+    """Regular expressions that match exactly the adapted layers among ``layers`` (PaddleFormers matches
+    ``target_modules`` in full against its layer names): layer and expert numbers collapsed where that
+    matches nothing else, the exact name otherwise."""
+    patterns = []
+    for name in sorted(adapted):
+        collapsed = re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(name))
+        if all(n in adapted for n in layers if re.fullmatch(collapsed, n)):
+            pattern = collapsed
+        else:
+            pattern = re.escape(name)
+        if pattern not in patterns:
+            patterns.append(pattern)
+    return patterns
+
+
+def read_adapter(directory) -> tuple[dict, dict[str, np.ndarray]]:
+    """(lora_config.json, tensors as written: PaddleFormers' q/k/v order) of an adapter folder; CheckpointError
+    if unreadable."""
+    folder = Path(directory)
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        tensors = {}
+        for file in sorted(set(weight_map.values())):
+            with safe_open(str(folder / file), framework="numpy") as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"cannot read the LoRA adapter in {folder}: {err}") from None
+    except Exception as err:  # safetensors reports a corrupt file in several ways
+        raise CheckpointError(f"cannot read the LoRA adapter in {folder}: {err}") from None
+    return config, tensors
+
+
+def settings_of(config: dict) -> LoRASettings:
+    return LoRASettings(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                        targets=tuple(config["target_modules"]), rslora=bool(config.get("rslora", False)))
+
+
+def load_adapter(model, model_cfg, directory) -> LoRASettings:
+    """Add the adapter's LoRA pairs to a built model (one process) and load them."""
+    config, tensors = read_adapter(directory)
+    settings = settings_of(config)
+    apply_lora(model, settings, None)
+    convert = _qkv_order(model_cfg, to_paddleformers=False)
+    for name, param in model.stable_named_parameters():
+        if not is_lora(name):
+            continue
+        if name not in tensors:
+            raise CheckpointError(f"the LoRA adapter in {directory} holds no tensor '{name}'")
+        (_, value), = convert(name, tensors[name])
+        value = shard_of(param, value)
+        if list(value.shape) != list(param.shape):
+            raise CheckpointError(f"LoRA tensor '{name}' in {directory} has shape {list(value.shape)}; this model "
+                                  f"expects {list(param.shape)}: the adapter was trained on a model of another shape")
+        param.set_value(paddle.to_tensor(value).astype(param.dtype))
+    return settings
+
+
+def merged_weight(name: str, weight: np.ndarray, adapter: tuple[dict, dict], model_cfg) -> np.ndarray:
+    """``weight + A B * scaling`` for a Paddle-layout weight the adapter adapts (``weight`` itself otherwise)."""
+    config, tensors = adapter
+    layer = name[: -len(".weight")]
+    if not name.endswith(".weight") or f"{layer}.lora_A" not in tensors:
+        return weight
+    a = tensors[f"{layer}.lora_A"].astype("float32")
+    (_, b), = _qkv_order(model_cfg, to_paddleformers=False)(f"{layer}.lora_B", tensors[f"{layer}.lora_B"])
+    if a.shape[0] != weight.shape[0] or b.shape[1] != weight.shape[1] or a.shape[1] != b.shape[0]:
+        raise CheckpointError(f"LoRA pair of '{layer}' is {list(a.shape)} x {list(b.shape)}; the base weight is "
+                              f"{list(weight.shape)}: the adapter was trained on a model of another shape")
+    return weight + (a @ b.astype("float32")) * settings_of(config).scaling
+
+
+def adapter_base(adapter_dir, base_dir=None) -> str:
+    """The base model folder to merge an adapter into: ``base_dir``, or the one it was trained on, whose files
+    must still be those it was trained on (CheckpointError otherwise)."""
+    path = Path(adapter_dir) / BASE
+    try:
+        saved = json.loads(path.read_text())
+        saved_path, digest = saved["path"], saved["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{adapter_dir} is not a LoRA adapter of this package ({path}: {err})") from None
+    if base_dir is not None:
+        return str(base_dir)
+    if not Path(saved_path).is_dir():
+        raise CheckpointError(f"the adapter's base model {saved_path} is gone; name a copy with --base")
+    if base_reference(saved_path)["sha256"] != digest:
+        raise CheckpointError(f"the files in {saved_path} changed since the adapter was trained on them; name the "
+                              "base it was trained on with --base")
+    return saved_path

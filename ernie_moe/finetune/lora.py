@@ -1,0 +1,171 @@
+"""LoRA: a trainable low-rank pair beside chosen linear layers of a built model (Hu et al., PaddleFormers' form).
+
+``y = base(x) + dropout(x) A B * scaling`` with ``A [in, r]``, ``B [r, out]`` (Paddle's ``[in, out]`` order),
+``scaling = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), B zero at the start so the model starts as the
+base. The wrapped layer keeps the base weight under the base layer's own name, so stable names, checkpoints
+and pretrained loading see the same model; the pair is named ``<layer>.lora_A`` / ``<layer>.lora_B``.
+
+Under tensor parallelism the pair is split with its base weight: beside a column-parallel layer B's columns
+are split (A whole on every rank), beside a row-parallel one A's rows (B whole). The low-rank activation
+crosses the tensor-parallel region the way the base layer's activation does, so every rank's A (or B)
+gradient is the whole one, and under sequence parallelism the replicated factor is summed like a norm's.
+Expert pairs live inside their experts, so they move with them (expert parallelism, ``moe_group: mp``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import paddle
+from paddle import nn
+
+from ..model.init import init_weights
+from ..parallel import tensor_parallel as tp
+
+# Target groups by role; anything else in ``training.lora_targets`` is a regular expression matched in full
+# against a layer's stable name (``model.layers.3.self_attn.qkv_proj``).
+_LM = r"model\.layers\.\d+\."
+TARGET_GROUPS = {
+    "attention": _LM + r"self_attn\.(qkv_proj|o_proj)",
+    "mlp": _LM + r"mlp\.(up_gate_proj|down_proj)",
+    "shared_experts": _LM + r"mlp\.shared_experts\.(up_gate_proj|down_proj)",
+    "text_experts": _LM + r"mlp\.experts\.\d+\.(up_gate_proj|down_proj)",
+    "vision_experts": _LM + r"mlp\.experts\.\d+\.(up_gate_proj|down_proj)",
+    "vit": r"vision_model\..*",
+    "adapter": r"model\.resampler_model\..*",
+}
+DEFAULT_TARGETS = ["attention", "mlp", "shared_experts", "text_experts", "vision_experts"]
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]  # groups (TARGET_GROUPS) or regular expressions over stable layer names
+    rslora: bool = False
+    dropout: float = 0.0
+    seed: int = 0  # A is drawn by name from it
+
+    @classmethod
+    def of(cls, training_cfg) -> LoRASettings:
+        t = training_cfg
+        return cls(t.lora_rank, t.lora_alpha, tuple(t.lora_targets), t.rslora, t.lora_dropout, t.seed)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+class LoRALinear(nn.Layer):
+    """A linear layer (plain, column- or row-parallel) with a LoRA pair beside it."""
+
+    def __init__(self, base: nn.Layer, settings: LoRASettings):
+        super().__init__()
+        self._base = [base]  # called, not registered: its weight is registered here under the same name
+        self.weight = base.weight
+        if getattr(base, "bias", None) is not None:
+            self.bias = base.bias
+        rank = settings.rank
+        self.scaling = settings.scaling
+        self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else None
+        self.split = ("column" if isinstance(base, tp.ColumnParallelLinear)
+                      else "row" if isinstance(base, tp.RowParallelLinear) else None)
+        in_features, out_features = getattr(base.weight, "full_shape", base.weight.shape)
+        a_shape, b_shape = [in_features, rank], [rank, out_features]
+        self.lora_A = (_split_like(self, base.weight, a_shape, axis=0) if self.split == "row"
+                       else self._factor(a_shape))
+        self.lora_B = (_split_like(self, base.weight, b_shape, axis=1) if self.split == "column"
+                       else self._factor(b_shape))
+        # PaddleFormers' Kaiming-uniform (a = sqrt(5)) for A, drawn by name from the whole tensor; B stays zero
+        self.lora_A.init_rule = ("uniform", 1.0 / math.sqrt(in_features))
+        if self.split is not None and base.sequence_parallel:
+            # the replicated factor sees a piece of the sequence on each rank: its gradient is partial
+            (self.lora_A if self.split == "column" else self.lora_B).sequence_parallel = True
+        for factor in (self.lora_A, self.lora_B):  # an expert's pair is as local as its expert
+            factor.no_sync = getattr(base.weight, "no_sync", False)
+
+    def _factor(self, shape: list[int]):
+        return self.create_parameter(shape, dtype=self.weight.dtype,
+                                     default_initializer=nn.initializer.Constant(0.0))
+
+    @property
+    def base(self) -> nn.Layer:
+        return self._base[0]
+
+    def forward(self, x):
+        low = paddle.matmul(self.dropout(x) if self.dropout is not None else x, self.lora_A)
+        if self.split == "column":
+            low = tp.enter_region(low, self.base.group, self.base.sequence_parallel)
+        elif self.split == "row":
+            low = tp.leave_region(low, self.base.group, self.base.sequence_parallel)
+        return self.base(x) + paddle.matmul(low, self.lora_B) * self.scaling
+
+
+def _split_like(layer, weight, shape: list[int], axis: int):
+    """This rank's slice of a ``shape`` factor, split along ``axis`` as ``weight`` is (same fused segments)."""
+    local = list(shape)
+    local[axis] = shape[axis] // weight.tp_size
+    param = layer.create_parameter(local, dtype=weight.dtype, default_initializer=nn.initializer.Constant(0.0))
+    param.is_distributed, param.split_axis = True, axis
+    param.segments = list(weight.segments) if axis == 1 else [shape[0]]
+    param.full_shape, param.tp_rank, param.tp_size = list(shape), weight.tp_rank, weight.tp_size
+    return param
+
+
+_LINEARS = (nn.Linear, tp.ColumnParallelLinear, tp.RowParallelLinear, LoRALinear)
+
+
+def linear_layers(model) -> list[tuple[str, nn.Layer, str, nn.Layer]]:
+    """(stable name, parent, attribute, layer) of every linear layer of ``model`` (this rank's part)."""
+    stable = {id(p): n for n, p in model.stable_named_parameters()}
+    found, seen = [], set()
+    for parent in model.sublayers(include_self=True):
+        for attr, child in parent._sub_layers.items():
+            if isinstance(child, _LINEARS) and id(child.weight) in stable and (id(parent), attr) not in seen:
+                seen.add((id(parent), attr))
+                found.append((stable[id(child.weight)][: -len(".weight")], parent, attr, child))
+    return found
+
+
+def target_matcher(targets: list[str], vision_expert_start: int | None):
+    """``matches(stable layer name) -> the targets it matches``; vision experts are those numbered from
+    ``vision_expert_start`` (None: the model has no vision experts)."""
+    def expert_id(name):
+        found = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+        return int(found.group(1)) if found else None
+
+    def matches(name: str) -> list[str]:
+        hits = []
+        for target in targets:
+            if not re.fullmatch(TARGET_GROUPS.get(target, target), name):
+                continue
+            if target in ("text_experts", "vision_experts"):
+                vision = vision_expert_start is not None and expert_id(name) >= vision_expert_start
+                if vision != (target == "vision_experts"):
+                    continue
+            hits.append(target)
+        return hits
+
+    return matches
+
+
+def apply_lora(model, settings: LoRASettings, vision_expert_start: int | None) -> dict[str, int]:
+    """Put a LoRA pair beside every linear layer a target matches; draws A by name from ``settings.seed``.
+    Returns the layers each target matched on this rank."""
+    matches = target_matcher(list(settings.targets), vision_expert_start)
+    counts = dict.fromkeys(settings.targets, 0)
+    for name, parent, attr, layer in linear_layers(model):
+        hits = [] if isinstance(layer, LoRALinear) else matches(name)
+        for target in hits:
+            counts[target] += 1
+        if hits:
+            setattr(parent, attr, LoRALinear(layer, settings))
+    init_weights([(n, p) for n, p in model.stable_named_parameters() if is_lora(n)], settings.seed)
+    return counts
+
+
+def is_lora(name: str) -> bool:
+    return name.endswith((".lora_A", ".lora_B"))
+

@@ -1,0 +1,191 @@
+"""LoRA and partial fine-tuning in one process: the formula, what trains, what is saved, merged and refused."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import paddle
+import pytest
+from conftest import ROOT
+from paddle import nn
+
+from ernie_moe.checkpoint import save_model
+from ernie_moe.checkpoint.errors import CheckpointError
+from ernie_moe.config import ConfigError, load_config
+from ernie_moe.config.schema import FREEZE_PARTS, LORA_TARGET_GROUPS
+from ernie_moe.finetune import PARTS, learning_rate_ratios
+from ernie_moe.finetune.adapter_files import load_adapter, merged_weight, read_adapter, target_patterns
+from ernie_moe.finetune.lora import TARGET_GROUPS, LoRALinear, LoRASettings, is_lora
+from ernie_moe.generation.model_folder import load_model_folder
+from ernie_moe.training import Trainer
+
+SMALL = ["data.image_size=56", "data.max_seq_len=48", "training.per_device_train_batch_size=2",
+         "logging.visualdl=false", "training.eval_steps=0", "data.num_eval_samples=8", "training.max_steps=3",
+         "logging.logging_steps=1", "training.learning_rate=1e-2", "logging.progress_bar=false"]
+
+
+def trainer(tmp_path, *overrides) -> Trainer:
+    return Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [*SMALL, f"training.output_dir={tmp_path}",
+                                                                    *overrides]))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The default model at its seed's weights, saved as a model folder with its tokenizer."""
+    tmp = tmp_path_factory.mktemp("base")
+    tr = trainer(tmp / "run")
+    save_model(tr.model, tr.cfg.model, str(tmp / "model"), tr.tokenizer, hf_layout=True)
+    return tmp / "model"
+
+
+def lora(tmp_path, base, *overrides) -> Trainer:
+    return trainer(tmp_path, "training.fine_tuning=lora", f"training.model_name_or_path={base}", *overrides)
+
+
+def logits(tr, batch) -> np.ndarray:
+    tr.model.eval()
+    with paddle.no_grad():
+        out = tr.model(batch, return_logits=True).logits.numpy()
+    tr.model.train()
+    return out
+
+
+def test_the_names_the_config_accepts_are_the_ones_finetune_knows():
+    assert set(LORA_TARGET_GROUPS) == set(TARGET_GROUPS) and set(FREEZE_PARTS) == set(PARTS)
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_a_lora_layer_computes_the_formula(rslora):
+    paddle.seed(3)
+    base = nn.Linear(6, 5)
+    layer = LoRALinear(base, LoRASettings(rank=4, alpha=8.0, targets=(), rslora=rslora))
+    rng = np.random.default_rng(0)
+    a, b, x = rng.normal(size=[6, 4]), rng.normal(size=[4, 5]), rng.normal(size=[3, 6])
+    layer.lora_A.set_value(a.astype("float32"))
+    layer.lora_B.set_value(b.astype("float32"))
+    scaling = 8.0 / (np.sqrt(4) if rslora else 4)
+    expected = x @ base.weight.numpy() + base.bias.numpy() + (x @ a @ b) * scaling
+    np.testing.assert_allclose(layer(paddle.to_tensor(x.astype("float32"))).numpy(), expected, rtol=1e-5, atol=1e-5)
+    assert [n for n, _ in layer.named_parameters()] == ["weight", "bias", "lora_A", "lora_B"]
+
+
+def test_lora_starts_as_the_base_and_trains_only_its_pairs(tmp_path, base):
+    full, adapted = trainer(tmp_path / "full", f"training.model_name_or_path={base}"), lora(tmp_path / "lora", base)
+    batch = adapted.next_micro_batches()[0]
+    np.testing.assert_array_equal(logits(adapted, batch), logits(full, batch))  # B starts at zero
+    named = dict(adapted.model.stable_named_parameters())
+    before = {n: p.numpy().copy() for n, p in named.items()}
+    trainable = {n for n, p in named.items() if not p.stop_gradient}
+    assert trainable and trainable == {n for n in named if is_lora(n)}
+    targets = {n.rsplit(".", 1)[0] for n in trainable}
+    assert "model.layers.1.mlp.experts.4.up_gate_proj" in targets and "model.layers.0.self_attn.qkv_proj" in targets
+    assert not any(t.startswith(("vision_model", "model.resampler_model")) for t in targets)  # default targets
+    optimized = {p.name for p in adapted.optimizer._parameter_list}
+    assert optimized == {named[n].name for n in trainable}
+    for adapted.step in range(1, 4):
+        adapted.train_step()
+    for name, value in before.items():
+        if name in trainable:
+            assert name.endswith("lora_A") or np.abs(named[name].numpy()).max() > 0, name
+        else:  # frozen, the router bias included (no aux-free updates)
+            np.testing.assert_array_equal(named[name].numpy(), value, err_msg=name)
+    assert not np.array_equal(logits(adapted, batch), logits(full, batch))
+
+
+def test_recompute_trains_the_pairs_when_nothing_before_them_trains(tmp_path, base):
+    """The decoder's input needs no gradient (frozen embeddings): recomputed layers must still give their
+    pairs the gradients of the plain run."""
+    grads = []
+    for name, extra in (("plain", []), ("recompute", ["training.recompute=true"])):
+        tr = lora(tmp_path / name, base, *extra)
+        tr.runner.forward_backward(tr.next_micro_batches(), 100.0)
+        grads.append({n: p.grad.numpy() for n, p in tr.model.stable_named_parameters() if p.grad is not None})
+    assert set(grads[1]) == set(grads[0]) and len(grads[0]) > 20
+    for name, value in grads[0].items():
+        np.testing.assert_allclose(grads[1][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_the_adapter_loads_back_and_merges_into_the_lora_models_logits(tmp_path, base):
+    tr = lora(tmp_path / "run", base)
+    for tr.step in range(1, 4):
+        tr.train_step()
+    batch = tr.next_micro_batches()[0]
+    trained = logits(tr, batch)
+    tr._finish({})
+    adapter_dir = tmp_path / "run" / "final_model"
+    config = json.loads((adapter_dir / "lora_config.json").read_text())
+    assert config["r"] == 8 and config["scaling"] == 2.0 and config["base_model_name_or_path"] == str(base.resolve())
+
+    loaded = load_model_folder(adapter_dir)  # generation and evaluation read an adapter folder as base + pairs
+    with paddle.no_grad():
+        np.testing.assert_allclose(loaded.model(batch, return_logits=True).logits.numpy(), trained, rtol=1e-5,
+                                   atol=1e-5)
+    merged = tmp_path / "merged"
+    done = subprocess.run([sys.executable, "-m", "ernie_moe.export", str(adapter_dir), str(merged), "--merge-lora"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    plain = load_model_folder(merged)
+    assert not any(is_lora(n) for n, _ in plain.model.stable_named_parameters())
+    with paddle.no_grad():
+        np.testing.assert_allclose(plain.model(batch, return_logits=True).logits.numpy(), trained, rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_freezing_parts_and_the_vit_learning_rates(tmp_path):
+    tr = trainer(tmp_path, "training.freeze=[vision, router]", "training.vit_lr_ratio=0.5", "training.visual_ld=0.8",
+                 "training.moe_gate_lr_ratio=2.0", "model.moe_use_aux_free=true")
+    named = tr.model.stable_named_parameters()
+    for name, param in named:
+        frozen = name.startswith("vision_model.") or ".mlp.gate." in name or "correction_bias" in name
+        assert param.stop_gradient == frozen, name
+    assert all(m.moe_statics.frozen for m in tr.model.moe_layers())
+    ratios = learning_rate_ratios(tr.model, tr.cfg.training)
+    by_name = {n: ratios[id(p)] for n, p in named}
+    depth = tr.cfg.model.vision_config.depth
+    assert by_name["vision_model.ln.weight"] == 0.5
+    assert by_name["vision_model.blocks.1.attn.qkv.weight"] == pytest.approx(0.5 * 0.8 ** (depth - 1))
+    assert by_name["vision_model.blocks.0.attn.qkv.weight"] == pytest.approx(0.5 * 0.8 ** depth)
+    assert by_name["vision_model.patch_embed.proj.weight"] == pytest.approx(0.5 * 0.8 ** (depth + 1))
+    assert by_name["model.layers.1.mlp.gate.weight"] == 2.0 and by_name["model.norm.weight"] == 1.0
+    optimized = {p.name for p in tr.optimizer._parameter_list}
+    assert optimized == {p.name for n, p in named if not p.stop_gradient}  # frozen parts: no optimizer state
+
+
+def test_written_target_patterns_match_only_the_adapted_layers():
+    layers = {f"model.layers.{i}.mlp.experts.{j}.up_gate_proj" for i in (1, 2) for j in range(4)}
+    text = {n for n in layers if int(n.split(".")[5]) < 2}
+    patterns = target_patterns(text, layers)  # experts 2 and 3 are not adapted: no collapsed expert number
+    import re
+
+    assert {n for n in layers if any(re.fullmatch(p, n) for p in patterns)} == text
+    assert target_patterns(layers, layers) == [r"model\.layers\.\d+\.mlp\.experts\.\d+\.up_gate_proj"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["training.lora_rank=0"], "lora_rank must be at least 1"),
+    (["training.lora_targets=[attention, '(bad']"], "neither a group"),
+    (["training.freeze=[eyes]"], "unknown parts"),
+])
+def test_bad_fine_tuning_settings_are_config_errors(base, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["training.fine_tuning=lora", f"training.model_name_or_path={base}", *overrides])
+
+
+def test_lora_needs_a_base_and_targets_that_exist(tmp_path, base):
+    with pytest.raises(ConfigError, match="model_name_or_path"):
+        load_config(None, ["training.fine_tuning=lora"])
+    with pytest.raises(ConfigError, match="'lm_head_typo' matched no linear layer"):
+        lora(tmp_path, base, "training.lora_targets=[attention, lm_head_typo]")
+
+
+def test_an_adapter_of_another_shape_does_not_merge_or_load(tmp_path, base):
+    tr = lora(tmp_path / "run", base, "training.max_steps=1")
+    tr._finish({})
+    adapter = read_adapter(tmp_path / "run" / "final_model")
+    wider = load_config(None, ["model.hidden_size=96"]).model
+    with pytest.raises(CheckpointError, match="another shape"):
+        merged_weight("model.layers.0.mlp.down_proj.weight", np.zeros([128, 96], "float32"), adapter, wider)
+    other = trainer(tmp_path / "other", "model.intermediate_size=96")
+    with pytest.raises(CheckpointError, match="another shape"):
+        load_adapter(other.model, other.cfg.model, tmp_path / "run" / "final_model")

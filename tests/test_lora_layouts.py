@@ -1,0 +1,141 @@
+"""LoRA runs in every kind of layout against one process, resumed, resumed into another layout, merged.
+
+The base model is a one-step run of the default config (a complete model folder with its tokenizer); each
+LoRA run trains the default targets on it for 5 steps in float32.
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from safetensors.numpy import load_file
+from test_e2e import launch, load_model, records
+from test_layouts import ACCUMULATE, PP2, TP2
+
+pytestmark = pytest.mark.slow  # starts processes
+
+STEPS, ROWS = 5, 4
+COMMON = [f"training.max_steps={STEPS}", "logging.logging_steps=1", "training.eval_steps=0",
+          "training.adam_epsilon=1e-6", "data.num_eval_samples=4", "model.global_aux_loss=true",
+          "training.fine_tuning=lora", "training.learning_rate=1e-2"]
+SP = "parallel.sequence_parallel=true"
+LAYOUTS = {
+    "dp2": (2, 2, [], []),
+    "tp2": (2, 1, [TP2], []),
+    "tp2_moe_mp": (2, 1, [TP2, "parallel.moe_group=mp"], []),
+    "ep2": (2, 2, ["parallel.expert_parallel_degree=2"], []),
+    "pp2": (2, 1, [PP2], ACCUMULATE),
+    "tp2_pp2": (4, 1, [TP2, PP2], ACCUMULATE),
+    # the layout configs/ernie45_vl_28b_a3b_lora.yaml uses: sequence parallelism, optimizer sharding
+    "sharding2_tp2_sp": (4, 2, [TP2, SP, "parallel.moe_group=mp", "parallel.sharding_parallel_degree=2",
+                                "parallel.sharding=stage1"], []),
+}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("base")
+    out, _ = launch(tmp, 1, "training.max_steps=1", "training.eval_steps=0", name="base")
+    return out / "final_model"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, base):
+    runs = {}
+
+    def get(shared: list[str]):
+        if tuple(shared) not in runs:
+            tmp = tmp_path_factory.mktemp("one")
+            runs[tuple(shared)], _ = launch(tmp, 1, *COMMON, f"training.model_name_or_path={base}", *shared,
+                                            f"training.per_device_train_batch_size={ROWS}", "training.save_steps=3",
+                                            name="one")
+        return runs[tuple(shared)]
+
+    return get
+
+
+def adapter(folder) -> dict:
+    index = json.loads((folder / "peft_model.safetensors.index.json").read_text())
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(str(folder / shard)))
+    return tensors
+
+
+def module_of(hf_name: str) -> str:
+    """The layer of this package that a Hugging Face-layout weight belongs to (fused q/k/v and gate/up)."""
+    name = hf_name[: -len(".weight")] if hf_name.endswith(".weight") else hf_name
+    return re.sub(r"\.(gate_proj|up_proj)$", ".up_gate_proj", re.sub(r"\.(q_proj|k_proj|v_proj)$", ".qkv_proj", name))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_layout_matches_one_process(tmp_path, base, reference, layout):
+    nproc, data_ranks, overrides, shared = LAYOUTS[layout]
+    one = reference(shared)
+    many, _ = launch(tmp_path, nproc, *COMMON, f"training.model_name_or_path={base}", *shared, *overrides,
+                     f"training.per_device_train_batch_size={ROWS // data_ranks}", name=layout)
+    train = [[r for r in records(out) if "loss" in r] for out in (one, many)]
+    assert len(train[1]) == STEPS
+    for key in ("loss", "aux_loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in train[1]], [r[key] for r in train[0]], rtol=1e-4, err_msg=key)
+    a, b = adapter(one / "final_model"), adapter(many / "final_model")
+    assert set(a) == set(b) and all(k.endswith((".lora_A", ".lora_B")) for k in a)
+    assert any(np.abs(v).max() > 0 for k, v in a.items() if k.endswith(".lora_B"))  # it trained
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_a_lora_checkpoint_holds_the_pairs_and_resumes_exactly_in_another_layout(tmp_path, base, reference):
+    one = reference([])
+    checkpoint = one / "checkpoint-3"
+    weights = load_model(checkpoint)
+    assert weights and all(k.endswith((".lora_A", ".lora_B")) for k in weights)
+    states = json.loads((checkpoint / "optimizer.index.json").read_text())["weight_map"]
+    assert {k.rsplit("/", 1)[0] for k in states} == set(weights)  # frozen weights have no optimizer state
+    assert json.loads((checkpoint / "base_model.json").read_text())["path"] == str(base.resolve())
+    resumed, _ = launch(tmp_path, 2, *COMMON, f"training.model_name_or_path={base}", TP2,
+                        f"training.per_device_train_batch_size={ROWS}", f"training.resume_from_checkpoint={checkpoint}",
+                        name="resumed")
+    losses = [[r["loss"] for r in records(out) if "loss" in r][-2:] for out in (one, resumed)]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    a, b = adapter(one / "final_model"), adapter(resumed / "final_model")
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+    # the base must be the one the adapter was trained on
+    other = tmp_path / "other_base"
+    other.mkdir()
+    for f in base.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    (other / "config.json").write_text((base / "config.json").read_text() + "\n")
+    def trainer(*overrides):
+        return subprocess.run([sys.executable, "run_trainer.py", "--config", "configs/vl_moe.yaml", *COMMON,
+                               f"training.resume_from_checkpoint={checkpoint}", "logging.progress_bar=false",
+                               *overrides], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    bad = trainer(f"training.model_name_or_path={other}", f"training.output_dir={tmp_path / 'bad'}")
+    assert bad.returncode == 2 and "holds other weights" in bad.stderr, bad.stderr[-2000:]
+    missing = trainer(f"training.model_name_or_path={tmp_path / 'gone'}", f"training.output_dir={tmp_path / 'b2'}")
+    assert missing.returncode == 2 and "gone" in missing.stderr, missing.stderr[-2000:]
+
+
+def test_merged_export_gives_the_lora_models_weights(tmp_path, base, reference):
+    one = reference([])
+    merged = tmp_path / "merged"
+    done = subprocess.run([sys.executable, "-m", "ernie_moe.export", str(one / "final_model"), str(merged),
+                           "--merge-lora"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after, pairs = load_model(base), load_model(merged), adapter(one / "final_model")
+    assert set(before) == set(after)
+    adapted = {k[: -len(".lora_A")] for k in pairs if k.endswith(".lora_A")}
+    # weights no pair adapts are the base's, bit for bit (frozen: they never changed)
+    untouched = [k for k in before if module_of(k) not in adapted]
+    assert untouched and all(np.array_equal(before[k], after[k]) for k in untouched)
+    down = "model.layers.0.mlp.down_proj"
+    scaling = json.loads((one / "final_model" / "lora_config.json").read_text())["scaling"]
+    expected = before[f"{down}.weight"] + (pairs[f"{down}.lora_A"] @ pairs[f"{down}.lora_B"] * scaling).T
+    np.testing.assert_allclose(after[f"{down}.weight"], expected, rtol=1e-6, atol=1e-7)
