@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model.recompute import selected_layers
-from .params import stage_layers, stage_params
+from .params import frozen_parts, stage_layers, stage_lora_params, stage_params
 
 PIXEL_CHANNELS_BYTES = 4  # flattened patches arrive as float32
 INT_FIELDS = 7  # int64 per token: input ids, labels, token types, doc ids, 3 position axes
@@ -137,17 +137,24 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[
 
 def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, float]]:
     """(kept, re-run in backward) of the first stage's pieces in forward order: embedding, rotary angles and
-    mask, the ViT's embedding and final norm, then each ViT block, then the adapter."""
+    mask, the ViT's embedding and final norm, then each ViT block, then the adapter. A part that trains
+    nothing, with nothing before it that does, keeps nothing (a frozen ViT, and its adapter if frozen too)."""
     m, v = cfg, cfg.vision_config
     t, h, d = w.tokens, m.hidden_size, v.embed_dim
     text_side = 4 * (2 * t * h + w.rows * w.seq * m.head_dim / 2) + w.rows * w.seq ** 2
     if not w.image_sizes:
         return [(text_side, 0.0)]
+    lora = set(training.lora_targets) if training.fine_tuning == "lora" else set()
+    frozen = frozen_parts(training)
+    vit_trains = "vision" not in frozen or "vit" in lora
+    adapter_trains = vit_trains or "adapter" not in frozen or "adapter" in lora
     p = w.patches
     block = 4 * (16.3 * p * d + 30 * p) + 5 * v.num_heads * sum(n * n for n in w.image_sizes)
     recomputed = training.recompute and training.recompute_granularity in ("full", "full_attn")
     blocks = [(4 * p * d, block) if recomputed else (block, 0.0)] * v.depth
     adapter = 4 * (9 * p * d + 0.75 * p * h)
+    if not vit_trains:
+        return [(text_side, 0.0), (adapter if adapter_trains else 0.0, 0.0)]
     return [(text_side + 4 * 2.2 * p * d, 0.0), *blocks, (adapter, 0.0)]
 
 
@@ -187,13 +194,17 @@ def estimate(cfg, workload: Workload) -> list[StageMemory]:
     data_inputs = workload.tokens * 8 * INT_FIELDS + workload.patches * (
         m.vision_config.in_channels * m.vision_config.patch_size ** 2 * PIXEL_CHANNELS_BYTES)
     out = []
-    for stage, (params, layers) in enumerate(zip(stage_params(m, p), stage_layers(m, p.pipeline_parallel_degree,
-                                                                                  max(p.virtual_pp_degree, 1)))):
-        parameters = param_bytes * (params.total - params.float32) + 4 * params.float32
-        gradients = grad_bytes * params.total / (sharding if p.sharding == "stage2" else 1)
+    layers_of = stage_layers(m, p.pipeline_parallel_degree, max(p.virtual_pp_degree, 1))
+    for stage, (params, lora, layers) in enumerate(zip(stage_params(m, p, t), stage_lora_params(m, p, t),
+                                                       layers_of)):
+        # frozen weights: no gradient, no moments, no master copy (under O2 they stay in low precision only)
+        parameters = param_bytes * (params.total + lora.total - params.float32) + 4 * params.float32
+        trainable = params.trainable_shared + lora.shared, params.trainable_experts + lora.experts
+        gradients = grad_bytes * sum(trainable) / (sharding if p.sharding == "stage2" else 1)
         states_per_param = 8 + (4 if o2 else 0)  # two AdamW moments, a float32 master copy under O2
-        optimizer = states_per_param * (params.shared / sharding + params.experts)
-        optimizer -= 4 * (params.float32 / sharding) if o2 else 0  # float32 weights need no master copy
+        optimizer = states_per_param * (trainable[0] / sharding + trainable[1])
+        trainable_float32 = params.float32 - params.frozen_float32
+        optimizer -= 4 * (trainable_float32 / sharding) if o2 else 0  # float32 weights need no master copy
         per_layer = [_layer_activations(m, p, t, layer, workload) for layer in layers]
         if stage == 0:
             per_layer = _first_stage_activations(m, t, workload) + per_layer

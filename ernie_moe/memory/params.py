@@ -12,14 +12,47 @@ class StageParams:
     shared: int = 0  # replicated or tensor-parallel slices: averaged over data ranks, sharded by the optimizer
     experts: int = 0  # routed experts held by this rank
     float32: int = 0  # kept in float32 under O2 (routers, norms, correction bias)
+    router: int = 0  # of shared and float32: routers and their correction bias
+    # of the above, frozen (training.freeze, or every base weight under LoRA): no gradient, no optimizer state
+    frozen_shared: int = 0
+    frozen_experts: int = 0
+    frozen_float32: int = 0
 
     @property
     def total(self) -> int:
         return self.shared + self.experts
 
+    @property
+    def trainable_shared(self) -> int:
+        return self.shared - self.frozen_shared
 
-def vision_params(cfg) -> int:
-    """ViT + adapter (on the first pipeline stage, replicated over tensor-parallel ranks)."""
+    @property
+    def trainable_experts(self) -> int:
+        return self.experts - self.frozen_experts
+
+    def add(self, other: StageParams, frozen: bool = False, router_frozen: bool = False) -> None:
+        """Count ``other`` in, frozen as a whole (``frozen``) or only its router part (``router_frozen``)."""
+        for name in ("shared", "experts", "float32", "router"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        router = other.router if router_frozen or frozen else 0
+        self.frozen_shared += other.shared if frozen else router
+        self.frozen_experts += other.experts if frozen else 0
+        self.frozen_float32 += other.float32 if frozen else router
+
+
+def frozen_parts(training) -> set[str]:
+    """The model's parts a run does not train: vision, adapter, embedding, head, layers (decoder layers and the
+    final norm), router. LoRA freezes them all (its pairs are counted apart)."""
+    if training is None:
+        return set()
+    if training.fine_tuning == "lora":
+        return {"vision", "adapter", "embedding", "head", "layers", "router"}
+    parts = {"lm": {"embedding", "head", "layers", "router"}}
+    return set().union(*(parts.get(p, {p}) for p in training.freeze))
+
+
+def vision_params(cfg) -> tuple[int, int]:
+    """(ViT, adapter): on the first pipeline stage, replicated over tensor-parallel ranks."""
     v = cfg.vision_config
     d, hidden = v.embed_dim, int(v.embed_dim * v.mlp_ratio)
     patch = v.in_channels * v.patch_size ** 2 * d
@@ -29,7 +62,7 @@ def vision_params(cfg) -> int:
     spatial = 2 * (merged * merged + merged) + 2 * merged
     temporal = (merged * cfg.temporal_conv_size * merged + merged) + (merged * merged + merged) + 2 * merged
     adapter = spatial + temporal + (merged * cfg.hidden_size + cfg.hidden_size) + cfg.hidden_size
-    return vit + adapter
+    return vit, adapter
 
 
 def decoder_layer_params(cfg, layer: int, tp: int, expert_split: int) -> StageParams:
@@ -49,6 +82,7 @@ def decoder_layer_params(cfg, layer: int, tp: int, expert_split: int) -> StagePa
     shared = 3 * h * widths[0] * cfg.moe_num_shared_experts
     out.shared += router + bias + shared // tp
     out.float32 += router + bias
+    out.router = router + bias
     out.experts = sum(n * 3 * h * w for n, w in groups) // expert_split
     return out
 
@@ -63,23 +97,71 @@ def stage_layers(cfg, pp: int, vpp: int) -> list[list[int]]:
     return stages
 
 
-def stage_params(cfg, parallel) -> list[StageParams]:
-    """What one rank of each pipeline stage holds."""
+def stage_params(cfg, parallel, training=None) -> list[StageParams]:
+    """What one rank of each pipeline stage holds (``training``: what of it is frozen; LoRA pairs are
+    counted by :func:`stage_lora_params`)."""
     tp, pp = parallel.tensor_parallel_degree, parallel.pipeline_parallel_degree
     expert_split = tp if parallel.moe_group == "mp" and tp > 1 else parallel.expert_parallel_degree
     h, vocab = cfg.hidden_size, cfg.vocab_size * cfg.hidden_size // tp
+    frozen = frozen_parts(training)
     stages = []
     for index, layers in enumerate(stage_layers(cfg, pp, max(parallel.virtual_pp_degree, 1))):
         stage = StageParams()
         for layer in layers:
-            part = decoder_layer_params(cfg, layer, tp, expert_split)
-            stage.shared += part.shared
-            stage.experts += part.experts
-            stage.float32 += part.float32
+            stage.add(decoder_layer_params(cfg, layer, tp, expert_split), "layers" in frozen, "router" in frozen)
         if index == 0:
-            stage.shared += vocab + vision_params(cfg)
+            vit, adapter = vision_params(cfg)
+            for count, part in ((vocab, "embedding"), (vit, "vision"), (adapter, "adapter")):
+                stage.add(StageParams(shared=count), part in frozen)
         if index == pp - 1:
-            stage.shared += h + (vocab if not cfg.tie_word_embeddings or pp > 1 else 0)  # a tied head's copy
-            stage.float32 += h
+            stage.add(StageParams(shared=h, float32=h), "layers" in frozen)  # the final norm
+            if not cfg.tie_word_embeddings or pp > 1:  # the head (a tied head's copy on the last stage)
+                stage.add(StageParams(shared=vocab), ("embedding" if cfg.tie_word_embeddings else "head") in frozen)
         stages.append(stage)
     return stages
+
+
+def stage_lora_params(cfg, parallel, training) -> list[StageParams]:
+    """The LoRA pairs one rank of each pipeline stage holds (r x (in + out) per adapted linear, split like
+    its weight). Targets given as regular expressions are not counted."""
+    if training is None or training.fine_tuning != "lora":
+        return [StageParams() for _ in range(parallel.pipeline_parallel_degree)]
+    tp, pp, r = parallel.tensor_parallel_degree, parallel.pipeline_parallel_degree, training.lora_rank
+    expert_split = tp if parallel.moe_group == "mp" and tp > 1 else parallel.expert_parallel_degree
+    targets, h = set(training.lora_targets), cfg.hidden_size
+    column = lambda n_in, n_out: r * (n_in + n_out // tp)  # noqa: E731 - A whole, B's columns split
+    row = lambda n_in, n_out: r * (n_in // tp + n_out)  # noqa: E731 - A's rows split, B whole
+    swiglu = lambda width: column(h, 2 * width) + row(width, h)  # noqa: E731
+    stages = []
+    for index, layers in enumerate(stage_layers(cfg, pp, max(parallel.virtual_pp_degree, 1))):
+        stage = StageParams()
+        for layer in layers:
+            heads, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            if "attention" in targets:
+                stage.shared += column(h, heads + 2 * kv) + row(heads, h)
+            modalities = cfg.moe_modalities_at(layer)
+            if not modalities:
+                stage.shared += swiglu(cfg.intermediate_size) if "mlp" in targets else 0
+                continue
+            counts, widths = cfg.moe_num_experts, cfg.moe_intermediate_size
+            if "shared_experts" in targets and cfg.moe_num_shared_experts:
+                stage.shared += swiglu(widths[0] * cfg.moe_num_shared_experts)
+            for group, (n, width) in zip(("text_experts", "vision_experts"), zip(counts, widths)):
+                if group in targets:  # each expert's pair is local: r x (in + out) in full
+                    stage.experts += n * r * (2 * h + 3 * width) // expert_split
+        if index == 0:
+            stage.shared += _vision_lora(cfg, targets, r)
+        stages.append(stage)
+    return stages
+
+
+def _vision_lora(cfg, targets: set[str], r: int) -> int:
+    v = cfg.vision_config
+    d, hidden, merged = v.embed_dim, int(v.embed_dim * v.mlp_ratio), v.embed_dim * cfg.spatial_conv_size ** 2
+    count = 0
+    if "vit" in targets:
+        patch = r * (v.in_channels * v.patch_size ** 2 + d)
+        count += patch + v.depth * r * ((d + 3 * d) + 2 * d + 2 * (d + hidden))
+    if "adapter" in targets:
+        count += r * (4 * merged + (merged * cfg.temporal_conv_size + merged) + 2 * merged + merged + cfg.hidden_size)
+    return count
