@@ -68,3 +68,5 @@ def test_chunks_are_refused_where_they_are_not_built():
             load_config(None, ["training.loss_subbatch_seqlen=16", *layout], check_paths=False)
     with pytest.raises(ConfigError, match="loss_subbatch_seqlen"):
         load_config(None, ["training.loss_subbatch_seqlen=-1"])
+    with pytest.raises(ConfigError, match="not shorter than data.max_seq_len"):
+        load_config(None, ["training.loss_subbatch_seqlen=64", "data.max_seq_len=64"])

@@ -152,6 +152,11 @@ def test_freezing_parts_and_the_vit_learning_rates(tmp_path):
     assert optimized == {p.name for n, p in named if not p.stop_gradient}  # frozen parts: no optimizer state
 
 
+def test_a_run_where_nothing_trains_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="nothing trains"):
+        trainer(tmp_path, "training.freeze=[vision, adapter, lm]")
+
+
 def test_written_target_patterns_match_only_the_adapted_layers():
     layers = {f"model.layers.{i}.mlp.experts.{j}.up_gate_proj" for i in (1, 2) for j in range(4)}
     text = {n for n in layers if int(n.split(".")[5]) < 2}

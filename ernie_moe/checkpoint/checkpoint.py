@@ -48,9 +48,13 @@ def _barrier(env) -> None:
 
 
 def adam_parts(optimizer) -> list:
-    """The plain AdamW optimizers behind a (sharded, MoE-aware) optimizer."""
-    parts = getattr(optimizer, "parts", [optimizer])
-    return [getattr(part, "_inner_opt", part) for part in parts]
+    """The plain AdamW optimizers behind a (sharded, MoE-aware, offloaded) optimizer."""
+    inner = getattr(optimizer, "_inner_opt", optimizer)
+    if inner is None:  # a rank that owns no sharded expert state
+        return []
+    if hasattr(inner, "parts"):
+        return [adamw for part in inner.parts for adamw in adam_parts(part)]
+    return [inner]
 
 
 @dataclass
@@ -160,7 +164,7 @@ def set_rng_state(state: dict) -> None:
 def _save_optimizer(parts: TrainingParts, env, directory: Path, step: int, written: WrittenFiles) -> None:
     """Full tensors (tensor-parallel slices gathered), each written by one rank into its own file."""
     names = {p.name: (stable, p) for stable, p in parts.model.stable_named_parameters()}
-    writes = {True: _writes_experts(env), False: _writes_shared(env)}
+    writes = {True: _writes_experts(env, _experts_sharded(parts.optimizer)), False: _writes_shared(env)}
     states = []  # (stable name, state, parameter, local value), the same order on every rank
     for opt in adam_parts(parts.optimizer):
         for state in ADAM_STATES:
@@ -205,9 +209,16 @@ def _full_shape(param, value) -> list[int]:
     return list(value.shape)
 
 
-def _writes_experts(env) -> bool:
+def _experts_sharded(optimizer) -> bool:
+    return any(hasattr(part, "owner") for part in getattr(optimizer, "parts", []) if part is not None)
+
+
+def _writes_experts(env, sharded: bool) -> bool:
     """The ranks of the expert group holding the stage's lead write the expert states (the lead alone when
-    every rank holds every expert)."""
+    every rank holds every expert). When the states are sharded over the experts' replicas, each rank holds,
+    and writes, its share (on tensor-parallel rank 0 unless the experts are split over the tensor ranks)."""
+    if sharded:
+        return env.tp_rank == 0 or env.expert_group is env.tp_group
     if env.expert_group is None:
         return env.rank == env.stage_lead
     return env.stage_lead in env.expert_group.ranks

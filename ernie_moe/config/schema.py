@@ -156,6 +156,8 @@ class TrainingConfig:
     loss_subbatch_seqlen: int = opt(0, "run the LM head and loss over sequence chunks of this many tokens, each "
                                        "recomputed in the backward pass, so the whole logits are never held; 0 = "
                                        "the whole sequence at once")
+    offload_optim: bool = opt(False, "AdamW moments and float32 master weights in host memory between steps, "
+                                      "brought to the device a bucket of parameters at a time for the update")
     eval_steps: int = opt(100, "evaluate every N steps and at the end; 0 = only at the end")
     save_steps: int = opt(0, "write output_dir/checkpoint-<step> every N steps (and at the end); 0 = only at the end")
     save_total_limit: int = opt(0, "keep the newest N checkpoints of the run's lineage; 0 = keep all")

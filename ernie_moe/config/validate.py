@@ -235,6 +235,9 @@ def _check_parallel(cfg: Config) -> None:
                                    f"moe_num_shared_experts) must be divisible by parallel.tensor_parallel_degree "
                                    f"({tp}).")
     if cfg.training.loss_subbatch_seqlen:
+        chunk, seq = cfg.training.loss_subbatch_seqlen, cfg.data.max_seq_len
+        _require(chunk < seq, f"training.loss_subbatch_seqlen ({chunk}) is not shorter than data.max_seq_len ({seq}): "
+                              "one chunk would be the whole sequence; set a shorter chunk, or 0.")
         _require(pp == 1 and not p.sequence_parallel,
                  "training.loss_subbatch_seqlen (a chunked LM head and loss) is not available with pipeline "
                  "parallelism or sequence_parallel in this release; set it to 0 for those layouts.")

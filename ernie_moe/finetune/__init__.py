@@ -72,6 +72,8 @@ def prepare_fine_tuning(model, training_cfg, model_cfg, env) -> FineTuning:
                 moe.moe_statics.frozen = True
     own = {id(p): p for _, p in model.stable_named_parameters()}.values()  # a tied copy counts once
     trainable, total = sum(p.size for p in own if not p.stop_gradient), sum(p.size for p in own)
+    if not any(env.all_gather_object(trainable > 0)):
+        raise ConfigError(f"nothing trains: training.freeze {list(t.freeze)} covers every part of the model")
     return FineTuning(t.fine_tuning, int(trainable), int(total), counts)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model.recompute import selected_layers
+from ..training.offload import BUCKET_BYTES
 from .params import frozen_parts, stage_layers, stage_lora_params, stage_params
 
 PIXEL_CHANNELS_BYTES = 4  # flattened patches arrive as float32
@@ -83,10 +84,14 @@ class StageMemory:
     inputs: float
     activations: float
     transient: float
+    offloaded: bool = False  # the optimizer states visit the device for the update only, after the backward pass
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.inputs + self.activations + self.transient
+        steady = self.parameters + self.gradients + self.inputs
+        if self.offloaded:
+            return steady + max(self.optimizer, self.activations + self.transient)
+        return steady + self.optimizer + self.activations + self.transient
 
 
 def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[float, float]:
@@ -182,8 +187,9 @@ def in_flight(parallel, training, stage: int) -> float:
     return chunks / vpp
 
 
-def estimate(cfg, workload: Workload) -> list[StageMemory]:
-    """Bytes on one rank of each pipeline stage for ``cfg``'s layout, model and training settings."""
+def estimate(cfg, workload: Workload, data_world: int | None = None) -> list[StageMemory]:
+    """Bytes on one rank of each pipeline stage for ``cfg``'s layout, model and training settings;
+    ``data_world``: the data-parallel x sharding ranks (default: the sharding ranks alone)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     low = t.bf16 or t.fp16
     o2 = low and t.fp16_opt_level == "O2"
@@ -191,6 +197,9 @@ def estimate(cfg, workload: Workload) -> list[StageMemory]:
     grad_bytes = 4 if (not o2 or t.amp_master_grad) else 2
     act_scale = 0.5 if low else 1.0  # activations in bf16 / fp16 under autocast (GPU)
     sharding = p.sharding_parallel_degree if p.sharding else 1
+    # optimizer sharding splits the experts' states over the ranks holding the same experts
+    data_world = data_world or p.sharding_parallel_degree
+    expert_replicas = data_world // (p.expert_parallel_degree if p.moe_group == "ep" else 1) if p.sharding else 1
     data_inputs = workload.tokens * 8 * INT_FIELDS + workload.patches * (
         m.vision_config.in_channels * m.vision_config.patch_size ** 2 * PIXEL_CHANNELS_BYTES)
     out = []
@@ -202,9 +211,12 @@ def estimate(cfg, workload: Workload) -> list[StageMemory]:
         trainable = params.trainable_shared + lora.shared, params.trainable_experts + lora.experts
         gradients = grad_bytes * sum(trainable) / (sharding if p.sharding == "stage2" else 1)
         states_per_param = 8 + (4 if o2 else 0)  # two AdamW moments, a float32 master copy under O2
-        optimizer = states_per_param * (trainable[0] / sharding + trainable[1])
+        optimizer = states_per_param * (trainable[0] / sharding + trainable[1] / max(expert_replicas, 1))
         trainable_float32 = params.float32 - params.frozen_float32
         optimizer -= 4 * (trainable_float32 / sharding) if o2 else 0  # float32 weights need no master copy
+        if t.offload_optim:  # what visits at once: a bucket, or fleet's sharded share of the shared states whole
+            shared_share = states_per_param * trainable[0] / sharding if p.sharding else 0.0
+            optimizer = max(shared_share, min(optimizer - shared_share, BUCKET_BYTES))
         per_layer = [_layer_activations(m, p, t, layer, workload) for layer in layers]
         if stage == 0:
             per_layer = _first_stage_activations(m, t, workload) + per_layer
@@ -221,5 +233,6 @@ def estimate(cfg, workload: Workload) -> list[StageMemory]:
         activations = act_scale * kept * in_flight(p, t, stage)
         transient = act_scale * transient
         inputs = data_inputs * t.gradient_accumulation_steps
-        out.append(StageMemory(stage, parameters, gradients, optimizer, inputs, activations, transient))
+        out.append(StageMemory(stage, parameters, gradients, optimizer, inputs, activations, transient,
+                               t.offload_optim))
     return out

@@ -1,12 +1,13 @@
 """Predict the memory a layout needs before launching it.
 
     python -m ernie_moe.memory --config FILE [section.key=value ...] [--world-size N] [--device-memory-gb 80]
-                             [--search] [--image-fraction 0.5]
+                             [--search] [--smallest] [--image-fraction 0.5]
 
 Prints, for one rank of each pipeline stage, the bytes of parameters, gradients, optimizer states, input
 batches, activations and the backward-pass transient, and whether the busiest stage fits the device. With
 ``--search`` it lists the layouts (tensor, pipeline, virtual stages, sharding, expert degree, recompute,
-micro-batch) that fit, the fastest first by a rough estimate. The micro-batch's make-up comes from the
+micro-batch) that fit, the fastest first by a rough estimate; with ``--smallest`` the fewest GPUs (a multiple
+of 8) on which one fits, and that layout. The micro-batch's make-up comes from the
 configured data when it is there (synthetic data, or the JSONL files), otherwise images of
 ``data.max_image_side`` are assumed to fill ``--image-fraction`` of the tokens.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from ..config import ConfigError, load_config
 from ..parallel.layout import Layout
 from .estimate import Workload, estimate, sample_workload
-from .search import FIT_FRACTION, describe, fits, overrides, search
+from .search import FIT_FRACTION, describe, fits, overrides, search, smallest_world
 
 GIB = 2 ** 30
 
@@ -66,7 +67,7 @@ def report(cfg, world: int, device_gb: float, run_search: bool, image_fraction: 
     workload_for, source = workload_source(cfg, data_world, image_fraction)
     workload = workload_for(cfg.training.per_device_train_batch_size)
     device = device_gb * GIB
-    stages = estimate(cfg, workload)
+    stages = estimate(cfg, workload, data_world)
     lines = [f"layout: {world} ranks, {describe(cfg)}",
              f"micro-batch: {workload.rows} x {workload.seq} tokens, {workload.image_tokens} image tokens, "
              f"{workload.patches} patches ({source})",
@@ -89,6 +90,7 @@ def main(argv=None) -> int:
     parser.add_argument("--world-size", type=int, default=0, help="ranks (default: the product of the degrees)")
     parser.add_argument("--device-memory-gb", type=float, default=80.0)
     parser.add_argument("--search", action="store_true", help="list the layouts that fit")
+    parser.add_argument("--smallest", action="store_true", help="the fewest GPUs (a multiple of 8) that fit")
     parser.add_argument("--image-fraction", type=float, default=0.5)
     args = parser.parse_args(argv)
     try:
@@ -99,6 +101,16 @@ def main(argv=None) -> int:
     p = cfg.parallel
     world = args.world_size or (p.tensor_parallel_degree * p.pipeline_parallel_degree
                                 * max(p.sharding_parallel_degree, 1))
+    if args.smallest:
+        workload_for, source = workload_source(cfg, 1, args.image_fraction)
+        found = smallest_world(cfg, workload_for, args.device_memory_gb * GIB)
+        if found is None:
+            print(f"no layout of up to 1024 GPUs of {args.device_memory_gb:g} GB fits")
+            return 1
+        world, _, candidate, peak = found
+        print(f"fewest GPUs of {args.device_memory_gb:g} GB: {world}, busiest GPU {size(peak)}, {describe(candidate)} "
+              f"({source})\n  {overrides(candidate, cfg) or '(the configured layout)'}")
+        return 0
     text, ok = report(cfg, world, args.device_memory_gb, args.search, args.image_fraction)
     print(text)
     return 0 if ok else 1

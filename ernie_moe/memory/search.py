@@ -65,10 +65,12 @@ def search(cfg, workload_for, world: int, device_bytes: float, limit: int = 10) 
     ``workload_for(micro_batch)`` gives the micro-batch's make-up."""
     m = cfg.model
     powers = [d for d in (1, 2, 4, 8, 16, 32, 64) if world % d == 0]
+    # pipeline stages: any degree that divides the ranks and the layers (ERNIE's 54 layers go in 3, 6, 9 ...)
+    stages = [d for d in range(1, min(world, m.num_hidden_layers) + 1) if world % d == 0]
     found = []
     micro = cfg.training.per_device_train_batch_size
     micro_batches = sorted({max(micro >> i, 1) for i in range(4)}, reverse=True)
-    for tp, pp in itertools.product([d for d in powers if d <= 8], powers):
+    for tp, pp in itertools.product([d for d in powers if d <= 8], stages):
         if world % (tp * pp):
             continue
         data = Layout(world, tp, pp).data_world
@@ -81,7 +83,7 @@ def search(cfg, workload_for, world: int, device_bytes: float, limit: int = 10) 
             candidate = with_layout(cfg, tp, pp, vpp, data, ep, recompute, mb, world, moe_group)
             if candidate is None:
                 continue
-            stages = estimate(candidate, workload_for(mb))
+            stages = estimate(candidate, workload_for(mb), data)
             if fits(stages, device_bytes):
                 peak = max(s.total for s in stages)
                 found.append((relative_time(candidate, world, micro_batches[0]), candidate, peak))
@@ -90,6 +92,16 @@ def search(cfg, workload_for, world: int, device_bytes: float, limit: int = 10) 
         return []
     best = found[0][0]
     return [(best / time, candidate, peak) for time, candidate, peak in found[:limit]]
+
+
+def smallest_world(cfg, workload_for, device_bytes: float, step: int = 8, most: int = 1024) -> tuple | None:
+    """(ranks, relative throughput, config, busiest-stage bytes) of the fastest layout on the fewest ranks
+    (a multiple of ``step``, at most ``most``) on which one fits; None if none does."""
+    for world in range(step, most + 1, step):
+        found = search(cfg, workload_for, world, device_bytes, limit=1)
+        if found:
+            return (world, *found[0])
+    return None
 
 
 def describe(cfg) -> str:

@@ -14,8 +14,10 @@ from .metrics import MetricsLogger
 
 
 class TrainingMonitor:
-    def __init__(self, cfg, env, model, gather_stages, resumed_at: int = 0):
+    def __init__(self, cfg, env, model, gather_stages, resumed_at: int = 0, optimizer_bytes=None):
+        """``optimizer_bytes()``: the bytes of this rank's optimizer states, reported per rank."""
         self.env, self.model, self.gather_stages = env, model, gather_stages
+        self.optimizer_bytes = optimizer_bytes
         self.enabled = cfg.logging.monitor
         self.logger = MetricsLogger(cfg.training.output_dir, cfg.logging.visualdl, env.is_main, resumed_at)
         for moe in model.moe_layers():
@@ -93,6 +95,8 @@ class TrainingMonitor:
     def _memory_per_rank(self) -> dict:
         """Each rank's window figures, gathered: one curve per rank plus the largest and smallest rank."""
         local = self.memory.pop_window()
+        if self.optimizer_bytes is not None:
+            local["optimizer_states_gb"] = self.optimizer_bytes() / 2 ** 30
         names = list(local)
         gathered = self.env.all_gather(paddle.to_tensor([local[n] for n in names], dtype="float64"))
         table = np.stack([t.numpy() for t in gathered])  # [ranks, figures]

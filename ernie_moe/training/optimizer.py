@@ -6,6 +6,7 @@ import paddle
 
 from ..finetune import learning_rate_ratios
 from ..model.ernie_vl import is_expert
+from .offload import OffloadedOptimizer, buckets, state_bytes_per_parameter
 from .schedule import WarmupDecay
 
 
@@ -15,9 +16,11 @@ def no_decay(name: str, param) -> bool:
 
 
 def build_optimizer(model, training_cfg, env=None):
-    """AdamW over every trainable parameter; with optimizer sharding (stage 1) the non-expert parameters'
-    states are split over the sharding ranks by fleet's sharding optimizer, expert parameters keep a local
-    one (different ranks hold different experts: they must never be broadcast across the sharding group)."""
+    """AdamW over every trainable parameter. With optimizer sharding (stage 1) the non-expert parameters'
+    states are split over the sharding ranks by fleet's sharding optimizer, and the routed experts' states
+    over the ranks that hold the same experts (:class:`ShardedExpertAdamW`): different ranks hold different
+    experts, so expert weights are never broadcast across the sharding group. With ``training.offload_optim``
+    the states wait in host memory between steps (``training.offload``)."""
     t = training_cfg
     params = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
     ratios = learning_rate_ratios(model, t)
@@ -39,15 +42,67 @@ def build_optimizer(model, training_cfg, env=None):
             multi_precision=multi_precision,  # float32 master weights for low-precision weights
         )
 
+    def local(parameters):
+        """AdamW over parameters whose states this rank keeps whole: offloaded a bucket at a time, or not."""
+        if not t.offload_optim:
+            return adamw(parameters)
+        per_parameter = state_bytes_per_parameter(multi_precision)
+        return OffloadedOptimizer([adamw(run) for run in buckets(parameters, per_parameter)])
+
     if env is None or not env.sharding:
-        return adamw([p for _, p in params]), scheduler
+        return local([p for _, p in params]), scheduler
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
         DygraphShardingOptimizer,
     )
 
     experts = [p for n, p in params if is_expert(n)]
     shared = DygraphShardingOptimizer(adamw([p for n, p in params if not is_expert(n)]), env.hcg)
-    return MoEShardingOptimizer(shared, adamw(experts) if experts else None), scheduler
+    if t.offload_optim:  # fleet's sharding optimizer steps its share at once: that share visits whole
+        shared = OffloadedOptimizer([shared])
+    replicas = env.expert_replica_group
+    if not experts:
+        return MoEShardingOptimizer(shared, None), scheduler
+    if replicas is None or replicas.nranks == 1:
+        return MoEShardingOptimizer(shared, local(experts)), scheduler
+    return MoEShardingOptimizer(shared, ShardedExpertAdamW(local, experts, replicas)), scheduler
+
+
+class ShardedExpertAdamW:
+    """ZeRO-1 for the routed experts: the ranks that hold the same experts (their data-parallel replicas)
+    split the experts' AdamW states, each updating the weights it owns and sending them to the others.
+
+    Ownership is by size, greedily, in the parameters' order, which is the same on every replica (the same
+    experts, built the same way). Gradients are already summed over the replicas when ``step`` runs.
+    """
+
+    def __init__(self, make_adamw, params: list, group):
+        self.params, self.group = params, group
+        loads = [0] * group.nranks
+        self.owner = []
+        for param in params:
+            owner = loads.index(min(loads))
+            self.owner.append(owner)
+            loads[owner] += param.size
+        mine = [p for p, o in zip(params, self.owner) if o == group.rank]
+        self._inner_opt = make_adamw(mine) if mine else None  # ``_inner_opt``: where the checkpoint finds states
+
+    @paddle.no_grad()
+    def step(self) -> None:
+        if self._inner_opt is not None:
+            self._inner_opt.step()
+        for owner in range(self.group.nranks):  # one broadcast per owner: its weights flattened into one buffer
+            owned = [p for p, o in zip(self.params, self.owner) if o == owner]
+            if not owned:
+                continue
+            flat = paddle.concat([p.reshape([-1]) for p in owned])
+            paddle.distributed.broadcast(flat, src=self.group.ranks[owner], group=self.group)
+            if owner != self.group.rank:
+                for param, piece in zip(owned, paddle.split(flat, [p.size for p in owned])):
+                    param.set_value(piece.reshape(param.shape))
+
+    def clear_grad(self) -> None:
+        for param in self.params:
+            param.clear_gradient()
 
 
 class MoEShardingOptimizer:
@@ -66,6 +121,21 @@ class MoEShardingOptimizer:
 
     def get_lr(self) -> float:
         return self.parts[0].get_lr()
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of this rank's AdamW states on its device: moments, step powers and float32 master weights
+    (on a GPU, states offloaded to host memory do not count)."""
+    from ..checkpoint.checkpoint import adam_parts
+
+    on_gpu = paddle.device.get_device().startswith("gpu")
+    total = 0
+    for opt in adam_parts(optimizer):
+        tensors = [t for states in opt._accumulators.values() for t in states.values()]
+        tensors += list(opt._master_weights.values())
+        total += sum(t.size * t.element_size() for t in tensors
+                     if not (on_gpu and (t.place.is_cpu_place() or t.place.is_cuda_pinned_place())))
+    return total
 
 
 def split_experts(model) -> dict[str, list]:

@@ -26,7 +26,7 @@ from ..monitor.monitor import TrainingMonitor
 from ..parallel import init_distributed, sync_gradients
 from ..timing import STEP_TIMES, part
 from .memory_guard import MemoryGuard, is_out_of_memory
-from .optimizer import build_optimizer, clip_grad_norm, split_experts
+from .optimizer import build_optimizer, clip_grad_norm, optimizer_state_bytes, split_experts
 from .precision import NonFiniteGradients, Precision
 from .runner import build_model, build_runner
 from .state import StepResult, TrainingState
@@ -65,6 +65,9 @@ class Trainer:
         if self.precision.enabled and not paddle.is_compiled_with_cuda() and self.env.is_main:
             print(f"note: {self.precision.dtype} mixed precision needs a GPU; on this CPU build Paddle computes in "
                   "float32 (loss scaling and the inf/nan step guard still apply)", flush=True)
+        if t.offload_optim and not paddle.device.get_device().startswith("gpu") and self.env.is_main:
+            print("note: training.offload_optim keeps optimizer states in host memory between steps; on a CPU that "
+                  "is where they already are, so it saves nothing here (the same moves run)", flush=True)
         self.runner = build_runner(self.model, self.env, self.precision)
         self.guard = MemoryGuard(t, self.env, device_bytes(t), self.model,
                                  can_halve=not self.runner.fixed_micro_batches)
@@ -78,7 +81,8 @@ class Trainer:
         self.last_checkpoint = None  # the newest checkpoint of this run's lineage: a resume's source, then its saves
         if t.resume_from_checkpoint:
             self._resume()
-        self.monitor = TrainingMonitor(cfg, self.env, self.model, self.runner.gather_stages, resumed_at=self.step)
+        self.monitor = TrainingMonitor(cfg, self.env, self.model, self.runner.gather_stages, resumed_at=self.step,
+                                       optimizer_bytes=lambda: optimizer_state_bytes(self.optimizer))
 
     @property
     def step(self) -> int:
