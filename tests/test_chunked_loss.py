@@ -5,6 +5,7 @@ import numpy as np
 import paddle
 import pytest
 from conftest import ROOT
+from test_e2e import launch, load_model, records
 
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.training import Trainer
@@ -70,3 +71,19 @@ def test_chunks_are_refused_where_they_are_not_built():
         load_config(None, ["training.loss_subbatch_seqlen=-1"])
     with pytest.raises(ConfigError, match="not shorter than data.max_seq_len"):
         load_config(None, ["training.loss_subbatch_seqlen=64", "data.max_seq_len=64"])
+
+
+@pytest.mark.slow
+def test_chunks_through_the_vocabulary_parallel_loss_train_as_the_whole_sequence(tmp_path):
+    """tp2: the head's logits split over the vocabulary, the loss over chunks of 16 positions or not."""
+    runs = {}
+    for chunk in (0, 16):
+        out, _ = launch(tmp_path, 2, "parallel.tensor_parallel_degree=2", f"training.loss_subbatch_seqlen={chunk}",
+                        "training.max_steps=5", "logging.logging_steps=1", "training.eval_steps=0",
+                        "training.adam_epsilon=1e-6", "training.per_device_train_batch_size=4", name=f"chunk{chunk}")
+        runs[chunk] = out
+    losses = {c: [r["loss"] for r in records(out) if "loss" in r] for c, out in runs.items()}
+    np.testing.assert_allclose(losses[16], losses[0], rtol=1e-5)
+    a, b = load_model(runs[0] / "final_model"), load_model(runs[16] / "final_model")
+    for name, value in a.items():
+        np.testing.assert_allclose(b[name], value, rtol=1e-5, atol=1e-6, err_msg=name)

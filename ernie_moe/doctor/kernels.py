@@ -3,6 +3,7 @@ reference (float64) on small random inputs."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -41,14 +42,15 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
-def attention(rng, dtype):
+def attention(rng, dtype, masked: bool = True):
+    """Packed documents under a causal mask (the decoder), or every key (the ViT's per-image attention)."""
     q, k, v = (rng.standard_normal(shape) for shape in ([2, 6, 4, 8], [2, 6, 2, 8], [2, 6, 2, 8]))
     docs = np.array([[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 1]])
-    allowed = causal_document_mask(paddle.to_tensor(docs))
+    allowed = causal_document_mask(paddle.to_tensor(docs)) if masked else None
     ours = core_attention(*(_tensor(a, dtype) for a in (q, k, v)), allowed)
     kk, vv = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)
     scores = np.einsum("bqhd,bkhd->bhqk", q, kk) / math.sqrt(8)
-    scores = np.where(allowed.numpy(), scores, -np.inf)
+    scores = np.where(allowed.numpy(), scores, -np.inf) if masked else scores
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     return ours, np.einsum("bhqk,bkhd->bqhd", probs, vv)
@@ -106,7 +108,8 @@ def loss(rng, dtype):
     return ours, -np.take_along_axis(log_probs, np.where(kept, labels, 0)[..., None], -1)[..., 0][kept].sum()
 
 
-CHECKS = {"attention": attention, "rms_norm": rms_norm, "swiglu": swiglu, "rotary embedding": rotary,
+CHECKS = {"attention": attention, "attention without a mask": functools.partial(attention, masked=False),
+          "rms_norm": rms_norm, "swiglu": swiglu, "rotary embedding": rotary,
           "expert dispatch and combine": dispatch_and_combine, "loss": loss}
 
 

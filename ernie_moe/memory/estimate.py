@@ -94,6 +94,11 @@ class StageMemory:
         return steady + self.optimizer + self.activations + self.transient
 
 
+def uses_flash_attention(training) -> bool:
+    """Paddle's attention runs flash attention for bf16 / fp16 on GPUs, its plain computation for float32."""
+    return training.bf16 or training.fp16
+
+
 def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[float, float]:
     """(bytes kept, bytes of the recomputed block) of one decoder layer for one micro-batch."""
     tp = parallel.tensor_parallel_degree
@@ -104,7 +109,10 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[
     norm_residual = (3 * t * h) / sp + t
     repeat = 2 * heads * t * hd if grouped else 0
     attention_linear = t * hd * (3 * heads + 3 * kv + 2) + repeat
-    scores_bytes = 5 * w.rows * heads * w.seq ** 2  # float32 probabilities + the broadcast boolean mask
+    # scaled_dot_product_attention keeps the additive mask it makes of the boolean one ([rows, 1, seq, seq]), and,
+    # in its plain float32 computation, the probabilities; flash attention (bf16 / fp16 on GPUs) keeps none
+    mask = 4 * w.rows * w.seq ** 2
+    scores_bytes = mask if uses_flash_attention(training) else 4 * w.rows * heads * w.seq ** 2 + mask
     attention = 4 * (norm_residual + attention_linear) + scores_bytes
 
     modalities = m.moe_modalities_at(layer)
@@ -154,7 +162,8 @@ def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, fl
     vit_trains = "vision" not in frozen or "vit" in lora
     adapter_trains = vit_trains or "adapter" not in frozen or "adapter" in lora
     p = w.patches
-    block = 4 * (16.3 * p * d + 30 * p) + 5 * v.num_heads * sum(n * n for n in w.image_sizes)
+    probabilities = 0 if uses_flash_attention(training) else 4 * v.num_heads * sum(n * n for n in w.image_sizes)
+    block = 4 * (16.3 * p * d + 30 * p) + probabilities  # per-image attention: every patch, no mask
     recomputed = training.recompute and training.recompute_granularity in ("full", "full_attn")
     blocks = [(4 * p * d, block) if recomputed else (block, 0.0)] * v.depth
     adapter = 4 * (9 * p * d + 0.75 * p * h)

@@ -65,8 +65,8 @@ class VisionAttention(nn.Layer):
         outs = []
         for index, images, size in sizes:
             qg, kg, vg = (paddle.gather(t, index).reshape([images, size, self.num_heads, -1]) for t in (q, k, v))
-            everywhere = paddle.ones([1, 1, size, size], dtype="bool")  # within one image, every patch
-            outs.append(core_attention(qg, kg, vg, everywhere).reshape([images * size, -1]))
+            # within one image every patch sees every other: no mask
+            outs.append(core_attention(qg, kg, vg, None).reshape([images * size, -1]))
         return self.proj(paddle.gather(paddle.concat(outs), restore))
 
 
