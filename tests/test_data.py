@@ -233,3 +233,74 @@ def test_bad_train_probabilities_are_config_errors(tmp_path, probs, message):
                            f"data.train_probs={probs}"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(None, ["data.dataset=jsonl", f"data.train_path=[{paths[0]}, {tmp_path / 'none.jsonl'}]"])
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "skip"])
+def test_background_workers_give_the_same_rows_and_counts(jsonl_dir, overlong):
+    """data.num_workers 0, 1 and 2 over two epochs of the records above (bad ones, an overlong one): the same
+    rows in the same order and the same skip counts, each bad record counted once."""
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={jsonl_dir}", "model.vocab_size=300",
+                             "data.max_seq_len=128", f"data.overlong={overlong}"])
+    results = []
+    for workers in (0, 1, 2):
+        stats = Counter()
+        stream = RowStream(JsonlDataset(str(jsonl_dir)), build_tokenizer(cfg), cfg, stats, shuffle=True,
+                           workers=workers)
+        rows = list(itertools.islice(iter(stream), 6))
+        stream.close()
+        results.append((rows, dict(stats)))
+    (rows0, stats0), *others = results
+    assert stats0["bad_json"] == 1 and stats0.get("overlong_skipped", 0) + stats0.get("overlong_truncated", 0) >= 1
+    for rows, stats in others:
+        assert stats == stats0
+        for a, b in zip(rows, rows0, strict=True):
+            for name in ("input_ids", "labels", "token_type_ids", "position_ids", "doc_ids"):
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+            assert len(a.patches) == len(b.patches) and all(np.array_equal(x, y) for x, y in zip(a.patches, b.patches))
+
+
+def test_a_run_with_background_workers_trains_on_the_same_batches(tmp_path):
+    from ernie_moe.training import Trainer
+
+    losses = []
+    for workers in (0, 2):
+        tr = Trainer(load_config(None, [f"data.num_workers={workers}", f"training.output_dir={tmp_path / str(workers)}",
+                                        "training.max_steps=3", "training.eval_steps=0", "logging.visualdl=false",
+                                        "logging.progress_bar=false", "data.num_eval_samples=4"]))
+        tr.train()
+        rows = [json.loads(line) for line in (tmp_path / str(workers) / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in rows if "loss" in r]
+        assert all(r["data_wait_s"] >= 0 for r in train)
+        losses.append([r["loss"] for r in train])
+    assert losses[0] == losses[1]
+
+
+def test_content_parts_read_as_markers_and_bad_parts_are_counted(jsonl_dir):
+    """PaddleFormers / Hugging Face content parts give the sample the string-with-markers form gives."""
+    folder = jsonl_dir.parent
+    parts = {"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "ok.png"}, {"type": "text", "text": "\nWhat is it?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Grey."}]}]}
+    url = {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ok.png"}},
+                                     {"type": "text", "text": "\nWhat is it?"}]},
+        {"role": "assistant", "content": "Grey."}]}
+    bad = [{"messages": [{"role": "user", "content": [{"type": "audio", "audio": "x.wav"}]},
+                         {"role": "assistant", "content": "x"}]},
+           {"messages": [{"role": "user", "content": [{"type": "video", "video": ["a.png"]}]},
+                         {"role": "assistant", "content": "x"}]},
+           {"images": ["ok.png"], "messages": parts["messages"]}]
+    path = folder / "parts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [parts, url, *bad]) + "\n")
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={path}", "model.vocab_size=300"])
+    encoder = Encoder(build_tokenizer(cfg), cfg.model, 512, "truncate", 448, Counter())
+    data, reference = JsonlDataset(str(path)), JsonlDataset(str(jsonl_dir))
+    expected = encoder(reference[5])  # the same conversation with "<image>" in a string and an images list
+    for index in (0, 1):
+        got = encoder(data[index])
+        np.testing.assert_array_equal(got.input_ids, expected.input_ids)
+        np.testing.assert_array_equal(got.target, expected.target)
+        np.testing.assert_array_equal(got.patches[0], expected.patches[0])
+    stats = Counter()
+    rows = list(RowStream(data, build_tokenizer(cfg), cfg, stats, shuffle=False))
+    assert rows and dict(stats) == {"bad_message": 1, "video_unsupported": 1, "bad_images": 1}

@@ -124,6 +124,8 @@ class DataConfig:
     num_train_samples: int = opt(20000, "synthetic training samples per epoch")
     num_eval_samples: int = opt(256, "synthetic held-out samples")
     blank_images: bool = opt(False, "replace every image with zeros (control run: vision carries no signal)")
+    num_workers: int = opt(0, "background processes that read, decode and encode training samples (same order "
+                              "as 0); 0 = in the training loop")
 
     @property
     def train_files(self) -> list[str]:

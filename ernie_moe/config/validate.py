@@ -105,6 +105,7 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
     _require(d.max_seq_len <= cfg.model.max_position_embeddings,
              f"data.max_seq_len ({d.max_seq_len}) exceeds model.max_position_embeddings "
              f"({cfg.model.max_position_embeddings}).")
+    _require(0 <= d.num_workers <= 64, f"data.num_workers ({d.num_workers}) must be between 0 and 64.")
     unit = v.patch_size * v.spatial_merge_size
     if d.dataset == "synthetic":
         _require(d.image_size % unit == 0 and d.image_size >= 2 * unit,

@@ -7,7 +7,10 @@ Two record shapes are accepted::
                                        {"role": "assistant", "content": "A cat."}]}
 
 Only caption text and assistant turns are trained on. ``<image>`` marks where each image goes in a
-chat; images without a marker go before the first turn.
+chat; images without a marker go before the first turn. A message's content may also be a list of parts, as
+PaddleFormers and Hugging Face chat messages are written: ``{"type": "text", "text": ...}``,
+``{"type": "image", "image": "a.jpg"}`` or ``{"type": "image_url", "image_url": {"url": "a.jpg"}}``; the
+images are then those of the parts, in order.
 """
 
 from __future__ import annotations
@@ -58,9 +61,15 @@ class JsonlDataset:
             paths = [paths]
         if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
             raise BadSample("bad_images", f"line {index + 1}: images must be a path or a list of paths, not {paths!r}")
+        messages = record.get("messages")
+        if isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                              for m in messages):
+            if "images" in record or "image" in record:
+                raise BadSample("bad_images", f"line {index + 1}: images given both as content parts and as a list")
+            messages, paths = flatten_parts(messages)
         images = [self._load_image(p) for p in paths]
         if "messages" in record:
-            chunks = chat_chunks(record["messages"], len(images))
+            chunks = chat_chunks(messages, len(images))
         else:
             text = record.get("text", "")
             if not isinstance(text, str) or not text.strip():
@@ -87,6 +96,35 @@ def load_image(path: Path, max_pixels: int) -> np.ndarray:
         raise BadSample("image_too_large", f"image '{path}': {err}") from None
     except (UnidentifiedImageError, OSError, ValueError) as err:
         raise BadSample("corrupt_image", f"image '{path}' cannot be decoded: {err}") from None
+
+
+def flatten_parts(messages: list) -> tuple[list, list[str]]:
+    """Messages whose content is a list of parts as string contents with ``<image>`` markers, and the parts'
+    image paths in order; an unknown part is a BadSample (``bad_message``), a video one too (not read yet)."""
+    flat, paths = [], []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            flat.append(message)
+            continue
+        text = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                text.append(part["text"])
+            elif kind in ("image", "image_url"):
+                source = part.get("image") or part.get("path") or part.get("url") or part.get("image_url")
+                source = source.get("url") if isinstance(source, dict) else source
+                if not isinstance(source, str):
+                    raise BadSample("bad_message", f"image part {part!r} names no image file")
+                text.append(IMAGE_MARK)
+                paths.append(source)
+            elif kind == "video":
+                raise BadSample("video_unsupported", "video parts are not read in this release")
+            else:
+                raise BadSample("bad_message", f"unknown content part {part!r} (text, image or image_url)")
+        flat.append({**message, "content": "".join(text)})
+    return flat, paths
 
 
 def chat_chunks(messages, num_images: int, open_turn: bool = False) -> list[Chunk]:

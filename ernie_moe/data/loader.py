@@ -14,6 +14,7 @@ from . import synthetic
 from .jsonl import JsonlDataset
 from .packing import BadSample, Encoder, Row, pack
 from .tokenizer import ByteTokenizer, SentencePieceTokenizer, WordTokenizer
+from .workers import SampleWorkers
 
 
 class DataError(ValueError):
@@ -86,30 +87,41 @@ def sample_order(seed: int, epoch: int, size: int) -> np.ndarray:
 
 class RowStream:
     """Packed rows of a dataset, in an order that does not depend on how many processes read it. A sample
-    found unusable is counted once and passed over without being read again in later epochs."""
+    found unusable is counted once and passed over without being read again in later epochs. With
+    ``workers`` background processes read and encode the samples (``data.num_workers``), in the same order."""
 
-    def __init__(self, dataset, tokenizer, cfg, stats: Counter, shuffle: bool):
+    def __init__(self, dataset, tokenizer, cfg, stats: Counter, shuffle: bool, workers: int = 0):
         self.dataset, self.tokenizer, self.stats, self.shuffle = dataset, tokenizer, stats, shuffle
         self.unusable: set[int] = set()
         self.seed = cfg.training.seed
         self.max_seq_len = cfg.data.max_seq_len
         self.encoder = Encoder(tokenizer, cfg.model, cfg.data.max_seq_len, cfg.data.overlong,
                                cfg.data.max_image_side, stats)
+        self.workers = SampleWorkers(dataset, self.encoder, workers) if workers else None
+
+    def _encoded(self, indices):
+        """(index, encoded sample or None, the reason it is unusable or None) for each index, in order."""
+        if self.workers is not None:
+            yield from self.workers.encoded(indices, self.stats)
+            return
+        for index in indices:
+            try:
+                yield index, self.encoder(self.dataset[index]), None
+            except BadSample as bad:
+                yield index, None, bad.reason
 
     def _samples(self):
         epoch = 0
         while True:
             order = sample_order(self.seed, epoch, len(self.dataset)) if self.shuffle else range(len(self.dataset))
             usable = 0
-            for index in order:
-                if int(index) in self.unusable:
+            for index, encoded, reason in self._encoded(int(i) for i in order if int(i) not in self.unusable):
+                if reason is not None:
+                    self.stats[reason] += 1
+                    self.unusable.add(index)
                     continue
-                try:
-                    yield self.encoder(self.dataset[int(index)])
-                    usable += 1
-                except BadSample as bad:
-                    self.stats[bad.reason] += 1
-                    self.unusable.add(int(index))
+                yield encoded
+                usable += 1
             if not self.shuffle:
                 return
             if not usable:
@@ -119,6 +131,10 @@ class RowStream:
 
     def __iter__(self):
         return pack(self._samples(), self.max_seq_len, self.tokenizer.pad_id)
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
 
 
 def rank_batches(rows, global_rows: int, rank: int, world: int, drop_last: bool = True):

@@ -67,6 +67,7 @@ class TrainingMonitor:
             "tokens_per_sec": total("tokens") / elapsed,
             "samples_per_sec": total("rows") / elapsed,
             "step_time_s": elapsed / steps,
+            "data_wait_s": total("data_wait") / steps,  # the loop waiting for rows (data.num_workers hides it)
         }
         metrics.update(time_breakdown(results, elapsed))
         for moe in self.model.moe_layers():

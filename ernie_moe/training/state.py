@@ -42,6 +42,7 @@ class StepResult:
     loss_scale: float = 1.0
     flops: float = 0.0
     time: float = 0.0  # seconds, from reading the data to the cleared gradients
+    data_wait: float = 0.0  # seconds of it spent waiting for the step's rows
     times: dict[str, float] = field(default_factory=dict)  # seconds of each timed part (``ernie_moe.timing``)
     memory_guard_rungs: int = 0  # rungs the memory guard took in this step
 

@@ -76,7 +76,9 @@ class Trainer:
 
         self.data_stats: Counter = Counter()
         train_set, self.eval_set = build_datasets(cfg)
-        self.rows = iter(RowStream(train_set, self.tokenizer, cfg, self.data_stats, shuffle=True))
+        self.stream = RowStream(train_set, self.tokenizer, cfg, self.data_stats, shuffle=True,
+                                workers=cfg.data.num_workers)
+        self.rows = iter(self.stream)
         self._cut_batches()
         self.last_checkpoint = None  # the newest checkpoint of this run's lineage: a resume's source, then its saves
         if t.resume_from_checkpoint:
@@ -120,6 +122,7 @@ class Trainer:
             if (t.save_steps and self.step % t.save_steps == 0) or self.step == t.max_steps:
                 self._save()
         bar.close()
+        self.stream.close()
         trained, skipped = max(t.max_steps - first + 1, 0), self.precision.skipped - skipped_before
         summary = {"steps": max(self.step, first - 1), "trained_steps": trained, "skipped_steps": skipped,
                    "train_time_s": time.time() - started, **last_eval,
@@ -178,6 +181,7 @@ class Trainer:
         STEP_TIMES.pop()
         with part("data"):
             rows = None if micro_batches is not None else self._next_rows()
+        data_wait = time.perf_counter() - started  # measured whether or not the time breakdown is on
         changes = []
         while True:
             try:
@@ -204,6 +208,7 @@ class Trainer:
                 self._cut_batches()
         result.memory_guard_rungs = len(changes)
         result.time, result.times = time.perf_counter() - started, STEP_TIMES.pop()
+        result.data_wait = data_wait
         return result
 
     def _announce(self, change: str) -> None:
