@@ -8,6 +8,7 @@ libraries the rest of the suite uses).
     python paddleformers_side.py generate DIR IDS N OUT  # dense model's greedy generate(): N new tokens per row
     python paddleformers_side.py lora_logits KIND DIR ADAPTER IDS OUT  # logits of DIR with LoRAModel.from_pretrained
     python paddleformers_side.py lora_dump KIND DIR ADAPTER OUT  # the LoRA tensors LoRAModel.from_pretrained holds
+    python paddleformers_side.py image IMAGE OUT  # ERNIE-4.5-VL's image processor on an .npy image
 """
 
 import json
@@ -105,7 +106,16 @@ def lora_logits(kind, directory, adapter, ids, out):
     np.save(out, (result.logits if hasattr(result, "logits") else result[0]).astype("float32").numpy())
 
 
+def image(path, out):
+    """ERNIE-4.5-VL's image processor (its defaults: 56 x 56 to 28 x 28 x 1280 pixels) on an .npy image."""
+    from paddleformers.transformers.ernie4_5_moe_vl.image_processor import Ernie4_5_VLImageProcessor
+
+    processor = Ernie4_5_VLImageProcessor()
+    result = processor.preprocess(images=[np.load(path)], return_tensors="np")
+    np.savez(out, pixels=np.asarray(result["pixel_values"]).astype(np.float32), grid=result["image_grid_thw"],
+             budget=np.array([processor.min_pixels, processor.max_pixels]))
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {"make": make, "dump": dump, "logits": logits, "generate": generate, "lora_logits": lora_logits,
-     "lora_dump": lora_dump}[command](*args)
+     "lora_dump": lora_dump, "image": image}[command](*args)

@@ -304,3 +304,10 @@ def test_content_parts_read_as_markers_and_bad_parts_are_counted(jsonl_dir):
     stats = Counter()
     rows = list(RowStream(data, build_tokenizer(cfg), cfg, stats, shuffle=False))
     assert rows and dict(stats) == {"bad_message": 1, "video_unsupported": 1, "bad_images": 1}
+
+
+def test_a_pixel_budget_that_cannot_hold_a_merge_block_is_a_config_error():
+    with pytest.raises(ConfigError, match="image_min_pixels"):
+        load_config(None, ["data.image_min_pixels=100", "data.image_max_pixels=1003520"])
+    with pytest.raises(ConfigError, match="image_min_pixels"):
+        load_config(None, ["data.image_min_pixels=5000", "data.image_max_pixels=4000"])

@@ -282,3 +282,29 @@ def test_paddleformers_loads_a_text_moe_adapter_trained_here(sources, tmp_path):
     assert set(theirs) == set(ours) and any(".mlp.experts.3." in k for k in theirs)
     for name, value in ours.items():
         np.testing.assert_array_equal(theirs[name], value, err_msg=name)
+
+
+def to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16 (nearest, ties to even), as float32."""
+    bits = x.astype(np.float32).view(np.uint32)
+    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def test_pixel_budget_images_are_those_of_ernies_image_processor(tmp_path):
+    """data.image_min_pixels / image_max_pixels at ERNIE's values: for a small, a tall, a wide, an over-budget,
+    a below-minimum and a 448 x 896 image, the grid equals PaddleFormers' Ernie4_5_VLImageProcessor's and the
+    normalised patches (in merge-block order) equal its pixel_values, which it returns in bfloat16, once ours
+    are rounded to bfloat16."""
+    from ernie_moe.data.images import patchify, prepare
+
+    rng = np.random.default_rng(0)
+    for i, (height, width) in enumerate([(70, 100), (1500, 300), (300, 1600), (2000, 2000), (30, 40), (448, 896)]):
+        image = (rng.random((height, width, 3)) * 255).astype(np.uint8)
+        np.save(tmp_path / f"{i}.npy", image)
+        paddleformers("image", tmp_path / f"{i}.npy", tmp_path / f"{i}.npz", cwd=tmp_path)
+        reference = np.load(tmp_path / f"{i}.npz")
+        min_pixels, max_pixels = (int(x) for x in reference["budget"])
+        cfg = load_config(None, [f"data.image_min_pixels={min_pixels}", f"data.image_max_pixels={max_pixels}"])
+        patches, grid = patchify(prepare(image, 28, 448, cfg.data.pixel_budget), 14, 2)
+        np.testing.assert_array_equal(grid, reference["grid"][0], err_msg=f"{height} x {width}")
+        np.testing.assert_array_equal(to_bfloat16(patches), reference["pixels"], err_msg=f"{height} x {width}")

@@ -119,6 +119,9 @@ class DataConfig:
     overlong: str = choice("truncate", "truncate", "skip", doc="what happens to a sample longer than max_seq_len")
     image_size: int = opt(56, "synthetic images: side in pixels")
     max_image_side: int = opt(448, "JSONL images: longest side after resizing (rounded to patch x merge)")
+    image_min_pixels: int = opt(3136, "with image_max_pixels: ERNIE's resize grows smaller images to this many pixels")
+    image_max_pixels: int = opt(0, "ERNIE-4.5-VL's pixel-budget resize: sides multiples of 28, at most this many "
+                                   "pixels (ERNIE: 1003520 = 28 x 28 x 1280); 0 = max_image_side instead")
     max_image_pixels: int = opt(50_000_000, "JSONL images: larger ones (width x height, read from the header "
                                             "before decoding) are skipped as image_too_large")
     num_train_samples: int = opt(20000, "synthetic training samples per epoch")
@@ -126,6 +129,11 @@ class DataConfig:
     blank_images: bool = opt(False, "replace every image with zeros (control run: vision carries no signal)")
     num_workers: int = opt(0, "background processes that read, decode and encode training samples (same order "
                               "as 0); 0 = in the training loop")
+
+    @property
+    def pixel_budget(self) -> tuple[int, int] | None:
+        """(min, max) pixels of ERNIE's resize, or None for the longest-side rule."""
+        return (self.image_min_pixels, self.image_max_pixels) if self.image_max_pixels else None
 
     @property
     def train_files(self) -> list[str]:

@@ -105,6 +105,11 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
     _require(d.max_seq_len <= cfg.model.max_position_embeddings,
              f"data.max_seq_len ({d.max_seq_len}) exceeds model.max_position_embeddings "
              f"({cfg.model.max_position_embeddings}).")
+    if d.image_max_pixels:
+        unit_area = (v.patch_size * v.spatial_merge_size) ** 2
+        _require(unit_area <= d.image_min_pixels <= d.image_max_pixels,
+                 f"data.image_min_pixels ({d.image_min_pixels}) must be at least {unit_area} (one merge block) and at "
+                 f"most data.image_max_pixels ({d.image_max_pixels}).")
     _require(0 <= d.num_workers <= 64, f"data.num_workers ({d.num_workers}) must be between 0 and 64.")
     unit = v.patch_size * v.spatial_merge_size
     if d.dataset == "synthetic":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from PIL import Image
 
@@ -19,9 +21,37 @@ def fit_size(height: int, width: int, unit: int, max_side: int) -> tuple[int, in
     return snap(height), snap(width)
 
 
-def prepare(image: np.ndarray, unit: int, max_side: int) -> np.ndarray:
-    """uint8 HxWxC -> float32 HxWxC normalised, sides a multiple of ``unit``."""
-    h, w = fit_size(image.shape[0], image.shape[1], unit, max_side)
+MAX_ASPECT = 200  # ERNIE's limit on height / width
+
+
+def pixel_budget_size(height: int, width: int, unit: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """ERNIE-4.5-VL's resize rule: sides the nearest multiples of ``unit`` (28), then scaled, keeping the aspect,
+    into ``[min_pixels, max_pixels]`` (rounding down when shrinking, up when growing); an aspect above 200 is
+    first cut to 200."""
+    if max(height, width) / min(height, width) > MAX_ASPECT:
+        if height > width:
+            width = max(unit, round(width / unit) * unit)
+            height = math.floor(width * MAX_ASPECT / unit) * unit
+        else:
+            height = max(unit, round(height / unit) * unit)
+            width = math.floor(height * MAX_ASPECT / unit) * unit
+    h, w = max(unit, round(height / unit) * unit), max(unit, round(width / unit) * unit)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h, w = math.floor(height / beta / unit) * unit, math.floor(width / beta / unit) * unit
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / unit) * unit, math.ceil(width * beta / unit) * unit
+    return h, w
+
+
+def prepare(image: np.ndarray, unit: int, max_side: int, pixel_budget: tuple[int, int] | None = None) -> np.ndarray:
+    """uint8 HxWxC -> float32 HxWxC normalised, sides a multiple of ``unit``: the longest side at most
+    ``max_side``, or with ``pixel_budget`` (min, max pixels) ERNIE's rule (:func:`pixel_budget_size`)."""
+    if pixel_budget is not None:
+        h, w = pixel_budget_size(image.shape[0], image.shape[1], unit, *pixel_budget)
+    else:
+        h, w = fit_size(image.shape[0], image.shape[1], unit, max_side)
     if (h, w) != image.shape[:2]:
         image = np.asarray(Image.fromarray(image).resize((w, h), Image.BICUBIC))
     return (image.astype(np.float32) / 255.0 - MEAN) / STD

@@ -96,7 +96,7 @@ class RowStream:
         self.seed = cfg.training.seed
         self.max_seq_len = cfg.data.max_seq_len
         self.encoder = Encoder(tokenizer, cfg.model, cfg.data.max_seq_len, cfg.data.overlong,
-                               cfg.data.max_image_side, stats)
+                               cfg.data.max_image_side, stats, cfg.data.pixel_budget)
         self.workers = SampleWorkers(dataset, self.encoder, workers) if workers else None
 
     def _encoded(self, indices):

@@ -48,8 +48,11 @@ class Encoded:
 
 
 class Encoder:
-    def __init__(self, tokenizer, model_cfg, max_seq_len: int, overlong: str, max_image_side: int, stats: Counter):
+    def __init__(self, tokenizer, model_cfg, max_seq_len: int, overlong: str, max_image_side: int, stats: Counter,
+                 pixel_budget: tuple[int, int] | None = None):
+        """``pixel_budget``: (min, max) pixels of an image after ERNIE's resize; None: ``max_image_side``."""
         self.tok = tokenizer
+        self.pixel_budget = pixel_budget
         v = model_cfg.vision_config
         self.patch, self.merge, self.temporal = v.patch_size, v.spatial_merge_size, model_cfg.temporal_conv_size
         self.max_seq_len, self.overlong, self.max_side = max_seq_len, overlong, max_image_side
@@ -74,7 +77,7 @@ class Encoder:
         for chunk in sample.chunks:
             pos = max(positions[-1]) + 1
             if chunk.image >= 0:
-                image = prepare(sample.images[chunk.image], self.patch * self.merge, self.max_side)
+                image = prepare(sample.images[chunk.image], self.patch * self.merge, self.max_side, self.pixel_budget)
                 flat, grid = patchify(image, self.patch, self.merge)
                 patches.append(flat)
                 grids.append(grid)

@@ -51,9 +51,12 @@ class Workload:
 
     @classmethod
     def assumed(cls, cfg, image_fraction: float = 0.5) -> Workload:
-        """Without data: images of ``data.max_image_side`` fill ``image_fraction`` of the tokens."""
+        """Without data: images of ``data.max_image_side`` (or ``data.image_max_pixels``) fill ``image_fraction``
+        of the tokens."""
         v = cfg.model.vision_config
-        side = cfg.data.max_image_side // (v.patch_size * v.spatial_merge_size) * v.spatial_merge_size
+        budget = cfg.data.pixel_budget  # a square image at ERNIE's pixel budget, or at max_image_side
+        longest = int(budget[1] ** 0.5) if budget else cfg.data.max_image_side
+        side = longest // (v.patch_size * v.spatial_merge_size) * v.spatial_merge_size
         patches = side * side
         per_image = patches // (v.spatial_merge_size ** 2)
         rows, seq = cfg.training.per_device_train_batch_size, cfg.data.max_seq_len
