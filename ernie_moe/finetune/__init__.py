@@ -66,10 +66,9 @@ def prepare_fine_tuning(model, training_cfg, model_cfg, env) -> FineTuning:
     for name, param in named:
         if frozen(name, t):
             param.stop_gradient = True
-    if frozen("model.layers.0.mlp.gate.weight", t):  # the aux-loss-free bias is the router's, by rule
-        for moe in model.moe_layers():
-            if moe.moe_statics is not None:
-                moe.moe_statics.frozen = True
+    for moe in model.moe_layers():  # the aux-loss-free bias follows its router's rule: frozen with it
+        if moe.moe_statics is not None and all(p.stop_gradient for p in moe.gate.parameters()):
+            moe.moe_statics.frozen = True
     own = {id(p): p for _, p in model.stable_named_parameters()}.values()  # a tied copy counts once
     trainable, total = sum(p.size for p in own if not p.stop_gradient), sum(p.size for p in own)
     if not any(env.all_gather_object(trainable > 0)):
