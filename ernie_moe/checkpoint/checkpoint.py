@@ -35,7 +35,7 @@ from . import faults
 from .errors import CheckpointError
 from .files import WrittenFiles, sha256_of, sync_folder
 from .lineage import MARKER, Checkpoint, Run, folder_for, marker_text, prune, read
-from .model_files import NUMPY_DTYPES, SafetensorsWriter, save_model
+from .model_files import NUMPY_DTYPES, SafetensorsWriter, save_model, trained_names
 
 BASE_FILE = "base_model.json"
 ADAM_STATES = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
@@ -85,7 +85,7 @@ def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent:
         tmp.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         written.fail(err)
-    only = {n for n, p in parts.model.stable_named_parameters() if not p.stop_gradient} if parts.base else None
+    only = trained_names(parts.model) if parts.base else None
     save_model(parts.model, cfg.model, str(tmp), tokenizer, env, written=written, only=only)
     if parts.base and env.is_main:
         written.write(tmp / BASE_FILE, json.dumps(parts.base, indent=2))
@@ -255,23 +255,33 @@ class _Tensors:
             raise CheckpointError(f"cannot read tensor '{name}' from {path}: {err}") from err
 
 
-def _check_base(directory: Path, base: dict | None) -> dict | None:
-    """The base model a LoRA checkpoint was trained on, checked against this run's."""
-    path = directory / BASE_FILE
+def read_base(folder: Path) -> dict | None:
+    """The ``base_model.json`` of a LoRA checkpoint or adapter (``path``, ``sha256``); None when the folder has
+    none, CheckpointError when it cannot be read."""
+    path = Path(folder) / BASE_FILE
     if not path.is_file():
         return None
     try:
         saved = json.loads(path.read_text())
-        path_, digest = saved["path"], saved["sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        if not isinstance(saved.get("path"), str) or not isinstance(saved.get("sha256"), str):
+            raise ValueError("it needs a path and a sha256")
+    except (OSError, ValueError, AttributeError) as err:
         raise CheckpointError(f"cannot read {path}: {err}") from err
+    return saved
+
+
+def _check_base(directory: Path, base: dict | None) -> dict | None:
+    """The base model a LoRA checkpoint was trained on, checked against this run's."""
+    saved = read_base(directory)
+    if saved is None:
+        return None
     if base is None:
         raise CheckpointError(f"{directory} is a LoRA run's checkpoint (only the adapter, on the base model "
-                              f"{path_}): resume it with training.fine_tuning: lora")
-    if digest != base["sha256"]:
-        raise CheckpointError(f"{directory} was trained on the base model {path_} (sha256 {digest[:12]}...); "
-                              f"training.model_name_or_path {base['path']} holds other weights "
-                              f"(sha256 {base['sha256'][:12]}...)")
+                              f"{saved['path']}): resume it with training.fine_tuning: lora")
+    if saved["sha256"] != base["sha256"]:
+        raise CheckpointError(f"{directory} was trained on the base model {saved['path']} (sha256 "
+                              f"{saved['sha256'][:12]}...); training.model_name_or_path {base['path']} holds other "
+                              f"weights (sha256 {base['sha256'][:12]}...)")
     return saved
 
 

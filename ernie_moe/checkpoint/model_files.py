@@ -128,6 +128,11 @@ class SafetensorsWriter:
             written.digests[self.path.name] = self.hash.hexdigest()
 
 
+def trained_names(model) -> set[str]:
+    """Stable names of the parameters that train (all that a LoRA run's checkpoints and adapter hold)."""
+    return {n for n, p in model.stable_named_parameters() if not p.stop_gradient}
+
+
 def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_layout: bool = False,
                written: WrittenFiles | None = None, only: set[str] | None = None, stem: str = "model",
                convert=None) -> Path:

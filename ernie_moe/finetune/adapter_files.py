@@ -20,15 +20,15 @@ import numpy as np
 import paddle
 from safetensors import safe_open
 
+from ..checkpoint.checkpoint import BASE_FILE, read_base
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.files import sha256_of
 from ..checkpoint.formats import group_qkv, ungroup_qkv
-from ..checkpoint.model_files import save_model
+from ..checkpoint.model_files import save_model, trained_names
 from ..parallel.tensor_parallel import shard_of
 from .lora import LoRASettings, apply_lora, is_lora, linear_layers
 
 CONFIG = "lora_config.json"
-BASE = "base_model.json"
 INDEX = "peft_model.safetensors.index.json"
 _WEIGHTS = (".safetensors", ".pdparams")
 
@@ -43,20 +43,12 @@ def base_reference(directory: str) -> dict:
     return {"path": str(folder), "sha256": digest.hexdigest()}
 
 
-def trained_names(model) -> set[str]:
-    """Stable names of the parameters that train (what a LoRA run's checkpoints and adapter hold)."""
-    return {n for n, p in model.stable_named_parameters() if not p.stop_gradient}
-
-
-def _qkv_order(model_cfg, to_paddleformers: bool):
+def _qkv_order(name: str, array: np.ndarray, model_cfg, to_paddleformers: bool) -> np.ndarray:
+    """A fused q/k/v layer's B in PaddleFormers' column order (or back to this package's); any other as is."""
+    if not name.endswith("self_attn.qkv_proj.lora_B"):
+        return array
     heads, kv = model_cfg.num_attention_heads, model_cfg.num_key_value_heads
-
-    def convert(name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
-        if name.endswith("self_attn.qkv_proj.lora_B"):
-            array = group_qkv(array, heads, kv) if to_paddleformers else ungroup_qkv(array, heads, kv)
-        return [(name, array)]
-
-    return convert
+    return group_qkv(array, heads, kv) if to_paddleformers else ungroup_qkv(array, heads, kv)
 
 
 def save_adapter(model, model_cfg, settings: LoRASettings, directory, tokenizer, env, base: dict) -> Path:
@@ -64,7 +56,7 @@ def save_adapter(model, model_cfg, settings: LoRASettings, directory, tokenizer,
     out = Path(directory)
     names = trained_names(model)
     save_model(model, model_cfg, str(out), tokenizer, env, only=names, stem="peft_model",
-               convert=_qkv_order(model_cfg, to_paddleformers=True))
+               convert=lambda name, array: [(name, _qkv_order(name, array, model_cfg, to_paddleformers=True))])
     layers = {n for n, _, _, _ in linear_layers(model)}
     adapted = {n[: -len(".lora_A")] for n in names if n.endswith(".lora_A")}
     listing = env.all_gather_object((sorted(adapted), sorted(layers))) if env.world_size > 1 else [(adapted, layers)]
@@ -78,7 +70,7 @@ def save_adapter(model, model_cfg, settings: LoRASettings, directory, tokenizer,
                   "dtype": "float32", "lora_plus_scale": 1.0, "merge_weights": False, "do_qat": False,
                   "loraga": False, "enable_lora_list": None, "head_dim": None}
         (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
-        (out / BASE).write_text(json.dumps(base, indent=2))
+        (out / BASE_FILE).write_text(json.dumps(base, indent=2))
     return out
 
 
@@ -124,14 +116,12 @@ def load_adapter(model, model_cfg, directory) -> LoRASettings:
     config, tensors = read_adapter(directory)
     settings = settings_of(config)
     apply_lora(model, settings, None)
-    convert = _qkv_order(model_cfg, to_paddleformers=False)
     for name, param in model.stable_named_parameters():
         if not is_lora(name):
             continue
         if name not in tensors:
             raise CheckpointError(f"the LoRA adapter in {directory} holds no tensor '{name}'")
-        (_, value), = convert(name, tensors[name])
-        value = shard_of(param, value)
+        value = shard_of(param, _qkv_order(name, tensors[name], model_cfg, to_paddleformers=False))
         if list(value.shape) != list(param.shape):
             raise CheckpointError(f"LoRA tensor '{name}' in {directory} has shape {list(value.shape)}; this model "
                                   f"expects {list(param.shape)}: the adapter was trained on a model of another shape")
@@ -146,7 +136,7 @@ def merged_weight(name: str, weight: np.ndarray, adapter: tuple[dict, dict], mod
     if not name.endswith(".weight") or f"{layer}.lora_A" not in tensors:
         return weight
     a = tensors[f"{layer}.lora_A"].astype("float32")
-    (_, b), = _qkv_order(model_cfg, to_paddleformers=False)(f"{layer}.lora_B", tensors[f"{layer}.lora_B"])
+    b = _qkv_order(f"{layer}.lora_B", tensors[f"{layer}.lora_B"], model_cfg, to_paddleformers=False)
     if a.shape[0] != weight.shape[0] or b.shape[1] != weight.shape[1] or a.shape[1] != b.shape[0]:
         raise CheckpointError(f"LoRA pair of '{layer}' is {list(a.shape)} x {list(b.shape)}; the base weight is "
                               f"{list(weight.shape)}: the adapter was trained on a model of another shape")
@@ -156,12 +146,10 @@ def merged_weight(name: str, weight: np.ndarray, adapter: tuple[dict, dict], mod
 def adapter_base(adapter_dir, base_dir=None) -> str:
     """The base model folder to merge an adapter into: ``base_dir``, or the one it was trained on, whose files
     must still be those it was trained on (CheckpointError otherwise)."""
-    path = Path(adapter_dir) / BASE
-    try:
-        saved = json.loads(path.read_text())
-        saved_path, digest = saved["path"], saved["sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{adapter_dir} is not a LoRA adapter of this package ({path}: {err})") from None
+    saved = read_base(adapter_dir)
+    if saved is None:
+        raise CheckpointError(f"{adapter_dir} is not a LoRA adapter of this package (it has no {BASE_FILE})")
+    saved_path, digest = saved["path"], saved["sha256"]
     if base_dir is not None:
         return str(base_dir)
     if not Path(saved_path).is_dir():

@@ -74,12 +74,12 @@ class LoRALinear(nn.Layer):
                       else "row" if isinstance(base, tp.RowParallelLinear) else None)
         in_features, out_features = getattr(base.weight, "full_shape", base.weight.shape)
         a_shape, b_shape = [in_features, rank], [rank, out_features]
-        self.lora_A = (_split_like(self, base.weight, a_shape, axis=0) if self.split == "row"
-                       else self._factor(a_shape))
-        self.lora_B = (_split_like(self, base.weight, b_shape, axis=1) if self.split == "column"
+        self.lora_A = (self._split(a_shape, 0, [in_features]) if self.split == "row" else self._factor(a_shape))
+        self.lora_B = (self._split(b_shape, 1, base.weight.segments) if self.split == "column"
                        else self._factor(b_shape))
         # PaddleFormers' Kaiming-uniform (a = sqrt(5)) for A, drawn by name from the whole tensor; B stays zero
         self.lora_A.init_rule = ("uniform", 1.0 / math.sqrt(in_features))
+        self.lora_B.init_rule = None
         if self.split is not None and base.sequence_parallel:
             # the replicated factor sees a piece of the sequence on each rank: its gradient is partial
             (self.lora_A if self.split == "column" else self.lora_B).sequence_parallel = True
@@ -89,6 +89,10 @@ class LoRALinear(nn.Layer):
     def _factor(self, shape: list[int]):
         return self.create_parameter(shape, dtype=self.weight.dtype,
                                      default_initializer=nn.initializer.Constant(0.0))
+
+    def _split(self, shape: list[int], axis: int, segments: list[int]):
+        """This rank's slice of a factor split along ``axis`` as the base weight is (its fused segments)."""
+        return tp.sharded_parameter(self, shape, axis, segments, self.base.group, 0.0)
 
     @property
     def base(self) -> nn.Layer:
@@ -101,17 +105,6 @@ class LoRALinear(nn.Layer):
         elif self.split == "row":
             low = tp.leave_region(low, self.base.group, self.base.sequence_parallel)
         return self.base(x) + paddle.matmul(low, self.lora_B) * self.scaling
-
-
-def _split_like(layer, weight, shape: list[int], axis: int):
-    """This rank's slice of a ``shape`` factor, split along ``axis`` as ``weight`` is (same fused segments)."""
-    local = list(shape)
-    local[axis] = shape[axis] // weight.tp_size
-    param = layer.create_parameter(local, dtype=weight.dtype, default_initializer=nn.initializer.Constant(0.0))
-    param.is_distributed, param.split_axis = True, axis
-    param.segments = list(weight.segments) if axis == 1 else [shape[0]]
-    param.full_shape, param.tp_rank, param.tp_size = list(shape), weight.tp_rank, weight.tp_size
-    return param
 
 
 _LINEARS = (nn.Linear, tp.ColumnParallelLinear, tp.RowParallelLinear, LoRALinear)

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import paddle
 
+from ..checkpoint.checkpoint import BASE_FILE
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.pretrained import load_pretrained
 from ..config.load import build
 from ..config.model_folder import model_config_from
 from ..config.schema import ModelConfig
 from ..data.tokenizer import tokenizer_in
-from ..finetune.adapter_files import BASE, adapter_base, load_adapter
+from ..finetune.adapter_files import adapter_base, load_adapter
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_vision
 
 
@@ -32,7 +33,7 @@ def load_model_folder(directory, need_tokenizer: bool = True) -> LoadedModel:
     folder = Path(directory)
     if not folder.is_dir():
         raise CheckpointError(f"model folder '{folder}' does not exist")
-    adapter = folder if (folder / BASE).is_file() else None  # a LoRA adapter: its base, then its pairs
+    adapter = folder if (folder / BASE_FILE).is_file() else None  # a LoRA adapter: its base, then its pairs
     weights = Path(adapter_base(folder)) if adapter else folder
     cfg = build(ModelConfig, model_config_from(weights), "model")
     paddle.seed(0)

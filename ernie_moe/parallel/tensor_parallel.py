@@ -29,8 +29,8 @@ def shard_index(segments: list[int], rank: int, size: int) -> np.ndarray:
     return np.concatenate(index)
 
 
-def _sharded_parameter(layer: nn.Layer, shape: list[int], axis: int, segments: list[int], group,
-                       std: float) -> paddle.Tensor:
+def sharded_parameter(layer: nn.Layer, shape: list[int], axis: int, segments: list[int], group,
+                      std: float) -> paddle.Tensor:
     """This rank's slice of a ``shape`` tensor, drawn later by name (``model.init``) from the whole tensor."""
     local = list(shape)
     local[axis] = shape[axis] // group.nranks
@@ -69,7 +69,7 @@ class ColumnParallelLinear(nn.Layer):
                  segments: list[int] | None = None):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _sharded_parameter(self, [in_features, out_features], 1, segments or [out_features], group, std)
+        self.weight = sharded_parameter(self, [in_features, out_features], 1, segments or [out_features], group, std)
 
     def forward(self, x):
         return paddle.matmul(enter_region(x, self.group, self.sequence_parallel), self.weight)
@@ -81,7 +81,7 @@ class RowParallelLinear(nn.Layer):
     def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool, std: float):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _sharded_parameter(self, [in_features, out_features], 0, [in_features], group, std)
+        self.weight = sharded_parameter(self, [in_features, out_features], 0, [in_features], group, std)
 
     def forward(self, x):
         return leave_region(paddle.matmul(x, self.weight), self.group, self.sequence_parallel)
@@ -93,7 +93,7 @@ class VocabParallelEmbedding(nn.Layer):
     def __init__(self, num_embeddings: int, dim: int, group, std: float):
         super().__init__()
         self.group = group
-        self.weight = _sharded_parameter(self, [num_embeddings, dim], 0, [num_embeddings], group, std)
+        self.weight = sharded_parameter(self, [num_embeddings, dim], 0, [num_embeddings], group, std)
         self.start = group.rank * self.weight.shape[0]
 
     def forward(self, ids):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import paddle
 
+from ..checkpoint.checkpoint import adam_parts
 from ..finetune import learning_rate_ratios
 from ..model.ernie_vl import is_expert
 from .offload import OffloadedOptimizer, buckets, state_bytes_per_parameter
@@ -126,8 +127,6 @@ class MoEShardingOptimizer:
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of this rank's AdamW states on its device: moments, step powers and float32 master weights
     (on a GPU, states offloaded to host memory do not count)."""
-    from ..checkpoint.checkpoint import adam_parts
-
     on_gpu = paddle.device.get_device().startswith("gpu")
     total = 0
     for opt in adam_parts(optimizer):
