@@ -15,6 +15,7 @@ from pathlib import Path
 
 import paddle
 
+from ..model.kernels import chosen_on
 from .kernels import device_dtypes, run_checks
 from .layouts import check_layouts
 
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
     for key, value in environment():
         print(f"{key:<10} {value}")
     checks = run_checks(device_dtypes())
+    print(f"{'kernels':<10} {chosen_on(paddle.zeros([1]).place)}")  # after the checks: a failed fused kernel shows
     if args.layouts:
         with tempfile.TemporaryDirectory() as scratch:
             try:

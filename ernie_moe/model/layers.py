@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
+
+from . import kernels
 
 
 class RMSNorm(nn.Layer):
-    """Root-mean-square norm, computed in float32 whatever the input dtype."""
+    """Root-mean-square norm, in float32 whatever the input dtype (``kernels.rms_norm``)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -16,9 +17,7 @@ class RMSNorm(nn.Layer):
         self.weight = self.create_parameter([dim], default_initializer=nn.initializer.Constant(1.0))
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        h = x.astype("float32")
-        h = h * paddle.rsqrt(h.pow(2).mean(axis=-1, keepdim=True) + self.eps)
-        return (h * self.weight.astype("float32")).astype(x.dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 class SwiGLUMLP(nn.Layer):
@@ -32,5 +31,4 @@ class SwiGLUMLP(nn.Layer):
         self.down_proj = plan.row_linear(intermediate_size, hidden_size)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        gate, up = paddle.chunk(self.up_gate_proj(x), 2, axis=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.swiglu(self.up_gate_proj(x)))
