@@ -5,8 +5,9 @@
 The layouts are those the memory planner's search considers (tensor x pipeline x data, experts over the data
 ranks or not, optimizer sharding over the data ranks), each keeping the config's global batch. Every layout is
 launched with ``paddle.distributed.launch``; the figures are its last logging window (steady state): tokens/s,
-step time, the share of the step spent in communication (``time/communication_share``) and the allocator peak
-of the busiest and the least busy rank.
+step time, the share of rank 0's step spent in communication (``time/communication_share``) and waiting in
+the pipeline's bubble (``time/pipeline_bubble_s``), and the allocator peak of the busiest and the least busy
+rank.
 """
 
 from __future__ import annotations
@@ -69,16 +70,17 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
     print(f"{args.nproc} processes, {args.config}, last {args.steps // 2} of {args.steps} steps\n")
-    print("| layout | tokens/s | step (ms) | communication | peak MiB, busiest rank | least busy |")
-    print("|---|---|---|---|---|---|")
+    print("| layout | tokens/s | step (ms) | communication | bubble | peak MiB, busiest rank | least busy |")
+    print("|---|---|---|---|---|---|---|")
     for candidate in layouts(cfg, args.nproc):
         label = f"dp{Layout.of(candidate.parallel, args.nproc).dp}, {describe(candidate)}"
         row = measure(candidate, args.config, args.nproc, args.steps, args.overrides)
         if not row:
-            print(f"| {label} | failed | | | | |", flush=True)
+            print(f"| {label} | failed | | | | | |", flush=True)
             continue
         print(f"| {label} | {row['tokens_per_sec']:.0f} | {row['step_time_s'] * 1e3:.1f} | "
               f"{row.get('time/communication_share', 0):.1%} | "
+              f"{row.get('time/pipeline_bubble_s', 0) / row['step_time_s']:.1%} | "
               f"{row['memory/max_rank_max_allocated_gb'] * 1024:.1f} | "
               f"{row['memory/min_rank_max_allocated_gb'] * 1024:.1f} |", flush=True)
 

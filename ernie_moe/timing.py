@@ -11,7 +11,8 @@ from collections import defaultdict
 import paddle
 
 # the parts that are communication
-COMMUNICATION = ("tensor_parallel_comm", "expert_all_to_all", "router_stats_comm", "gradient_sync", "step_reduce")
+COMMUNICATION = ("tensor_parallel_comm", "expert_all_to_all", "router_stats_comm", "pipeline_send_recv",
+                 "gradient_sync", "step_reduce")
 
 
 class StepTimes:

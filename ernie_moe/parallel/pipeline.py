@@ -27,6 +27,7 @@ from ..model.blocks import (
 from ..model.decoder import DecoderLayer
 from ..model.ernie_vl import BlockQueries
 from ..model.init import init_weights
+from ..timing import part
 
 
 class PipelineLoss(nn.Layer):
@@ -107,3 +108,27 @@ def stage_inputs(micro_batches, scored=None, scale: float = 1.0) -> list:
     inputs = tuple(list(field) for field in zip(*(block_inputs(b) for b in micro_batches)))
     labels = ([b.labels for b in micro_batches], [paddle.full([1], scale, dtype="float32") for _ in micro_batches])
     return [inputs, labels + ((scored,) if scored is not None else ())]
+
+
+def time_schedule_parts(schedule) -> None:
+    """Time the parts of fleet's schedule on this rank (``schedule``: fleet's ``PipelineParallel``).
+
+    The stage's forward and backward steps count as ``forward`` and ``backward``. A receive is the wait for a
+    neighbour's activation or gradient with nothing else to run: ``pipeline_bubble`` (the schedule's fill
+    and drain, any imbalance between stages, and the arrival of the tensor itself). Sends, and the
+    interleaved schedule's combined send-and-receive calls, are ``pipeline_send_recv``.
+    """
+    schedule._forward_step = _timed(schedule._forward_step, "forward")
+    schedule._backward_step = _timed(schedule._backward_step, "backward")
+    helper = schedule._p2p_helper
+    for name in dir(type(helper)):
+        if name.startswith(("send_", "recv_")):
+            kind = "pipeline_bubble" if name.startswith("recv_") else "pipeline_send_recv"
+            setattr(helper, name, _timed(getattr(helper, name), kind))
+
+
+def _timed(method, name: str):
+    def timed(*args, **kwargs):
+        with part(name):
+            return method(*args, **kwargs)
+    return timed

@@ -19,7 +19,7 @@ from ..batch import IGNORE_INDEX
 from ..data import collate
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_expert
 from ..parallel import build_plan
-from ..parallel.pipeline import ErniePipeline, stage_inputs
+from ..parallel.pipeline import ErniePipeline, stage_inputs, time_schedule_parts
 from ..timing import part
 from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
 
@@ -101,6 +101,7 @@ class PipelineRunner(PlainRunner):
     def __init__(self, model, env, precision):
         self.model, self.env, self.precision = model, env, precision
         self.fleet_model = fleet.distributed_model(model)
+        time_schedule_parts(self.fleet_model)
 
     def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:
         """What fleet's ``train_batch`` runs before its optimizer step; the sums come from the last stage."""
@@ -111,7 +112,8 @@ class PipelineRunner(PlainRunner):
         if self.env.virtual_stages > 1:
             self.fleet_model.set_virtual_pipeline_rank(0)
         scaler = self.precision if self.precision.loss_scale != 1.0 else None  # fleet calls .scale()
-        with part("pipeline_schedule"), self.precision.autocast():  # forward, backward, send/receive, bubble
+        # forward, backward, send/receive and bubble time themselves (time_schedule_parts); the rest is the schedule's
+        with part("pipeline_schedule"), self.precision.autocast():
             self.fleet_model.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), scaler)
         totals = self.sum_over_stages(paddle.to_tensor([loss.lm_sum, loss.router_sum], dtype="float64"))
         lm_sum, router_sum = totals.numpy().tolist()
