@@ -101,11 +101,13 @@ def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
     p = parallel_cfg
     world = dist.get_world_size()
     layout = Layout.of(p, world).check()
+    on_cpu = paddle.device.get_device() == "cpu"  # the launcher then uses gloo
+    if on_cpu:
+        cpu_fallbacks.reuse_freed_host_memory()
     if world == 1:
         return DistEnv()
     dp, tp, sh, pp = layout.dp, layout.tp, layout.sharding, layout.pp
     strategy = fleet.DistributedStrategy()
-    on_cpu = paddle.device.get_device() == "cpu"  # the launcher then uses gloo
     hybrid = {"dp_degree": dp, "mp_degree": tp, "pp_degree": pp, "sharding_degree": sh}
     if pp > 1 and on_cpu:
         hybrid["pp_configs"] = cpu_fallbacks.PIPELINE_CONFIGS
