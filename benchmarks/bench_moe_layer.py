@@ -1,9 +1,13 @@
 """Time one MoE layer against a dense SwiGLU MLP with the same activated parameters, on the same tokens.
 
-    python benchmarks/bench_moe_layer.py [--tokens 4096 --hidden 256 --experts 8 --k 2 --expert-width 512]
+    python benchmarks/bench_moe_layer.py                 # ERNIE's fine-grained case and a coarse one, one run
+    python benchmarks/bench_moe_layer.py --tokens 4096 --hidden 256 --experts 64 --k 8 --expert-width 128
 
-The dense MLP's width is k x expert width, so both do the same matmul work per token; the ratio shows
-what routing, sorting, gathering and combining cost on top.
+The dense MLP's width is k x expert width, so both do the same matmul work per token; the ratio shows what
+routing, sorting, gathering and combining cost on top. The MoE layer runs its experts both ways
+(``training.moe_expert_matmul``): one after another, and grouped (one padded batched matmul per projection).
+Each repeat times every variant once, in turn, and each keeps its fastest, so load drift on a shared
+machine hits all of them alike.
 """
 
 from __future__ import annotations
@@ -16,18 +20,48 @@ import paddle
 from ernie_moe.config import load_config
 from ernie_moe.model.init import init_layer
 from ernie_moe.model.layers import SwiGLUMLP
+from ernie_moe.moe.experts import use_expert_matmul
 from ernie_moe.moe.layer import MoELayer
 from ernie_moe.parallel import SingleDevicePlan
+from ernie_moe.parallel.cpu_fallbacks import reuse_freed_host_memory
+
+# (experts, k, expert width): ERNIE-4.5's fine-grained routing (8 of 64), and a coarse layer (2 of 8)
+CASES = [(64, 8, 128), (8, 2, 512)]
 
 
-def time_fwd_bwd(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn().sum().backward()
-    best = float("inf")
+def fwd_bwd_seconds(fn) -> float:
+    start = time.perf_counter()
+    fn().sum().backward()
+    return time.perf_counter() - start
+
+
+def measure(tokens: int, hidden: int, experts: int, k: int, width: int, repeats: int) -> dict[str, float]:
+    cfg = load_config(None, [
+        f"model.hidden_size={hidden}", f"model.moe_num_experts=[{experts}]",
+        f"model.moe_intermediate_size=[{width}]", f"model.moe_k={k}", "model.moe_num_shared_experts=0",
+    ]).model
+    paddle.seed(0)
+    plan = SingleDevicePlan()
+    moe = init_layer(MoELayer(plan, cfg, [0], layer_idx=0))
+    dense = init_layer(SwiGLUMLP(plan, hidden, k * width))
+    x = paddle.randn([1, tokens, hidden])
+    x.stop_gradient = False
+    types = paddle.zeros([1, tokens], dtype="int64")
+
+    def moe_run(mode):
+        def run():
+            use_expert_matmul(moe, mode)
+            return moe(x, types)[0]
+        return run
+
+    variants = {"per_expert": moe_run("per_expert"), "grouped": moe_run("grouped"), "dense": lambda: dense(x)}
+    for fn in variants.values():  # warm-up
+        for _ in range(2):
+            fwd_bwd_seconds(fn)
+    best = {name: float("inf") for name in variants}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn().sum().backward()
-        best = min(best, time.perf_counter() - start)
+        for name, fn in variants.items():
+            best[name] = min(best[name], fwd_bwd_seconds(fn))
     return best
 
 
@@ -35,32 +69,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--experts", type=int, help="one case of this many experts (default: both cases)")
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--expert-width", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
-
-    cfg = load_config(None, [
-        f"model.hidden_size={args.hidden}", f"model.moe_num_experts=[{args.experts}]",
-        f"model.moe_intermediate_size=[{args.expert_width}]", f"model.moe_k={args.k}",
-        "model.moe_num_shared_experts=0",
-    ]).model
-    paddle.seed(0)
-    plan = SingleDevicePlan()
-    moe = init_layer(MoELayer(plan, cfg, [0], layer_idx=0))
-    dense = init_layer(SwiGLUMLP(plan, args.hidden, args.k * args.expert_width))
-    x = paddle.randn([1, args.tokens, args.hidden])
-    x.stop_gradient = False
-    types = paddle.zeros([1, args.tokens], dtype="int64")
-
-    t_moe = time_fwd_bwd(lambda: moe(x, types)[0], args.repeats)
-    t_dense = time_fwd_bwd(lambda: dense(x), args.repeats)
-    print(f"tokens {args.tokens}, hidden {args.hidden}, {args.experts} experts, k {args.k}, "
-          f"expert width {args.expert_width} (dense width {args.k * args.expert_width})")
-    print(f"moe layer fwd+bwd   {t_moe * 1e3:8.2f} ms")
-    print(f"dense mlp fwd+bwd   {t_dense * 1e3:8.2f} ms")
-    print(f"moe / dense ratio   {t_moe / t_dense:8.2f}")
+    cases = [(args.experts, args.k, args.expert_width)] if args.experts else CASES
+    if paddle.device.get_device() == "cpu" and reuse_freed_host_memory():
+        print("host memory: freed blocks reused, as the trainer does on a CPU")
+    print(f"tokens {args.tokens}, hidden {args.hidden}, fwd+bwd, fastest of {args.repeats}; "
+          "dense width = k x expert width\n")
+    print("| experts | k | expert width | per expert (ms) | grouped (ms) | dense (ms) | MoE / dense, per expert "
+          "| MoE / dense, grouped |")
+    print("|---|---|---|---|---|---|---|---|")
+    for experts, k, width in cases:
+        t = measure(args.tokens, args.hidden, experts, k, width, args.repeats)
+        print(f"| {experts} | {k} | {width} | {t['per_expert'] * 1e3:.1f} | {t['grouped'] * 1e3:.1f} | "
+              f"{t['dense'] * 1e3:.1f} | {t['per_expert'] / t['dense']:.2f} | {t['grouped'] / t['dense']:.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

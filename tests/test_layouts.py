@@ -52,6 +52,8 @@ LAYOUTS = {
     "pp2_recompute_full_attn": (2, 1, [PP2, RECOMPUTE, "training.recompute_granularity=full_attn"], ACCUMULATE),
     "ep2_recompute_moe": (2, 2, ["parallel.expert_parallel_degree=2", RECOMPUTE,
                                  "training.recompute_granularity=moe"], []),
+    # each rank's experts as batched matmuls (against one process running them one by one)
+    "ep2_grouped_matmul": (2, 2, ["parallel.expert_parallel_degree=2", "training.moe_expert_matmul=grouped"], []),
     # the LM head and the vocabulary-parallel loss over sequence chunks (against one process without chunks)
     "tp2_chunked_loss": (2, 1, [TP2, "training.loss_subbatch_seqlen=16"], []),
 }

@@ -44,6 +44,7 @@ LAYOUTS = {
                                           "training.lora_rank=16", "training.lora_targets=[" + ",".join(
                                               LORA_TARGET_GROUPS) + "]"]),
     "freeze vision": (1, ["training.freeze=[vision]"]),
+    "grouped expert matmuls": (1, ["training.moe_expert_matmul=grouped"]),
 }
 
 
@@ -70,6 +71,19 @@ def test_parameter_counts_split_over_stages_and_ranks():
     tied_copy = cfg.model.vocab_size * cfg.model.hidden_size  # the last stage's copy of the tied embedding
     assert sum(s.shared for s in stages) == whole.shared + tied_copy
     assert sum(s.experts for s in stages) * 2 == whole.experts
+
+
+def test_grouped_expert_matmuls_keep_a_copy_of_the_routed_expert_weights():
+    """Stacked for the batched matmuls and kept for their backward: float32 here, one micro-batch in flight."""
+    loop = load_config(ROOT / "configs" / "vl_moe.yaml", ["training.moe_expert_matmul=per_expert"])
+    grouped = load_config(ROOT / "configs" / "vl_moe.yaml", ["training.moe_expert_matmul=grouped"])
+    workload = sample_workload(loop, 1)
+    extra = estimate(grouped, workload)[0].activations - estimate(loop, workload)[0].activations
+    model = build_model(loop.model, DistEnv())
+    routed = sum(int(np.prod(p.shape)) for name, p in model.named_parameters() if ".experts." in name)
+    assert routed > 0 and extra == pytest.approx(4 * routed)
+    auto_on_cpu = load_config(ROOT / "configs" / "vl_moe.yaml")  # float32: the planner takes it for a CPU run
+    assert estimate(auto_on_cpu, workload)[0].activations == estimate(loop, workload)[0].activations
 
 
 @pytest.fixture(scope="module")

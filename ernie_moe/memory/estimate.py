@@ -102,6 +102,15 @@ def uses_flash_attention(training) -> bool:
     return training.bf16 or training.fp16
 
 
+def uses_grouped_matmul(training) -> bool:
+    """Whether the experts run as batched matmuls; 'auto' means on a GPU, which this planner takes low precision
+    to mean (as for flash attention). Experts with LoRA pairs run one by one."""
+    lora_experts = {"text_experts", "vision_experts"} & set(training.lora_targets)
+    if (training.fine_tuning == "lora" and lora_experts) or training.moe_expert_matmul == "per_expert":
+        return False
+    return training.moe_expert_matmul == "grouped" or uses_flash_attention(training)
+
+
 def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[float, float]:
     """(bytes kept, bytes of the recomputed block) of one decoder layer for one micro-batch."""
     tp = parallel.tensor_parallel_degree
@@ -134,7 +143,10 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[
         router = 3.4 * sum(n * e for n, e, _ in routed)
         exchange = 2 * copies * h if parallel.expert_parallel_degree > 1 and parallel.moe_group == "ep" else 0
         shared = 4 * t * widths[0] * m.moe_num_shared_experts / tp
-        mlp = 4 * (norm_residual + router + t * h + copies * (1.8 * h + 3.2 * width) + exchange + shared)
+        # batched matmuls keep the stacked weights of this rank's experts (a copy) for their backward
+        expert_ranks = parallel.expert_parallel_degree if parallel.moe_group == "ep" else expert_split
+        stacked = sum(3 * h * n * wd for _, n, wd in routed) / expert_ranks if uses_grouped_matmul(training) else 0
+        mlp = 4 * (norm_residual + router + t * h + copies * (1.8 * h + 3.2 * width) + exchange + shared + stacked)
 
     # (kept for backward, re-run in backward minus what the layer's backward has freed before it)
     recomputes = training.recompute and layer in selected_layers(training.recompute_layers, m.num_hidden_layers)

@@ -21,6 +21,7 @@ from ..finetune import prepare_fine_tuning
 from ..finetune.adapter_files import base_reference, save_adapter
 from ..finetune.lora import LoRASettings
 from ..model.recompute import apply_recompute
+from ..moe.experts import use_expert_matmul
 from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
 from ..parallel import init_distributed, sync_gradients
@@ -50,6 +51,7 @@ class Trainer:
         self.state = TrainingState.start(t)
         self.model = build_model(cfg.model, self.env, t.loss_subbatch_seqlen)
         apply_recompute(self.model, self.state.recompute, self.state.recompute_layers, t.recompute_use_reentrant)
+        use_expert_matmul(self.model, t.moe_expert_matmul)
         if t.model_name_or_path:
             self._initialise_from(t.model_name_or_path)
         self.fine_tuning = prepare_fine_tuning(self.model, t, cfg.model, self.env)
