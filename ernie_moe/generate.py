@@ -19,7 +19,7 @@ from .checkpoint.errors import CheckpointError
 from .cli import at_least_one
 from .config import ConfigError
 from .config.schema import DataConfig
-from .data.jsonl import chat_chunks, load_image
+from .data.jsonl import load_image, load_video, parse_messages
 from .data.packing import BadSample, Encoder
 from .data.sample import Chunk, Sample
 from .generation import generate, load_model_folder
@@ -45,8 +45,11 @@ def prompts_from(args) -> list[Sample]:
                 raise UsageError(f"{path} line {number} is not JSON: {err}") from None
             if not isinstance(record, dict):
                 raise UsageError(f"{path} line {number} is not a JSON object")
-            images = [load_image(path.parent / str(p), max_pixels) for p in record.get("images", [])]
-            samples.append(Sample(images, chat_chunks(record.get("messages"), len(images), open_turn=True)))
+            conversation, images, videos = parse_messages(record.get("messages"), record.get("images", []),
+                                                          record.get("videos", []))
+            samples.append(Sample([load_image(path.parent / str(p), max_pixels) for p in images],
+                                  videos=[load_video(path.parent, v, max_pixels) for v in videos],
+                                  conversation=conversation))
         if not samples:
             raise UsageError(f"--messages file '{path}' holds no conversation")
         return samples
@@ -55,8 +58,9 @@ def prompts_from(args) -> list[Sample]:
     if args.prompt is not None:
         if not args.prompt.strip():
             raise UsageError("--prompt is empty")
-        chunks = chat_chunks([{"role": "user", "content": args.prompt}], len(images), open_turn=True)
-    elif not images:
+        conversation, _, _ = parse_messages([{"role": "user", "content": args.prompt}], args.image, [])
+        return [Sample(images, conversation=conversation)]
+    if not images:
         raise UsageError("nothing to continue: give --image, --prompt or --messages")
     return [Sample(images, chunks)]
 
@@ -82,7 +86,7 @@ def main(argv=None) -> int:
         data = DataConfig()
         encoder = Encoder(tokenizer, cfg, cfg.max_position_embeddings, "skip", data.max_image_side, Counter())
         prompts = [encoder.prompt(sample) for sample in samples]
-    except (BadSample, UsageError, CheckpointError, ConfigError, OSError) as err:
+    except (BadSample, UsageError, CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"generate error: {err}", file=sys.stderr)
         return 2
     for prompt in prompts:

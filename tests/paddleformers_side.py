@@ -9,6 +9,7 @@ libraries the rest of the suite uses).
     python paddleformers_side.py lora_logits KIND DIR ADAPTER IDS OUT  # logits of DIR with LoRAModel.from_pretrained
     python paddleformers_side.py lora_dump KIND DIR ADAPTER OUT  # the LoRA tensors LoRAModel.from_pretrained holds
     python paddleformers_side.py image IMAGE OUT  # ERNIE-4.5-VL's image processor on an .npy image
+    python paddleformers_side.py process TOKENIZER CONVERSATIONS OUT  # Ernie4_5_VLProcessor on each conversation
 """
 
 import json
@@ -115,7 +116,34 @@ def image(path, out):
     np.savez(out, pixels=np.asarray(result["pixel_values"]).astype(np.float32), grid=result["image_grid_thw"],
              budget=np.array([processor.min_pixels, processor.max_pixels]))
 
+def process(tokenizer_dir, conversations, out):
+    """ERNIE-4.5-VL's processor on each conversation of a JSON file ({"messages", "images", "videos", "budget"}:
+    image paths, videos as lists of frame paths, pixel budgets): the chat template of the tokenizer folder,
+    rendered by the tokenizer, then the processor; one OUT/<n>.npz each (what the processor returns, and the
+    rendered text)."""
+    from paddleformers.transformers.ernie4_5_moe_vl.image_processor import Ernie4_5_VLImageProcessor
+    from paddleformers.transformers.ernie4_5_moe_vl.processor import Ernie4_5_VLProcessor
+    from paddleformers.transformers.ernie4_5_moe_vl.tokenizer import Ernie4_5_VLTokenizer
+    from PIL import Image
+
+    folder = Path(tokenizer_dir)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer = Ernie4_5_VLTokenizer(vocab_file=str(folder / "tokenizer.model"),
+                                     additional_special_tokens=config["additional_special_tokens"],
+                                     chat_template=config["chat_template"])
+    for n, case in enumerate(json.loads(Path(conversations).read_text())):
+        processor = Ernie4_5_VLProcessor(image_processor=Ernie4_5_VLImageProcessor(), tokenizer=tokenizer,
+                                         **case["budget"])
+        text = tokenizer.apply_chat_template(case["messages"], tokenize=False, add_generation_prompt=False)
+        images = [Image.open(p) for p in case["images"]]
+        videos = [[Image.open(p) for p in frames] for frames in case["videos"]]
+        result = processor(text=[text], images=images or None, videos=videos or None)
+        arrays = {k: np.asarray(v) for k, v in result.items() if k in ("input_ids", "token_type_ids", "position_ids",
+                                                                        "grid_thw", "images")}
+        np.savez(Path(out) / f"{n}.npz", text=np.array(text), **arrays)
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {"make": make, "dump": dump, "logits": logits, "generate": generate, "lora_logits": lora_logits,
-     "lora_dump": lora_dump, "image": image}[command](*args)
+     "lora_dump": lora_dump, "image": image, "process": process}[command](*args)

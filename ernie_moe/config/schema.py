@@ -122,6 +122,10 @@ class DataConfig:
     image_min_pixels: int = opt(3136, "with image_max_pixels: ERNIE's resize grows smaller images to this many pixels")
     image_max_pixels: int = opt(0, "ERNIE-4.5-VL's pixel-budget resize: sides multiples of 28, at most this many "
                                    "pixels (ERNIE: 1003520 = 28 x 28 x 1280); 0 = max_image_side instead")
+    video_min_pixels: int = opt(234_416, "with image_max_pixels: ERNIE's resize grows smaller video frames to this "
+                                         "many pixels (ERNIE: 28 x 28 x 299)")
+    video_max_pixels: int = opt(937_664, "with image_max_pixels: video frames are resized to at most this many "
+                                         "pixels (ERNIE: 28 x 28 x 1196)")
     max_image_pixels: int = opt(50_000_000, "JSONL images: larger ones (width x height, read from the header "
                                             "before decoding) are skipped as image_too_large")
     num_train_samples: int = opt(20000, "synthetic training samples per epoch")
@@ -134,6 +138,11 @@ class DataConfig:
     def pixel_budget(self) -> tuple[int, int] | None:
         """(min, max) pixels of ERNIE's resize, or None for the longest-side rule."""
         return (self.image_min_pixels, self.image_max_pixels) if self.image_max_pixels else None
+
+    @property
+    def video_budget(self) -> tuple[int, int] | None:
+        """(min, max) pixels of a video frame under ERNIE's resize, or None for the longest-side rule."""
+        return (self.video_min_pixels, self.video_max_pixels) if self.image_max_pixels else None
 
     @property
     def train_files(self) -> list[str]:

@@ -107,9 +107,10 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
              f"({cfg.model.max_position_embeddings}).")
     if d.image_max_pixels:
         unit_area = (v.patch_size * v.spatial_merge_size) ** 2
-        _require(unit_area <= d.image_min_pixels <= d.image_max_pixels,
-                 f"data.image_min_pixels ({d.image_min_pixels}) must be at least {unit_area} (one merge block) and at "
-                 f"most data.image_max_pixels ({d.image_max_pixels}).")
+        for kind in ("image", "video"):
+            low, high = getattr(d, f"{kind}_min_pixels"), getattr(d, f"{kind}_max_pixels")
+            _require(unit_area <= low <= high, f"data.{kind}_min_pixels ({low}) must be at least {unit_area} (one "
+                                               f"merge block) and at most data.{kind}_max_pixels ({high}).")
     _require(0 <= d.num_workers <= 64, f"data.num_workers ({d.num_workers}) must be between 0 and 64.")
     unit = v.patch_size * v.spatial_merge_size
     if d.dataset == "synthetic":

@@ -64,3 +64,10 @@ def patchify(image: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, np.
     x = image.transpose(2, 0, 1).reshape(channels, gh // merge, merge, patch, gw // merge, merge, patch)
     x = x.transpose(1, 4, 2, 5, 0, 3, 6)  # block row, block col, row in block, col in block, C, p, p
     return x.reshape(gh * gw, channels * patch * patch), np.array([1, gh, gw], np.int64)
+
+
+def video_frames(frames: np.ndarray, temporal: int) -> list[np.ndarray]:
+    """A video's frames, the last repeated until their number is a multiple of ``temporal`` (ERNIE's rule:
+    the adapter merges frames in pairs)."""
+    frames = list(frames)
+    return frames + frames[-1:] * (-len(frames) % temporal)

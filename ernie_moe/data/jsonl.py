@@ -1,4 +1,4 @@
-"""Real data: one JSON object per line, with image paths relative to the file.
+"""Real data: one JSON object per line, with image and video paths relative to the file.
 
 Two record shapes are accepted::
 
@@ -6,26 +6,27 @@ Two record shapes are accepted::
     {"images": ["a.jpg"], "messages": [{"role": "user", "content": "<image>\\nWhat is this?"},
                                        {"role": "assistant", "content": "A cat."}]}
 
-Only caption text and assistant turns are trained on. ``<image>`` marks where each image goes in a
-chat; images without a marker go before the first turn. A message's content may also be a list of parts, as
-PaddleFormers and Hugging Face chat messages are written: ``{"type": "text", "text": ...}``,
-``{"type": "image", "image": "a.jpg"}`` or ``{"type": "image_url", "image_url": {"url": "a.jpg"}}``; the
-images are then those of the parts, in order.
+Only caption text and assistant turns are trained on. ``<image>`` marks where each image goes in a chat, and
+``<video>`` each video of ``"videos"`` (a video is a list of frame files); images without a marker go at the
+start of the first user turn. A message's content may also be a list of parts, as PaddleFormers and Hugging Face
+chat messages are written: ``{"type": "text", "text": ...}``, ``{"type": "image", "image": "a.jpg"}``,
+``{"type": "image_url", "image_url": {"url": "a.jpg"}}`` or ``{"type": "video", "video": ["f0.jpg", ...]}``;
+the images and videos are then those of the parts, in order.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from .packing import BadSample
-from .sample import Chunk, Sample
+from .chat import check_messages
+from .sample import BadSample, Chunk, Sample
 
-IMAGE_MARK = "<image>"
-ROLE_PREFIX = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
+IMAGE_MARK, VIDEO_MARK = "<image>", "<video>"
 
 
 class JsonlDataset:
@@ -56,29 +57,25 @@ class JsonlDataset:
             raise BadSample("bad_json", f"line {index + 1}: {err}") from None
         if not isinstance(record, dict):
             raise BadSample("bad_json", f"line {index + 1} is not a JSON object")
-        paths = record.get("images", [record["image"]] if "image" in record else [])
-        if isinstance(paths, str):
-            paths = [paths]
-        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-            raise BadSample("bad_images", f"line {index + 1}: images must be a path or a list of paths, not {paths!r}")
-        messages = record.get("messages")
-        if isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
-                                              for m in messages):
-            if "images" in record or "image" in record:
-                raise BadSample("bad_images", f"line {index + 1}: images given both as content parts and as a list")
-            messages, paths = flatten_parts(messages)
-        images = [self._load_image(p) for p in paths]
+        images = record.get("images", [record["image"]] if "image" in record else [])
+        images = [images] if isinstance(images, str) else images
+        if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+            raise BadSample("bad_images", f"line {index + 1}: images must be a path or a list of paths, not {images!r}")
         if "messages" in record:
-            chunks = chat_chunks(messages, len(images))
-        else:
-            text = record.get("text", "")
-            if not isinstance(text, str) or not text.strip():
-                raise BadSample("empty_text", f"line {index + 1} has no text")
-            chunks = [Chunk(image=i) for i in range(len(images))] + [Chunk(text=text.strip(), loss=True)]
-        return Sample(images=images, chunks=chunks)
+            conversation, images, videos = parse_messages(record["messages"], images, record.get("videos", []))
+            return Sample(images=[self._load_image(p) for p in images],
+                          videos=[self._load_video(v) for v in videos], conversation=conversation)
+        text = record.get("text", "")
+        if not isinstance(text, str) or not text.strip():
+            raise BadSample("empty_text", f"line {index + 1} has no text")
+        chunks = [Chunk(image=i) for i in range(len(images))] + [Chunk(text=text.strip(), loss=True)]
+        return Sample(images=[self._load_image(p) for p in images], chunks=chunks)
 
     def _load_image(self, relative) -> np.ndarray:
         return load_image(self.root / str(relative), self.max_pixels)
+
+    def _load_video(self, frames: list[str]) -> np.ndarray:
+        return load_video(self.root, frames, self.max_pixels)
 
 
 def load_image(path: Path, max_pixels: int) -> np.ndarray:
@@ -98,62 +95,90 @@ def load_image(path: Path, max_pixels: int) -> np.ndarray:
         raise BadSample("corrupt_image", f"image '{path}' cannot be decoded: {err}") from None
 
 
-def flatten_parts(messages: list) -> tuple[list, list[str]]:
-    """Messages whose content is a list of parts as string contents with ``<image>`` markers, and the parts'
-    image paths in order; an unknown part is a BadSample (``bad_message``), a video one too (not read yet)."""
-    flat, paths = [], []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            flat.append(message)
-            continue
-        text = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                text.append(part["text"])
-            elif kind in ("image", "image_url"):
-                source = part.get("image") or part.get("path") or part.get("url") or part.get("image_url")
-                source = source.get("url") if isinstance(source, dict) else source
-                if not isinstance(source, str):
-                    raise BadSample("bad_message", f"image part {part!r} names no image file")
-                text.append(IMAGE_MARK)
-                paths.append(source)
-            elif kind == "video":
-                raise BadSample("video_unsupported", "video parts are not read in this release")
-            else:
-                raise BadSample("bad_message", f"unknown content part {part!r} (text, image or image_url)")
-        flat.append({**message, "content": "".join(text)})
-    return flat, paths
+def load_video(root: Path, frames: list[str], max_pixels: int) -> np.ndarray:
+    """A video given as its frame files (relative to ``root``), ``[T, H, W, 3]`` uint8."""
+    loaded = [load_image(root / str(f), max_pixels) for f in frames]
+    if len({f.shape for f in loaded}) != 1:
+        raise BadSample("bad_video", f"the frames of video {frames[0]}, ... differ in size")
+    return np.stack(loaded)
 
 
-def chat_chunks(messages, num_images: int, open_turn: bool = False) -> list[Chunk]:
-    """A conversation as chunks, assistant text trained on. ``open_turn`` (a prompt to generate from): the
-    conversation ends with the assistant's prefix and needs no assistant text."""
+def parse_messages(messages, images: list[str], videos) -> tuple:
+    """(the conversation in parts form, its image paths, its videos as lists of frame paths), in order.
+
+    String contents place ``images`` and ``videos`` at their ``<image>`` / ``<video>`` markers; content parts
+    carry their own files. Unknown parts, a ``<video>`` without frames, a video file (frames only in this
+    release) and images given both ways are counted skips."""
     if not isinstance(messages, list) or not messages:
         raise BadSample("empty_text", "messages is empty")
+    parts_given = any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
+    if parts_given and (images or videos):
+        raise BadSample("bad_images", "images or videos given both as content parts and as lists")
+    if not isinstance(videos, list) or not all(_frame_list(v) for v in videos):
+        raise BadSample("bad_video", f"videos must be a list of frame-file lists, not {videos!r}")
+    out, image_paths, video_frames = [], [], []
     for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ROLE_PREFIX:
-            raise BadSample("bad_message", f"message {message!r} needs a role of {', '.join(ROLE_PREFIX)}")
-        if not isinstance(message.get("content"), str):
-            raise BadSample("bad_message", f"the content of a {message['role']} message must be a string, not "
-                                           f"{message.get('content')!r}")
-    marks = sum(m["content"].count(IMAGE_MARK) for m in messages)
-    if marks > num_images:
-        raise BadSample("image_count_mismatch", f"{marks} {IMAGE_MARK} markers but {num_images} images")
-    chunks = [Chunk(image=i) for i in range(num_images - marks)]
-    image = num_images - marks
-    for message in messages:
-        trained = message["role"] == "assistant"
-        chunks.append(Chunk(text=("\n" if len(chunks) else "") + ROLE_PREFIX[message["role"]]))
-        for i, text in enumerate(message["content"].split(IMAGE_MARK)):
-            if i:
-                chunks.append(Chunk(image=image))
-                image += 1
-            if text:
-                chunks.append(Chunk(text=text, loss=trained))
-    if open_turn:
-        return chunks + [Chunk(text="\n" + ROLE_PREFIX["assistant"])]
-    if not any(c.loss and c.text.strip() for c in chunks):
-        raise BadSample("empty_text", "no assistant text to train on")
-    return chunks
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            parts = _marked_parts(content)
+        elif isinstance(content, list):
+            parts = [_part(p, image_paths, video_frames) for p in content]
+        else:
+            raise BadSample("bad_message", f"message {message!r} needs a string content or a list of parts")
+        out.append({"role": message.get("role"), "content": parts})
+    if not parts_given:
+        marks = [p["type"] for m in out for p in m["content"] if p["type"] != "text"]
+        if marks.count("video") != len(videos):
+            raise BadSample("video_without_frames", f"{marks.count('video')} {VIDEO_MARK} markers but "
+                                                    f"{len(videos)} videos")
+        unmarked = len(images) - marks.count("image")
+        if unmarked < 0:
+            raise BadSample("image_count_mismatch", f"{marks.count('image')} {IMAGE_MARK} markers but "
+                                                    f"{len(images)} images")
+        first_user = next((m for m in out if m["role"] == "user"), None)
+        if unmarked and first_user is None:
+            raise BadSample("image_count_mismatch", "images without a user turn to show them in")
+        if unmarked:
+            first_user["content"][:0] = [{"type": "image"}] * unmarked
+        image_paths, video_frames = list(images), list(videos)
+    return check_messages(out), image_paths, video_frames
+
+
+def _marked_parts(text: str) -> list[dict]:
+    parts = []
+    for piece in re.split(f"({re.escape(IMAGE_MARK)}|{re.escape(VIDEO_MARK)})", text):
+        if piece == IMAGE_MARK:
+            parts.append({"type": "image"})
+        elif piece == VIDEO_MARK:
+            parts.append({"type": "video"})
+        elif piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def _frame_list(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(f, str) for f in value)
+
+
+def _part(part, image_paths: list[str], video_frames: list[list[str]]) -> dict:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind in ("image", "image_url"):
+        source = part.get("image") or part.get("path") or part.get("url") or part.get("image_url")
+        source = source.get("url") if isinstance(source, dict) else source
+        if not isinstance(source, str):
+            raise BadSample("bad_message", f"image part {part!r} names no image file")
+        image_paths.append(source)
+        return {"type": "image"}
+    if kind in ("video", "video_url"):
+        source = part.get("video") or part.get("path") or part.get("url") or part.get("video_url")
+        source = source.get("url") if isinstance(source, dict) else source
+        if isinstance(source, str):
+            raise BadSample("video_file_unsupported", f"video '{source}' is a file: this release reads a video "
+                                                      "as a list of frame files")
+        if not _frame_list(source):
+            raise BadSample("video_without_frames", f"video part {part!r} names no frames")
+        video_frames.append(source)
+        return {"type": "video"}
+    raise BadSample("bad_message", f"unknown content part {part!r} (text, image, image_url or video)")

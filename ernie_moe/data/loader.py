@@ -11,6 +11,7 @@ import paddle
 
 from ..batch import IGNORE_INDEX, Batch
 from . import synthetic
+from .chat import chat_format
 from .jsonl import JsonlDataset
 from .packing import BadSample, Encoder, Row, pack
 from .tokenizer import ByteTokenizer, SentencePieceTokenizer, WordTokenizer
@@ -22,15 +23,25 @@ class DataError(ValueError):
 
 
 def build_tokenizer(cfg):
+    """``data.tokenizer_path``'s tokenizer, else the one in ``training.model_name_or_path``'s folder, else a
+    built-in one (the synthetic data's words, or bytes)."""
     d = cfg.data
-    if d.tokenizer_path:
-        if not (Path(d.tokenizer_path) / "tokenizer.model").is_file():
-            raise DataError(f"data.tokenizer_path '{d.tokenizer_path}' has no tokenizer.model")
+    folder = d.tokenizer_path
+    pretrained = Path(cfg.training.model_name_or_path or ".")
+    if not folder and cfg.training.model_name_or_path and (pretrained / "tokenizer.model").is_file():
+        folder = str(pretrained)
+    if folder:
+        if not (Path(folder) / "tokenizer.model").is_file():
+            raise DataError(f"data.tokenizer_path '{folder}' has no tokenizer.model")
         try:
-            return SentencePieceTokenizer(d.tokenizer_path, cfg.model.im_patch_id)
+            tokenizer = SentencePieceTokenizer(folder, cfg.model.im_patch_id)
+            chat_format(tokenizer)  # a chat template that cannot be read stops the run here
+            return tokenizer
         except (RuntimeError, OSError) as err:  # sentencepiece's word for a file that is not its model
-            raise DataError(f"'{Path(d.tokenizer_path) / 'tokenizer.model'}' is not a SentencePiece model: "
+            raise DataError(f"'{Path(folder) / 'tokenizer.model'}' is not a SentencePiece model: "
                             f"{str(err).strip().splitlines()[-1]}") from None
+        except ValueError as err:  # its special-token or template files
+            raise DataError(f"the tokenizer in '{folder}' cannot be read: {err}") from None
     if d.dataset == "synthetic":
         return WordTokenizer(synthetic.vocabulary())
     return ByteTokenizer()
@@ -96,7 +107,7 @@ class RowStream:
         self.seed = cfg.training.seed
         self.max_seq_len = cfg.data.max_seq_len
         self.encoder = Encoder(tokenizer, cfg.model, cfg.data.max_seq_len, cfg.data.overlong,
-                               cfg.data.max_image_side, stats, cfg.data.pixel_budget)
+                               cfg.data.max_image_side, stats, cfg.data.pixel_budget, cfg.data.video_budget)
         self.workers = SampleWorkers(dataset, self.encoder, workers) if workers else None
 
     def _encoded(self, indices):

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..batch import IGNORE_INDEX
-from .images import patchify, prepare
-from .sample import Sample
+from .chat import chat_format
+from .images import patchify, prepare, video_frames
+from .sample import BadSample, Chunk, Sample
 
 PAD_TYPE = -1
 # Caption-accuracy categories a data source may mark its words with.
@@ -23,14 +24,6 @@ SCORE_CATEGORIES = ("color", "shape", "row", "column")
 
 def score_category(name: str) -> int:
     return SCORE_CATEGORIES.index(name) + 1 if name else 0
-
-
-class BadSample(Exception):
-    """A sample that cannot be used; ``reason`` is the counter it is reported under."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(detail or reason)
-        self.reason = reason
 
 
 @dataclass
@@ -48,56 +41,106 @@ class Encoded:
 
 
 class Encoder:
+    """Samples -> token ids, trained-token mask, token types and 3D positions, ERNIE's way.
+
+    An image is ``(h/2)(w/2)`` placeholder tokens after the 2x2 merge (a video ``t/2`` times that, token type
+    2), their positions ``(start + frame, start + row, start + column)`` on the merged grid, after which text
+    continues at the largest + 1. With ERNIE's tokenizer each image sits between ``<|IMAGE_START|>`` and
+    ``<|IMAGE_END|>`` (a video between the video markers), each of token type 1 and a position of its own.
+    """
+
     def __init__(self, tokenizer, model_cfg, max_seq_len: int, overlong: str, max_image_side: int, stats: Counter,
-                 pixel_budget: tuple[int, int] | None = None):
-        """``pixel_budget``: (min, max) pixels of an image after ERNIE's resize; None: ``max_image_side``."""
+                 pixel_budget: tuple[int, int] | None = None, video_budget: tuple[int, int] | None = None):
+        """``pixel_budget``: (min, max) pixels of an image after ERNIE's resize, ``video_budget`` of a video
+        frame; None: ``max_image_side``."""
         self.tok = tokenizer
-        self.pixel_budget = pixel_budget
+        self.chat = chat_format(tokenizer)
+        self.pixel_budget, self.video_budget = pixel_budget, video_budget or pixel_budget
         v = model_cfg.vision_config
         self.patch, self.merge, self.temporal = v.patch_size, v.spatial_merge_size, model_cfg.temporal_conv_size
         self.max_seq_len, self.overlong, self.max_side = max_seq_len, overlong, max_image_side
         self.stats = stats
+        token_id = getattr(tokenizer, "token_id", lambda _: None)
+        self.brackets = {kind: (token_id(f"<|{kind}_START|>"), token_id(f"<|{kind}_END|>"))
+                         for kind in ("IMAGE", "VIDEO")}
 
     def __call__(self, sample: Sample) -> Encoded:
-        """A training sample: the prompt, its trained tokens and the closing end-of-sentence token."""
-        e = self.prompt(sample)
+        """A training sample: the prompt, its trained tokens and the end-of-sentence token closing them."""
+        chunks, closed = self._chunks(sample, open_turn=False)
+        e = self._encode(sample, chunks, begin=not closed)
         if not e.target.any():
             raise BadSample("empty_text", "sample has no text to train on")
-        next_position = e.position_ids[-1].max() + 1
-        encoded = Encoded(np.append(e.input_ids, self.tok.eos_id), np.append(e.target, True), np.append(e.scored, 0),
-                          np.append(e.token_type_ids, 0), np.vstack([e.position_ids, [[next_position] * 3]]),
-                          e.patches, e.grids)
-        return self._fit(encoded)
+        if not closed:
+            next_position = e.position_ids[-1].max() + 1
+            e = Encoded(np.append(e.input_ids, self.tok.eos_id), np.append(e.target, True), np.append(e.scored, 0),
+                        np.append(e.token_type_ids, 0), np.vstack([e.position_ids, [[next_position] * 3]]),
+                        e.patches, e.grids)
+        return self._fit(e)
 
     def prompt(self, sample: Sample) -> Encoded:
-        """The sample's tokens from the beginning-of-sentence token on, with no end: what generation
-        continues."""
-        ids, target, scored, types, positions = [self.tok.bos_id], [False], [0], [0], [(0, 0, 0)]
+        """The sample's tokens from the beginning-of-sentence token on, a conversation ending with the
+        assistant's turn opened: what generation continues."""
+        chunks, closed = self._chunks(sample, open_turn=True)
+        return self._encode(sample, chunks, begin=not closed)
+
+    def _chunks(self, sample: Sample, open_turn: bool) -> tuple[list[Chunk], bool]:
+        """The sample's chunks, and whether they hold their own begin and end tokens."""
+        if sample.conversation is None:
+            return sample.chunks, False
+        return self.chat.chunks(sample.conversation, open_turn=open_turn), self.chat.closed
+
+    def _encode(self, sample: Sample, chunks: list[Chunk], begin: bool) -> Encoded:
+        ids, target, scored, types, positions = [], [], [], [], []
         patches, grids = [], []
-        for chunk in sample.chunks:
-            pos = max(positions[-1]) + 1
-            if chunk.image >= 0:
-                image = prepare(sample.images[chunk.image], self.patch * self.merge, self.max_side, self.pixel_budget)
-                flat, grid = patchify(image, self.patch, self.merge)
+
+        def add(token: int, token_type: int, position, trained: bool = False, category: int = 0):
+            ids.append(token)
+            types.append(token_type)
+            positions.append(position)
+            target.append(trained)
+            scored.append(category)
+
+        if begin:
+            add(self.tok.bos_id, 0, (0, 0, 0))
+        for chunk in chunks:
+            pos = max(positions[-1]) + 1 if positions else 0
+            if chunk.image >= 0 or chunk.video >= 0:
+                video = chunk.video >= 0
+                flat, grid = self._visual(sample, chunk)
                 patches.append(flat)
                 grids.append(grid)
+                start, end = self.brackets["VIDEO" if video else "IMAGE"]
+                if start is not None:
+                    add(start, 1, (pos,) * 3)
+                    pos += 1
                 t = -(-int(grid[0]) // self.temporal)
                 for tt, hh, ww in np.ndindex(t, grid[1] // self.merge, grid[2] // self.merge):
-                    ids.append(self.tok.image_token_id)
-                    positions.append((pos + tt, pos + hh, pos + ww))
-                target += [False] * (len(ids) - len(target))
-                scored += [0] * (len(ids) - len(scored))
-                types += [1] * (len(ids) - len(types))
+                    add(self.tok.image_token_id, 2 if video else 1, (pos + tt, pos + hh, pos + ww))
+                if end is not None:
+                    add(end, 1, (max(positions[-1]) + 1,) * 3)
                 continue
-            pieces = self.tok.encode(chunk.text)
-            for offset, token in enumerate(pieces):
-                ids.append(token)
-                positions.append((pos + offset,) * 3)
-            target += [chunk.loss] * len(pieces)
-            scored += [score_category(chunk.scored)] * len(pieces)
-            types += [0] * len(pieces)
-        return Encoded(np.array(ids, np.int64), np.array(target), np.array(scored, np.int64),
-                       np.array(types, np.int64), np.array(positions, np.int64), patches, grids)
+            category = score_category(chunk.scored)
+            if chunk.trained_bytes is None:
+                for offset, token in enumerate(self.tok.encode(chunk.text)):
+                    add(token, 0, (pos + offset,) * 3, chunk.loss, category)
+                continue
+            for offset, (token, first, end) in enumerate(self.tok.encode_with_offsets(chunk.text)):
+                trained = any(first < e and end > b for b, e in chunk.trained_bytes)
+                add(token, 0, (pos + offset,) * 3, trained, category)
+        return Encoded(np.array(ids, np.int64), np.array(target, bool), np.array(scored, np.int64),
+                       np.array(types, np.int64), np.array(positions, np.int64).reshape(-1, 3), patches, grids)
+
+    def _visual(self, sample: Sample, chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
+        """An image's or a video's patches in merge-block order, frame after frame, and its (t, h, w) grid."""
+        unit = self.patch * self.merge
+        if chunk.image >= 0:
+            return patchify(prepare(sample.images[chunk.image], unit, self.max_side, self.pixel_budget),
+                            self.patch, self.merge)
+        frames = [patchify(prepare(frame, unit, self.max_side, self.video_budget), self.patch, self.merge)
+                  for frame in video_frames(sample.videos[chunk.video], self.temporal)]
+        grid = frames[0][1].copy()
+        grid[0] = len(frames)
+        return np.concatenate([f for f, _ in frames]), grid
 
     def _fit(self, e: Encoded) -> Encoded:
         if len(e) <= self.max_seq_len:

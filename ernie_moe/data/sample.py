@@ -7,11 +7,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+class BadSample(Exception):
+    """A sample that cannot be used; ``reason`` is the counter it is reported under."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(detail or reason)
+        self.reason = reason
+
+
 @dataclass
 class Chunk:
     text: str = ""  # text of this chunk, or "" for an image
-    image: int = -1  # index into Sample.images, or -1 for text
+    image: int = -1  # index into Sample.images, or -1
+    video: int = -1  # index into Sample.videos, or -1
     loss: bool = False  # train on these tokens
+    trained_bytes: list[tuple[int, int]] | None = None  # or on the tokens overlapping these byte spans of text
     scored: str = ""  # caption-accuracy category of these tokens (words only the image tells), "" = none
 
 
@@ -19,3 +29,5 @@ class Chunk:
 class Sample:
     images: list[np.ndarray] = field(default_factory=list)  # HxWxC uint8
     chunks: list[Chunk] = field(default_factory=list)
+    videos: list[np.ndarray] = field(default_factory=list)  # TxHxWxC uint8 frames
+    conversation: object = None  # data.chat.Conversation: the encoder's chat format makes the chunks

@@ -7,6 +7,7 @@ id must equal ``model.im_patch_id``.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
@@ -61,43 +62,141 @@ class ByteTokenizer:
 
 
 PLACEHOLDER_PIECES = ("<|IMAGE_PLACEHOLDER|>", "<image>")
+# ERNIE-4.5's sentence markers: the chat template opens a conversation and closes each answer with them
+BEGIN_OF_SENTENCE, END_OF_SENTENCE = "<|begin_of_sentence|>", "<|end_of_sentence|>"
 
 
 class SentencePieceTokenizer:
-    """A local ``tokenizer.model``; special ids come from the model, the image placeholder from the config."""
+    """A local ``tokenizer.model`` with the folder's special tokens (``tokenizer_config.json``,
+    ``special_tokens_map.json``, ``added_tokens.json``) and chat template, read as data.
+
+    Text is split at the special tokens first, each of which is one id, and SentencePiece encodes the rest,
+    as PaddleFormers' and Hugging Face's tokenizers do. With ERNIE's sentence markers among the special tokens
+    they are the begin and end ids; otherwise the SentencePiece model's own.
+    """
 
     def __init__(self, directory: str, image_token_id: int):
         import sentencepiece
 
-        path = Path(directory) / "tokenizer.model"
+        folder = Path(directory)
+        path = folder / "tokenizer.model"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.model in '{directory}'")
         self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
         self.path = path
+        self.unk_id = self.sp.unk_id()
+        self.special = special_tokens(folder, self.sp)
+        self.chat_template = chat_template_in(folder)
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(self.special, key=len, reverse=True))
+                                 + ")") if self.special else None
         self.pad_id = max(self.sp.pad_id(), 0)
-        self.bos_id, self.eos_id, self.unk_id = self.sp.bos_id(), self.sp.eos_id(), self.sp.unk_id()
+        self.bos_id = self.special.get(BEGIN_OF_SENTENCE, self.sp.bos_id())
+        self.eos_id = self.special.get(END_OF_SENTENCE, self.sp.eos_id())
         self.image_token_id = image_token_id
 
     @property
     def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
+        return max([self.sp.get_piece_size(), *(i + 1 for i in self.special.values())])
 
     def placeholder_id(self) -> int | None:
         """Id of the model's own image-placeholder piece, if it has one."""
         for piece in PLACEHOLDER_PIECES:
-            piece_id = self.sp.piece_to_id(piece)
+            piece_id = self.special.get(piece, self.sp.piece_to_id(piece))
             if piece_id != self.unk_id:
                 return piece_id
         return None
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a special token, or None when this tokenizer has no such token."""
+        return self.special.get(token)
+
+    def _pieces(self, text: str) -> list[str]:
+        """``text`` cut at the special tokens (kept as pieces of their own)."""
+        return [p for p in self._split.split(text) if p] if self._split else [text]
+
     def encode(self, text: str) -> list[int]:
-        return self.sp.encode(text)
+        out = []
+        for piece in self._pieces(text):
+            out += [self.special[piece]] if piece in self.special else self.sp.encode(piece)
+        return out
+
+    def encode_with_offsets(self, text: str) -> list[tuple[int, int, int]]:
+        """(id, first byte, end byte) of each token, offsets into ``text`` encoded as UTF-8."""
+        out, start = [], 0
+        for piece in self._pieces(text):
+            size = len(piece.encode("utf-8"))
+            if piece in self.special:
+                out.append((self.special[piece], start, start + size))
+            else:
+                pieces = self.sp.encode(piece, return_type="proto").pieces
+                out += [(p.id, start + p.begin, start + p.end) for p in pieces]
+            start += size
+        return out
 
     def decode(self, ids) -> str:
-        return self.sp.decode([int(i) for i in ids])
+        names = {i: t for t, i in self.special.items()}
+        text, run = [], []
+        for i in (int(i) for i in ids):
+            if i in names:
+                text += [self.sp.decode(run), names[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(text) + self.sp.decode(run)
 
     def save(self, directory: Path) -> None:
-        (Path(directory) / "tokenizer.model").write_bytes(self.path.read_bytes())
+        folder = Path(directory)
+        (folder / "tokenizer.model").write_bytes(self.path.read_bytes())
+        for name in SPECIAL_FILES:
+            source = self.path.parent / name
+            if source.is_file() and source.resolve() != (folder / name).resolve():
+                (folder / name).write_bytes(source.read_bytes())
+
+
+SPECIAL_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+
+
+def _json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return data
+
+
+def special_tokens(folder: Path, sp) -> dict[str, int]:
+    """Every special or added token the folder names, with its id: from ``added_tokens.json`` or
+    ``added_tokens_decoder``, else the SentencePiece piece of that text. Tokens without an id are left out."""
+    config, names = _json(folder / "tokenizer_config.json"), []
+    ids = {str(k): int(v) for k, v in _json(folder / "added_tokens.json").items() if isinstance(v, int)}
+    for key, entry in (config.get("added_tokens_decoder") or {}).items():
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if isinstance(content, str) and str(key).isdigit():
+            ids.setdefault(content, int(key))
+    for source in (config, _json(folder / "special_tokens_map.json")):
+        for key, value in source.items():
+            if key.endswith("_token") or key == "additional_special_tokens":
+                names += value if isinstance(value, list) else [value]
+    names = [n.get("content") if isinstance(n, dict) else n for n in names]
+    out = {}
+    for name in [*ids, *names]:
+        if isinstance(name, str) and name:
+            token_id = ids.get(name, sp.piece_to_id(name))
+            if token_id != sp.unk_id() or name == sp.id_to_piece(sp.unk_id()):
+                out[name] = token_id
+    return out
+
+
+def chat_template_in(folder: Path) -> str | None:
+    """The folder's chat template: ``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    template = _json(folder / "tokenizer_config.json").get("chat_template")
+    return template if isinstance(template, str) else None
 
 
 def tokenizer_in(directory, image_token_id: int):

@@ -33,9 +33,11 @@ def patch_positions(grid_thw: np.ndarray, merge: int) -> tuple[np.ndarray, np.nd
 
 
 def same_size_groups(grid_thw: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
-    """(patch indices, images, patches per image) for each image size: attention runs batched over the images
-    of one size, so its cost grows with patches per image, not with all the patches of the batch."""
-    sizes = np.prod(np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3), axis=1)
+    """(patch indices, frames, patches per frame) for each frame size. Attention runs within each frame (a
+    still image is one, a video's frames are attended one by one, as in ERNIE's ViT), batched over the frames
+    of one size, so its cost grows with patches per frame, not with all the patches of the batch."""
+    grids = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    sizes = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     groups: dict[int, list[np.ndarray]] = {}
     for start, size in zip(starts, sizes):

@@ -1,0 +1,182 @@
+"""Conversations as the model reads them: messages of text, image and video parts -> chunks to encode.
+
+A message is ``{"role": "system" | "user" | "assistant", "content": [parts]}``; parts are ``{"type": "text",
+"text": ...}``, ``{"type": "image"}`` and ``{"type": "video"}``, the images and videos numbered in order
+over the conversation. Two formats:
+
+- :class:`TemplateChat`, for tokenizers with ERNIE-4.5's special tokens: the tokenizer folder's chat template
+  (Jinja, rendered in a sandbox, so a template cannot run code), or :data:`ERNIE_VL_TEMPLATE`, which writes
+  ERNIE-4.5-VL's chat format. The rendered text marks each image and video with ERNIE's slot strings, which
+  become the image chunks; the assistant's text, and the end-of-sentence token closing each answer, is what the
+  model trains on, found by rendering the conversation one message at a time.
+- :class:`PlainChat`, for the other tokenizers: ``System: `` / ``User: `` / ``Assistant: `` lines.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .sample import BadSample, Chunk
+from .tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE
+
+IMAGE_SLOT = "<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>"
+VIDEO_SLOT = "<|VIDEO_START|><|video@placeholder|><|VIDEO_END|>"
+ROLES = ("system", "user", "assistant")
+
+# ERNIE-4.5-VL's chat format: <|begin_of_sentence|>, the system text and a newline, each user turn as
+# "User: " + its parts (an image as "Picture N:" + its slot, a video as "Video N:" + its slot) + a newline,
+# each answer as "Assistant: " + text + <|end_of_sentence|>, and "Assistant: " to generate from.
+ERNIE_VL_TEMPLATE = (
+    "{%- set images = namespace(n=0) -%}{%- set videos = namespace(n=0) -%}"
+    "{{- '<|begin_of_sentence|>' -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{- message['content'] ~ '\n' -}}"
+    "{%- elif message['role'] == 'user' -%}{{- 'User: ' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{%- set images.n = images.n + 1 -%}"
+    "{{- 'Picture ' ~ images.n ~ ':<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>' -}}"
+    "{%- elif part['type'] == 'video' -%}{%- set videos.n = videos.n + 1 -%}"
+    "{{- 'Video ' ~ videos.n ~ ':<|VIDEO_START|><|video@placeholder|><|VIDEO_END|>' -}}"
+    "{%- else -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{{- '\n' -}}"
+    "{%- else -%}{{- 'Assistant: ' ~ message['content'] ~ '<|end_of_sentence|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'Assistant: ' -}}{%- endif -%}"
+)
+
+
+@dataclass
+class Conversation:
+    messages: list[dict]  # {"role", "content": [parts]}
+
+    def count(self, kind: str) -> int:
+        return sum(part["type"] == kind for m in self.messages for part in m["content"])
+
+
+def check_messages(messages) -> Conversation:
+    """Validated messages in the parts form; BadSample (``bad_message``, ``empty_text``) otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise BadSample("empty_text", "messages is empty")
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise BadSample("bad_message", f"message {message!r} needs a role of {', '.join(ROLES)}")
+        parts = message.get("content")
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") in ("text", "image", "video")
+                                                  for p in parts):
+            raise BadSample("bad_message", f"the content of message {message!r} is not a list of parts")
+        if message["role"] != "user" and any(p["type"] != "text" for p in parts):
+            raise BadSample("bad_message", f"only user messages may hold images or videos, not {message['role']}")
+    return Conversation(messages)
+
+
+def chat_format(tokenizer):
+    """The chat format of ``tokenizer``: its template when it has ERNIE's special tokens, plain lines otherwise."""
+    token_id = getattr(tokenizer, "token_id", None)
+    if token_id is not None and token_id(BEGIN_OF_SENTENCE) is not None and token_id(END_OF_SENTENCE) is not None:
+        return TemplateChat(tokenizer.chat_template or ERNIE_VL_TEMPLATE)
+    return PlainChat()
+
+
+class PlainChat:
+    """``User: ...`` lines; the encoder adds the begin and end tokens."""
+
+    closed = False  # the chunks hold no begin or end token
+    prefix = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
+
+    def chunks(self, conversation: Conversation, open_turn: bool = False) -> list[Chunk]:
+        chunks, image, video = [], 0, 0
+        for message in conversation.messages:
+            trained = message["role"] == "assistant"
+            chunks.append(Chunk(text=("\n" if chunks else "") + self.prefix[message["role"]]))
+            for part in message["content"]:
+                if part["type"] == "image":
+                    chunks.append(Chunk(image=image))
+                    image += 1
+                elif part["type"] == "video":
+                    chunks.append(Chunk(video=video))
+                    video += 1
+                elif part["text"]:
+                    chunks.append(Chunk(text=part["text"], loss=trained))
+        if open_turn:
+            return chunks + [Chunk(text="\n" + self.prefix["assistant"])]
+        if not any(c.loss and c.text.strip() for c in chunks):
+            raise BadSample("empty_text", "no assistant text to train on")
+        return chunks
+
+
+class TemplateChat:
+    """A Jinja chat template that writes ERNIE's image and video slots; the rendered text holds the begin and
+    end tokens itself."""
+
+    closed = True
+
+    def __init__(self, template: str):
+        try:
+            self.template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+        except TemplateError as err:
+            raise ValueError(f"the chat template cannot be read: {err}") from None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """As chat templates expect it: a message of text alone has a string content, one with images or
+        videos the list of parts."""
+        shown = [{"role": m["role"], "content": _text_only(m["content"])} for m in messages]
+        try:
+            return self.template.render(messages=shown, add_generation_prompt=add_generation_prompt,
+                                        bos_token=BEGIN_OF_SENTENCE, eos_token=END_OF_SENTENCE)
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+            raise BadSample("chat_template_error", f"the chat template failed on this conversation: {err}") from None
+
+    def chunks(self, conversation: Conversation, open_turn: bool = False) -> list[Chunk]:
+        messages = conversation.messages
+        text = self.render(messages, add_generation_prompt=open_turn)
+        trained = [] if open_turn else self._answers(messages, text)
+        if not open_turn and not trained:
+            raise BadSample("empty_text", "no assistant text to train on")
+        pieces = re.split(f"({re.escape(IMAGE_SLOT)}|{re.escape(VIDEO_SLOT)})", text)
+        slots = [p for p in pieces if p in (IMAGE_SLOT, VIDEO_SLOT)]
+        if slots.count(IMAGE_SLOT) != conversation.count("image") or \
+                slots.count(VIDEO_SLOT) != conversation.count("video"):
+            raise BadSample("chat_template_error", f"the chat template wrote {len(slots)} image and video slots for "
+                                                   f"{conversation.count('image')} images and "
+                                                   f"{conversation.count('video')} videos")
+        chunks, start, image, video = [], 0, 0, 0
+        for piece in pieces:
+            size = len(piece.encode("utf-8"))
+            if piece == IMAGE_SLOT:
+                chunks.append(Chunk(image=image))
+                image += 1
+            elif piece == VIDEO_SLOT:
+                chunks.append(Chunk(video=video))
+                video += 1
+            elif piece:
+                spans = [(max(b, start) - start, min(e, start + size) - start) for b, e in trained
+                         if b < start + size and e > start]
+                chunks.append(Chunk(text=piece, trained_bytes=spans))
+            start += size
+        return chunks
+
+    def _answers(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
+        """Byte spans of ``text`` that are assistant answers: what rendering each answer adds to the
+        conversation before it with the generation prompt."""
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[: i + 1], add_generation_prompt=False)
+            if not (text.startswith(through) and through.startswith(before)):
+                raise BadSample("chat_template_error", "the chat template does not render a conversation as "
+                                                       "the conversation before each answer plus the answer")
+            if through[len(before):].strip():
+                spans.append((len(before.encode("utf-8")), len(through.encode("utf-8"))))
+        return spans
+
+
+def _text_only(parts: list[dict]):
+    return "".join(p["text"] for p in parts) if all(p["type"] == "text" for p in parts) else parts

@@ -1,0 +1,257 @@
+"""ERNIE-4.5-VL's inputs: the tokenizer's special tokens, the chat template, images, videos and 3D positions,
+against PaddleFormers' own processor (``Ernie4_5_VLProcessor``) on a tokenizer made here."""
+
+import io
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from PIL import Image
+from test_pretrained import paddleformers
+
+from ernie_moe.config import load_config
+from ernie_moe.data.chat import ERNIE_VL_TEMPLATE
+from ernie_moe.data.images import MEAN, STD
+from ernie_moe.data.jsonl import JsonlDataset
+from ernie_moe.data.loader import build_tokenizer
+from ernie_moe.data.packing import Encoder
+
+# ERNIE-4.5-VL's special tokens (the slot strings the processor expands are not tokens)
+SPECIALS = ["<|begin_of_sentence|>", "<|end_of_sentence|>", "<|IMAGE_START|>", "<|IMAGE_END|>", "<|VIDEO_START|>",
+            "<|VIDEO_END|>", "<|IMAGE_PLACEHOLDER|>"]
+WORDS = ("a the cat dog red green blue square round grid what is this describe compare them colour shape and "
+         "hello there small animal moves left same object yes tiny both first then ok picture video user "
+         "assistant you are brief").split()
+BUDGET = {"image_min_pixels": 4 * 28 * 28, "image_max_pixels": 128 * 28 * 28,
+          "video_min_pixels": 4 * 28 * 28, "video_max_pixels": 16 * 28 * 28}
+
+
+def make_ernie_tokenizer(folder, chat_template: str | None = ERNIE_VL_TEMPLATE):
+    """A small SentencePiece model carrying ERNIE-4.5-VL's special tokens, with its chat template."""
+    import sentencepiece
+
+    rng = np.random.default_rng(0)
+    corpus = [" ".join(rng.choice(WORDS, 12)) + " Picture 1: Video 2: User: Assistant: ?!., \n" for _ in range(300)]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=400, user_defined_symbols=SPECIALS,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=False, unk_id=0, bos_id=1, eos_id=2, pad_id=3,
+        minloglevel=2)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    config = {"tokenizer_class": "Ernie4_5_VLTokenizer", "additional_special_tokens": SPECIALS}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def picture(folder, name, height, width, seed):
+    """A smooth random colour image, saved as PNG (lossless): what both sides read."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (max(height // 8, 2), max(width // 8, 2), 3), dtype=np.uint8)
+    Image.fromarray(small).resize((width, height), Image.BILINEAR).save(folder / name)
+    return name
+
+
+def text(t):
+    return {"type": "text", "text": t}
+
+
+def conversations(folder):
+    """(messages with their image and video files as parts, images, videos): the issue's cases and more."""
+    img = {name: picture(folder, f"{name}.png", h, w, i) for i, (name, h, w) in enumerate([
+        ("small", 70, 100), ("tall", 330, 60), ("wide", 60, 330), ("large", 600, 500), ("tiny", 20, 20),
+        ("other", 112, 84)])}
+    clip = [picture(folder, f"clip{i}.png", 90, 120, 10 + i) for i in range(4)]
+    walk = [picture(folder, f"walk{i}.png", 64, 64, 20 + i) for i in range(6)]
+
+    def image(name):
+        return {"type": "image", "image": img[name]}
+
+    def video(frames):
+        return {"type": "video", "video": frames}
+
+    return [
+        [{"role": "user", "content": "Hello there, what is a cat?"},
+         {"role": "assistant", "content": "A small animal."}],
+        [{"role": "user", "content": [image("small"), text("What is this?")]},
+         {"role": "assistant", "content": "A red square."}],
+        [{"role": "user", "content": [image("tall"), image("wide"), image("large"), text("Compare them.")]},
+         {"role": "assistant", "content": "Tall, wide and large."}],
+        [{"role": "user", "content": [image("small"), text("What colour?")]},
+         {"role": "assistant", "content": "Green."},
+         {"role": "user", "content": "And the shape?"},
+         {"role": "assistant", "content": "Round."}],
+        [{"role": "system", "content": "You are brief."},
+         {"role": "user", "content": [image("other"), text("Describe.")]},
+         {"role": "assistant", "content": "A grid."}],
+        [{"role": "user", "content": [video(clip), text("What happens?")]},
+         {"role": "assistant", "content": "It moves left."}],
+        [{"role": "user", "content": [image("small"), video(walk), text("Same object?")]},
+         {"role": "assistant", "content": "Yes."}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+         {"role": "user", "content": [image("wide"), text("And this?")]},
+         {"role": "assistant", "content": "A dog."}],
+        [{"role": "user", "content": [image("other"), text("Wie heißt das? café")]},
+         {"role": "assistant", "content": "Ein Café – naïve."}],
+        [{"role": "user", "content": [text("First "), image("small"), text(" then "), image("tall"), text(" ok?")]},
+         {"role": "assistant", "content": "Both blue."}],
+        [{"role": "system", "content": "Two clips."},
+         {"role": "user", "content": [video(clip), video(walk), text("Which is longer?")]},
+         {"role": "assistant", "content": "The second."}],
+        [{"role": "user", "content": [image("tiny"), text("  Tiny?\n\nReally  ")]},
+         {"role": "assistant", "content": " Yes, tiny.\n"}],
+    ]
+
+
+def shown(messages):
+    """The messages as a chat template receives them: text-only contents as strings, media as bare parts."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            content = [{"type": p["type"]} if p["type"] != "text" else p for p in content]
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def media(messages, kind):
+    return [p[kind] for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == kind]
+
+
+@pytest.fixture(scope="module")
+def ernie_side(tmp_path_factory):
+    """The tokenizer, the conversations as JSONL, and PaddleFormers' processor outputs for them."""
+    folder = tmp_path_factory.mktemp("ernie_inputs")
+    make_ernie_tokenizer(folder / "tokenizer")
+    cases = conversations(folder)
+    (folder / "data.jsonl").write_text("\n".join(json.dumps({"messages": m}) for m in cases) + "\n")
+    reference = [{"messages": shown(m), "budget": BUDGET, "images": [str(folder / p) for p in media(m, "image")],
+                  "videos": [[str(folder / f) for f in v] for v in media(m, "video")]} for m in cases]
+    (folder / "cases.json").write_text(json.dumps(reference))
+    (folder / "out").mkdir()
+    paddleformers("process", folder / "tokenizer", folder / "cases.json", folder / "out", cwd=folder)
+    return folder, cases
+
+
+def our_encoder(folder, **budget):
+    placeholder = build_tokenizer(load_config(None, [f"data.tokenizer_path={folder / 'tokenizer'}"])).placeholder_id()
+    overrides = [f"data.{k}={v}" for k, v in (budget or BUDGET).items()]
+    cfg = load_config(None, [f"data.tokenizer_path={folder / 'tokenizer'}", "model.vocab_size=400",
+                             f"model.im_patch_id={placeholder}", *overrides])
+    return Encoder(build_tokenizer(cfg), cfg.model, 4096, "skip", 448, Counter(), cfg.data.pixel_budget,
+                   cfg.data.video_budget)
+
+
+def test_the_special_tokens_resolve_to_their_ids(tmp_path):
+    import sentencepiece
+
+    make_ernie_tokenizer(tmp_path)
+    tokenizer = build_tokenizer(load_config(None, [f"data.tokenizer_path={tmp_path}"]))
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    for token in SPECIALS:
+        assert tokenizer.token_id(token) == sp.piece_to_id(token) != sp.unk_id()
+        assert tokenizer.encode(f"a{token}b") == sp.encode("a") + [sp.piece_to_id(token)] + sp.encode("b")
+    assert tokenizer.placeholder_id() == sp.piece_to_id("<|IMAGE_PLACEHOLDER|>")
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (sp.piece_to_id(SPECIALS[0]), sp.piece_to_id(SPECIALS[1]))
+    assert tokenizer.decode(tokenizer.encode("User: a cat<|end_of_sentence|>")) == "User: a cat<|end_of_sentence|>"
+
+
+@pytest.mark.slow
+def test_encoded_conversations_equal_ernies_processor(ernie_side):
+    """12 conversations (text only, one image, images of several sizes with a tall, a wide and one above the pixel
+    budget, multi-turn, a system prompt, frames as a video, image + video, two videos, text between images,
+    non-ASCII text, one below the minimum): input ids, token types, 3D positions, grids and pixels equal
+    PaddleFormers' processor's on the text its tokenizer renders with the same chat template; the trained tokens
+    are each answer and the end-of-sentence token closing it."""
+    folder, cases = ernie_side
+    encoder = our_encoder(folder)
+    data = JsonlDataset(str(folder / "data.jsonl"))
+    tokenizer = encoder.tok
+    for n, messages in enumerate(cases):
+        ours, ref = encoder(data[n]), np.load(folder / "out" / f"{n}.npz")
+        where = f"conversation {n}: {ref['text']!r}"
+        np.testing.assert_array_equal(ours.input_ids, ref["input_ids"][0], err_msg=where)
+        np.testing.assert_array_equal(ours.token_type_ids, ref["token_type_ids"][0], err_msg=where)
+        np.testing.assert_array_equal(ours.position_ids, ref["position_ids"][0], err_msg=where)
+        if ours.grids:
+            np.testing.assert_array_equal(np.stack(ours.grids), ref["grid_thw"], err_msg=where)
+            # the processor leaves rescaling and normalisation to the model: apply them to its uint8 pixels
+            pixels = ref["images"].astype(np.float32).reshape(-1, 3, 14 * 14) / 255.0
+            expected = ((pixels - MEAN[None, :, None]) / STD[None, :, None]).reshape(ref["images"].shape)
+            np.testing.assert_allclose(np.concatenate(ours.patches), expected, atol=1e-5, err_msg=where)
+        else:
+            assert ref["grid_thw"].size == 0
+        # the trained tokens, run by run, are the answers, each closed by <|end_of_sentence|>
+        runs, run = [], []
+        for token, trained in zip(ours.input_ids, ours.target):
+            if trained:
+                run.append(token)
+            elif run:
+                runs, run = runs + [run], []
+        runs += [run] if run else []
+        answers = [m["content"] + "<|end_of_sentence|>" for m in messages if m["role"] == "assistant"]
+        assert [tokenizer.decode(r).lstrip(" ") for r in runs] == [a.lstrip(" ") for a in answers], where
+
+
+@pytest.mark.slow
+def test_marker_strings_and_the_built_in_template_give_the_same_samples(ernie_side, tmp_path):
+    """``<image>`` / ``<video>`` markers in string contents with "images" / "videos" lists encode as content parts
+    do; a tokenizer folder without a chat template gets the built-in ERNIE-4.5-VL one, with the same result."""
+    folder, cases = ernie_side
+    make_ernie_tokenizer(tmp_path / "tokenizer", chat_template=None)
+    parts, built_in = our_encoder(folder), our_encoder(tmp_path)
+    assert built_in.tok.chat_template is None
+    records = []
+    for messages in cases:
+        flat = []
+        for m in messages:
+            content = m["content"]
+            if isinstance(content, list):
+                content = "".join(p["text"] if p["type"] == "text" else f"<{p['type']}>" for p in content)
+            flat.append({"role": m["role"], "content": content})
+        records.append({"messages": flat, "images": media(messages, "image"), "videos": media(messages, "video")})
+    (folder / "markers.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    marked, data = JsonlDataset(str(folder / "markers.jsonl")), JsonlDataset(str(folder / "data.jsonl"))
+    for n in range(len(cases)):
+        a, b, c = parts(data[n]), parts(marked[n]), built_in(data[n])
+        for other in (b, c):
+            np.testing.assert_array_equal(other.input_ids, a.input_ids, err_msg=str(n))
+            np.testing.assert_array_equal(other.target, a.target, err_msg=str(n))
+            np.testing.assert_array_equal(other.position_ids, a.position_ids, err_msg=str(n))
+
+
+def test_a_generation_prompt_ends_with_the_assistant_turn_opened(tmp_path):
+    from ernie_moe.data.jsonl import parse_messages
+    from ernie_moe.data.sample import Sample
+
+    make_ernie_tokenizer(tmp_path / "tokenizer")
+    encoder = our_encoder(tmp_path)
+    conversation, _, _ = parse_messages([{"role": "user", "content": "what is this?"}], [], [])
+    prompt = encoder.prompt(Sample(conversation=conversation))
+    assert encoder.tok.decode(prompt.input_ids) == "<|begin_of_sentence|>User: what is this?\nAssistant: "
+    assert not prompt.target.any()
+
+
+def test_bad_chat_templates_are_counted_skips(tmp_path):
+    from ernie_moe.data.chat import TemplateChat, check_messages
+    from ernie_moe.data.sample import BadSample
+
+    conversation = check_messages([{"role": "user", "content": [{"type": "image"}, text("hi")]},
+                                   {"role": "assistant", "content": [text("yo")]}])
+    for template, reason in [("{{ messages[0]['content'] + 1 }}", "chat_template_error"),  # fails on the data
+                             ("{{ 'no slots' }}{% if add_generation_prompt %}A{% endif %}", "chat_template_error")]:
+        with pytest.raises(BadSample) as bad:
+            TemplateChat(template).chunks(conversation)
+        assert bad.value.reason == reason
+    with pytest.raises(ValueError, match="cannot be read"):
+        TemplateChat("{% for %}")
+    # a template cannot reach Python's internals: the sandbox refuses them, so this otherwise valid one fails
+    escaping = ERNIE_VL_TEMPLATE + "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    assert TemplateChat(ERNIE_VL_TEMPLATE).chunks(conversation)
+    with pytest.raises(BadSample) as bad:
+        TemplateChat(escaping).chunks(conversation)
+    assert bad.value.reason == "chat_template_error"
