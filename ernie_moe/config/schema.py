@@ -112,7 +112,7 @@ class DataConfig:
     dataset: str = choice("synthetic", "synthetic", "jsonl", doc="bundled synthetic shapes, or JSONL files")
     train_path: str | list[str] = opt("", "JSONL training file, or a list of them (dataset: jsonl)")
     train_probs: list[float] = opt([], "with several train_path files: the probability each sample is drawn from "
-                                       "each (normalised); [] = the files one after another")
+                                       "each (summing to 1); [] = the files one after another")
     eval_path: str = opt("", "JSONL held-out file (dataset: jsonl); empty = no evaluation")
     tokenizer_path: str = opt("", "directory with tokenizer.model (SentencePiece); empty = built-in")
     max_seq_len: int = opt(64, "tokens per packed row")

@@ -125,9 +125,11 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
         for name, path in [("train_path", f) for f in files] + [("eval_path", d.eval_path)]:
             _require(not check_paths or not path or Path(path).is_file(), f"data.{name} '{path}' does not exist.")
         if d.train_probs:
-            _require(len(d.train_probs) == len(files) and all(p >= 0 for p in d.train_probs) and sum(d.train_probs) > 0,
-                     f"data.train_probs ({d.train_probs}) needs one probability (not negative, not all 0) for each "
-                     f"of the {len(files)} data.train_path files.")
+            _require(len(d.train_probs) == len(files) and all(p >= 0 for p in d.train_probs),
+                     f"data.train_probs ({d.train_probs}) needs one probability (not negative) for each of the "
+                     f"{len(files)} data.train_path files.")
+            _require(abs(sum(d.train_probs) - 1) <= 1e-6, f"data.train_probs ({d.train_probs}) must sum to 1, not "
+                                                         f"{sum(d.train_probs):g}.")
         _require(d.max_image_side >= unit, f"data.max_image_side must be at least {unit} pixels.")
         _require(d.max_image_pixels >= unit * unit, f"data.max_image_pixels must be at least {unit * unit}.")
     if d.tokenizer_path and check_paths:
