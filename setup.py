@@ -23,7 +23,9 @@ setup(
     extras_require={
         # GPU users install paddlepaddle-gpu themselves; the CPU wheel is opt-in so it never replaces it.
         "cpu": ["paddlepaddle==3.3.1"],
+        # video files (frame lists need nothing more)
+        "video": ["av>=12"],
         # PaddleFormers makes the ERNIE 4.5 checkpoints the interop tests load (pyarrow pinned: see README)
-        "test": ["pytest>=7", "ruff>=0.5", "paddleformers==1.2.0", "pyarrow==25.0.1"],
+        "test": ["pytest>=7", "ruff>=0.5", "paddleformers==1.2.0", "pyarrow==25.0.1", "av>=12"],
     },
 )

@@ -10,6 +10,7 @@ libraries the rest of the suite uses).
     python paddleformers_side.py lora_dump KIND DIR ADAPTER OUT  # the LoRA tensors LoRAModel.from_pretrained holds
     python paddleformers_side.py image IMAGE OUT  # ERNIE-4.5-VL's image processor on an .npy image
     python paddleformers_side.py process TOKENIZER CONVERSATIONS OUT  # Ernie4_5_VLProcessor on each conversation
+    python paddleformers_side.py frames CASES OUT  # the processor's video frame choice for (frames, seconds) pairs
 """
 
 import json
@@ -143,7 +144,23 @@ def process(tokenizer_dir, conversations, out):
         np.savez(Path(out) / f"{n}.npz", text=np.array(text), **arrays)
 
 
+def frames(cases, out):
+    """Which frames ERNIE-4.5-VL's processor samples from a video of N frames lasting S seconds, at its defaults
+    (2 per second, 16 to 180 frames, the middle of each interval): its own argument rules, then its sampler."""
+    from paddleformers.transformers.ernie4_5_moe_vl.processor import Ernie4_5_VLProcessor
+    from paddleformers.transformers.ernie4_5_moe_vl.vision_process import get_frame_indices
+
+    result = []
+    for count, seconds in json.loads(Path(cases).read_text()):
+        args = {"fps": 2, "min_frames": 16, "max_frames": 180, "target_frames": -1, "frames_sample": "middle"}
+        args = Ernie4_5_VLProcessor._set_video_frame_args(None, args, {"duration": seconds})
+        result.append([int(i) for i in get_frame_indices(count, target_frames=args["target_frames"],
+                                                         frames_sample="middle")])
+    Path(out).write_text(json.dumps(result))
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {"make": make, "dump": dump, "logits": logits, "generate": generate, "lora_logits": lora_logits,
-     "lora_dump": lora_dump, "image": image, "process": process}[command](*args)
+     "lora_dump": lora_dump, "image": image, "process": process,
+     "frames": frames}[command](*args)

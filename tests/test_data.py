@@ -287,7 +287,7 @@ def test_content_parts_read_as_markers_and_bad_parts_are_counted(jsonl_dir):
         {"role": "assistant", "content": "Grey."}]}
     bad = [{"messages": [{"role": "user", "content": [{"type": "audio", "audio": "x.wav"}]},
                          {"role": "assistant", "content": "x"}]},
-           {"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]},
+           {"messages": [{"role": "user", "content": [{"type": "video", "video": []}]},
                          {"role": "assistant", "content": "x"}]},
            {"messages": [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "x"}]},
            {"images": ["ok.png"], "messages": parts["messages"]}]
@@ -304,8 +304,7 @@ def test_content_parts_read_as_markers_and_bad_parts_are_counted(jsonl_dir):
         np.testing.assert_array_equal(got.patches[0], expected.patches[0])
     stats = Counter()
     rows = list(RowStream(data, build_tokenizer(cfg), cfg, stats, shuffle=False))
-    assert rows and dict(stats) == {"bad_message": 1, "video_file_unsupported": 1, "video_without_frames": 1,
-                                    "bad_images": 1}
+    assert rows and dict(stats) == {"bad_message": 1, "video_without_frames": 2, "bad_images": 1}
 
 
 def test_a_pixel_budget_that_cannot_hold_a_merge_block_is_a_config_error():

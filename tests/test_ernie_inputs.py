@@ -137,11 +137,15 @@ def ernie_side(tmp_path_factory):
     return folder, cases
 
 
-def our_encoder(folder, **budget):
-    placeholder = build_tokenizer(load_config(None, [f"data.tokenizer_path={folder / 'tokenizer'}"])).placeholder_id()
-    overrides = [f"data.{k}={v}" for k, v in (budget or BUDGET).items()]
-    cfg = load_config(None, [f"data.tokenizer_path={folder / 'tokenizer'}", "model.vocab_size=400",
-                             f"model.im_patch_id={placeholder}", *overrides])
+def ernie_config(folder, *overrides):
+    """A config for the tokenizer in ``folder/tokenizer``, its placeholder id as model.im_patch_id."""
+    tokenizer = [f"data.tokenizer_path={folder / 'tokenizer'}"]
+    placeholder = build_tokenizer(load_config(None, tokenizer)).placeholder_id()
+    return load_config(None, [*tokenizer, "model.vocab_size=400", f"model.im_patch_id={placeholder}", *overrides])
+
+
+def our_encoder(folder):
+    cfg = ernie_config(folder, *(f"data.{k}={v}" for k, v in BUDGET.items()))
     return Encoder(build_tokenizer(cfg), cfg.model, 4096, "skip", 448, Counter(), cfg.data.pixel_budget,
                    cfg.data.video_budget)
 
@@ -255,3 +259,68 @@ def test_bad_chat_templates_are_counted_skips(tmp_path):
     with pytest.raises(BadSample) as bad:
         TemplateChat(escaping).chunks(conversation)
     assert bad.value.reason == "chat_template_error"
+
+
+def test_video_frames_are_sampled_as_ernies_processor_samples_them(tmp_path):
+    """Short, long, very long and few-frame videos: the same frame indices as PaddleFormers' processor picks
+    (duration x 2 frames per second, clamped to 16..180 and to the video's length, the middle of each interval)."""
+    from ernie_moe.data.video import ERNIE_SAMPLING, frame_indices
+
+    cases = [(300, 10.0), (30, 1.0), (9000, 300.0), (10, 0.4), (250, 8.3), (1000, 200.0)]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    paddleformers("frames", tmp_path / "cases.json", tmp_path / "frames.json", cwd=tmp_path)
+    expected = json.loads((tmp_path / "frames.json").read_text())
+    assert [frame_indices(n, s, ERNIE_SAMPLING) for n, s in cases] == expected
+    assert [len(e) for e in expected] == [20, 16, 180, 10, 16, 180]
+
+
+def test_a_video_file_without_a_decoder_is_a_counted_skip(tmp_path, monkeypatch):
+    import sys
+
+    from ernie_moe.data.loader import RowStream
+
+    monkeypatch.setitem(sys.modules, "av", None)  # PyAV absent, whether or not it is installed
+    make_ernie_tokenizer(tmp_path / "tokenizer")
+    picture(tmp_path, "still.png", 60, 60, 0)
+    good = {"messages": [{"role": "user", "content": [{"type": "image", "image": "still.png"}, text("What?")]},
+                         {"role": "assistant", "content": "A still."}]}
+    clip = {"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, text("What?")]},
+                         {"role": "assistant", "content": "A clip."}]}
+    (tmp_path / "data.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(clip) + "\n")
+    cfg = ernie_config(tmp_path, "data.dataset=jsonl", f"data.train_path={tmp_path / 'data.jsonl'}",
+                       "data.max_seq_len=256")
+    stats = Counter()
+    rows = list(RowStream(JsonlDataset(str(tmp_path / "data.jsonl")), build_tokenizer(cfg), cfg, stats,
+                          shuffle=False))
+    assert len(rows) == 1 and dict(stats) == {"video_decoder_missing": 1}
+
+
+def test_a_video_file_is_decoded_and_sampled(tmp_path):
+    """A 4-second clip of 20 frames (frame i a flat grey of level 12 i), written with PyAV: 2 frames per second
+    gives 8, raised to the minimum of 16; the decoded frames are those the sampler chose, in order (each nearest
+    in grey level to its source frame, through the codec's loss), and encode as 8 frame pairs of video tokens."""
+    import av
+
+    from ernie_moe.data.video import ERNIE_SAMPLING, frame_indices
+
+    with av.open(str(tmp_path / "clip.mp4"), "w") as container:
+        stream = container.add_stream("mpeg4", rate=5)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for i in range(20):
+            frame = av.VideoFrame.from_ndarray(np.full((64, 64, 3), 12 * i, np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    make_ernie_tokenizer(tmp_path / "tokenizer")
+    record = {"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, text("What?")]},
+                           {"role": "assistant", "content": "Greys."}]}
+    (tmp_path / "data.jsonl").write_text(json.dumps(record) + "\n")
+    sample = JsonlDataset(str(tmp_path / "data.jsonl"))[0]
+    chosen = frame_indices(20, 4.0, ERNIE_SAMPLING)
+    assert sample.videos[0].shape == (16, 64, 64, 3) and len(chosen) == 16
+    levels = sample.videos[0].mean(axis=(1, 2, 3))
+    assert np.abs(levels[:, None] - 12 * np.arange(20)[None]).argmin(axis=1).tolist() == chosen
+    cfg = ernie_config(tmp_path, "data.image_max_pixels=12544", "data.video_min_pixels=3136",
+                       "data.video_max_pixels=3136")
+    encoded = Encoder(build_tokenizer(cfg), cfg.model, 4096, "skip", 448, Counter(), cfg.data.pixel_budget,
+                      cfg.data.video_budget)(sample)
+    assert (encoded.token_type_ids == 2).sum() == 8 * 2 * 2 and encoded.grids[0].tolist() == [16, 4, 4]

@@ -126,6 +126,10 @@ class DataConfig:
                                          "many pixels (ERNIE: 28 x 28 x 299)")
     video_max_pixels: int = opt(937_664, "with image_max_pixels: video frames are resized to at most this many "
                                          "pixels (ERNIE: 28 x 28 x 1196)")
+    video_fps: float = opt(2.0, "video files: frames kept per second of video (ERNIE's sampling: the middle frame "
+                                "of each of that many equal intervals) ...")
+    video_min_frames: int = opt(16, "... but at least this many ...")
+    video_max_frames: int = opt(180, "... and at most this many (frame lists are used as given)")
     max_image_pixels: int = opt(50_000_000, "JSONL images: larger ones (width x height, read from the header "
                                             "before decoding) are skipped as image_too_large")
     num_train_samples: int = opt(20000, "synthetic training samples per epoch")
@@ -138,6 +142,12 @@ class DataConfig:
     def pixel_budget(self) -> tuple[int, int] | None:
         """(min, max) pixels of ERNIE's resize, or None for the longest-side rule."""
         return (self.image_min_pixels, self.image_max_pixels) if self.image_max_pixels else None
+
+    @property
+    def frame_sampling(self):
+        from ..data.video import FrameSampling  # data imports config: imported here, not at the top
+
+        return FrameSampling(self.video_fps, self.video_min_frames, self.video_max_frames)
 
     @property
     def video_budget(self) -> tuple[int, int] | None:

@@ -111,6 +111,9 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
             low, high = getattr(d, f"{kind}_min_pixels"), getattr(d, f"{kind}_max_pixels")
             _require(unit_area <= low <= high, f"data.{kind}_min_pixels ({low}) must be at least {unit_area} (one "
                                                f"merge block) and at most data.{kind}_max_pixels ({high}).")
+    _require(d.video_fps > 0 and 1 <= d.video_min_frames <= d.video_max_frames,
+             f"data.video_fps ({d.video_fps}) must be positive and 1 <= data.video_min_frames ({d.video_min_frames}) "
+             f"<= data.video_max_frames ({d.video_max_frames}).")
     _require(0 <= d.num_workers <= 64, f"data.num_workers ({d.num_workers}) must be between 0 and 64.")
     unit = v.patch_size * v.spatial_merge_size
     if d.dataset == "synthetic":

@@ -25,14 +25,15 @@ from PIL import Image, UnidentifiedImageError
 
 from .chat import check_messages
 from .sample import BadSample, Chunk, Sample
+from .video import ERNIE_SAMPLING, FrameSampling, read_video
 
 IMAGE_MARK, VIDEO_MARK = "<image>", "<video>"
 
 
 class JsonlDataset:
-    def __init__(self, path: str, max_pixels: int = 50_000_000):
+    def __init__(self, path: str, max_pixels: int = 50_000_000, sampling: FrameSampling = ERNIE_SAMPLING):
         self.path = Path(path)
-        self.max_pixels = max_pixels
+        self.max_pixels, self.sampling = max_pixels, sampling
         self.root = self.path.parent
         self.offsets = []
         with open(self.path, "rb") as f:
@@ -74,8 +75,8 @@ class JsonlDataset:
     def _load_image(self, relative) -> np.ndarray:
         return load_image(self.root / str(relative), self.max_pixels)
 
-    def _load_video(self, frames: list[str]) -> np.ndarray:
-        return load_video(self.root, frames, self.max_pixels)
+    def _load_video(self, source) -> np.ndarray:
+        return load_video(self.root, source, self.max_pixels, self.sampling)
 
 
 def load_image(path: Path, max_pixels: int) -> np.ndarray:
@@ -95,11 +96,13 @@ def load_image(path: Path, max_pixels: int) -> np.ndarray:
         raise BadSample("corrupt_image", f"image '{path}' cannot be decoded: {err}") from None
 
 
-def load_video(root: Path, frames: list[str], max_pixels: int) -> np.ndarray:
-    """A video given as its frame files (relative to ``root``), ``[T, H, W, 3]`` uint8."""
-    loaded = [load_image(root / str(f), max_pixels) for f in frames]
+def load_video(root: Path, source, max_pixels: int, sampling: FrameSampling = ERNIE_SAMPLING) -> np.ndarray:
+    """A video given as its frame files or as a video file (relative to ``root``), ``[T, H, W, 3]`` uint8."""
+    if isinstance(source, str):
+        return read_video(root / source, sampling)
+    loaded = [load_image(root / str(f), max_pixels) for f in source]
     if len({f.shape for f in loaded}) != 1:
-        raise BadSample("bad_video", f"the frames of video {frames[0]}, ... differ in size")
+        raise BadSample("bad_video", f"the frames of video {source[0]}, ... differ in size")
     return np.stack(loaded)
 
 
@@ -107,15 +110,15 @@ def parse_messages(messages, images: list[str], videos) -> tuple:
     """(the conversation in parts form, its image paths, its videos as lists of frame paths), in order.
 
     String contents place ``images`` and ``videos`` at their ``<image>`` / ``<video>`` markers; content parts
-    carry their own files. Unknown parts, a ``<video>`` without frames, a video file (frames only in this
-    release) and images given both ways are counted skips."""
+    carry their own files; a video is a list of frame files or a video file. Unknown parts, a ``<video>``
+    without a video and images given both ways are counted skips."""
     if not isinstance(messages, list) or not messages:
         raise BadSample("empty_text", "messages is empty")
     parts_given = any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
     if parts_given and (images or videos):
         raise BadSample("bad_images", "images or videos given both as content parts and as lists")
     if not isinstance(videos, list) or not all(_frame_list(v) for v in videos):
-        raise BadSample("bad_video", f"videos must be a list of frame-file lists, not {videos!r}")
+        raise BadSample("bad_video", f"videos must be a list of videos (files or frame-file lists), not {videos!r}")
     out, image_paths, video_frames = [], [], []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
@@ -157,7 +160,9 @@ def _marked_parts(text: str) -> list[dict]:
 
 
 def _frame_list(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(f, str) for f in value)
+    """A video file, or a non-empty list of frame files."""
+    return (isinstance(value, str) and bool(value)) or (
+        isinstance(value, list) and bool(value) and all(isinstance(f, str) for f in value))
 
 
 def _part(part, image_paths: list[str], video_frames: list[list[str]]) -> dict:
@@ -174,11 +179,8 @@ def _part(part, image_paths: list[str], video_frames: list[list[str]]) -> dict:
     if kind in ("video", "video_url"):
         source = part.get("video") or part.get("path") or part.get("url") or part.get("video_url")
         source = source.get("url") if isinstance(source, dict) else source
-        if isinstance(source, str):
-            raise BadSample("video_file_unsupported", f"video '{source}' is a file: this release reads a video "
-                                                      "as a list of frame files")
         if not _frame_list(source):
-            raise BadSample("video_without_frames", f"video part {part!r} names no frames")
+            raise BadSample("video_without_frames", f"video part {part!r} names no video file or frames")
         video_frames.append(source)
         return {"type": "video"}
     raise BadSample("bad_message", f"unknown content part {part!r} (text, image, image_url or video)")
