@@ -86,7 +86,9 @@ def test_lora_layout_matches_one_process(tmp_path, base, reference, layout):
     assert set(a) == set(b) and all(k.endswith((".lora_A", ".lora_B")) for k in a)
     assert any(np.abs(v).max() > 0 for k, v in a.items() if k.endswith(".lora_B"))  # it trained
     for name in a:
-        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-6, err_msg=name)
+        # the full-model layouts' bound (test_layouts): after 5 AdamW steps, an element whose gradient nearly
+        # cancels carries the float32 summation order of its layout (one of 1024 differed by 2.2e-6 at tp2 x pp2)
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def test_a_lora_checkpoint_holds_the_pairs_and_resumes_exactly_in_another_layout(tmp_path, base, reference):
