@@ -39,9 +39,9 @@ ERNIE_VL_TEMPLATE = (
     "{%- if message['content'] is string -%}{{- message['content'] -}}{%- else -%}"
     "{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' -%}{%- set images.n = images.n + 1 -%}"
-    "{{- 'Picture ' ~ images.n ~ ':<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>' -}}"
+    "{{- 'Picture ' ~ images.n ~ ':" + IMAGE_SLOT + "' -}}"
     "{%- elif part['type'] == 'video' -%}{%- set videos.n = videos.n + 1 -%}"
-    "{{- 'Video ' ~ videos.n ~ ':<|VIDEO_START|><|video@placeholder|><|VIDEO_END|>' -}}"
+    "{{- 'Video ' ~ videos.n ~ ':" + VIDEO_SLOT + "' -}}"
     "{%- else -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}{{- '\n' -}}"
     "{%- else -%}{{- 'Assistant: ' ~ message['content'] ~ '<|end_of_sentence|>' -}}"
@@ -77,8 +77,7 @@ def check_messages(messages) -> Conversation:
 
 def chat_format(tokenizer):
     """The chat format of ``tokenizer``: its template when it has ERNIE's special tokens, plain lines otherwise."""
-    token_id = getattr(tokenizer, "token_id", None)
-    if token_id is not None and token_id(BEGIN_OF_SENTENCE) is not None and token_id(END_OF_SENTENCE) is not None:
+    if tokenizer.token_id(BEGIN_OF_SENTENCE) is not None and tokenizer.token_id(END_OF_SENTENCE) is not None:
         return TemplateChat(tokenizer.chat_template or ERNIE_VL_TEMPLATE)
     return PlainChat()
 

@@ -165,20 +165,24 @@ def _frame_list(value) -> bool:
         isinstance(value, list) and bool(value) and all(isinstance(f, str) for f in value))
 
 
+def _source(part: dict, kind: str):
+    """What an image or video part names, under any of the keys chat formats use (``{"url": ...}`` unwrapped)."""
+    source = part.get(kind) or part.get("path") or part.get("url") or part.get(f"{kind}_url")
+    return source.get("url") if isinstance(source, dict) else source
+
+
 def _part(part, image_paths: list[str], video_frames: list[list[str]]) -> dict:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return {"type": "text", "text": part["text"]}
     if kind in ("image", "image_url"):
-        source = part.get("image") or part.get("path") or part.get("url") or part.get("image_url")
-        source = source.get("url") if isinstance(source, dict) else source
+        source = _source(part, "image")
         if not isinstance(source, str):
             raise BadSample("bad_message", f"image part {part!r} names no image file")
         image_paths.append(source)
         return {"type": "image"}
     if kind in ("video", "video_url"):
-        source = part.get("video") or part.get("path") or part.get("url") or part.get("video_url")
-        source = source.get("url") if isinstance(source, dict) else source
+        source = _source(part, "video")
         if not _frame_list(source):
             raise BadSample("video_without_frames", f"video part {part!r} names no video file or frames")
         video_frames.append(source)

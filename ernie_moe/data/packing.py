@@ -60,8 +60,7 @@ class Encoder:
         self.patch, self.merge, self.temporal = v.patch_size, v.spatial_merge_size, model_cfg.temporal_conv_size
         self.max_seq_len, self.overlong, self.max_side = max_seq_len, overlong, max_image_side
         self.stats = stats
-        token_id = getattr(tokenizer, "token_id", lambda _: None)
-        self.brackets = {kind: (token_id(f"<|{kind}_START|>"), token_id(f"<|{kind}_END|>"))
+        self.brackets = {kind: (tokenizer.token_id(f"<|{kind}_START|>"), tokenizer.token_id(f"<|{kind}_END|>"))
                          for kind in ("IMAGE", "VIDEO")}
 
     def __call__(self, sample: Sample) -> Encoded:

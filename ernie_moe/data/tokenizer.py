@@ -28,6 +28,10 @@ class WordTokenizer:
     def placeholder_id(self) -> int:
         return self.image_token_id
 
+    def token_id(self, token: str) -> None:
+        """No special tokens beyond the fixed ids (see :meth:`SentencePieceTokenizer.token_id`)."""
+        return None
+
     def encode(self, text: str) -> list[int]:
         return [self.ids.get(word, self.unk_id) for word in text.split()]
 
@@ -50,6 +54,10 @@ class ByteTokenizer:
 
     def placeholder_id(self) -> int:
         return self.image_token_id
+
+    def token_id(self, token: str) -> None:
+        """No special tokens beyond the fixed ids (see :meth:`SentencePieceTokenizer.token_id`)."""
+        return None
 
     def encode(self, text: str) -> list[int]:
         return [len(SPECIALS) + b for b in text.encode("utf-8")]
