@@ -1,7 +1,7 @@
 import numpy as np
 import paddle
 
-from ernie_moe.model.rope import apply_rotary, rope_angles
+from ernie_moe.model.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
 
 
 def numpy_rope(x, pos, theta, t_slots):
@@ -51,3 +51,22 @@ def test_each_axis_drives_its_own_slots():
     b = rope_angles(paddle.to_tensor(moved_w), 16, 10000.0, t_slots=2).numpy()[0, 0]
     changed = np.nonzero(~np.isclose(a, b))[0].tolist()
     assert changed == [1, 3, 5]  # odd slots outside the last two (t) read w
+
+
+def numpy_vision_rope(x, rows_cols, theta):
+    """Reference for the ViT: dimension i pairs with i + D/2; slot j < D/4 turns by row * theta^(-4j/D), slot
+    D/4 + j by col * theta^(-4j/D)."""
+    dim = x.shape[-1]
+    inv = theta ** (-(4.0 * np.arange(dim // 4)) / dim)
+    ang = np.concatenate([rows_cols[:, :1] * inv, rows_cols[:, 1:] * inv], axis=-1)[:, None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+    first, second = x[..., : dim // 2], x[..., dim // 2:]
+    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def test_vision_rope_matches_numpy():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((9, 2, 16)).astype(np.float32)
+    rows_cols = rng.integers(0, 30, size=(9, 2))
+    got = apply_rotary_half(paddle.to_tensor(x), vision_rope_angles(paddle.to_tensor(rows_cols), 16, 10000.0))
+    np.testing.assert_allclose(got.numpy(), numpy_vision_rope(x, rows_cols, 10000.0), rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ from paddle import nn
 
 from .attention import core_attention
 from .layers import RMSNorm
-from .rope import apply_rotary, rope_angles
+from .rope import apply_rotary_half, vision_rope_angles
 
 
 def patch_positions(grid_thw: np.ndarray, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -60,9 +60,8 @@ class VisionAttention(nn.Layer):
         """``groups``: (patch indices, images, patches per image) tensors of each image size, and the order
         that puts the groups' outputs back."""
         n = x.shape[0]
-        q, k, v = paddle.chunk(self.qkv(x).reshape([1, n, 3 * self.num_heads, -1]), 3, axis=2)
-        q, k = apply_rotary(q, angles)[0], apply_rotary(k, angles)[0]
-        v = v[0]
+        q, k, v = paddle.chunk(self.qkv(x).reshape([n, 3 * self.num_heads, -1]), 3, axis=1)
+        q, k = apply_rotary_half(q, angles), apply_rotary_half(k, angles)
         sizes, restore = groups
         outs = []
         for index, images, size in sizes:
@@ -119,8 +118,8 @@ class VisionTransformer(nn.Layer):
     def forward(self, patches: paddle.Tensor, grid_thw: np.ndarray) -> paddle.Tensor:
         positions, _ = patch_positions(grid_thw, self.cfg.spatial_merge_size)
         head_dim = self.cfg.embed_dim // self.cfg.num_heads
-        positions[:, 0] = 0  # frames share 2D positions; the LM's 3D RoPE orders them in time
-        angles = rope_angles(paddle.to_tensor(positions)[None], head_dim, self.cfg.rope_theta, t_slots=0)
+        # frames share 2D positions; the LM's 3D RoPE orders them in time
+        angles = vision_rope_angles(paddle.to_tensor(positions[:, 1:]), head_dim, self.cfg.rope_theta)
         sizes = same_size_groups(grid_thw)
         order = np.concatenate([index for index, _, _ in sizes])
         groups = ([(paddle.to_tensor(index), images, size) for index, images, size in sizes],
