@@ -1,8 +1,9 @@
 """PaddleFormers' side of the interop tests, run in its own process (importing PaddleFormers patches
 libraries the rest of the suite uses).
 
-    python paddleformers_side.py make KIND DIR      # a random tiny ERNIE 4.5 model: DIR/hf (save_pretrained)
-                                                    # and DIR/paddle (its in-memory state as model_state.pdparams)
+    python paddleformers_side.py make KIND DIR [CONFIG]  # a random tiny ERNIE 4.5 model: DIR/hf (save_pretrained)
+                                                    # and DIR/paddle (its in-memory state as model_state.pdparams);
+                                                    # CONFIG: JSON of config fields over KIND's
     python paddleformers_side.py dump KIND DIR OUT  # from_pretrained(DIR), in-memory state -> OUT (.npz)
     python paddleformers_side.py logits DIR IDS OUT # dense model's forward logits on IDS (.npy) -> OUT (.npy)
     python paddleformers_side.py generate DIR IDS N OUT  # dense model's greedy generate(): N new tokens per row
@@ -11,6 +12,8 @@ libraries the rest of the suite uses).
     python paddleformers_side.py image IMAGE OUT  # ERNIE-4.5-VL's image processor on an .npy image
     python paddleformers_side.py process TOKENIZER CONVERSATIONS OUT  # Ernie4_5_VLProcessor on each conversation
     python paddleformers_side.py frames CASES OUT  # the processor's video frame choice for (frames, seconds) pairs
+    python paddleformers_side.py vl_logits DIR OUT PROCESSED...  # the VL model's logits on `process` outputs,
+                                                    # OUT/<stem>.npy each, on the CPU (paddleformers_cpu.py)
 """
 
 import json
@@ -45,10 +48,13 @@ def classes(kind):
     return getattr(pf, config_name), getattr(pf, model_name), kwargs
 
 
-def make(kind, directory):
+def make(kind, directory, config="{}"):
     config_cls, model_cls, kwargs = classes(kind)
     paddle.seed(1)
-    model = model_cls(config_cls(**kwargs))
+    model = model_cls(config_cls(**dict(kwargs, **json.loads(config))))
+    for name, value in model.state_dict().items():
+        if name.endswith("e_score_correction_bias"):  # zeros at birth: a reader ignoring it would go unseen
+            value.set_value(paddle.uniform(value.shape, value.dtype, -0.05, 0.05))
     out = Path(directory)
     model.save_pretrained(str(out / "hf"))
     (out / "paddle").mkdir(parents=True)
@@ -140,7 +146,7 @@ def process(tokenizer_dir, conversations, out):
         videos = [[Image.open(p) for p in frames] for frames in case["videos"]]
         result = processor(text=[text], images=images or None, videos=videos or None)
         arrays = {k: np.asarray(v) for k, v in result.items() if k in ("input_ids", "token_type_ids", "position_ids",
-                                                                        "grid_thw", "images")}
+                                                                        "grid_thw", "images", "image_type_ids")}
         np.savez(Path(out) / f"{n}.npz", text=np.array(text), **arrays)
 
 
@@ -159,8 +165,38 @@ def frames(cases, out):
     Path(out).write_text(json.dumps(result))
 
 
+def vl_logits(directory, out, *processed):
+    """``Ernie4_5_VLMoeForConditionalGeneration``'s logits on the processor's output for each conversation, its
+    uint8 pixels normalised as its model expects them (rescaled, the image processor's mean and std, bfloat16).
+    Its router losses are off: their kernel (``cal_aux_loss``) is GPU-only and they do not enter the logits."""
+    import paddleformers_cpu
+    from paddleformers.transformers.ernie4_5_moe_vl.image_processor import Ernie4_5_VLImageProcessor
+
+    paddleformers_cpu.install()
+    _, model_cls, _ = classes("vl")
+    model = model_cls.from_pretrained(directory, convert_from_hf=True, router_aux_loss_coef=0.0)
+    model.eval()
+    image_processor = Ernie4_5_VLImageProcessor()
+    mean, std = (np.asarray(v, np.float32)[None, :, None] for v in (image_processor.image_mean,
+                                                                    image_processor.image_std))
+    for path in processed:
+        np.save(Path(out) / f"{Path(path).stem}.npy", _vl_logits(model, np.load(path), image_processor, mean, std))
+
+
+def _vl_logits(model, data, image_processor, mean, std):
+    pixels = data["images"].astype(np.float32).reshape(len(data["images"]), 3, -1) * image_processor.rescale_factor
+    pixels = ((pixels - mean) / std).reshape(data["images"].shape)
+    types = np.concatenate([data["token_type_ids"], data["token_type_ids"][:, -1:]], axis=1)  # + the label's
+    with paddle.no_grad():
+        result = model(input_ids=paddle.to_tensor(data["input_ids"]), token_type_ids=paddle.to_tensor(types),
+                       position_ids=paddle.to_tensor(data["position_ids"]),
+                       images=paddle.to_tensor(pixels).astype("bfloat16"), grid_thw=paddle.to_tensor(data["grid_thw"]),
+                       image_type_ids=paddle.to_tensor(data["image_type_ids"]), return_dict=True)
+    return result.logits.astype("float32").numpy()
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {"make": make, "dump": dump, "logits": logits, "generate": generate, "lora_logits": lora_logits,
      "lora_dump": lora_dump, "image": image, "process": process,
-     "frames": frames}[command](*args)
+     "frames": frames, "vl_logits": vl_logits}[command](*args)

@@ -6,16 +6,21 @@ import json
 from collections import Counter
 
 import numpy as np
+import paddle
 import pytest
 from PIL import Image
 from test_pretrained import paddleformers
 
+from ernie_moe.batch import Batch
+from ernie_moe.checkpoint.pretrained import load_pretrained
 from ernie_moe.config import load_config
 from ernie_moe.data.chat import ERNIE_VL_TEMPLATE
 from ernie_moe.data.images import MEAN, STD
 from ernie_moe.data.jsonl import JsonlDataset
 from ernie_moe.data.loader import build_tokenizer
 from ernie_moe.data.packing import Encoder
+from ernie_moe.parallel.env import DistEnv
+from ernie_moe.training.runner import build_model
 
 # ERNIE-4.5-VL's special tokens (the slot strings the processor expands are not tokens)
 SPECIALS = ["<|begin_of_sentence|>", "<|end_of_sentence|>", "<|IMAGE_START|>", "<|IMAGE_END|>", "<|VIDEO_START|>",
@@ -199,6 +204,49 @@ def test_encoded_conversations_equal_ernies_processor(ernie_side):
         runs += [run] if run else []
         answers = [m["content"] + "<|end_of_sentence|>" for m in messages if m["role"] == "assistant"]
         assert [tokenizer.decode(r).lstrip(" ") for r in runs] == [a.lstrip(" ") for a in answers], where
+
+
+# A tiny ERNIE-4.5-VL with the published routing: aux-loss-free (a random correction bias), text and vision
+# experts, every layer from the second a MoE layer. PaddleFormers' padded all-gather dispatch ("v2") with
+# capacity for every token: on one process its unpadded all-to-all variant gives the same sums.
+VL_MODEL = {"vocab_size": 400, "max_position_embeddings": 4096, "moe_use_aux_free": True, "moe_layer_interval": 1,
+            "moe_capacity": [8, 8, 8], "moe_multimodal_dispatch_use_allgather": "v2"}
+
+
+@pytest.mark.slow
+def test_vl_logits_equal_paddleformers_on_the_processors_output(ernie_side, tmp_path):
+    """One image; three images of different sizes; an image and a 6-frame video: this package, from the JSONL
+    conversation, gives the logits PaddleFormers' Ernie4_5_VLMoeForConditionalGeneration gives on its processor's
+    output, on a checkpoint PaddleFormers made (GPU-only kernels replaced as ``paddleformers_cpu.py`` says).
+    PaddleFormers' ViT takes bfloat16 pixels, so ours are rounded to bfloat16 too: both see the same input."""
+    folder, _ = ernie_side
+    cases = [1, 2, 6]
+    placeholder = build_tokenizer(ernie_config(folder)).placeholder_id()
+    paddleformers("make", "vl", tmp_path / "model", json.dumps(dict(VL_MODEL, im_patch_id=placeholder)), cwd=tmp_path)
+    paddleformers("vl_logits", tmp_path / "model" / "hf", tmp_path, *(folder / "out" / f"{n}.npz" for n in cases),
+                  cwd=tmp_path)
+    budget = [f"data.{k}={v}" for k, v in BUDGET.items()]
+    cfg = load_config(None, [f"training.model_name_or_path={tmp_path / 'model' / 'hf'}",
+                             f"data.tokenizer_path={folder / 'tokenizer'}", *budget])
+    assert cfg.model.moe_use_aux_free and cfg.model.im_patch_id == placeholder
+    model = build_model(cfg.model, DistEnv())
+    load_pretrained(model, tmp_path / "model" / "hf")
+    model.eval()
+    encoder = Encoder(build_tokenizer(cfg), cfg.model, 4096, "skip", 448, Counter(), cfg.data.pixel_budget,
+                      cfg.data.video_budget)
+    data = JsonlDataset(str(folder / "data.jsonl"))
+    for n in cases:
+        sample = encoder(data[n])
+        ids = paddle.to_tensor(sample.input_ids[None])
+        pixels = paddle.to_tensor(np.concatenate(sample.patches)).astype("bfloat16").astype("float32")
+        batch = Batch(ids, paddle.full_like(ids, -100), paddle.to_tensor(sample.token_type_ids[None]),
+                      paddle.to_tensor(sample.position_ids[None]), paddle.zeros_like(ids), pixels,
+                      np.stack(sample.grids))
+        with paddle.no_grad():
+            ours = model(batch, return_logits=True).logits.numpy()
+        theirs = np.load(tmp_path / f"{n}.npy")
+        assert ours.shape == theirs.shape == (1, len(sample), 400)
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4, err_msg=f"conversation {n}")
 
 
 @pytest.mark.slow

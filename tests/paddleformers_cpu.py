@@ -1,0 +1,123 @@
+"""CPU code for the GPU-only kernels PaddleFormers' ERNIE-4.5-VL forward calls, so that its model runs here as the
+reference for this package's logits. Each computes what the kernel computes for the inputs the reference gives it
+in one process; ``install()`` puts them where PaddleFormers looks them up.
+
+- ``flashmask_attention`` (the ViT's attention): softmax attention in float32 under the same block mask. The
+  ViT casts q, k and v to bfloat16 only to feed that kernel; the replaced forward leaves the casts out with it.
+- ``expand_modality_expert_id``: a modality's expert index to its index among all experts.
+- ``moe_gate_dispatch_partial_nosoftmaxtopk``: the padded layout (``use_pad``), every token kept; an expert
+  receiving more tokens than its capacity raises rather than dropping silently.
+- ``moe_combine``: the weighted sum of each token's expert outputs.
+- ``async_offload`` / ``create_async_load``: device-to-host copies, already done on a CPU.
+"""
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+
+def flashmask_attention(q, k, v, startend_row_indices, causal=False):
+    """q, k, v ``[1, seq, heads, head_dim]``; key j is seen by rows ``UTE[j] <= i < LTS[j]``."""
+    assert not causal
+    q, k, v = (t.astype("float32").transpose([0, 2, 1, 3]) for t in (q, k, v))
+    lts, ute = startend_row_indices[0, 0, :, 0], startend_row_indices[0, 0, :, 1]
+    rows = paddle.arange(q.shape[2], dtype=lts.dtype).unsqueeze(1)
+    seen = (rows >= ute.unsqueeze(0)) & (rows < lts.unsqueeze(0))
+    scores = q @ k.transpose([0, 1, 3, 2]) / q.shape[-1] ** 0.5
+    scores = paddle.where(seen, scores, paddle.full_like(scores, float("-inf")))
+    return (F.softmax(scores, -1) @ v).transpose([0, 2, 1, 3])
+
+
+def vision_attention_forward(self, hidden_states, startend_row_indices, rotary_pos_emb=None, attn_sep=False):
+    """PaddleFormers' ``VisionFlashAttention2.forward`` on one process, the attention kernel in float32."""
+    from paddleformers.transformers.ernie4_5_moe_vl.model.dfnrope.modeling import apply_rotary_pos_emb_vision
+
+    assert not attn_sep
+    n = hidden_states.shape[0]
+    qkv = self.qkv(hidden_states).reshape([n, 3, self.num_heads, -1]).transpose(perm=[1, 0, 2, 3])
+    q, k, v = qkv.unbind(axis=0)
+    q = apply_rotary_pos_emb_vision(q.unsqueeze(axis=0), rotary_pos_emb).squeeze(axis=0)
+    k = apply_rotary_pos_emb_vision(k.unsqueeze(axis=0), rotary_pos_emb).squeeze(axis=0)
+    out = flashmask_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), startend_row_indices)
+    return self.proj(out.reshape([n, -1]))
+
+
+def expand_modality_expert_id(expert_id, num_expert_per_modality, group_size, modality_offset, is_group_expert):
+    """Each rank holds its text experts, then its multimodal ones: expert e of a modality is expert
+    ``rank * 2 * per_modality + e % per_modality + offset * per_modality`` of all."""
+    e = expert_id
+    if is_group_expert:
+        e = e + paddle.arange(e.shape[-1], dtype=e.dtype) * group_size
+    if num_expert_per_modality > 0:
+        rank, within = e // num_expert_per_modality, e % num_expert_per_modality
+        e = rank * (num_expert_per_modality * 2) + within + modality_offset * num_expert_per_modality
+    return e
+
+
+def moe_gate_dispatch_partial_nosoftmaxtopk(x, combine_weights, expert_id, k, capacity, num_experts, use_pad,
+                                            expert_start_index, expert_end_index, reverse_token_drop=False):
+    """Local expert e's j-th token (in sequence order) goes to row ``(e - start) * capacity + j``; returns the
+    dispatched rows, the weights (zero for other ranks' experts), token -> row ``[k, seq]``, row -> token
+    (``seq`` for an empty row), and the tokens per expert over all and over the local experts."""
+    assert use_pad, "only the padded layout is written here"
+    ids = expert_id.numpy().astype(np.int64)
+    seqlen = ids.shape[0]
+    counts = np.bincount(ids.reshape(-1), minlength=num_experts)
+    if counts.max() > capacity:
+        raise ValueError(f"an expert receives {counts.max()} tokens, over its capacity {capacity}")
+    local = (ids >= expert_start_index) & (ids < expert_end_index)
+    to_row = np.zeros([seqlen, k], np.int32)
+    from_row = np.full([(expert_end_index - expert_start_index) * capacity], seqlen, np.int32)
+    filled = np.zeros(num_experts, np.int64)
+    for s in range(seqlen):
+        for slot in range(k):
+            e = ids[s, slot]
+            if local[s, slot]:
+                row = (e - expert_start_index) * capacity + filled[e]
+                to_row[s, slot], from_row[row] = row, s
+            filled[e] += 1
+    occupied = paddle.to_tensor((from_row < seqlen).astype(np.float32)).unsqueeze(-1).astype(x.dtype)
+    rows = paddle.gather(x, paddle.to_tensor(np.minimum(from_row, seqlen - 1).astype(np.int64))) * occupied
+    weights = combine_weights * paddle.to_tensor(local.astype(np.float32))
+    experts = np.arange(num_experts)
+    local_counts = np.where((experts >= expert_start_index) & (experts < expert_end_index), counts, 0)
+    return (rows, weights, paddle.to_tensor(to_row.T.copy()), paddle.to_tensor(from_row), paddle.to_tensor(counts),
+            paddle.to_tensor(local_counts))
+
+
+def moe_combine(x, combine_weights, scatter_index):
+    """``out[s] = sum over slots of weight[s, slot] * x[scatter_index[s, slot]]``."""
+    picked = paddle.gather(x, scatter_index.reshape([-1]).astype("int64"))
+    picked = picked.reshape(list(scatter_index.shape) + [x.shape[-1]])
+    return (picked * combine_weights.astype(x.dtype).unsqueeze(-1)).sum(1)
+
+
+class _Copied:
+    """A device-to-host copy that is already done."""
+
+    def cpu_wait(self):
+        pass
+
+    cuda_wait = wait = cpu_wait
+
+
+def async_offload(tensor, loader=None):
+    return tensor, _Copied()
+
+
+def install():
+    from paddleformers.transformers.ernie4_5_moe_vl.model import modeling_moe
+    from paddleformers.transformers.ernie4_5_moe_vl.model.dfnrope import modeling as vit
+    from paddleformers.transformers.ernie4_5_moe_vl.model.distributed import common_dist_utils
+    from paddleformers.transformers.ernie4_5_moe_vl.model.moe import moe_all_gather_layer, moe_layer
+    from paddleformers.transformers.ernie4_5_moe_vl.model.utils import misc
+
+    vit.VisionFlashAttention2.forward = vision_attention_forward
+    common_dist_utils.create_async_load = lambda: None
+    replacements = {"async_offload": async_offload, "expand_modality_expert_id": expand_modality_expert_id,
+                    "moe_gate_dispatch_partial_nosoftmaxtopk": moe_gate_dispatch_partial_nosoftmaxtopk,
+                    "moe_combine": moe_combine}
+    for module in (modeling_moe, moe_all_gather_layer, moe_layer, misc, common_dist_utils):
+        for name, function in replacements.items():
+            if hasattr(module, name):
+                setattr(module, name, function)
