@@ -36,7 +36,7 @@ def scores(model_dir, data: str, base, batch_size: int = 8, max_batches: int = 0
     else:
         if not Path(data).is_file():
             raise DataError(f"--data file '{data}' does not exist")
-        held_out = JsonlDataset(data, base.data.max_image_pixels, base.data.frame_sampling)
+        held_out = JsonlDataset(data, base.data.max_image_pixels, base.data.video_reading)
     cfg = dataclasses.replace(base, model=model_cfg)
     skipped: Counter = Counter()
     rows = RowStream(held_out, tokenizer, cfg, skipped, shuffle=False)

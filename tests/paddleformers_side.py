@@ -12,6 +12,7 @@ libraries the rest of the suite uses).
     python paddleformers_side.py image IMAGE OUT  # ERNIE-4.5-VL's image processor on an .npy image
     python paddleformers_side.py process TOKENIZER CONVERSATIONS OUT  # Ernie4_5_VLProcessor on each conversation
     python paddleformers_side.py frames CASES OUT  # the processor's video frame choice for (frames, seconds) pairs
+    python paddleformers_side.py timestamps FRAMES TIMES FONT OUT  # the processor's time mark drawn on each frame
     python paddleformers_side.py vl_logits DIR OUT PROCESSED...  # the VL model's logits on `process` outputs,
                                                     # OUT/<stem>.npy each, on the CPU (paddleformers_cpu.py)
 """
@@ -165,6 +166,21 @@ def frames(cases, out):
     Path(out).write_text(json.dumps(result))
 
 
+def timestamps(frames, times, font, out):
+    """ERNIE-4.5-VL's processor's time mark on each frame (``[N, H, W, 3]`` .npy) at each time (JSON seconds), with
+    FONT in place of the Roboto file its package does not include."""
+    from paddleformers.transformers.ernie4_5_moe_vl.vision_process import (
+        render_single_image_with_timestamp,
+        timestamp_converting,
+    )
+    from PIL import Image
+
+    drawn = [np.asarray(render_single_image_with_timestamp(Image.fromarray(frame), "time: " + timestamp_converting(t),
+                                                           0.1, font))
+             for frame, t in zip(np.load(frames), json.loads(Path(times).read_text()))]
+    np.save(out, np.stack(drawn))
+
+
 def vl_logits(directory, out, *processed):
     """``Ernie4_5_VLMoeForConditionalGeneration``'s logits on the processor's output for each conversation, its
     uint8 pixels normalised as its model expects them (rescaled, the image processor's mean and std, bfloat16).
@@ -199,4 +215,4 @@ if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {"make": make, "dump": dump, "logits": logits, "generate": generate, "lora_logits": lora_logits,
      "lora_dump": lora_dump, "image": image, "process": process,
-     "frames": frames, "vl_logits": vl_logits}[command](*args)
+     "frames": frames, "timestamps": timestamps, "vl_logits": vl_logits}[command](*args)

@@ -50,6 +50,7 @@ def test_overrides_follow_yaml_types():
     ("parallel.sharding_parallel_degree=2", ["sharding_parallel_degree (2)", "go together"]),
     ("parallel.sharding=stage1", ["sharding ('stage1')", "go together"]),
     ("training.max_steps", ["section.key=value"]),
+    ("data.video_timestamp_font=README.md", ["data.video_timestamp_font", "not a TrueType font file"]),
 ])
 def test_bad_values_name_the_key(override, words):
     with pytest.raises(ConfigError) as err:

@@ -309,17 +309,53 @@ def test_bad_chat_templates_are_counted_skips(tmp_path):
     assert bad.value.reason == "chat_template_error"
 
 
+@pytest.mark.slow
 def test_video_frames_are_sampled_as_ernies_processor_samples_them(tmp_path):
     """Short, long, very long and few-frame videos: the same frame indices as PaddleFormers' processor picks
     (duration x 2 frames per second, clamped to 16..180 and to the video's length, the middle of each interval)."""
-    from ernie_moe.data.video import ERNIE_SAMPLING, frame_indices
+    from ernie_moe.data.video import ERNIE_VIDEO_READING, frame_indices
 
     cases = [(300, 10.0), (30, 1.0), (9000, 300.0), (10, 0.4), (250, 8.3), (1000, 200.0)]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     paddleformers("frames", tmp_path / "cases.json", tmp_path / "frames.json", cwd=tmp_path)
     expected = json.loads((tmp_path / "frames.json").read_text())
-    assert [frame_indices(n, s, ERNIE_SAMPLING) for n, s in cases] == expected
+    assert [frame_indices(n, s, ERNIE_VIDEO_READING) for n, s in cases] == expected
     assert [len(e) for e in expected] == [20, 16, 180, 10, 16, 180]
+
+
+def a_font(folder):
+    """A TrueType font file: the one Pillow carries inside (ERNIE's Roboto is not installed here)."""
+    from PIL import ImageFont
+
+    (folder / "font.ttf").write_bytes(ImageFont.load_default(12).path.getvalue())
+    return str(folder / "font.ttf")
+
+
+@pytest.mark.slow
+def test_frame_times_are_drawn_as_ernies_processor_draws_them(tmp_path):
+    """Frames of three sizes at times from 0 s to over an hour: the pixels equal those PaddleFormers' processor
+    draws with the same font, and the mark is there (the top-left corner changed, the rest did not)."""
+    from ernie_moe.data.video import clock, draw_timestamp
+
+    rng = np.random.default_rng(0)
+    times = [0.0, 0.5, 59.999, 61.25, 3725.5, 7.0]
+    sizes = [(64, 64), (90, 120), (252, 448), (90, 120), (252, 448), (64, 64)]
+    font = a_font(tmp_path)
+    for size in set(sizes):
+        frames = np.stack([rng.integers(0, 256, (*size, 3), dtype=np.uint8) for s in sizes if s == size])
+        chosen = [t for s, t in zip(sizes, times) if s == size]
+        np.save(tmp_path / "frames.npy", frames)
+        (tmp_path / "times.json").write_text(json.dumps(chosen))
+        paddleformers("timestamps", tmp_path / "frames.npy", tmp_path / "times.json", font, tmp_path / "out.npy",
+                      cwd=tmp_path)
+        theirs = np.load(tmp_path / "out.npy")
+        ours = np.stack([draw_timestamp(f, t, font) for f, t in zip(frames, chosen)])
+        np.testing.assert_array_equal(ours, theirs)
+        changed = (ours != frames).any(axis=-1)
+        height = int(min(size) * 0.1) * 2
+        assert changed[:, :height].any(axis=(1, 2)).all() and not changed[:, height:].any()
+    assert [clock(t) for t in times] == ["00:00:00.00", "00:00:00.50", "00:00:60.00", "00:01:01.25",
+                                         "01:02:05.50", "00:00:07.00"]
 
 
 def test_a_video_file_without_a_decoder_is_a_counted_skip(tmp_path, monkeypatch):
@@ -349,7 +385,7 @@ def test_a_video_file_is_decoded_and_sampled(tmp_path):
     in grey level to its source frame, through the codec's loss), and encode as 8 frame pairs of video tokens."""
     import av
 
-    from ernie_moe.data.video import ERNIE_SAMPLING, frame_indices
+    from ernie_moe.data.video import ERNIE_VIDEO_READING, frame_indices
 
     with av.open(str(tmp_path / "clip.mp4"), "w") as container:
         stream = container.add_stream("mpeg4", rate=5)
@@ -363,7 +399,7 @@ def test_a_video_file_is_decoded_and_sampled(tmp_path):
                            {"role": "assistant", "content": "Greys."}]}
     (tmp_path / "data.jsonl").write_text(json.dumps(record) + "\n")
     sample = JsonlDataset(str(tmp_path / "data.jsonl"))[0]
-    chosen = frame_indices(20, 4.0, ERNIE_SAMPLING)
+    chosen = frame_indices(20, 4.0, ERNIE_VIDEO_READING)
     assert sample.videos[0].shape == (16, 64, 64, 3) and len(chosen) == 16
     levels = sample.videos[0].mean(axis=(1, 2, 3))
     assert np.abs(levels[:, None] - 12 * np.arange(20)[None]).argmin(axis=1).tolist() == chosen
@@ -372,3 +408,11 @@ def test_a_video_file_is_decoded_and_sampled(tmp_path):
     encoded = Encoder(build_tokenizer(cfg), cfg.model, 4096, "skip", 448, Counter(), cfg.data.pixel_budget,
                       cfg.data.video_budget)(sample)
     assert (encoded.token_type_ids == 2).sum() == 8 * 2 * 2 and encoded.grids[0].tolist() == [16, 4, 4]
+    # with a font, each frame carries its time: frame i of this 5-per-second clip at i / 5 seconds
+    from ernie_moe.data.video import VideoReading, draw_timestamp
+
+    font = a_font(tmp_path)
+    stamped = JsonlDataset(str(tmp_path / "data.jsonl"), reading=VideoReading(timestamp_font=font))[0].videos[0]
+    for frame, plain, index in zip(stamped, sample.videos[0], chosen):
+        np.testing.assert_array_equal(frame, draw_timestamp(plain, index / 5, font))
+    assert (stamped != sample.videos[0]).any()

@@ -130,6 +130,9 @@ class DataConfig:
                                 "of each of that many equal intervals) ...")
     video_min_frames: int = opt(16, "... but at least this many ...")
     video_max_frames: int = opt(180, "... and at most this many (frame lists are used as given)")
+    video_timestamp_font: str = opt("", "video files: a TrueType font file to draw each frame's time on it with, "
+                                        "as ERNIE-4.5-VL's processor does (its font: Roboto-Regular.ttf); '' = "
+                                        "frames as decoded")
     max_image_pixels: int = opt(50_000_000, "JSONL images: larger ones (width x height, read from the header "
                                             "before decoding) are skipped as image_too_large")
     num_train_samples: int = opt(20000, "synthetic training samples per epoch")
@@ -144,10 +147,10 @@ class DataConfig:
         return (self.image_min_pixels, self.image_max_pixels) if self.image_max_pixels else None
 
     @property
-    def frame_sampling(self):
-        from ..data.video import FrameSampling  # data imports config: imported here, not at the top
+    def video_reading(self):
+        from ..data.video import VideoReading  # data imports config: imported here, not at the top
 
-        return FrameSampling(self.video_fps, self.video_min_frames, self.video_max_frames)
+        return VideoReading(self.video_fps, self.video_min_frames, self.video_max_frames, self.video_timestamp_font)
 
     @property
     def video_budget(self) -> tuple[int, int] | None:

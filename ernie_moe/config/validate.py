@@ -138,6 +138,19 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
     if d.tokenizer_path and check_paths:
         _require((Path(d.tokenizer_path) / "tokenizer.model").is_file(),
                  f"data.tokenizer_path '{d.tokenizer_path}' holds no tokenizer.model (SentencePiece).")
+    if d.video_timestamp_font and check_paths:
+        _require(_is_font(d.video_timestamp_font),
+                 f"data.video_timestamp_font '{d.video_timestamp_font}' is not a TrueType font file.")
+
+
+def _is_font(path: str) -> bool:
+    from PIL import ImageFont
+
+    try:
+        ImageFont.truetype(path, 10)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _check_training(cfg: Config) -> None:

@@ -25,15 +25,15 @@ from PIL import Image, UnidentifiedImageError
 
 from .chat import check_messages
 from .sample import BadSample, Chunk, Sample
-from .video import ERNIE_SAMPLING, FrameSampling, read_video
+from .video import ERNIE_VIDEO_READING, VideoReading, read_video
 
 IMAGE_MARK, VIDEO_MARK = "<image>", "<video>"
 
 
 class JsonlDataset:
-    def __init__(self, path: str, max_pixels: int = 50_000_000, sampling: FrameSampling = ERNIE_SAMPLING):
+    def __init__(self, path: str, max_pixels: int = 50_000_000, reading: VideoReading = ERNIE_VIDEO_READING):
         self.path = Path(path)
-        self.max_pixels, self.sampling = max_pixels, sampling
+        self.max_pixels, self.video_reading = max_pixels, reading
         self.root = self.path.parent
         self.offsets = []
         with open(self.path, "rb") as f:
@@ -76,7 +76,7 @@ class JsonlDataset:
         return load_image(self.root / str(relative), self.max_pixels)
 
     def _load_video(self, source) -> np.ndarray:
-        return load_video(self.root, source, self.max_pixels, self.sampling)
+        return load_video(self.root, source, self.max_pixels, self.video_reading)
 
 
 def load_image(path: Path, max_pixels: int) -> np.ndarray:
@@ -96,10 +96,10 @@ def load_image(path: Path, max_pixels: int) -> np.ndarray:
         raise BadSample("corrupt_image", f"image '{path}' cannot be decoded: {err}") from None
 
 
-def load_video(root: Path, source, max_pixels: int, sampling: FrameSampling = ERNIE_SAMPLING) -> np.ndarray:
+def load_video(root: Path, source, max_pixels: int, reading: VideoReading = ERNIE_VIDEO_READING) -> np.ndarray:
     """A video given as its frame files or as a video file (relative to ``root``), ``[T, H, W, 3]`` uint8."""
     if isinstance(source, str):
-        return read_video(root / source, sampling)
+        return read_video(root / source, reading)
     loaded = [load_image(root / str(f), max_pixels) for f in source]
     if len({f.shape for f in loaded}) != 1:
         raise BadSample("bad_video", f"the frames of video {source[0]}, ... differ in size")

@@ -55,9 +55,9 @@ def build_datasets(cfg):
         held_out = synthetic.SyntheticShapes(cfg.training.seed, "eval", d.num_eval_samples, d.image_size,
                                              d.blank_images)
         return train, held_out if d.num_eval_samples else None
-    sources = [JsonlDataset(path, d.max_image_pixels, d.frame_sampling) for path in d.train_files]
+    sources = [JsonlDataset(path, d.max_image_pixels, d.video_reading) for path in d.train_files]
     train = sources[0] if len(sources) == 1 else MixedDataset(sources, d.train_probs, cfg.training.seed)
-    return train, JsonlDataset(d.eval_path, d.max_image_pixels, d.frame_sampling) if d.eval_path else None
+    return train, JsonlDataset(d.eval_path, d.max_image_pixels, d.video_reading) if d.eval_path else None
 
 
 class MixedDataset:

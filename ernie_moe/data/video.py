@@ -1,8 +1,9 @@
-"""Video files as frames, sampled as ERNIE-4.5-VL's processor samples them.
+"""Video files as frames, sampled and time-stamped as ERNIE-4.5-VL's processor does it.
 
 Decoding needs PyAV (``pip install av``, the ``video`` extra); without it a video file is a counted skip
-(``video_decoder_missing``) and videos can still be given as lists of frame files. ERNIE's processor also draws
-each frame's timestamp into its corner with a font it ships; this reader leaves the frames as decoded.
+(``video_decoder_missing``) and videos can still be given as lists of frame files. ERNIE's processor draws each
+decoded frame's time into its top-left corner with a TrueType font (Roboto-Regular); given a font, this reader
+draws it the same way, and without one leaves the frames as decoded.
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ from .sample import BadSample
 
 
 @dataclass(frozen=True)
-class FrameSampling:
+class VideoReading:
+    """How a video file becomes frames."""
+
     fps: float = 2.0  # frames per second of video kept ...
     min_frames: int = 16  # ... but at least this many ...
     max_frames: int = 180  # ... and at most this many
+    timestamp_font: str = ""  # a TrueType font to draw each frame's time with; "" = none
 
 
-ERNIE_SAMPLING = FrameSampling()  # ERNIE-4.5-VL's processor's defaults
+ERNIE_VIDEO_READING = VideoReading()  # ERNIE-4.5-VL's processor's defaults
 
 
-def frame_indices(num_frames: int, duration_s: float, sampling: FrameSampling) -> list[int]:
+def frame_indices(num_frames: int, duration_s: float, sampling: VideoReading) -> list[int]:
     """ERNIE's choice: ``duration x fps`` frames, clamped to [min, max] and to the video's length, the middle
     frame of each of that many equal intervals."""
     wanted = int(duration_s * sampling.fps)
@@ -35,8 +39,31 @@ def frame_indices(num_frames: int, duration_s: float, sampling: FrameSampling) -
     return [int((start + end - 1) // 2) for start, end in zip(bounds[:-1], bounds[1:])]
 
 
-def read_video(path: Path, sampling: FrameSampling) -> np.ndarray:
-    """The sampled frames of a video file, ``[T, H, W, 3]`` uint8."""
+def clock(seconds: float) -> str:
+    """``HH:MM:SS.ss``, as ERNIE's processor writes a frame's time."""
+    hours, rest = divmod(seconds, 3600)
+    minutes, rest = divmod(rest, 60)
+    return f"{int(hours):02d}:{int(minutes):02d}:{rest:05.02f}"
+
+
+def draw_timestamp(frame: np.ndarray, seconds: float, font_path: str) -> np.ndarray:
+    """ERNIE's mark: ``time: HH:MM:SS.ss`` at the top-left corner, black with a white outline, the font a tenth of
+    the shorter side high and the outline a tenth of that."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    image = Image.fromarray(frame)
+    size = int(min(image.size) * 0.1)
+    if size < 1:  # a frame under 10 pixels has no room for it
+        return frame
+    font = ImageFont.truetype(font_path, size)
+    ImageDraw.Draw(image).text((0, 0), "time: " + clock(seconds), font=font, fill=(0, 0, 0),
+                               stroke_width=int(size * 0.1), stroke_fill=(255, 255, 255))
+    return np.asarray(image)
+
+
+def read_video(path: Path, reading: VideoReading) -> np.ndarray:
+    """The sampled frames of a video file, ``[T, H, W, 3]`` uint8, each with its time drawn on it when
+    ``reading`` names a font (frame i of a video at r frames per second is at i / r seconds)."""
     try:
         import av
     except ImportError:
@@ -51,12 +78,14 @@ def read_video(path: Path, sampling: FrameSampling) -> np.ndarray:
             total = stream.frames or sum(1 for _ in container.decode(stream))  # a container may not say
             if not total or rate <= 0:
                 raise BadSample("corrupt_video", f"video '{path}' has no frames or no frame rate")
-            wanted = set(frame_indices(total, total / rate, sampling))
+            wanted = set(frame_indices(total, total / rate, reading))
             container.seek(0)
             # only the sampled frames are converted and kept: a long video is not held whole
-            frames = [f.to_ndarray(format="rgb24") for i, f in enumerate(container.decode(stream)) if i in wanted]
+            frames = [(i, f.to_ndarray(format="rgb24")) for i, f in enumerate(container.decode(stream)) if i in wanted]
     except (av.error.FFmpegError, IndexError, ValueError, OSError) as err:
         raise BadSample("corrupt_video", f"video '{path}' cannot be decoded: {err}") from None
     if len(frames) != len(wanted):
         raise BadSample("corrupt_video", f"video '{path}': {len(frames)} of the {len(wanted)} sampled frames decode")
-    return np.stack(frames)
+    if reading.timestamp_font:
+        frames = [(i, draw_timestamp(frame, i / rate, reading.timestamp_font)) for i, frame in frames]
+    return np.stack([frame for _, frame in frames])
