@@ -70,19 +70,19 @@ def test_packed_rows_label_only_text_and_isolate_documents(tiny_cfg):
     assert pos[last_image + 1, 0] == pos[: last_image + 1].max() + 1
 
 
+def global_batches(cfg, world: int, steps: int = 3) -> list:
+    """The rows of each of the first ``steps`` global batches (4 rows), gathered from ``world`` ranks."""
+    tok = build_tokenizer(cfg)
+    train, _ = build_datasets(cfg)
+    per_rank = []
+    for rank in range(world):
+        batches = rank_batches(RowStream(train, tok, cfg, Counter(), shuffle=True), 4, rank, world)
+        per_rank.append([[r.input_ids.tolist() for r in next(batches)] for _ in range(steps)])
+    return [sum((per_rank[r][step] for r in range(world)), []) for step in range(steps)]
+
+
 def test_sample_order_does_not_depend_on_world_size(tiny_cfg):
-    tok = build_tokenizer(tiny_cfg)
-    train, _ = build_datasets(tiny_cfg)
-
-    def shares(world):
-        per_rank = []
-        for rank in range(world):
-            stream = RowStream(train, tok, tiny_cfg, Counter(), shuffle=True)
-            batches = rank_batches(stream, 4, rank, world)
-            per_rank.append([[r.input_ids.tolist() for r in next(batches)] for _ in range(3)])
-        return [sum((per_rank[r][step] for r in range(world)), []) for step in range(3)]
-
-    assert shares(1) == shares(2) == shares(4)
+    assert global_batches(tiny_cfg, 1) == global_batches(tiny_cfg, 2) == global_batches(tiny_cfg, 4)
 
 
 def test_collate_builds_a_model_batch(tiny_cfg):
@@ -216,6 +216,15 @@ def test_train_files_mix_by_probability_as_a_function_of_the_index(tmp_path):
     assert abs(share - 0.2) < 0.02, share
     other_seed, _ = build_datasets(load_config(None, [*overrides, "training.seed=7"]))
     assert texts != [other_seed[i].chunks[-1].text for i in range(40)]
+
+
+def test_mixed_train_files_give_the_same_global_batches_on_1_2_4_ranks(tmp_path):
+    paths = two_sources(tmp_path)
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path=[{paths[0]}, {paths[1]}]",
+                             "data.train_probs=[0.6, 0.4]", "data.max_seq_len=16"])
+    one = global_batches(cfg, 1, steps=5)
+    assert one == global_batches(cfg, 2, steps=5) == global_batches(cfg, 4, steps=5)
+    assert len({tuple(row) for batch in one for row in batch}) > 10  # distinct rows, not one repeated
 
 
 def test_train_files_without_probabilities_follow_one_another(tmp_path):
