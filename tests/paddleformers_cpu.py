@@ -5,8 +5,9 @@ in one process; ``install()`` puts them where PaddleFormers looks them up.
 - ``flashmask_attention`` (the ViT's attention): softmax attention in float32 under the same block mask. The
   ViT casts q, k and v to bfloat16 only to feed that kernel; the replaced forward leaves the casts out with it.
 - ``expand_modality_expert_id``: a modality's expert index to its index among all experts.
-- ``moe_gate_dispatch_partial_nosoftmaxtopk``: the padded layout (``use_pad``), every token kept; an expert
-  receiving more tokens than its capacity raises rather than dropping silently.
+- ``moe_gate_dispatch_partial_nosoftmaxtopk``: the unpadded layout of the published dispatch, every token kept;
+  an expert receiving more tokens than its capacity raises rather than dropping silently.
+- ``build_src_rank_and_local_expert_id``: each dispatched row's rank and expert there.
 - ``moe_combine``: the weighted sum of each token's expert outputs.
 - ``async_offload`` / ``create_async_load``: device-to-host copies, already done on a CPU.
 """
@@ -56,33 +57,38 @@ def expand_modality_expert_id(expert_id, num_expert_per_modality, group_size, mo
 
 def moe_gate_dispatch_partial_nosoftmaxtopk(x, combine_weights, expert_id, k, capacity, num_experts, use_pad,
                                             expert_start_index, expert_end_index, reverse_token_drop=False):
-    """Local expert e's j-th token (in sequence order) goes to row ``(e - start) * capacity + j``; returns the
-    dispatched rows, the weights (zero for other ranks' experts), token -> row ``[k, seq]``, row -> token
-    (``seq`` for an empty row), and the tokens per expert over all and over the local experts."""
-    assert use_pad, "only the padded layout is written here"
+    """The unpadded layout: the local experts' tokens, expert after expert, each expert's in sequence order.
+    Returns the rows, the weights (zero for other ranks' experts), token -> row ``[k, seq]``, row -> token, and the
+    tokens per expert over all experts and over the local ones."""
+    assert not use_pad, "the published dispatch (v2-alltoall-unpad) is unpadded"
     ids = expert_id.numpy().astype(np.int64)
-    seqlen = ids.shape[0]
     counts = np.bincount(ids.reshape(-1), minlength=num_experts)
     if counts.max() > capacity:
         raise ValueError(f"an expert receives {counts.max()} tokens, over its capacity {capacity}")
-    local = (ids >= expert_start_index) & (ids < expert_end_index)
-    to_row = np.zeros([seqlen, k], np.int32)
-    from_row = np.full([(expert_end_index - expert_start_index) * capacity], seqlen, np.int32)
-    filled = np.zeros(num_experts, np.int64)
-    for s in range(seqlen):
-        for slot in range(k):
-            e = ids[s, slot]
-            if local[s, slot]:
-                row = (e - expert_start_index) * capacity + filled[e]
-                to_row[s, slot], from_row[row] = row, s
-            filled[e] += 1
-    occupied = paddle.to_tensor((from_row < seqlen).astype(np.float32)).unsqueeze(-1).astype(x.dtype)
-    rows = paddle.gather(x, paddle.to_tensor(np.minimum(from_row, seqlen - 1).astype(np.int64))) * occupied
-    weights = combine_weights * paddle.to_tensor(local.astype(np.float32))
     experts = np.arange(num_experts)
-    local_counts = np.where((experts >= expert_start_index) & (experts < expert_end_index), counts, 0)
-    return (rows, weights, paddle.to_tensor(to_row.T.copy()), paddle.to_tensor(from_row), paddle.to_tensor(counts),
-            paddle.to_tensor(local_counts))
+    is_local = (experts >= expert_start_index) & (experts < expert_end_index)
+    local_counts = np.where(is_local, counts, 0)
+    next_row = np.concatenate([[0], np.cumsum(local_counts)[:-1]])
+    to_row = np.zeros(ids.shape, np.int32)
+    from_row = np.zeros([local_counts.sum()], np.int64)
+    for s, slot in np.ndindex(*ids.shape):
+        e = ids[s, slot]
+        if is_local[e]:
+            to_row[s, slot], from_row[next_row[e]] = next_row[e], s
+            next_row[e] += 1
+    rows = paddle.gather(x, paddle.to_tensor(from_row))
+    weights = combine_weights * paddle.to_tensor(is_local[ids].astype(np.float32))
+    return (rows, weights, paddle.to_tensor(to_row.T.copy()), paddle.to_tensor(from_row.astype(np.int32)),
+            paddle.to_tensor(counts), paddle.to_tensor(local_counts))
+
+
+def build_src_rank_and_local_expert_id(expert_num_global, expert_num_global_list, num_local_experts):
+    """For each dispatched row, expert by expert: the rank holding its expert and the expert's index there (the
+    NumPy this kernel replaced, kept in a comment in PaddleFormers' MOEAllGatherLayerV2)."""
+    counts = list(expert_num_global_list)
+    send_rank = np.concatenate([np.full([n], e // num_local_experts, np.int32) for e, n in enumerate(counts)])
+    local_expert = np.concatenate([np.full([n], e % num_local_experts, np.int32) for e, n in enumerate(counts)])
+    return paddle.to_tensor(send_rank), paddle.to_tensor(local_expert)
 
 
 def moe_combine(x, combine_weights, scatter_index):
@@ -116,6 +122,7 @@ def install():
     common_dist_utils.create_async_load = lambda: None
     replacements = {"async_offload": async_offload, "expand_modality_expert_id": expand_modality_expert_id,
                     "moe_gate_dispatch_partial_nosoftmaxtopk": moe_gate_dispatch_partial_nosoftmaxtopk,
+                    "build_src_rank_and_local_expert_id": build_src_rank_and_local_expert_id,
                     "moe_combine": moe_combine}
     for module in (modeling_moe, moe_all_gather_layer, moe_layer, misc, common_dist_utils):
         for name, function in replacements.items():

@@ -54,8 +54,12 @@ def make(kind, directory, config="{}"):
     paddle.seed(1)
     model = model_cls(config_cls(**dict(kwargs, **json.loads(config))))
     for name, value in model.state_dict().items():
-        if name.endswith("e_score_correction_bias"):  # zeros at birth: a reader ignoring it would go unseen
-            value.set_value(paddle.uniform(value.shape, value.dtype, -0.05, 0.05))
+        # PaddleFormers starts a modality's experts equal and the correction bias at zero, which would leave which
+        # expert a token goes to unseen in the outputs: give each its own values
+        if ".experts." in name:
+            value.set_value(paddle.normal(0.0, 0.1, value.shape).astype(value.dtype))
+        elif name.endswith("e_score_correction_bias"):
+            value.set_value(paddle.uniform(value.shape, value.dtype, -0.3, 0.3))
     out = Path(directory)
     model.save_pretrained(str(out / "hf"))
     (out / "paddle").mkdir(parents=True)
@@ -200,14 +204,16 @@ def vl_logits(directory, out, *processed):
 
 
 def _vl_logits(model, data, image_processor, mean, std):
-    pixels = data["images"].astype(np.float32).reshape(len(data["images"]), 3, -1) * image_processor.rescale_factor
-    pixels = ((pixels - mean) / std).reshape(data["images"].shape)
+    media = {}
+    if data["images"].size:
+        pixels = data["images"].astype(np.float32).reshape(len(data["images"]), 3, -1) * image_processor.rescale_factor
+        pixels = ((pixels - mean) / std).reshape(data["images"].shape)
+        media = dict(images=paddle.to_tensor(pixels).astype("bfloat16"), grid_thw=paddle.to_tensor(data["grid_thw"]),
+                     image_type_ids=paddle.to_tensor(data["image_type_ids"]))
     types = np.concatenate([data["token_type_ids"], data["token_type_ids"][:, -1:]], axis=1)  # + the label's
     with paddle.no_grad():
         result = model(input_ids=paddle.to_tensor(data["input_ids"]), token_type_ids=paddle.to_tensor(types),
-                       position_ids=paddle.to_tensor(data["position_ids"]),
-                       images=paddle.to_tensor(pixels).astype("bfloat16"), grid_thw=paddle.to_tensor(data["grid_thw"]),
-                       image_type_ids=paddle.to_tensor(data["image_type_ids"]), return_dict=True)
+                       position_ids=paddle.to_tensor(data["position_ids"]), return_dict=True, **media)
     return result.logits.astype("float32").numpy()
 
 

@@ -207,20 +207,20 @@ def test_encoded_conversations_equal_ernies_processor(ernie_side):
 
 
 # A tiny ERNIE-4.5-VL with the published routing: aux-loss-free (a random correction bias), text and vision
-# experts, every layer from the second a MoE layer. PaddleFormers' padded all-gather dispatch ("v2") with
-# capacity for every token: on one process its unpadded all-to-all variant gives the same sums.
+# experts, every layer from the second a MoE layer, the published dispatch (all-gather, unpadded all-to-all)
+# with capacity for every token.
 VL_MODEL = {"vocab_size": 400, "max_position_embeddings": 4096, "moe_use_aux_free": True, "moe_layer_interval": 1,
-            "moe_capacity": [8, 8, 8], "moe_multimodal_dispatch_use_allgather": "v2"}
+            "moe_capacity": [8, 8, 8], "moe_multimodal_dispatch_use_allgather": "v2-alltoall-unpad"}
 
 
 @pytest.mark.slow
 def test_vl_logits_equal_paddleformers_on_the_processors_output(ernie_side, tmp_path):
-    """One image; three images of different sizes; an image and a 6-frame video: this package, from the JSONL
+    """Text only; one image; three images of different sizes; an image and a 6-frame video: this package, from the JSONL
     conversation, gives the logits PaddleFormers' Ernie4_5_VLMoeForConditionalGeneration gives on its processor's
     output, on a checkpoint PaddleFormers made (GPU-only kernels replaced as ``paddleformers_cpu.py`` says).
     PaddleFormers' ViT takes bfloat16 pixels, so ours are rounded to bfloat16 too: both see the same input."""
     folder, _ = ernie_side
-    cases = [1, 2, 6]
+    cases = [0, 1, 2, 6]
     placeholder = build_tokenizer(ernie_config(folder)).placeholder_id()
     paddleformers("make", "vl", tmp_path / "model", json.dumps(dict(VL_MODEL, im_patch_id=placeholder)), cwd=tmp_path)
     paddleformers("vl_logits", tmp_path / "model" / "hf", tmp_path, *(folder / "out" / f"{n}.npz" for n in cases),
@@ -238,10 +238,11 @@ def test_vl_logits_equal_paddleformers_on_the_processors_output(ernie_side, tmp_
     for n in cases:
         sample = encoder(data[n])
         ids = paddle.to_tensor(sample.input_ids[None])
-        pixels = paddle.to_tensor(np.concatenate(sample.patches)).astype("bfloat16").astype("float32")
+        patches = np.concatenate(sample.patches) if sample.patches else np.zeros([0, 588], np.float32)
+        pixels = paddle.to_tensor(patches).astype("bfloat16").astype("float32")
+        grids = np.stack(sample.grids) if sample.grids else np.zeros([0, 3], np.int64)
         batch = Batch(ids, paddle.full_like(ids, -100), paddle.to_tensor(sample.token_type_ids[None]),
-                      paddle.to_tensor(sample.position_ids[None]), paddle.zeros_like(ids), pixels,
-                      np.stack(sample.grids))
+                      paddle.to_tensor(sample.position_ids[None]), paddle.zeros_like(ids), pixels, grids)
         with paddle.no_grad():
             ours = model(batch, return_logits=True).logits.numpy()
         theirs = np.load(tmp_path / f"{n}.npy")
