@@ -8,6 +8,7 @@ draws it the same way, and without one leaves the frames as decoded.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,16 +50,23 @@ def clock(seconds: float) -> str:
 def draw_timestamp(frame: np.ndarray, seconds: float, font_path: str) -> np.ndarray:
     """ERNIE's mark: ``time: HH:MM:SS.ss`` at the top-left corner, black with a white outline, the font a tenth of
     the shorter side high and the outline a tenth of that."""
-    from PIL import Image, ImageDraw, ImageFont
+    from PIL import Image, ImageDraw
 
     image = Image.fromarray(frame)
     size = int(min(image.size) * 0.1)
     if size < 1:  # a frame under 10 pixels has no room for it
         return frame
-    font = ImageFont.truetype(font_path, size)
-    ImageDraw.Draw(image).text((0, 0), "time: " + clock(seconds), font=font, fill=(0, 0, 0),
+    ImageDraw.Draw(image).text((0, 0), "time: " + clock(seconds), font=_font(font_path, size), fill=(0, 0, 0),
                                stroke_width=int(size * 0.1), stroke_fill=(255, 255, 255))
     return np.asarray(image)
+
+
+@functools.lru_cache(maxsize=8)
+def _font(path: str, size: int):
+    """A video's frames share one size: the font file is read once, not once per frame."""
+    from PIL import ImageFont
+
+    return ImageFont.truetype(path, size)
 
 
 def read_video(path: Path, reading: VideoReading) -> np.ndarray:
@@ -81,11 +89,11 @@ def read_video(path: Path, reading: VideoReading) -> np.ndarray:
             wanted = set(frame_indices(total, total / rate, reading))
             container.seek(0)
             # only the sampled frames are converted and kept: a long video is not held whole
-            frames = [(i, f.to_ndarray(format="rgb24")) for i, f in enumerate(container.decode(stream)) if i in wanted]
+            frames = [f.to_ndarray(format="rgb24") for i, f in enumerate(container.decode(stream)) if i in wanted]
     except (av.error.FFmpegError, IndexError, ValueError, OSError) as err:
         raise BadSample("corrupt_video", f"video '{path}' cannot be decoded: {err}") from None
     if len(frames) != len(wanted):
         raise BadSample("corrupt_video", f"video '{path}': {len(frames)} of the {len(wanted)} sampled frames decode")
-    if reading.timestamp_font:
-        frames = [(i, draw_timestamp(frame, i / rate, reading.timestamp_font)) for i, frame in frames]
-    return np.stack([frame for _, frame in frames])
+    if reading.timestamp_font:  # every sampled frame decoded, in order
+        frames = [draw_timestamp(f, i / rate, reading.timestamp_font) for i, f in zip(sorted(wanted), frames)]
+    return np.stack(frames)
