@@ -171,16 +171,13 @@ def frames(cases, out):
 
 
 def timestamps(frames, times, font, out):
-    """ERNIE-4.5-VL's processor's time mark on each frame (``[N, H, W, 3]`` .npy) at each time (JSON seconds), with
-    FONT in place of the Roboto file its package does not include."""
-    from paddleformers.transformers.ernie4_5_moe_vl.vision_process import (
-        render_single_image_with_timestamp,
-        timestamp_converting,
-    )
+    """ERNIE-4.5-VL's processor's time mark (``render_frame_timestamp``) on each frame (``[N, H, W, 3]`` .npy) at
+    each time (JSON seconds), with FONT in place of the Roboto file its package does not include."""
+    from paddleformers.transformers.ernie4_5_moe_vl import vision_process
     from PIL import Image
 
-    drawn = [np.asarray(render_single_image_with_timestamp(Image.fromarray(frame), "time: " + timestamp_converting(t),
-                                                           0.1, font))
+    vision_process.render_single_image_with_timestamp.__defaults__ = (font,)
+    drawn = [np.asarray(vision_process.render_frame_timestamp(Image.fromarray(frame), t))
              for frame, t in zip(np.load(frames), json.loads(Path(times).read_text()))]
     np.save(out, np.stack(drawn))
 
