@@ -50,7 +50,8 @@ class Router(nn.Layer):
     def forward(self, x: paddle.Tensor, token_index: paddle.Tensor, group: int,
                 correction_bias: paddle.Tensor | None) -> GroupRouting:
         # The router runs in float32 even under AMP: small logit errors flip top-k choices.
-        h = paddle.gather(x, token_index).astype("float32")
+        # token_index lists rows in order, so when it lists them all (a text-only batch) it is every row: no copy
+        h = (x if token_index.shape[0] == x.shape[0] else paddle.gather(x, token_index)).astype("float32")
         with paddle.amp.auto_cast(enable=False):
             logits = paddle.matmul(h, self.weight_of(group))
         probs = F.softmax(logits, axis=-1) if self.gate_act == "softmax" else F.sigmoid(logits)
