@@ -94,6 +94,7 @@ class SentencePieceTokenizer:
         self.path = path
         self.unk_id = self.sp.unk_id()
         self.special = special_tokens(folder, self.sp)
+        self._special_of_id = {i: t for t, i in self.special.items()}
         self.chat_template = chat_template_in(folder)
         self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(self.special, key=len, reverse=True))
                                  + ")") if self.special else None
@@ -142,11 +143,10 @@ class SentencePieceTokenizer:
         return out
 
     def decode(self, ids) -> str:
-        names = {i: t for t, i in self.special.items()}
         text, run = [], []
         for i in (int(i) for i in ids):
-            if i in names:
-                text += [self.sp.decode(run), names[i]]
+            if i in self._special_of_id:
+                text += [self.sp.decode(run), self._special_of_id[i]]
                 run = []
             else:
                 run.append(i)
