@@ -10,16 +10,14 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from ..model import kernels
 from ..model.attention import causal_document_mask, core_attention
 from ..model.init import init_layer
+from ..model.kernels import TOLERANCE
 from ..model.layers import RMSNorm, SwiGLUMLP
-from ..model.rope import apply_rotary, rope_angles
+from ..model.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
 from ..model.single_device import SingleDevicePlan
 from ..moe.dispatcher import LocalDispatcher
-
-# largest difference allowed, relative to the reference's largest magnitude; float32 matmuls on GPUs may run in
-# TF32 (10-bit mantissa)
-TOLERANCE = {"float32": 1e-5, "float32 (TF32 matmuls)": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
 
 
 @dataclass
@@ -56,11 +54,14 @@ def attention(rng, dtype, masked: bool = True):
     return ours, np.einsum("bhqk,bkhd->bqhd", probs, vv)
 
 
-def rms_norm(rng, dtype):
+def rms_norm(rng, dtype, fused: bool = False):
     x, w = rng.standard_normal([3, 5, 16]), rng.standard_normal(16)
+    reference = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    if fused:
+        return kernels.fused_rms_norm(_tensor(x, dtype), _tensor(w, "float32"), 1e-6), reference
     norm = RMSNorm(16, 1e-6)
     norm.weight.set_value(_tensor(w, "float32"))
-    return norm(_tensor(x, dtype)), x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    return norm(_tensor(x, dtype)), reference
 
 
 def swiglu(rng, dtype):
@@ -73,9 +74,12 @@ def swiglu(rng, dtype):
     return mlp(_tensor(x, dtype)), (_silu(gate) * up) @ down
 
 
-def rotary(rng, dtype):
+def rotary(rng, dtype, fused: bool = False):
+    """ERNIE's 3D positions: every token of the batch has angles of its own."""
     x, pos = rng.standard_normal([2, 7, 3, 16]), rng.integers(0, 50, size=[2, 7, 3])
-    ours = apply_rotary(_tensor(x, dtype), rope_angles(paddle.to_tensor(pos), 16, 10000.0, t_slots=2))
+    angles = rope_angles(paddle.to_tensor(pos), 16, 10000.0, t_slots=2)
+    ours = kernels.fused_rotary(_tensor(x, dtype), angles, halves=False) if fused else apply_rotary(
+        _tensor(x, dtype), angles)
     half = 8
     axis = [0 if i >= half - 2 else 1 + i % 2 for i in range(half)]
     angle = pos[..., axis] * 10000.0 ** (-(2.0 * np.arange(half)) / 16)
@@ -84,6 +88,19 @@ def rotary(rng, dtype):
     ref[..., 0::2] = x[..., 0::2] * cos - x[..., 1::2] * sin
     ref[..., 1::2] = x[..., 0::2] * sin + x[..., 1::2] * cos
     return ours, ref
+
+
+def vision_rotary(rng, dtype, fused: bool = False):
+    """The ViT's layout: dimension i turns with i + 8, the first 4 slots by the patch row, the last 4 by its column."""
+    x, rows_cols = rng.standard_normal([9, 3, 16]), rng.integers(0, 30, size=[9, 2])
+    angles = vision_rope_angles(paddle.to_tensor(rows_cols), 16, 10000.0)
+    ours = kernels.fused_rotary(_tensor(x, dtype).unsqueeze(0), angles, halves=True)[0] if fused else (
+        apply_rotary_half(_tensor(x, dtype), angles))
+    freq = 10000.0 ** (-4.0 * np.arange(4) / 16)
+    angle = np.concatenate([rows_cols[:, :1] * freq, rows_cols[:, 1:] * freq], axis=-1)[:, None, :]  # [9, 1, 8]
+    first, second = x[..., :8], x[..., 8:]
+    cos, sin = np.cos(angle), np.sin(angle)
+    return ours, np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
 def dispatch_and_combine(rng, dtype):
@@ -109,8 +126,11 @@ def loss(rng, dtype):
 
 
 CHECKS = {"attention": attention, "attention without a mask": functools.partial(attention, masked=False),
-          "rms_norm": rms_norm, "swiglu": swiglu, "rotary embedding": rotary,
+          "rms_norm": rms_norm, "swiglu": swiglu, "rotary embedding": rotary, "vision rotary embedding": vision_rotary,
           "expert dispatch and combine": dispatch_and_combine, "loss": loss}
+# Paddle's GPU-only kernels, each against the reference its plain path meets above
+FUSED_CHECKS = {f"{name}, fused kernel": functools.partial(CHECKS[name], fused=True)
+                for name in ("rms_norm", "rotary embedding", "vision rotary embedding")}
 
 
 def _on_gpu() -> bool:
@@ -130,7 +150,7 @@ def device_dtypes() -> list[str]:
 
 def run_checks(dtypes: list[str], seed: int = 0) -> list[Check]:
     checks = []
-    for name, make in CHECKS.items():
+    for name, make in {**CHECKS, **(FUSED_CHECKS if _on_gpu() else {})}.items():
         for dtype in dtypes:
             ours, reference = make(np.random.default_rng(seed), dtype)
             ours = ours.astype("float32").numpy().astype(np.float64)

@@ -6,7 +6,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from .rope import apply_rotary
+from . import kernels
 
 
 def core_attention(q, k, v, allowed: paddle.Tensor | None) -> paddle.Tensor:
@@ -48,7 +48,7 @@ class Attention(nn.Layer):
         q_heads = heads * self.num_heads // (self.num_heads + 2 * self.num_kv_heads)
         kv_heads = (heads - q_heads) // 2
         q, k, v = paddle.split(qkv, [q_heads, kv_heads, kv_heads], axis=2)
-        q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        q, k = kernels.rotary(q, angles), kernels.rotary(k, angles)
         if cache is not None:
             k, v = cache.extend(k, v)
         out = self.core(q, k, v, allowed)

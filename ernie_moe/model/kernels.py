@@ -1,20 +1,31 @@
 """Paddle's fused kernels, chosen in one place.
 
 SwiGLU runs Paddle's fused ``swiglu`` on every device: it has a CPU kernel, so the code GPUs run is the
-code tested here. Paddle's fused RMSNorm has no CPU kernel (its AVX-512 variant stops a CPU without
-AVX-512 with SIGILL), so it runs only on a GPU; the plain float32 formula is the reference the doctor
-checks it against (``python -m ernie_moe.doctor``). A fused kernel that fails its first call on a device
-and dtype falls back to the plain path, once, with a warning.
+code tested here. Paddle's fused RMSNorm and rotary embedding have no CPU kernel (the RMSNorm's AVX-512
+variant stops a CPU without AVX-512 with SIGILL), so they run only on a GPU, with the plain formulas as
+their reference: ``python -m ernie_moe.doctor`` checks each fused kernel against NumPy on the user's GPU.
+
+A GPU-only kernel is also checked where it first runs: its first call on a device and dtype is compared with
+the plain formula on the same inputs. One that fails that call or disagrees falls back to the plain path
+there, once, with a warning, so a Paddle build whose kernel differs cannot train a different model.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
+from paddle.incubate.nn.functional import fused_rotary_position_embedding
 
-_FUSED_RMS_NORM: dict[tuple[str, str], bool] = {}  # (place, dtype) -> whether the fused kernel runs there
+from .rope import apply_rotary, apply_rotary_half
+
+# largest difference allowed, relative to the reference's largest magnitude; float32 matmuls on GPUs may run in
+# TF32 (10-bit mantissa)
+TOLERANCE = {"float32": 1e-5, "float32 (TF32 matmuls)": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
+
+_FUSED_WORKS: dict[tuple[str, str, str], bool] = {}  # (kernel, place, dtype) -> whether the fused kernel is used
 
 
 def swiglu(gate_up: paddle.Tensor) -> paddle.Tensor:
@@ -29,24 +40,83 @@ def plain_rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddl
     return (h * weight.astype("float32")).astype(x.dtype)
 
 
+def fused_rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+    return F.rms_norm(x, x.shape[-1:], weight.astype(x.dtype), eps)[0]
+
+
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
-    if uses_fused_rms_norm(x):
-        key = (str(x.place), str(x.dtype))
-        try:
-            return F.rms_norm(x, x.shape[-1:], weight.astype(x.dtype), eps)[0]
-        except (RuntimeError, NotImplementedError, ValueError) as error:
-            _FUSED_RMS_NORM[key] = False
-            warnings.warn(f"Paddle's fused rms_norm failed on {key[0]} in {key[1]} ({error}); "
-                          "using the plain RMSNorm there.", stacklevel=2)
-    return plain_rms_norm(x, weight, eps)
+    return _fused_or_plain("rms_norm", x, lambda: fused_rms_norm(x, weight, eps),
+                           lambda: plain_rms_norm(x, weight, eps))
 
 
-def uses_fused_rms_norm(x: paddle.Tensor) -> bool:
-    """On a GPU, unless the fused kernel has failed there in this dtype."""
-    return x.place.is_gpu_place() and _FUSED_RMS_NORM.get((str(x.place), str(x.dtype)), True)
+def fused_rotary(x: paddle.Tensor, angles: paddle.Tensor, halves: bool) -> paddle.Tensor:
+    """Paddle's fused rotary embedding over ``x [batch, seq, heads, head_dim]``: ``halves`` pairs dimension i with
+    i + head_dim / 2 (``rope.apply_rotary_half``), otherwise neighbours (``rope.apply_rotary``).
+
+    ``angles`` is ``[seq, head_dim / 2]`` (every row of the batch alike) or ``[batch, seq, head_dim / 2]``: then
+    the sine and cosine tables hold one row per token and ``position_ids`` points each token at its own row.
+    The kernel reads one table entry per dimension, so each angle is written for both members of its pair.
+    """
+    batch, seq, _, dim = x.shape
+    table = angles.reshape([-1, dim // 2])
+    table = paddle.concat([table, table], axis=-1) if halves else paddle.repeat_interleave(table, 2, axis=-1)
+    position_ids = None
+    if angles.ndim == 3:
+        position_ids = paddle.arange(batch * seq, dtype="int64").reshape([batch, seq])
+    # Paddle names neighbouring pairs the "neox" style
+    out, _, _ = fused_rotary_position_embedding(
+        x, sin=paddle.sin(table).astype(x.dtype), cos=paddle.cos(table).astype(x.dtype),
+        position_ids=position_ids, use_neox_rotary_style=not halves)
+    return out
+
+
+def rotary(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
+    """The language model's rotation (``rope.apply_rotary``): ``x [batch, seq, heads, head_dim]``, ``angles
+    [batch, seq, head_dim / 2]``."""
+    return _fused_or_plain("rotary", x, lambda: fused_rotary(x, angles, halves=False),
+                           lambda: apply_rotary(x, angles))
+
+
+def vision_rotary(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
+    """The ViT's rotation (``rope.apply_rotary_half``): ``x [patches, heads, head_dim]``, ``angles [patches,
+    head_dim / 2]``."""
+    return _fused_or_plain("vision_rotary", x, lambda: fused_rotary(x.unsqueeze(0), angles, halves=True)[0],
+                           lambda: apply_rotary_half(x, angles))
+
+
+def _fused_or_plain(kernel: str, x: paddle.Tensor, fused, plain) -> paddle.Tensor:
+    """``fused()`` where it is used on ``x``'s device and dtype (see the module docstring), else ``plain()``."""
+    key = (kernel, str(x.place), str(x.dtype))
+    if not (_is_gpu(x.place) and _FUSED_WORKS.get(key, True)):
+        return plain()
+    try:
+        out = fused()
+    except (RuntimeError, NotImplementedError, ValueError) as error:
+        return _fall_back(key, f"failed ({error})", plain)
+    if key not in _FUSED_WORKS:
+        with paddle.no_grad():
+            reference = plain().astype("float32").numpy()
+            difference = np.abs(out.astype("float32").numpy() - reference).max() / max(np.abs(reference).max(), 1.0)
+        if not difference <= TOLERANCE.get(str(x.dtype).split(".")[-1], TOLERANCE["float32"]):
+            return _fall_back(key, f"differs from the plain formula by {difference:.2e}", plain)
+        _FUSED_WORKS[key] = True
+    return out
+
+
+def _fall_back(key: tuple[str, str, str], why: str, plain) -> paddle.Tensor:
+    _FUSED_WORKS[key] = False
+    warnings.warn(f"Paddle's fused {key[0]} {why} on {key[1]} in {key[2]}; using the plain formula there.",
+                  stacklevel=3)
+    return plain()
+
+
+def _is_gpu(place) -> bool:
+    return place.is_gpu_place()
 
 
 def chosen_on(place) -> str:
     """Which kernels run on ``place``, for the doctor's report."""
-    fused_norm = place.is_gpu_place() and all(ok for (p, _), ok in _FUSED_RMS_NORM.items() if p == str(place))
-    return f"swiglu fused, rms_norm {'fused' if fused_norm else 'plain'}"
+    def choice(kernel: str) -> str:
+        works = [ok for (k, p, _), ok in _FUSED_WORKS.items() if k == kernel and p == str(place)]
+        return "fused" if _is_gpu(place) and all(works) else "plain"
+    return ", ".join(["swiglu fused"] + [f"{k} {choice(k)}" for k in ("rms_norm", "rotary", "vision_rotary")])

@@ -12,9 +12,10 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from . import kernels
 from .attention import core_attention
 from .layers import RMSNorm
-from .rope import apply_rotary_half, vision_rope_angles
+from .rope import vision_rope_angles
 
 
 def patch_positions(grid_thw: np.ndarray, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +62,7 @@ class VisionAttention(nn.Layer):
         that puts the groups' outputs back."""
         n = x.shape[0]
         q, k, v = paddle.chunk(self.qkv(x).reshape([n, 3 * self.num_heads, -1]), 3, axis=1)
-        q, k = apply_rotary_half(q, angles), apply_rotary_half(k, angles)
+        q, k = kernels.vision_rotary(q, angles), kernels.vision_rotary(k, angles)
         sizes, restore = groups
         outs = []
         for index, images, size in sizes:

@@ -1,0 +1,120 @@
+"""Paddle's GPU-only kernels (RMSNorm, rotary embedding), run here through a stand-in that computes what Paddle
+documents: the tables and position ids this package builds for them, the model's use of them on a GPU, the guard
+that keeps a kernel which fails or disagrees out of training, and the doctor's check of each."""
+
+import warnings
+
+import numpy as np
+import paddle
+import pytest
+from test_model import first_batch
+
+import ernie_moe.doctor.kernels as doctor
+from ernie_moe.model import kernels
+from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+from ernie_moe.model.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
+
+
+def documented_fused_rope(q, k=None, v=None, sin=None, cos=None, position_ids=None, use_neox_rotary_style=True,
+                          time_major=False, rotary_emb_base=10000.0):
+    """``paddle.incubate.nn.functional.fused_rotary_position_embedding`` on ``q``: ``q cos + rotate(q) sin`` with
+    [seq, dim] tables read at ``position_ids [batch, seq]`` when given; the "neox" style pairs neighbours,
+    the other halves."""
+    x = q.astype("float32").numpy()
+    dim = x.shape[-1]
+    sin, cos = (t.astype("float32").numpy().reshape([-1, dim]) for t in (sin, cos))
+    if position_ids is not None:
+        sin, cos = sin[position_ids.numpy()], cos[position_ids.numpy()]
+    sin, cos = sin.reshape([-1, x.shape[1], 1, dim]), cos.reshape([-1, x.shape[1], 1, dim])
+    if use_neox_rotary_style:
+        turned = np.stack([-x[..., 1::2], x[..., 0::2]], axis=-1).reshape(x.shape)
+    else:
+        turned = np.concatenate([-x[..., dim // 2:], x[..., : dim // 2]], axis=-1)
+    return paddle.to_tensor(x * cos + turned * sin).astype(q.dtype), None, None
+
+
+class Kernel:
+    """A stand-in for Paddle's kernel that counts its calls, optionally off by ``error`` or raising."""
+
+    def __init__(self, error=0.0, raises=False):
+        self.calls, self.error, self.raises = 0, error, raises
+
+    def __call__(self, q, **kwargs):
+        self.calls += 1
+        if self.raises:
+            raise RuntimeError("(NotFound) The kernel `fused_rotary_position_embedding` is not registered.")
+        out, _, _ = documented_fused_rope(q, **kwargs)
+        return out + self.error, None, None
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch):
+    """Tensors count as on a GPU; RMSNorm's fused kernel is its plain formula (Paddle's own needs AVX-512 here)."""
+    monkeypatch.setattr(kernels, "_FUSED_WORKS", {})
+    monkeypatch.setattr(kernels, "_is_gpu", lambda place: True)
+    monkeypatch.setattr(doctor, "_on_gpu", lambda: True)
+    monkeypatch.setattr(kernels, "fused_rms_norm", kernels.plain_rms_norm)
+
+    def install(kernel):
+        monkeypatch.setattr(kernels, "fused_rotary_position_embedding", kernel)
+        return kernel
+    return install
+
+
+def test_the_fused_tables_give_the_plain_rotations():
+    """Every token of the batch at angles of its own (ERNIE's 3D positions), and the ViT's shared [patches] angles."""
+    paddle.seed(0)
+    x = paddle.randn([2, 5, 3, 16])
+    angles = rope_angles(paddle.randint(0, 40, [2, 5, 3]), 16, 10000.0, t_slots=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "fused_rotary_position_embedding", documented_fused_rope)
+        np.testing.assert_allclose(kernels.fused_rotary(x, angles, halves=False).numpy(),
+                                   apply_rotary(x, angles).numpy(), atol=1e-5)
+        patches = paddle.randn([7, 3, 16])
+        vit_angles = vision_rope_angles(paddle.randint(0, 30, [7, 2]), 16, 10000.0)
+        np.testing.assert_allclose(kernels.fused_rotary(patches.unsqueeze(0), vit_angles, halves=True)[0].numpy(),
+                                   apply_rotary_half(patches, vit_angles).numpy(), atol=1e-5)
+        # the two layouts differ, so a table built for the other one would not pass
+        other_layout = kernels.fused_rotary(x, angles, halves=True).numpy()
+        assert np.abs(other_layout - apply_rotary(x, angles).numpy()).max() > 0.1
+
+
+def test_the_model_runs_the_fused_rotations_on_a_gpu(tiny_cfg, on_a_gpu):
+    batch = first_batch(tiny_cfg)
+    assert batch.grid_thw.shape[0] > 0  # the ViT runs too
+    paddle.seed(0)
+    model = ErnieMoEForConditionalGeneration(tiny_cfg.model)
+    model.eval()
+    kernel = on_a_gpu(Kernel())
+    fused_logits = model(batch, return_logits=True).logits.numpy()
+    layers = tiny_cfg.model.num_hidden_layers + tiny_cfg.model.vision_config.depth
+    assert kernel.calls == 2 * layers  # q and k in every decoder and ViT layer
+    assert "rotary fused, vision_rotary fused" in kernels.chosen_on(paddle.CPUPlace())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "_is_gpu", lambda place: False)
+        plain_logits = model(batch, return_logits=True).logits.numpy()
+    np.testing.assert_allclose(fused_logits, plain_logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [Kernel(error=0.01), Kernel(raises=True)], ids=["disagrees", "raises"])
+def test_a_fused_kernel_that_fails_its_first_call_is_not_used_again(on_a_gpu, kernel):
+    on_a_gpu(kernel)
+    paddle.seed(0)
+    x, angles = paddle.randn([1, 4, 2, 8]), paddle.rand([1, 4, 4])
+    with pytest.warns(UserWarning, match="fused rotary .* using the plain formula"):
+        out = kernels.rotary(x, angles)
+    np.testing.assert_array_equal(out.numpy(), apply_rotary(x, angles).numpy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(kernels.rotary(x, angles).numpy(), apply_rotary(x, angles).numpy())
+    assert kernel.calls == 1
+    assert "rotary plain, vision_rotary fused" in kernels.chosen_on(paddle.CPUPlace())
+
+
+@pytest.mark.parametrize("error, failed", [(0.0, []), (0.05, ["rotary embedding", "vision rotary embedding"])])
+def test_the_doctor_checks_each_fused_kernel_on_a_gpu(on_a_gpu, error, failed):
+    on_a_gpu(Kernel(error=error))
+    checks = {check.name: check for check in doctor.run_checks(["float32"])}
+    assert {"rms_norm, fused kernel", "rotary embedding, fused kernel", "vision rotary embedding, fused kernel"} <= set(
+        checks)
+    assert sorted(name for name, check in checks.items() if not check.passed) == [f"{n}, fused kernel" for n in failed]
