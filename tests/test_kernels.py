@@ -1,7 +1,9 @@
-"""Paddle's GPU-only kernels (RMSNorm, rotary embedding), run here through a stand-in that computes what Paddle
-documents: the tables and position ids this package builds for them, the model's use of them on a GPU, the guard
-that keeps a kernel which fails or disagrees out of training, and the doctor's check of each."""
+"""Paddle's GPU-only kernels (RMSNorm, rotary embedding, MoE combine), run here through stand-ins that compute
+what Paddle documents and ERNIE relies on: the tables, position ids and slots this package builds for them, the
+model's use of them on a GPU, the guard that keeps a kernel which fails or disagrees out of training, and the
+doctor's check of each."""
 
+import types
 import warnings
 
 import numpy as np
@@ -33,6 +35,30 @@ def documented_fused_rope(q, k=None, v=None, sin=None, cos=None, position_ids=No
     return paddle.to_tensor(x * cos + turned * sin).astype(q.dtype), None, None
 
 
+def documented_moe_combine(x, combine_weights, scatter_index):
+    """``paddle.incubate.nn.functional.moe_combine``: ``out[t] = sum_s weight[t, s] * x[index[t, s]]``."""
+    rows, weights, index = x.numpy(), combine_weights.numpy(), scatter_index.numpy()
+    return paddle.to_tensor((weights[..., None] * rows[index]).sum(1))
+
+
+def documented_moe_combine_grad(x, combine_weights, scatter_index, grad_y):
+    """``_C_ops.moe_combine_grad`` as ERNIE's GateCombine uses it: the rows' gradient, and each slot's
+    ``grad_y[t] * x[index[t, s]]`` row, which the caller sums over the hidden axis."""
+    rows, weights, index, grad = x.numpy(), combine_weights.numpy(), scatter_index.numpy(), grad_y.numpy()
+    grad_rows = np.zeros_like(rows)
+    np.add.at(grad_rows, index.ravel(), (weights[..., None] * grad[:, None, :]).reshape(-1, rows.shape[1]))
+    return paddle.to_tensor(grad_rows), paddle.to_tensor((grad[:, None, :] * rows[index]).reshape(-1, rows.shape[1]))
+
+
+class Combine:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return documented_moe_combine(*args)
+
+
 class Kernel:
     """A stand-in for Paddle's kernel that counts its calls, optionally off by ``error`` or raising."""
 
@@ -54,6 +80,8 @@ def on_a_gpu(monkeypatch):
     monkeypatch.setattr(kernels, "_is_gpu", lambda place: True)
     monkeypatch.setattr(doctor, "_on_gpu", lambda: True)
     monkeypatch.setattr(kernels, "fused_rms_norm", kernels.plain_rms_norm)
+    monkeypatch.setattr(kernels, "moe_combine", Combine())
+    monkeypatch.setattr(kernels, "_C_ops", types.SimpleNamespace(moe_combine_grad=documented_moe_combine_grad))
 
     def install(kernel):
         monkeypatch.setattr(kernels, "fused_rotary_position_embedding", kernel)
@@ -89,11 +117,30 @@ def test_the_model_runs_the_fused_rotations_on_a_gpu(tiny_cfg, on_a_gpu):
     fused_logits = model(batch, return_logits=True).logits.numpy()
     layers = tiny_cfg.model.num_hidden_layers + tiny_cfg.model.vision_config.depth
     assert kernel.calls == 2 * layers  # q and k in every decoder and ViT layer
-    assert "rotary fused, vision_rotary fused" in kernels.chosen_on(paddle.CPUPlace())
+    assert kernels.moe_combine.calls == sum(layer.is_moe for layer in model.model.layers)
+    assert "rotary fused, vision_rotary fused, moe_combine fused" in kernels.chosen_on(paddle.CPUPlace())
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "_is_gpu", lambda place: False)
         plain_logits = model(batch, return_logits=True).logits.numpy()
     np.testing.assert_allclose(fused_logits, plain_logits, atol=1e-4)
+
+
+def test_the_fused_combine_gives_the_plain_sums_and_gradients(on_a_gpu):
+    """Tokens with no row, one, two and four (the slots are as many as the busiest token's rows)."""
+    rng = np.random.default_rng(0)
+    tokens = paddle.to_tensor([5, 0, 2, 2, 5, 5, 0, 5, 3])
+    rows, weights = rng.standard_normal([9, 6]).astype("float32"), rng.random(9).astype("float32")
+    probe = paddle.to_tensor(rng.standard_normal([7, 6]).astype("float32"))
+    results = []
+    for combine in (kernels.fused_weighted_combine, kernels.plain_weighted_combine):
+        x, w = paddle.to_tensor(rows), paddle.to_tensor(weights)
+        x.stop_gradient = w.stop_gradient = False
+        out = combine(x, tokens, w, 7)
+        (out * probe).sum().backward()
+        results.append([out.numpy(), x.grad.numpy(), w.grad.numpy()])
+    for fused, plain in zip(*results):
+        np.testing.assert_allclose(fused, plain, atol=1e-6)
+    assert kernels.moe_combine.calls == 1 and np.abs(results[0][0][[1, 4, 6]]).max() == 0  # tokens without rows
 
 
 @pytest.mark.parametrize("kernel", [Kernel(error=0.01), Kernel(raises=True)], ids=["disagrees", "raises"])
@@ -111,10 +158,20 @@ def test_a_fused_kernel_that_fails_its_first_call_is_not_used_again(on_a_gpu, ke
     assert "rotary plain, vision_rotary fused" in kernels.chosen_on(paddle.CPUPlace())
 
 
-@pytest.mark.parametrize("error, failed", [(0.0, []), (0.05, ["rotary embedding", "vision rotary embedding"])])
-def test_the_doctor_checks_each_fused_kernel_on_a_gpu(on_a_gpu, error, failed):
-    on_a_gpu(Kernel(error=error))
+def weight_gradient_not_summed(ctx, grad):
+    """A broken backward: the weights' gradient takes each slot row's first entry instead of its sum."""
+    x, weights, index = ctx.saved_tensor()
+    grad_x, grad_weight_rows = documented_moe_combine_grad(x, weights, index, grad)
+    return grad_x, grad_weight_rows[:, 0].reshape(weights.shape)
+
+
+@pytest.mark.parametrize("error, failed", [(0.0, []), (0.05, ["rotary embedding", "vision rotary embedding"]),
+                                           ("combine", ["moe combine with gradients"])])
+def test_the_doctor_checks_each_fused_kernel_on_a_gpu(monkeypatch, on_a_gpu, error, failed):
+    on_a_gpu(Kernel(error=0.0 if error == "combine" else error))
+    if error == "combine":
+        monkeypatch.setattr(kernels._MoECombine, "backward", staticmethod(weight_gradient_not_summed))
     checks = {check.name: check for check in doctor.run_checks(["float32"])}
-    assert {"rms_norm, fused kernel", "rotary embedding, fused kernel", "vision rotary embedding, fused kernel"} <= set(
-        checks)
+    assert {f"{name}, fused kernel" for name in ("rms_norm", "rotary embedding", "vision rotary embedding",
+                                                 "moe combine with gradients")} <= set(checks)
     assert sorted(name for name, check in checks.items() if not check.passed) == [f"{n}, fused kernel" for n in failed]

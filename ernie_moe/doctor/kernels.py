@@ -115,6 +115,23 @@ def dispatch_and_combine(rng, dtype):
     return ours, x * ((experts + 1) * weights).sum(axis=1, keepdims=True)
 
 
+def combine(rng, dtype, fused: bool = False):
+    """12 expert-output rows summed into 5 tokens by weight (one token gets none, another four), then the
+    gradients of ``sum(out * probe)`` for the rows and the weights: [out, row gradients, weight gradients]."""
+    rows, weights, probe = rng.standard_normal([12, 8]), rng.random(12), rng.standard_normal([5, 8])
+    tokens = np.array([0, 1, 1, 3, 3, 3, 3, 4, 0, 1, 4, 4])
+    x, w = _tensor(rows, dtype), _tensor(weights, "float32")
+    x.stop_gradient = w.stop_gradient = False
+    combine = kernels.fused_weighted_combine if fused else kernels.plain_weighted_combine
+    out = combine(x, paddle.to_tensor(tokens), w, 5)
+    (out.astype("float32") * _tensor(probe, "float32")).sum().backward()
+    ours = paddle.concat([t.astype("float32").flatten() for t in (out, x.grad, w.grad)])
+    expected = np.zeros([5, 8])
+    np.add.at(expected, tokens, rows * weights[:, None])
+    return ours, np.concatenate([expected.ravel(), (probe[tokens] * weights[:, None]).ravel(),
+                                 (probe[tokens] * rows).sum(-1)])
+
+
 def loss(rng, dtype):
     logits, labels = rng.standard_normal([2, 5, 11]) * 3, rng.integers(0, 11, size=[2, 5])
     labels[0, :2] = -100
@@ -127,10 +144,10 @@ def loss(rng, dtype):
 
 CHECKS = {"attention": attention, "attention without a mask": functools.partial(attention, masked=False),
           "rms_norm": rms_norm, "swiglu": swiglu, "rotary embedding": rotary, "vision rotary embedding": vision_rotary,
-          "expert dispatch and combine": dispatch_and_combine, "loss": loss}
+          "expert dispatch and combine": dispatch_and_combine, "moe combine with gradients": combine, "loss": loss}
 # Paddle's GPU-only kernels, each against the reference its plain path meets above
 FUSED_CHECKS = {f"{name}, fused kernel": functools.partial(CHECKS[name], fused=True)
-                for name in ("rms_norm", "rotary embedding", "vision rotary embedding")}
+                for name in ("rms_norm", "rotary embedding", "vision rotary embedding", "moe combine with gradients")}
 
 
 def _on_gpu() -> bool:

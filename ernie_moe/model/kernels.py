@@ -1,8 +1,8 @@
 """Paddle's fused kernels, chosen in one place.
 
 SwiGLU runs Paddle's fused ``swiglu`` on every device: it has a CPU kernel, so the code GPUs run is the
-code tested here. Paddle's fused RMSNorm and rotary embedding have no CPU kernel (the RMSNorm's AVX-512
-variant stops a CPU without AVX-512 with SIGILL), so they run only on a GPU, with the plain formulas as
+code tested here. Paddle's fused RMSNorm, rotary embedding and MoE combine have no CPU kernel (the RMSNorm's
+AVX-512 variant stops a CPU without AVX-512 with SIGILL), so they run only on a GPU, with the plain formulas as
 their reference: ``python -m ernie_moe.doctor`` checks each fused kernel against NumPy on the user's GPU.
 
 A GPU-only kernel is also checked where it first runs: its first call on a device and dtype is compared with
@@ -17,7 +17,9 @@ import warnings
 import numpy as np
 import paddle
 import paddle.nn.functional as F
-from paddle.incubate.nn.functional import fused_rotary_position_embedding
+from paddle import _C_ops
+from paddle.autograd import PyLayer
+from paddle.incubate.nn.functional import fused_rotary_position_embedding, moe_combine
 
 from .rope import apply_rotary, apply_rotary_half
 
@@ -84,6 +86,58 @@ def vision_rotary(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
                            lambda: apply_rotary_half(x, angles))
 
 
+def plain_weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: paddle.Tensor,
+                           num_tokens: int) -> paddle.Tensor:
+    return paddle.index_add(paddle.zeros([num_tokens, rows.shape[-1]], dtype=rows.dtype), token_index, 0,
+                            rows * weights.unsqueeze(-1).astype(rows.dtype))
+
+
+class _MoECombine(PyLayer):
+    """Paddle's fused combine, with the backward ERNIE pairs it with: its grad kernel returns each slot's
+    ``grad_y * x`` rows, summed here over the hidden axis into the weights' gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weights, index):
+        ctx.save_for_backward(x, weights, index)
+        return moe_combine(x, weights, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weights, index = ctx.saved_tensor()
+        grad_x, grad_weight_rows = _C_ops.moe_combine_grad(x, weights, index, grad)
+        return grad_x, grad_weight_rows.sum(-1).reshape(weights.shape)
+
+
+def fused_weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: paddle.Tensor,
+                           num_tokens: int) -> paddle.Tensor:
+    """Paddle's ``moe_combine``: ``out[t] = sum_s weight[t, s] * rows[index[t, s]]`` over slots ``[tokens, k]``.
+
+    A token's kept copies fill its first slots in row order; an empty slot has weight 0 (and reads row 0).
+    """
+    order = paddle.argsort(token_index, stable=True)
+    counts = paddle.bincount(token_index, minlength=num_tokens)
+    first = paddle.cumsum(counts) - counts
+    kept = token_index.shape[0]
+    rank = paddle.arange(kept, dtype="int64") - paddle.gather(first, paddle.gather(token_index, order))
+    slot = paddle.scatter(paddle.zeros([kept], dtype="int64"), order, rank)
+    slots = int(counts.max())
+    flat = token_index * slots + slot
+    index = paddle.scatter(paddle.zeros([num_tokens * slots], dtype="int32"), flat,
+                           paddle.arange(kept, dtype="int32")).reshape([num_tokens, slots])
+    slot_weights = paddle.scatter(paddle.zeros([num_tokens * slots], dtype=rows.dtype), flat,
+                                  weights.astype(rows.dtype)).reshape([num_tokens, slots])
+    return _MoECombine.apply(rows, slot_weights, index)
+
+
+def weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: paddle.Tensor,
+                     num_tokens: int) -> paddle.Tensor:
+    """``out[t]``: the sum of ``weights[r] * rows[r]`` over the rows r with ``token_index[r] == t``."""
+    if rows.shape[0] == 0:
+        return plain_weighted_combine(rows, token_index, weights, num_tokens)
+    return _fused_or_plain("moe_combine", rows, lambda: fused_weighted_combine(rows, token_index, weights, num_tokens),
+                           lambda: plain_weighted_combine(rows, token_index, weights, num_tokens))
+
+
 def _fused_or_plain(kernel: str, x: paddle.Tensor, fused, plain) -> paddle.Tensor:
     """``fused()`` where it is used on ``x``'s device and dtype (see the module docstring), else ``plain()``."""
     key = (kernel, str(x.place), str(x.dtype))
@@ -119,4 +173,5 @@ def chosen_on(place) -> str:
     def choice(kernel: str) -> str:
         works = [ok for (k, p, _), ok in _FUSED_WORKS.items() if k == kernel and p == str(place)]
         return "fused" if _is_gpu(place) and all(works) else "plain"
-    return ", ".join(["swiglu fused"] + [f"{k} {choice(k)}" for k in ("rms_norm", "rotary", "vision_rotary")])
+    gpu_only = ("rms_norm", "rotary", "vision_rotary", "moe_combine")
+    return ", ".join(["swiglu fused"] + [f"{kernel} {choice(kernel)}" for kernel in gpu_only])

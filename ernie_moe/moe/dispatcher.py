@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import paddle
 
+from ..model import kernels
+
 
 @dataclass
 class Choices:
@@ -75,10 +77,8 @@ class LocalDispatcher:
 
     def combine(self, expert_outputs: list[paddle.Tensor], state: DispatchState, num_rows: int) -> paddle.Tensor:
         """Weighted sum of each token's expert outputs; dropped choices contribute nothing."""
-        out = self.rows_back(expert_outputs, state)
-        weighted = out * state.weights.unsqueeze(-1).astype(out.dtype)
-        zeros = paddle.zeros([num_rows, out.shape[-1]], dtype=out.dtype)
-        return paddle.index_add(zeros, state.token_index, 0, weighted)
+        return kernels.weighted_combine(self.rows_back(expert_outputs, state), state.token_index, state.weights,
+                                        num_rows)
 
     def rows_back(self, expert_outputs: list[paddle.Tensor], state: DispatchState) -> paddle.Tensor:
         """The expert outputs as rows in the order of ``state.token_index``."""
