@@ -86,6 +86,15 @@ def vision_rotary(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
                            lambda: apply_rotary_half(x, angles))
 
 
+def ranks_within_groups(ids: paddle.Tensor, groups: int) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+    """A stable sort of ``ids`` (each in ``[0, groups)``): (the order, the count of each id, and each sorted
+    entry's rank among the entries of its id)."""
+    order = paddle.argsort(ids, stable=True)
+    counts = paddle.bincount(ids, minlength=groups)
+    first = paddle.cumsum(counts) - counts
+    return order, counts, paddle.arange(ids.shape[0], dtype="int64") - paddle.gather(first, paddle.gather(ids, order))
+
+
 def plain_weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: paddle.Tensor,
                            num_tokens: int) -> paddle.Tensor:
     return paddle.index_add(paddle.zeros([num_tokens, rows.shape[-1]], dtype=rows.dtype), token_index, 0,
@@ -114,11 +123,8 @@ def fused_weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weig
 
     A token's kept copies fill its first slots in row order; an empty slot has weight 0 (and reads row 0).
     """
-    order = paddle.argsort(token_index, stable=True)
-    counts = paddle.bincount(token_index, minlength=num_tokens)
-    first = paddle.cumsum(counts) - counts
+    order, counts, rank = ranks_within_groups(token_index, num_tokens)
     kept = token_index.shape[0]
-    rank = paddle.arange(kept, dtype="int64") - paddle.gather(first, paddle.gather(token_index, order))
     slot = paddle.scatter(paddle.zeros([kept], dtype="int64"), order, rank)
     slots = int(counts.max())
     flat = token_index * slots + slot
