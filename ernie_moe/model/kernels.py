@@ -146,8 +146,10 @@ def weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: p
 
 def _fused_or_plain(kernel: str, x: paddle.Tensor, fused, plain) -> paddle.Tensor:
     """``fused()`` where it is used on ``x``'s device and dtype (see the module docstring), else ``plain()``."""
+    if not _is_gpu(x.place):
+        return plain()
     key = (kernel, str(x.place), str(x.dtype))
-    if not (_is_gpu(x.place) and _FUSED_WORKS.get(key, True)):
+    if not _FUSED_WORKS.get(key, True):
         return plain()
     try:
         out = fused()
