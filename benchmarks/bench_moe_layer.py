@@ -23,7 +23,7 @@ from ernie_moe.model.layers import SwiGLUMLP
 from ernie_moe.moe.experts import use_expert_matmul
 from ernie_moe.moe.layer import MoELayer
 from ernie_moe.parallel import SingleDevicePlan
-from ernie_moe.parallel.cpu_fallbacks import reuse_freed_host_memory
+from ernie_moe.parallel.cpu_fallbacks import reuse_freed_host_memory, use_avx2_math_on_amd
 
 # (experts, k, expert width): ERNIE-4.5's fine-grained routing (8 of 64), and a coarse layer (2 of 8)
 CASES = [(64, 8, 128), (8, 2, 512)]
@@ -75,8 +75,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     cases = [(args.experts, args.k, args.expert_width)] if args.experts else CASES
-    if paddle.device.get_device() == "cpu" and reuse_freed_host_memory():
-        print("host memory: freed blocks reused, as the trainer does on a CPU")
+    if paddle.device.get_device() == "cpu":  # as the trainer does on a CPU
+        if reuse_freed_host_memory():
+            print("host memory: freed blocks reused")
+        if use_avx2_math_on_amd():
+            print("math: MKL's AVX2 path on this AMD CPU")
     print(f"tokens {args.tokens}, hidden {args.hidden}, fwd+bwd, fastest of {args.repeats}; "
           "dense width = k x expert width\n")
     print("| experts | k | expert width | per expert (ms) | grouped (ms) | dense (ms) | MoE / dense, per expert "

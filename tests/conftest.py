@@ -8,6 +8,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from ernie_moe.parallel import cpu_fallbacks  # noqa: E402
+
+cpu_fallbacks.use_avx2_math_on_amd()  # the trainer's math path, here and in every process a test launches
+
 
 @pytest.fixture
 def tiny_cfg():

@@ -1,8 +1,9 @@
 """Paddle's GPU-only kernels (RMSNorm, rotary embedding, MoE combine), run here through stand-ins that compute
 what Paddle documents and ERNIE relies on: the tables, position ids and slots this package builds for them, the
 model's use of them on a GPU, the guard that keeps a kernel which fails or disagrees out of training, and the
-doctor's check of each."""
+doctor's check of each. Last, the math library's code path on a CPU."""
 
+import os
 import types
 import warnings
 
@@ -15,6 +16,7 @@ import ernie_moe.doctor.kernels as doctor
 from ernie_moe.model import kernels
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.model.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
+from ernie_moe.parallel import cpu_fallbacks
 
 
 def documented_fused_rope(q, k=None, v=None, sin=None, cos=None, position_ids=None, use_neox_rotary_style=True,
@@ -175,3 +177,30 @@ def test_the_doctor_checks_each_fused_kernel_on_a_gpu(monkeypatch, on_a_gpu, err
     assert {f"{name}, fused kernel" for name in ("rms_norm", "rotary embedding", "vision rotary embedding",
                                                  "moe combine with gradients")} <= set(checks)
     assert sorted(name for name, check in checks.items() if not check.passed) == [f"{n}, fused kernel" for n in failed]
+
+
+@pytest.mark.parametrize("vendor, flags, preset, asks", [
+    ("AuthenticAMD", "fpu sse2 avx avx2 fma", None, True),
+    ("GenuineIntel", "fpu sse2 avx avx2 avx512f", None, False),  # MKL already picks AVX2/AVX-512 there
+    ("AuthenticAMD", "fpu sse2 avx", None, False),  # no AVX2 to ask for
+    ("AuthenticAMD", "fpu sse2 avx avx2", "2", False),  # the user's choice stays
+])
+def test_mkl_is_told_the_vector_units_of_an_amd_cpu(tmp_path, monkeypatch, vendor, flags, preset, asks):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: {flags}\n\n")
+    monkeypatch.setattr(paddle.version, "with_mkl", "ON")
+    if preset is None:
+        monkeypatch.delenv("MKL_DEBUG_CPU_TYPE", raising=False)
+    else:
+        monkeypatch.setenv("MKL_DEBUG_CPU_TYPE", preset)
+    assert cpu_fallbacks.use_avx2_math_on_amd(str(cpuinfo)) is asks
+    assert os.environ.get("MKL_DEBUG_CPU_TYPE") == ("5" if asks else preset)
+
+
+def test_a_build_without_mkl_is_left_alone(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("vendor_id\t: AuthenticAMD\nflags\t\t: avx2\n")
+    monkeypatch.setattr(paddle.version, "with_mkl", "OFF")
+    monkeypatch.delenv("MKL_DEBUG_CPU_TYPE", raising=False)
+    assert not cpu_fallbacks.use_avx2_math_on_amd(str(cpuinfo))
+    assert "MKL_DEBUG_CPU_TYPE" not in os.environ

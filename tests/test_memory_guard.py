@@ -63,7 +63,8 @@ def test_an_out_of_memory_step_runs_again_on_the_next_rungs(tmp_path):
     assert (tr.cfg.training.per_device_train_batch_size, tr.cfg.training.gradient_accumulation_steps) == (4, 1)
     assert tr.guard.taken == ["out of memory in step 0: micro-batch 2 x 2 accumulated"]
     for (name, a), (_, b) in zip(expected.model.stable_named_parameters(), tr.model.stable_named_parameters()):
-        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+        # summation order differs between one micro-batch and two; a lost or doubled one moves weights by ~1e-4
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_out_of_memory_with_no_rung_left_is_raised(tmp_path):

@@ -16,6 +16,7 @@ from pathlib import Path
 import paddle
 
 from ..model.kernels import chosen_on
+from ..parallel import cpu_fallbacks
 from .kernels import device_dtypes, run_checks
 from .layouts import check_layouts
 
@@ -30,6 +31,9 @@ def environment() -> list[tuple[str, str]]:
             rows.append((f"gpu {i}", f"{props.name}, {props.total_memory / 2 ** 30:.1f} GiB"))
     else:
         rows.append(("backend", "gloo (CPU)"))
+        # as the trainer does on a CPU, so the checks below run the code path training runs
+        if cpu_fallbacks.use_avx2_math_on_amd():
+            rows.append(("math", "MKL's AVX2 path on this AMD CPU (MKL_DEBUG_CPU_TYPE=5)"))
     return rows
 
 

@@ -5,6 +5,7 @@
   slices addressed to this rank: correct, world-size times the traffic.
 - gloo groups share rendezvous keys in the global store; each group gets a store of its own.
 - glibc hands large host blocks back to the kernel on free; the trainer keeps them for the next step.
+- The MKL that Paddle's CPU build bundles runs its SSE code on AMD CPUs; told their vector units, it uses AVX2.
 """
 
 from __future__ import annotations
@@ -36,6 +37,30 @@ def reuse_freed_host_memory() -> bool:
         return False
     trim_threshold, mmap_threshold = -1, -3  # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
     return bool(mallopt(mmap_threshold, 1 << 30)) and bool(mallopt(trim_threshold, 1 << 30))
+
+
+def use_avx2_math_on_amd(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """Let MKL use AVX2 on an AMD CPU that has it; returns whether this process now asks for it.
+
+    The MKL bundled with Paddle's CPU build picks its code path by CPU vendor and runs SSE on AMD: a float32
+    matmul there is about 2.8x slower than MKL's AVX2 path on the same core. MKL reads
+    ``MKL_DEBUG_CPU_TYPE`` at its first call, so this runs before the model computes anything. A value the
+    user set is kept; Intel CPUs and builds without MKL are left alone.
+    """
+    if "MKL_DEBUG_CPU_TYPE" in os.environ:
+        return os.environ["MKL_DEBUG_CPU_TYPE"] == "5"
+    if getattr(paddle.version, "with_mkl", "OFF") != "ON":
+        return False
+    try:
+        with open(cpuinfo_path) as f:
+            cpuinfo = f.read(1 << 16)
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    if "AuthenticAMD" not in cpuinfo or "avx2" not in flags:
+        return False
+    os.environ["MKL_DEBUG_CPU_TYPE"] = "5"
+    return True
 
 
 def all_to_all_single(x: paddle.Tensor, in_splits: list[int], out_splits: list[int], group) -> paddle.Tensor:

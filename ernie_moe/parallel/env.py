@@ -104,6 +104,7 @@ def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
     on_cpu = paddle.device.get_device() == "cpu"  # the launcher then uses gloo
     if on_cpu:
         cpu_fallbacks.reuse_freed_host_memory()
+        cpu_fallbacks.use_avx2_math_on_amd()
     if world == 1:
         return DistEnv()
     dp, tp, sh, pp = layout.dp, layout.tp, layout.sharding, layout.pp
