@@ -86,13 +86,14 @@ def vision_rotary(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
                            lambda: apply_rotary_half(x, angles))
 
 
-def ranks_within_groups(ids: paddle.Tensor, groups: int) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
-    """A stable sort of ``ids`` (each in ``[0, groups)``): (the order, the count of each id, and each sorted
-    entry's rank among the entries of its id)."""
+def ranks_within_groups(ids: paddle.Tensor, groups: int):
+    """A stable sort of ``ids`` (each in ``[0, groups)``): (the order, the sorted ids, the count of each id, and
+    each sorted entry's rank among the entries of its id)."""
     order = paddle.argsort(ids, stable=True)
+    sorted_ids = paddle.gather(ids, order)
     counts = paddle.bincount(ids, minlength=groups)
     first = paddle.cumsum(counts) - counts
-    return order, counts, paddle.arange(ids.shape[0], dtype="int64") - paddle.gather(first, paddle.gather(ids, order))
+    return order, sorted_ids, counts, paddle.arange(ids.shape[0], dtype="int64") - paddle.gather(first, sorted_ids)
 
 
 def plain_weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: paddle.Tensor,
@@ -123,7 +124,7 @@ def fused_weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weig
 
     A token's kept copies fill its first slots in row order; an empty slot has weight 0 (and reads row 0).
     """
-    order, counts, rank = ranks_within_groups(token_index, num_tokens)
+    order, _, counts, rank = ranks_within_groups(token_index, num_tokens)
     kept = token_index.shape[0]
     slot = paddle.scatter(paddle.zeros([kept], dtype="int64"), order, rank)
     slots = int(counts.max())

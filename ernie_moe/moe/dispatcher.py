@@ -53,10 +53,9 @@ class LocalDispatcher:
         flat_expert = expert_ids.T.flatten()
         flat_token = paddle.tile(token_index, [k])
         flat_weight = weights.T.flatten()
-        order, routed, rank_in_expert = kernels.ranks_within_groups(flat_expert, num_experts)
+        order, sorted_expert, routed, rank_in_expert = kernels.ranks_within_groups(flat_expert, num_experts)
         kept = routed
         if capacity is not None:
-            sorted_expert = paddle.gather(flat_expert, order)
             order = paddle.masked_select(order, rank_in_expert < paddle.gather(capacity, sorted_expert))
             kept = paddle.bincount(paddle.gather(flat_expert, order), minlength=num_experts)
             if self.renormalize_kept and flat_token.shape[0]:
