@@ -7,7 +7,10 @@ The dense MLP's width is k x expert width, so both do the same matmul work per t
 routing, sorting, gathering and combining cost on top. The MoE layer runs its experts both ways
 (``training.moe_expert_matmul``): one after another, and grouped (one padded batched matmul per projection).
 Each repeat times every variant once, in turn, and each keeps its fastest, so load drift on a shared
-machine hits all of them alike.
+machine hits all of them alike. A second table splits the per-expert layer into its experts alone (on the
+layer's own sorted rows; also through autograd expert by expert, split and concatenated, the path LoRA experts
+take) and everything else (router, router losses, sorting, gathering and the weighted combine, with the
+experts skipped).
 """
 
 from __future__ import annotations
@@ -54,7 +57,30 @@ def measure(tokens: int, hidden: int, experts: int, k: int, width: int, repeats:
             return moe(x, types)[0]
         return run
 
-    variants = {"per_expert": moe_run("per_expert"), "grouped": moe_run("grouped"), "dense": lambda: dense(x)}
+    flat = x.reshape([tokens, hidden]).detach()
+    flat.stop_gradient = False
+    every_token = paddle.arange(tokens)
+    routing = moe.gate(flat, every_token, 0, None)
+    rows, counts, _ = moe.dispatcher.dispatch(flat, every_token, routing.expert_ids, routing.weights, experts, None)
+    rows = rows.detach()
+    rows.stop_gradient = False
+
+    def without_experts():
+        routing = moe.gate(flat, every_token, 0, None)
+        routed, _, state = moe.dispatcher.dispatch(flat, every_token, routing.expert_ids, routing.weights,
+                                                   experts, None)
+        return moe.dispatcher.combine(routed, state, tokens) + paddle.add_n(list(moe.gate.losses(routing, 0).values()))
+
+    def experts_alone():
+        use_expert_matmul(moe, "per_expert")
+        return moe.experts(rows, counts)[0]
+
+    def experts_through_autograd():
+        return moe.experts.autograd_loop(rows, counts)[0]
+
+    variants = {"per_expert": moe_run("per_expert"), "grouped": moe_run("grouped"), "dense": lambda: dense(x),
+                "without_experts": without_experts, "experts_alone": experts_alone,
+                "experts_autograd": experts_through_autograd}
     for fn in variants.values():  # warm-up
         for _ in range(2):
             fwd_bwd_seconds(fn)
@@ -85,11 +111,18 @@ def main() -> None:
     print("| experts | k | expert width | per expert (ms) | grouped (ms) | dense (ms) | MoE / dense, per expert "
           "| MoE / dense, grouped |")
     print("|---|---|---|---|---|---|---|---|")
+    times = {}
     for experts, k, width in cases:
-        t = measure(args.tokens, args.hidden, experts, k, width, args.repeats)
+        t = times[experts, k, width] = measure(args.tokens, args.hidden, experts, k, width, args.repeats)
         print(f"| {experts} | {k} | {width} | {t['per_expert'] * 1e3:.1f} | {t['grouped'] * 1e3:.1f} | "
               f"{t['dense'] * 1e3:.1f} | {t['per_expert'] / t['dense']:.2f} | {t['grouped'] / t['dense']:.2f} |",
               flush=True)
+    print("\n| experts | k | expert width | experts alone (ms) | the same through autograd (ms) "
+          "| router, losses, dispatch, combine (ms) | per-expert layer (ms) | dense (ms) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (experts, k, width), t in times.items():
+        print(f"| {experts} | {k} | {width} | {t['experts_alone'] * 1e3:.1f} | {t['experts_autograd'] * 1e3:.1f} | "
+              f"{t['without_experts'] * 1e3:.1f} | {t['per_expert'] * 1e3:.1f} | {t['dense'] * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -115,8 +115,10 @@ def check_expert_dispatch(group, rng):
     def run(dispatcher, expert_ids):
         xs, ws = leaf(x), leaf(weights)
         params = [leaf(experts[j]) for j in expert_ids]
-        inputs, state = dispatcher.dispatch(xs, paddle.arange(tokens), paddle.to_tensor(ids), ws, sum(counts), None)
-        out = dispatcher.combine([paddle.matmul(i, p) for i, p in zip(inputs, params)], state, tokens)
+        rows, per_expert, state = dispatcher.dispatch(xs, paddle.arange(tokens), paddle.to_tensor(ids), ws,
+                                                      sum(counts), None)
+        outputs = [paddle.matmul(i, p) for i, p in zip(paddle.split(rows, per_expert, axis=0), params)]
+        out = dispatcher.combine(paddle.concat(outputs, axis=0), state, tokens)
         (out * upstream).sum().backward()
         return out.numpy(), xs.grad.numpy(), ws.grad.numpy(), [p.grad.numpy() for p in params]
 

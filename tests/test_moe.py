@@ -1,10 +1,12 @@
 import numpy as np
 import paddle
+import paddle.nn.functional as F
 import pytest
 
 from ernie_moe.config import load_config
 from ernie_moe.model.init import init_layer
-from ernie_moe.moe.experts import grouped_swiglu, use_expert_matmul
+from ernie_moe.moe.expert_matmul import expert_loop, grouped_swiglu
+from ernie_moe.moe.experts import use_expert_matmul
 from ernie_moe.moe.layer import MoELayer
 from ernie_moe.parallel import SingleDevicePlan
 
@@ -97,20 +99,45 @@ def test_grouped_experts_match_the_loop_forward_and_backward():
         np.testing.assert_allclose(g_b[name], g_a[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_grouped_swiglu_against_numpy_with_an_expert_without_rows():
+def np_experts(rows, counts, w1, w2):
+    out, start = [], 0
+    for c, a, b in zip(counts, w1, w2):
+        gate, up = np.split(rows[start:start + c] @ a, 2, axis=-1)
+        out.append(((gate / (1 + np.exp(-gate))) * up) @ b)
+        start += c
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("run", [expert_loop, grouped_swiglu])
+def test_expert_matmuls_against_numpy_with_an_expert_without_rows(run):
+    """Forward against NumPy; backward against autograd through the plain per-expert expressions, a frozen
+    weight included (no gradient for it)."""
     rng = np.random.default_rng(3)
     counts, hidden, width = [5, 0, 2, 7], 6, 4
-    xs = [rng.standard_normal((c, hidden)).astype(np.float32) for c in counts]
+    rows = rng.standard_normal((sum(counts), hidden)).astype(np.float32)
     w1 = [rng.standard_normal((hidden, 2 * width)).astype(np.float32) for _ in counts]
     w2 = [rng.standard_normal((width, hidden)).astype(np.float32) for _ in counts]
-    outs = grouped_swiglu(*([paddle.to_tensor(a) for a in group] for group in (xs, w1, w2)))
-    assert [o.shape[0] for o in outs] == counts
-    for x, a, b, o in zip(xs, w1, w2, outs):
-        gate, up = np.split(x @ a, 2, axis=-1)
-        np.testing.assert_allclose(o.numpy(), ((gate / (1 + np.exp(-gate))) * up) @ b, rtol=1e-5, atol=1e-5)
-    everyone_idle = grouped_swiglu(*([paddle.zeros([0, hidden])] * 2, [paddle.to_tensor(a) for a in w1[:2]],
-                                     [paddle.to_tensor(b) for b in w2[:2]]))
-    assert [o.shape for o in everyone_idle] == [[0, hidden], [0, hidden]]
+    probe = rng.standard_normal((sum(counts), hidden)).astype(np.float32)
+
+    def leaves(frozen_index=2):
+        made = [paddle.to_tensor(a, stop_gradient=False) for a in [rows, *w1, *w2]]
+        made[1 + frozen_index].stop_gradient = True
+        return made[0], made[1:5], made[5:]
+
+    x, a, b = leaves()
+    out = run(x, counts, a, b)
+    np.testing.assert_allclose(out.numpy(), np_experts(rows, counts, w1, w2), rtol=1e-5, atol=1e-5)
+    (out * paddle.to_tensor(probe)).sum().backward()
+    rx, ra, rb = leaves()
+    expected = paddle.concat([paddle.matmul(F.swiglu(paddle.matmul(part, u)), d)
+                              for part, u, d in zip(paddle.split(rx, counts), ra, rb) if part.shape[0]])
+    (expected * paddle.to_tensor(probe)).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), rx.grad.numpy(), rtol=1e-5, atol=1e-5)
+    for j in (0, 3):
+        np.testing.assert_allclose(a[j].grad.numpy(), ra[j].grad.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(b[j].grad.numpy(), rb[j].grad.numpy(), rtol=1e-5, atol=1e-5)
+    assert a[2].grad is None  # frozen
+    assert float(a[1].grad.abs().sum()) == 0.0 and float(b[1].grad.abs().sum()) == 0.0  # no rows: zero
 
 
 def test_capacity_drops_the_same_tokens_as_the_reference():

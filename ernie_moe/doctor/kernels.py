@@ -109,9 +109,10 @@ def dispatch_and_combine(rng, dtype):
     experts = np.stack([rng.permutation(4)[:2] for _ in range(9)])
     weights = rng.random([9, 2])
     dispatcher = LocalDispatcher()
-    inputs, state = dispatcher.dispatch(_tensor(x, dtype), paddle.arange(9), paddle.to_tensor(experts),
-                                        paddle.to_tensor(weights.astype(np.float32)), 4, None)
-    ours = dispatcher.combine([rows * (j + 1) for j, rows in enumerate(inputs)], state, 9)
+    rows, counts, state = dispatcher.dispatch(_tensor(x, dtype), paddle.arange(9), paddle.to_tensor(experts),
+                                              paddle.to_tensor(weights.astype(np.float32)), 4, None)
+    scale = np.repeat(np.arange(1, 5), counts).astype(np.float32)[:, None]
+    ours = dispatcher.combine(rows * _tensor(scale, dtype), state, 9)
     return ours, x * ((experts + 1) * weights).sum(axis=1, keepdims=True)
 
 

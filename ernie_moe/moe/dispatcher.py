@@ -65,17 +65,18 @@ class LocalDispatcher:
         return Choices(flat_token, flat_weight, flat_expert, order, routed, kept)
 
     def dispatch(self, x, token_index, expert_ids, weights, num_experts: int, capacity):
-        """Split ``x`` rows into one slice per expert; see :meth:`route` for the arguments."""
+        """The ``x`` rows of this process's experts, sorted by expert, and the row count of each expert; see
+        :meth:`route` for the arguments."""
         c = self.route(token_index, expert_ids, weights, num_experts, capacity)
         state = DispatchState(paddle.gather(c.token, c.order), paddle.gather(c.weight, c.order), c.routed, c.kept)
-        inputs = paddle.gather(x, state.token_index)
-        return paddle.split(inputs, c.kept.tolist(), axis=0), state
+        return paddle.gather(x, state.token_index), c.kept.tolist(), state
 
-    def combine(self, expert_outputs: list[paddle.Tensor], state: DispatchState, num_rows: int) -> paddle.Tensor:
+    def combine(self, expert_rows: paddle.Tensor, state: DispatchState, num_rows: int) -> paddle.Tensor:
         """Weighted sum of each token's expert outputs; dropped choices contribute nothing."""
-        return kernels.weighted_combine(self.rows_back(expert_outputs, state), state.token_index, state.weights,
+        return kernels.weighted_combine(self.rows_back(expert_rows, state), state.token_index, state.weights,
                                         num_rows)
 
-    def rows_back(self, expert_outputs: list[paddle.Tensor], state: DispatchState) -> paddle.Tensor:
-        """The expert outputs as rows in the order of ``state.token_index``."""
-        return paddle.concat(expert_outputs, axis=0)
+    def rows_back(self, expert_rows: paddle.Tensor, state: DispatchState) -> paddle.Tensor:
+        """The expert outputs (in the order :meth:`dispatch` gave them) as rows in the order of
+        ``state.token_index``."""
+        return expert_rows

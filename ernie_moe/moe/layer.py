@@ -82,10 +82,10 @@ class MoELayer(nn.Layer):
         tokens = [self._tokens_of(token_type_ids.flatten(), modality) for modality in self.group_modality]
         (token_index, expert_ids, weights), router_loss = self._route(flat, tokens)
         # Dispatch even without routed tokens: expert-parallel ranks exchange rows in every layer.
-        inputs, state = self.dispatcher.dispatch(flat, token_index, expert_ids, weights, self.num_experts,
-                                                 self._capacities(tokens))
-        outputs, idle_zero = self.experts(inputs)
-        out = self.dispatcher.combine(outputs, state, flat.shape[0])
+        rows, counts, state = self.dispatcher.dispatch(flat, token_index, expert_ids, weights, self.num_experts,
+                                                       self._capacities(tokens))
+        expert_rows, idle_zero = self.experts(rows, counts)
+        out = self.dispatcher.combine(expert_rows, state, flat.shape[0])
         if idle_zero is not None:
             out = out + idle_zero
         if self.training and not replaying():

@@ -12,8 +12,9 @@ def load_balance_loss(probs: paddle.Tensor, topk_idx: paddle.Tensor, reduce=None
     ``reduce`` sums the statistics over ranks that hold other tokens, so that the means are global.
     """
     num_experts = probs.shape[1]
-    chosen = F.one_hot(topk_idx, num_experts).sum(axis=1)  # [tokens, experts], 1 where chosen
-    prob_sum, counts = probs.sum(axis=0), chosen.sum(axis=0).astype("float32").detach()
+    # a token's k choices are distinct experts, so counting the choices counts the tokens sent to each expert
+    counts = paddle.bincount(topk_idx.flatten(), minlength=num_experts).astype("float32")
+    prob_sum = probs.sum(axis=0)
     tokens = paddle.full([1], float(probs.shape[0]), dtype="float32")
     if reduce is not None:
         prob_sum, counts, tokens = reduce(prob_sum), reduce(counts), reduce(tokens)

@@ -82,10 +82,9 @@ class ExpertParallelDispatcher(_ByOwner):
         index = paddle.to_tensor(np.concatenate(expert_major) if expert_major else np.zeros([0], np.int64))
         state = ExpertParallelState(rows, row_weights, routed, kept, send_splits, recv_splits, index)
         inputs = paddle.gather(received, index) if received.shape[0] else received
-        return paddle.split(inputs, mine.sum(axis=0).tolist(), axis=0), state
+        return inputs, mine.sum(axis=0).tolist(), state
 
-    def rows_back(self, expert_outputs, state: ExpertParallelState):
-        out = paddle.concat(expert_outputs, axis=0)
+    def rows_back(self, out, state: ExpertParallelState):
         source_major = paddle.zeros_like(out)
         if out.shape[0]:
             source_major = paddle.scatter(source_major, state.to_expert_major, out)
@@ -120,7 +119,7 @@ class TensorParallelExpertDispatcher(_ByOwner):
         # Only this rank's experts use these rows: their input gradient is summed over the ranks.
         inputs = paddle.gather(CopyToGroup.apply(x, self.group), mine)
         state = TensorParallelExpertState(rows, row_weights, routed, kept, per_rank.sum(axis=1).tolist())
-        return paddle.split(inputs, per_rank[self.rank].tolist(), axis=0), state
+        return inputs, per_rank[self.rank].tolist(), state
 
-    def rows_back(self, expert_outputs, state: TensorParallelExpertState):
-        return GatherRows.apply(paddle.concat(expert_outputs, axis=0), state.block_sizes, self.group)
+    def rows_back(self, out, state: TensorParallelExpertState):
+        return GatherRows.apply(out, state.block_sizes, self.group)

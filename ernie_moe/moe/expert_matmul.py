@@ -1,0 +1,95 @@
+"""Two ways to run plain SwiGLU experts over expert-sorted rows, each with the autograd loop's result.
+
+Both take ``rows [kept, hidden]``, in which expert j owns ``counts[j]`` consecutive rows, and the experts'
+``up_gate [hidden, 2 * width]`` and ``down [width, hidden]`` weights, and return the output rows in the same
+order. :func:`expert_loop` runs one expert after another; :func:`grouped_swiglu` pads every expert to the busiest
+one and runs each projection as one batched matmul.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+from paddle import _C_ops
+from paddle.autograd import PyLayer
+
+from ..model import kernels
+
+
+def _spans(counts: list[int]) -> list[tuple[int, int]]:
+    starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    return list(zip(starts[:-1], starts[1:]))
+
+
+class _ExpertLoop(PyLayer):
+    """Expert by expert, with each expert's output rows written straight into one output tensor (``out=``), and
+    each expert's input gradient into one gradient tensor: the rows are never split into per-expert copies nor
+    concatenated back. An expert without rows gets a zero weight gradient, so gradient synchronisation sees
+    every expert. The backward is autograd's, per expert: the same matmuls and the same swiglu gradient kernel.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, counts, *weights):
+        n = len(counts)
+        up_gate, down = weights[:n], weights[n:]
+        out = paddle.empty([rows.shape[0], down[0].shape[1]], dtype=rows.dtype)
+        activations = []
+        for j, (start, end) in enumerate(_spans(counts)):
+            if end > start:
+                gate_up = paddle.matmul(rows[start:end], up_gate[j])
+                hidden = kernels.swiglu(gate_up)
+                paddle.matmul(hidden, down[j], out=out[start:end])
+                activations += [gate_up, hidden]
+        # which inputs want a gradient, read now: the tensors a recompute hands back to backward are detached
+        ctx.counts, ctx.wants_grad = counts, [not t.stop_gradient for t in (rows, *weights)]
+        ctx.save_for_backward(rows, *weights, *activations)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        counts, n = ctx.counts, len(ctx.counts)
+        wants_rows, wants_up_gate, wants_down = ctx.wants_grad[0], ctx.wants_grad[1:n + 1], ctx.wants_grad[n + 1:]
+        saved = ctx.saved_tensor()
+        rows, up_gate, down, activations = saved[0], saved[1:n + 1], saved[n + 1:2 * n + 1], iter(saved[2 * n + 1:])
+        grad_rows = paddle.empty(rows.shape, dtype=rows.dtype) if wants_rows else None
+        grad_up_gate, grad_down = [None] * n, [None] * n
+        for j, (start, end) in enumerate(_spans(counts)):
+            if end == start:
+                grad_up_gate[j] = paddle.zeros_like(up_gate[j]) if wants_up_gate[j] else None
+                grad_down[j] = paddle.zeros_like(down[j]) if wants_down[j] else None
+                continue
+            gate_up, hidden = next(activations), next(activations)
+            grad_out = grad[start:end]
+            if wants_down[j]:
+                grad_down[j] = paddle.matmul(hidden, grad_out, transpose_x=True)
+            grad_gate_up = _C_ops.swiglu_grad(gate_up, None, paddle.matmul(grad_out, down[j], transpose_y=True))[0]
+            if wants_up_gate[j]:
+                grad_up_gate[j] = paddle.matmul(rows[start:end], grad_gate_up, transpose_x=True)
+            if wants_rows:
+                paddle.matmul(grad_gate_up, up_gate[j], transpose_y=True, out=grad_rows[start:end])
+        return grad_rows, *grad_up_gate, *grad_down
+
+
+def expert_loop(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Tensor],
+                down: list[paddle.Tensor]) -> paddle.Tensor:
+    """``down_j(swiglu(rows_j @ up_gate_j))`` for each expert j's rows, one expert after another (at least one
+    row in all)."""
+    return _ExpertLoop.apply(rows, counts, *up_gate, *down)
+
+
+def grouped_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Tensor],
+                   down: list[paddle.Tensor]) -> paddle.Tensor:
+    """The same as :func:`expert_loop` for experts of one width, in one batched matmul per projection: the rows
+    are padded to the busiest expert's count with zeros, ``[experts, rows, hidden]``. Zero rows give zero outputs
+    and add nothing to the weights' gradients."""
+    experts, most, hidden = len(counts), max(max(counts), 1), rows.shape[1]
+    # slot (e, i) of the padded batch reads row i of expert e, or the appended zero row
+    source = np.full([experts, most], rows.shape[0], dtype="int64")
+    for e, (start, end) in enumerate(_spans(counts)):
+        source[e, :end - start] = np.arange(start, end)
+    flat = paddle.concat([rows, paddle.zeros([1, hidden], dtype=rows.dtype)], axis=0)
+    padded = paddle.gather(flat, paddle.to_tensor(source.reshape(-1))).reshape([experts, most, hidden])
+    h = kernels.swiglu(paddle.bmm(padded, paddle.stack(up_gate).astype(padded.dtype)))
+    out = paddle.bmm(h, paddle.stack(down).astype(h.dtype)).reshape([experts * most, -1])
+    kept = np.concatenate([e * most + np.arange(c) for e, c in enumerate(counts)]).astype("int64")
+    return paddle.gather(out, paddle.to_tensor(kept))
