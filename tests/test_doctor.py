@@ -10,20 +10,24 @@ import ernie_moe.doctor.kernels as kernels
 from ernie_moe.doctor.__main__ import main
 from ernie_moe.model.attention import core_attention
 from ernie_moe.model.layers import RMSNorm
+from ernie_moe.moe.expert_matmul import expert_loop
 
 
 def test_every_computation_matches_its_reference_here(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
-    assert "9 of 9 checks passed" in out and "FAIL" not in out
+    assert "11 of 11 checks passed" in out and "FAIL" not in out
 
 
-@pytest.mark.parametrize("broken", ["attention", "rms_norm"])
+@pytest.mark.parametrize("broken", ["attention", "rms_norm", "routed experts one by one, with gradients"])
 def test_a_broken_computation_fails_the_doctor(monkeypatch, capsys, broken):
     if broken == "attention":  # the packed-document mask ignored
         monkeypatch.setattr(kernels, "core_attention", lambda q, k, v, allowed: core_attention(q, k, v, None))
-    else:  # an epsilon far too large
+    elif broken == "rms_norm":  # an epsilon far too large
         monkeypatch.setattr(kernels, "RMSNorm", lambda dim, eps: RMSNorm(dim, eps * 1e5))
+    else:  # each expert handed another expert's rows
+        monkeypatch.setattr(kernels, "expert_loop",
+                            lambda rows, counts, up, down: expert_loop(rows, counts[::-1], up, down))
     assert main([]) == 1
     failed = [line for line in capsys.readouterr().out.splitlines() if "FAIL" in line]
     assert len(failed) == 1 and failed[0].startswith(f"| {broken} |")
@@ -36,4 +40,4 @@ def test_the_layout_checks_pass_here(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for layout in ("data parallel x2", "tensor parallel x2", "expert parallel x2", "pipeline x2"):
         assert f"| {layout} | float32 |" in done.stdout
-    assert "13 of 13 checks passed" in done.stdout
+    assert "15 of 15 checks passed" in done.stdout

@@ -18,6 +18,7 @@ from ..model.layers import RMSNorm, SwiGLUMLP
 from ..model.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
 from ..model.single_device import SingleDevicePlan
 from ..moe.dispatcher import LocalDispatcher
+from ..moe.expert_matmul import expert_loop, grouped_swiglu
 
 
 @dataclass
@@ -116,6 +117,35 @@ def dispatch_and_combine(rng, dtype):
     return ours, x * ((experts + 1) * weights).sum(axis=1, keepdims=True)
 
 
+def routed_experts(rng, dtype, grouped: bool = False):
+    """Four SwiGLU experts over expert-sorted rows (one without rows), as the MoE layer runs them on this device,
+    then the gradients of ``sum(out * probe)``: [out, row gradients, weight gradients]."""
+    counts, hidden, width = [3, 0, 5, 2], 8, 6
+    rows, probe = rng.standard_normal([sum(counts), hidden]), rng.standard_normal([sum(counts), hidden])
+    up_gate = [rng.standard_normal([hidden, 2 * width]) * 0.4 for _ in counts]
+    down = [rng.standard_normal([width, hidden]) * 0.4 for _ in counts]
+    x, ups, downs = _tensor(rows, dtype), [_tensor(w, dtype) for w in up_gate], [_tensor(w, dtype) for w in down]
+    for t in (x, *ups, *downs):
+        t.stop_gradient = False
+    out = (grouped_swiglu if grouped else expert_loop)(x, counts, ups, downs)
+    (out.astype("float32") * _tensor(probe, "float32")).sum().backward()
+    ours = paddle.concat([t.astype("float32").flatten() for t in (out, x.grad, *(w.grad for w in ups + downs))])
+
+    expected_out, grad_rows = np.zeros_like(rows), np.zeros_like(rows)
+    grad_up_gate, grad_down = [np.zeros_like(w) for w in up_gate], [np.zeros_like(w) for w in down]
+    for j, (start, end) in enumerate(zip(np.cumsum([0] + counts[:-1]), np.cumsum(counts))):
+        xj, gj = rows[start:end], probe[start:end]
+        gate, up = np.split(xj @ up_gate[j], 2, axis=-1)
+        sig = 1 / (1 + np.exp(-gate))
+        h = gate * sig * up
+        expected_out[start:end] = h @ down[j]
+        grad_h = gj @ down[j].T
+        grad_a = np.concatenate([grad_h * up * sig * (1 + gate * (1 - sig)), grad_h * gate * sig], axis=-1)
+        grad_down[j], grad_up_gate[j] = h.T @ gj, xj.T @ grad_a
+        grad_rows[start:end] = grad_a @ up_gate[j].T
+    return ours, np.concatenate([a.ravel() for a in (expected_out, grad_rows, *grad_up_gate, *grad_down)])
+
+
 def combine(rng, dtype, fused: bool = False):
     """12 expert-output rows summed into 5 tokens by weight (one token gets none, another four), then the
     gradients of ``sum(out * probe)`` for the rows and the weights: [out, row gradients, weight gradients]."""
@@ -145,7 +175,9 @@ def loss(rng, dtype):
 
 CHECKS = {"attention": attention, "attention without a mask": functools.partial(attention, masked=False),
           "rms_norm": rms_norm, "swiglu": swiglu, "rotary embedding": rotary, "vision rotary embedding": vision_rotary,
-          "expert dispatch and combine": dispatch_and_combine, "moe combine with gradients": combine, "loss": loss}
+          "expert dispatch and combine": dispatch_and_combine, "moe combine with gradients": combine,
+          "routed experts one by one, with gradients": routed_experts,
+          "routed experts grouped, with gradients": functools.partial(routed_experts, grouped=True), "loss": loss}
 # Paddle's GPU-only kernels, each against the reference its plain path meets above
 FUSED_CHECKS = {f"{name}, fused kernel": functools.partial(CHECKS[name], fused=True)
                 for name in ("rms_norm", "rotary embedding", "vision rotary embedding", "moe combine with gradients")}
