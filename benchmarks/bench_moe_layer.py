@@ -5,7 +5,8 @@
 
 The dense MLP's width is k x expert width, so both do the same matmul work per token; the ratio shows what
 routing, sorting, gathering and combining cost on top. The MoE layer runs its experts both ways
-(``training.moe_expert_matmul``): one after another, and grouped (one padded batched matmul per projection).
+(``training.moe_expert_matmul``): one after another, and grouped (one kernel per projection: Paddle's grouped
+GEMM on a GPU, a padded batched matmul on a CPU).
 Each repeat times every variant once, in turn, and each keeps its fastest, so load drift on a shared
 machine hits all of them alike. A second table splits the per-expert layer into its experts alone (on the
 layer's own sorted rows; also through autograd expert by expert, split and concatenated, the path LoRA experts

@@ -1,7 +1,7 @@
-"""Paddle's GPU-only kernels (RMSNorm, rotary embedding, MoE combine), run here through stand-ins that compute
-what Paddle documents and ERNIE relies on: the tables, position ids and slots this package builds for them, the
-model's use of them on a GPU, the guard that keeps a kernel which fails or disagrees out of training, and the
-doctor's check of each. Last, the math library's code path on a CPU."""
+"""Paddle's GPU-only kernels (RMSNorm, rotary embedding, MoE combine, grouped GEMM), run here through stand-ins
+that compute what Paddle documents and ERNIE relies on: the tables, position ids and slots this package builds
+for them, the model's use of them on a GPU, the guard that keeps a kernel which fails or disagrees out of
+training, and the doctor's check of each. Last, the math library's code path on a CPU."""
 
 import os
 import types
@@ -16,6 +16,8 @@ import ernie_moe.doctor.kernels as doctor
 from ernie_moe.model import kernels
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.model.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
+from ernie_moe.moe.expert_matmul import expert_loop, grouped_swiglu
+from ernie_moe.moe.experts import use_expert_matmul
 from ernie_moe.parallel import cpu_fallbacks
 
 
@@ -52,6 +54,38 @@ def documented_moe_combine_grad(x, combine_weights, scatter_index, grad_y):
     return paddle.to_tensor(grad_rows), paddle.to_tensor((grad[:, None, :] * rows[index]).reshape(-1, rows.shape[1]))
 
 
+def documented_batched_gemm(lhs, rhs, batch_sizes, trans_lhs=False, trans_rhs=False):
+    """``paddle.incubate.nn.functional.batched_gemm``: group j owns ``batch_sizes[j]`` consecutive rows of ``lhs``,
+    whose output rows are ``lhs_j @ rhs[j]`` (``rhs[j]^T`` with ``trans_rhs``); with ``trans_lhs``, ``rhs`` is
+    ``[rows, n]`` too and ``out[j] = lhs_j^T @ rhs_j``."""
+    a, b = lhs.astype("float32").numpy(), rhs.astype("float32").numpy()
+    ends = np.cumsum(batch_sizes)
+    spans = list(zip(ends - np.asarray(batch_sizes), ends))
+    if trans_lhs:
+        out = np.stack([a[start:end].T @ b[start:end] for start, end in spans])
+    else:
+        out = np.concatenate([a[start:end] @ (b[j].T if trans_rhs else b[j]) for j, (start, end) in enumerate(spans)])
+    return paddle.to_tensor(out).astype(lhs.dtype)
+
+
+class GroupedGemm:
+    """The grouped GEMM stand-in, counting its calls; ``stale`` leaves NaN in the weight-gradient slot of a group
+    without rows (a kernel that skips empty groups), ``wrong_weight_gradient`` scales that form by 1.5."""
+
+    def __init__(self, stale=False, wrong_weight_gradient=False):
+        self.calls, self.stale, self.wrong_weight_gradient = 0, stale, wrong_weight_gradient
+
+    def __call__(self, lhs, rhs, batch_sizes, trans_lhs=False, trans_rhs=False):
+        self.calls += 1
+        out = documented_batched_gemm(lhs, rhs, batch_sizes, trans_lhs, trans_rhs)
+        if trans_lhs and self.stale:
+            out = paddle.where(paddle.to_tensor(batch_sizes).reshape([-1, 1, 1]) == 0, paddle.full_like(out, np.nan),
+                               out)
+        if trans_lhs and self.wrong_weight_gradient:
+            out = out * 1.5
+        return out
+
+
 class Combine:
     def __init__(self):
         self.calls = 0
@@ -84,6 +118,7 @@ def on_a_gpu(monkeypatch):
     monkeypatch.setattr(kernels, "fused_rms_norm", kernels.plain_rms_norm)
     monkeypatch.setattr(kernels, "moe_combine", Combine())
     monkeypatch.setattr(kernels, "_C_ops", types.SimpleNamespace(moe_combine_grad=documented_moe_combine_grad))
+    monkeypatch.setattr(kernels, "batched_gemm", GroupedGemm())
 
     def install(kernel):
         monkeypatch.setattr(kernels, "fused_rotary_position_embedding", kernel)
@@ -115,12 +150,24 @@ def test_the_model_runs_the_fused_rotations_on_a_gpu(tiny_cfg, on_a_gpu):
     paddle.seed(0)
     model = ErnieMoEForConditionalGeneration(tiny_cfg.model)
     model.eval()
+    use_expert_matmul(model, "grouped")
+    moe_layers = [layer.mlp for layer in model.model.layers if layer.is_moe]
+    widths_with_rows = []  # per MoE layer, the expert widths that got rows: each is one grouped GEMM per projection
+
+    def record_widths(experts, inputs):
+        _, counts = inputs
+        widths_with_rows.append({e.intermediate_size for e, n in zip(experts, counts) if n})
+    for moe in moe_layers:
+        moe.experts.register_forward_pre_hook(record_widths)
     kernel = on_a_gpu(Kernel())
     fused_logits = model(batch, return_logits=True).logits.numpy()
     layers = tiny_cfg.model.num_hidden_layers + tiny_cfg.model.vision_config.depth
     assert kernel.calls == 2 * layers  # q and k in every decoder and ViT layer
-    assert kernels.moe_combine.calls == sum(layer.is_moe for layer in model.model.layers)
-    assert "rotary fused, vision_rotary fused, moe_combine fused" in kernels.chosen_on(paddle.CPUPlace())
+    assert kernels.moe_combine.calls == len(moe_layers)
+    assert len(widths_with_rows) == len(moe_layers) and {64, 32} in widths_with_rows  # text and vision widths
+    assert kernels.batched_gemm.calls == 2 * sum(len(widths) for widths in widths_with_rows)
+    assert "rotary fused, vision_rotary fused, moe_combine fused, grouped_gemm fused" in kernels.chosen_on(
+        paddle.CPUPlace())
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "_is_gpu", lambda place: False)
         plain_logits = model(batch, return_logits=True).logits.numpy()
@@ -145,6 +192,44 @@ def test_the_fused_combine_gives_the_plain_sums_and_gradients(on_a_gpu):
     assert kernels.moe_combine.calls == 1 and np.abs(results[0][0][[1, 4, 6]]).max() == 0  # tokens without rows
 
 
+@pytest.mark.parametrize("stale", [False, True], ids=["zeros", "leaves-nan"])
+def test_the_grouped_gemm_gives_the_loops_outputs_and_gradients(monkeypatch, on_a_gpu, stale):
+    """Experts of 3, 0, 5 and 2 rows, with one frozen weight: the outputs and every gradient of the one-by-one loop,
+    exactly zero for the expert without rows even when the kernel leaves NaN in its slot, none for the frozen one."""
+    monkeypatch.setattr(kernels, "batched_gemm", GroupedGemm(stale=stale))
+    rng = np.random.default_rng(0)
+    counts, probe = [3, 0, 5, 2], paddle.to_tensor(rng.standard_normal([10, 8]).astype("float32"))
+    arrays = [rng.standard_normal(shape).astype("float32") * 0.4
+              for shape in [[10, 8]] + [[8, 12]] * 4 + [[6, 8]] * 4]
+    results = []
+    for run in (grouped_swiglu, expert_loop):
+        x, *weights = (paddle.to_tensor(a) for a in arrays)
+        for t in (x, *weights):
+            t.stop_gradient = False
+        weights[6].stop_gradient = True  # expert 2's down projection, frozen
+        out = run(x, counts, weights[:4], weights[4:])
+        (out * probe).sum().backward()
+        results.append([out.numpy(), x.grad.numpy()] + [w.grad.numpy() for w in weights if w.grad is not None])
+        assert weights[6].grad is None
+    assert kernels.batched_gemm.calls == 2 + 2 * 2  # each projection forward, then its rows' and weights' gradients
+    assert "grouped_gemm fused" in kernels.chosen_on(paddle.CPUPlace())
+    assert len(results[0]) == len(results[1]) == 2 + 7
+    for grouped, loop in zip(*results):
+        np.testing.assert_allclose(grouped, loop, rtol=1e-5, atol=1e-6)
+    assert np.all(results[0][3] == 0) and np.all(results[0][7] == 0)  # expert 1's up_gate and down gradients
+
+
+def test_a_paddle_build_without_the_grouped_gemm_runs_the_padded_matmuls(monkeypatch, on_a_gpu):
+    monkeypatch.setattr(kernels, "batched_gemm", None)
+    rng = np.random.default_rng(0)
+    x, up_gate, down = (paddle.to_tensor(rng.standard_normal(shape).astype("float32")) for shape in
+                        ([6, 8], [2, 8, 12], [2, 6, 8]))
+    with pytest.warns(UserWarning, match="fused grouped_gemm failed .this Paddle build has no batched_gemm"):
+        out = grouped_swiglu(x, [4, 2], list(up_gate), list(down))
+    np.testing.assert_allclose(out.numpy(), expert_loop(x, [4, 2], list(up_gate), list(down)).numpy(), rtol=1e-5)
+    assert "grouped_gemm plain" in kernels.chosen_on(paddle.CPUPlace())
+
+
 @pytest.mark.parametrize("kernel", [Kernel(error=0.01), Kernel(raises=True)], ids=["disagrees", "raises"])
 def test_a_fused_kernel_that_fails_its_first_call_is_not_used_again(on_a_gpu, kernel):
     on_a_gpu(kernel)
@@ -167,16 +252,24 @@ def weight_gradient_not_summed(ctx, grad):
     return grad_x, grad_weight_rows[:, 0].reshape(weights.shape)
 
 
-@pytest.mark.parametrize("error, failed", [(0.0, []), (0.05, ["rotary embedding", "vision rotary embedding"]),
-                                           ("combine", ["moe combine with gradients"])])
+@pytest.mark.parametrize("error, failed", [
+    (0.0, []), (0.05, ["rotary embedding, fused kernel", "vision rotary embedding, fused kernel"]),
+    ("combine", ["moe combine with gradients, fused kernel"]),
+    # the first call checks the forward pass only: the grouped path the model runs fails too
+    ("grouped gemm", ["routed experts grouped, with gradients",
+                      "routed experts grouped, with gradients, fused kernel"]),
+])
 def test_the_doctor_checks_each_fused_kernel_on_a_gpu(monkeypatch, on_a_gpu, error, failed):
-    on_a_gpu(Kernel(error=0.0 if error == "combine" else error))
+    on_a_gpu(Kernel(error=error if isinstance(error, float) else 0.0))
     if error == "combine":
         monkeypatch.setattr(kernels._MoECombine, "backward", staticmethod(weight_gradient_not_summed))
+    if error == "grouped gemm":
+        monkeypatch.setattr(kernels, "batched_gemm", GroupedGemm(wrong_weight_gradient=True))
     checks = {check.name: check for check in doctor.run_checks(["float32"])}
     assert {f"{name}, fused kernel" for name in ("rms_norm", "rotary embedding", "vision rotary embedding",
-                                                 "moe combine with gradients")} <= set(checks)
-    assert sorted(name for name, check in checks.items() if not check.passed) == [f"{n}, fused kernel" for n in failed]
+                                                 "moe combine with gradients", "routed experts grouped, with gradients"
+                                                 )} <= set(checks)
+    assert sorted(name for name, check in checks.items() if not check.passed) == failed
 
 
 @pytest.mark.parametrize("vendor, flags, preset, asks", [

@@ -189,10 +189,11 @@ class TrainingConfig:
                                        "recomputed in the backward pass, so the whole logits are never held; 0 = "
                                        "the whole sequence at once")
     moe_expert_matmul: str = choice("auto", "auto", "grouped", "per_expert",
-                                    doc="'grouped': each expert width's experts in one padded batched matmul "
-                                        "per projection; 'per_expert': one expert after another; 'auto': "
-                                        "grouped on GPUs (launch-bound with many small experts), per expert on "
-                                        "CPUs (arithmetic-bound, where the padding only adds work)")
+                                    doc="'grouped': each expert width's experts in one kernel per projection "
+                                        "(Paddle's grouped GEMM on GPUs, a padded batched matmul elsewhere); "
+                                        "'per_expert': one expert after another; 'auto': grouped on GPUs "
+                                        "(launch-bound with many small experts), per expert on CPUs "
+                                        "(arithmetic-bound, where the padding only adds work)")
     offload_optim: bool = opt(False, "AdamW moments and float32 master weights in host memory between steps, "
                                       "brought to the device a bucket of parameters at a time for the update")
     eval_steps: int = opt(100, "evaluate every N steps and at the end; 0 = only at the end")

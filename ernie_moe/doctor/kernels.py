@@ -18,7 +18,7 @@ from ..model.layers import RMSNorm, SwiGLUMLP
 from ..model.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
 from ..model.single_device import SingleDevicePlan
 from ..moe.dispatcher import LocalDispatcher
-from ..moe.expert_matmul import expert_loop, grouped_swiglu
+from ..moe.expert_matmul import expert_loop, grouped_gemm_swiglu, grouped_swiglu
 
 
 @dataclass
@@ -117,9 +117,10 @@ def dispatch_and_combine(rng, dtype):
     return ours, x * ((experts + 1) * weights).sum(axis=1, keepdims=True)
 
 
-def routed_experts(rng, dtype, grouped: bool = False):
-    """Four SwiGLU experts over expert-sorted rows (one without rows), as the MoE layer runs them on this device,
-    then the gradients of ``sum(out * probe)``: [out, row gradients, weight gradients]."""
+def routed_experts(rng, dtype, grouped: bool = False, fused: bool = False):
+    """Four SwiGLU experts over expert-sorted rows (one without rows), as the MoE layer runs them on this device
+    (``fused``: Paddle's grouped GEMM itself), then the gradients of ``sum(out * probe)``: [out, row gradients,
+    weight gradients]."""
     counts, hidden, width = [3, 0, 5, 2], 8, 6
     rows, probe = rng.standard_normal([sum(counts), hidden]), rng.standard_normal([sum(counts), hidden])
     up_gate = [rng.standard_normal([hidden, 2 * width]) * 0.4 for _ in counts]
@@ -127,7 +128,8 @@ def routed_experts(rng, dtype, grouped: bool = False):
     x, ups, downs = _tensor(rows, dtype), [_tensor(w, dtype) for w in up_gate], [_tensor(w, dtype) for w in down]
     for t in (x, *ups, *downs):
         t.stop_gradient = False
-    out = (grouped_swiglu if grouped else expert_loop)(x, counts, ups, downs)
+    run = grouped_gemm_swiglu if fused else grouped_swiglu if grouped else expert_loop
+    out = run(x, counts, ups, downs)
     (out.astype("float32") * _tensor(probe, "float32")).sum().backward()
     ours = paddle.concat([t.astype("float32").flatten() for t in (out, x.grad, *(w.grad for w in ups + downs))])
 
@@ -180,7 +182,8 @@ CHECKS = {"attention": attention, "attention without a mask": functools.partial(
           "routed experts grouped, with gradients": functools.partial(routed_experts, grouped=True), "loss": loss}
 # Paddle's GPU-only kernels, each against the reference its plain path meets above
 FUSED_CHECKS = {f"{name}, fused kernel": functools.partial(CHECKS[name], fused=True)
-                for name in ("rms_norm", "rotary embedding", "vision rotary embedding", "moe combine with gradients")}
+                for name in ("rms_norm", "rotary embedding", "vision rotary embedding", "moe combine with gradients",
+                             "routed experts grouped, with gradients")}
 
 
 def _on_gpu() -> bool:

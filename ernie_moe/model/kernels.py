@@ -1,9 +1,10 @@
 """Paddle's fused kernels, chosen in one place.
 
 SwiGLU runs Paddle's fused ``swiglu`` on every device: it has a CPU kernel, so the code GPUs run is the
-code tested here. Paddle's fused RMSNorm, rotary embedding and MoE combine have no CPU kernel (the RMSNorm's
-AVX-512 variant stops a CPU without AVX-512 with SIGILL), so they run only on a GPU, with the plain formulas as
-their reference: ``python -m ernie_moe.doctor`` checks each fused kernel against NumPy on the user's GPU.
+code tested here. Paddle's fused RMSNorm, rotary embedding, MoE combine and grouped GEMM have no CPU kernel (the
+RMSNorm's AVX-512 variant stops a CPU without AVX-512 with SIGILL), so they run only on a GPU, with the plain
+formulas as their reference: ``python -m ernie_moe.doctor`` checks each fused kernel against NumPy on the user's
+GPU.
 
 A GPU-only kernel is also checked where it first runs: its first call on a device and dtype is compared with
 the plain formula on the same inputs. One that fails that call or disagrees falls back to the plain path
@@ -22,6 +23,11 @@ from paddle.autograd import PyLayer
 from paddle.incubate.nn.functional import fused_rotary_position_embedding, moe_combine
 
 from .rope import apply_rotary, apply_rotary_half
+
+try:  # Paddle's grouped GEMM; a build without it runs the padded batched matmul (``moe.expert_matmul``)
+    from paddle.incubate.nn.functional import batched_gemm
+except ImportError:
+    batched_gemm = None
 
 # largest difference allowed, relative to the reference's largest magnitude; float32 matmuls on GPUs may run in
 # TF32 (10-bit mantissa)
@@ -47,8 +53,8 @@ def fused_rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddl
 
 
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
-    return _fused_or_plain("rms_norm", x, lambda: fused_rms_norm(x, weight, eps),
-                           lambda: plain_rms_norm(x, weight, eps))
+    return fused_or_plain("rms_norm", x, lambda: fused_rms_norm(x, weight, eps),
+                          lambda: plain_rms_norm(x, weight, eps))
 
 
 def fused_rotary(x: paddle.Tensor, angles: paddle.Tensor, halves: bool) -> paddle.Tensor:
@@ -75,15 +81,15 @@ def fused_rotary(x: paddle.Tensor, angles: paddle.Tensor, halves: bool) -> paddl
 def rotary(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
     """The language model's rotation (``rope.apply_rotary``): ``x [batch, seq, heads, head_dim]``, ``angles
     [batch, seq, head_dim / 2]``."""
-    return _fused_or_plain("rotary", x, lambda: fused_rotary(x, angles, halves=False),
-                           lambda: apply_rotary(x, angles))
+    return fused_or_plain("rotary", x, lambda: fused_rotary(x, angles, halves=False),
+                          lambda: apply_rotary(x, angles))
 
 
 def vision_rotary(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
     """The ViT's rotation (``rope.apply_rotary_half``): ``x [patches, heads, head_dim]``, ``angles [patches,
     head_dim / 2]``."""
-    return _fused_or_plain("vision_rotary", x, lambda: fused_rotary(x.unsqueeze(0), angles, halves=True)[0],
-                           lambda: apply_rotary_half(x, angles))
+    return fused_or_plain("vision_rotary", x, lambda: fused_rotary(x.unsqueeze(0), angles, halves=True)[0],
+                          lambda: apply_rotary_half(x, angles))
 
 
 def ranks_within_groups(ids: paddle.Tensor, groups: int):
@@ -136,16 +142,51 @@ def fused_weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weig
     return _MoECombine.apply(rows, slot_weights, index)
 
 
+class _GroupedGemm(PyLayer):
+    """Paddle's grouped GEMM (``batched_gemm``) with its backward as two more grouped GEMMs: the rows' gradient
+    against the transposed weights, and each group's weight gradient ``rows_j^T grad_j`` (the kernel's
+    transposed-lhs form, whose inner dimension is the group's row count). A group without rows gets a zero
+    weight gradient whatever the kernel leaves in its slot."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, counts):
+        # which inputs want a gradient, read now: the tensors a recompute hands back to backward are detached
+        ctx.counts, ctx.wants_grad = counts, (not rows.stop_gradient, not weights.stop_gradient)
+        ctx.save_for_backward(rows, weights)
+        return batched_gemm(rows, weights, counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weights = ctx.saved_tensor()
+        counts, (wants_rows, wants_weights) = ctx.counts, ctx.wants_grad
+        grad_rows = batched_gemm(grad, weights, counts, trans_rhs=True) if wants_rows else None
+        grad_weights = None
+        if wants_weights:
+            grad_weights = batched_gemm(rows, grad, counts, trans_lhs=True)
+            if 0 in counts:
+                has_rows = paddle.to_tensor([c > 0 for c in counts]).reshape([-1, 1, 1])
+                grad_weights = paddle.where(has_rows, grad_weights, paddle.zeros_like(grad_weights))
+        return grad_rows, grad_weights
+
+
+def grouped_gemm(rows: paddle.Tensor, weights: paddle.Tensor, counts: list[int]) -> paddle.Tensor:
+    """``rows [n, in]``, of which group j owns ``counts[j]`` consecutive rows, times ``weights[j] [in, out]``:
+    ``[n, out]``, in one kernel without padding (GPU only; see :func:`..moe.expert_matmul.grouped_swiglu`)."""
+    if batched_gemm is None:
+        raise NotImplementedError("this Paddle build has no batched_gemm")
+    return _GroupedGemm.apply(rows, weights, counts)
+
+
 def weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: paddle.Tensor,
                      num_tokens: int) -> paddle.Tensor:
     """``out[t]``: the sum of ``weights[r] * rows[r]`` over the rows r with ``token_index[r] == t``."""
     if rows.shape[0] == 0:
         return plain_weighted_combine(rows, token_index, weights, num_tokens)
-    return _fused_or_plain("moe_combine", rows, lambda: fused_weighted_combine(rows, token_index, weights, num_tokens),
-                           lambda: plain_weighted_combine(rows, token_index, weights, num_tokens))
+    return fused_or_plain("moe_combine", rows, lambda: fused_weighted_combine(rows, token_index, weights, num_tokens),
+                          lambda: plain_weighted_combine(rows, token_index, weights, num_tokens))
 
 
-def _fused_or_plain(kernel: str, x: paddle.Tensor, fused, plain) -> paddle.Tensor:
+def fused_or_plain(kernel: str, x: paddle.Tensor, fused, plain) -> paddle.Tensor:
     """``fused()`` where it is used on ``x``'s device and dtype (see the module docstring), else ``plain()``."""
     if not _is_gpu(x.place):
         return plain()
@@ -182,5 +223,5 @@ def chosen_on(place) -> str:
     def choice(kernel: str) -> str:
         works = [ok for (k, p, _), ok in _FUSED_WORKS.items() if k == kernel and p == str(place)]
         return "fused" if _is_gpu(place) and all(works) else "plain"
-    gpu_only = ("rms_norm", "rotary", "vision_rotary", "moe_combine")
+    gpu_only = ("rms_norm", "rotary", "vision_rotary", "moe_combine", "grouped_gemm")
     return ", ".join(["swiglu fused"] + [f"{kernel} {choice(kernel)}" for kernel in gpu_only])

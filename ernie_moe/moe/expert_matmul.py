@@ -2,8 +2,9 @@
 
 Both take ``rows [kept, hidden]``, in which expert j owns ``counts[j]`` consecutive rows, and the experts'
 ``up_gate [hidden, 2 * width]`` and ``down [width, hidden]`` weights, and return the output rows in the same
-order. :func:`expert_loop` runs one expert after another; :func:`grouped_swiglu` pads every expert to the busiest
-one and runs each projection as one batched matmul.
+order. :func:`expert_loop` runs one expert after another; :func:`grouped_swiglu` runs each projection of all the
+experts as one kernel: Paddle's grouped GEMM on a GPU (each expert's rows as they are), else one batched matmul
+over the rows padded to the busiest expert's count.
 """
 
 from __future__ import annotations
@@ -79,9 +80,27 @@ def expert_loop(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Ten
 
 def grouped_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Tensor],
                    down: list[paddle.Tensor]) -> paddle.Tensor:
-    """The same as :func:`expert_loop` for experts of one width, in one batched matmul per projection: the rows
-    are padded to the busiest expert's count with zeros, ``[experts, rows, hidden]``. Zero rows give zero outputs
-    and add nothing to the weights' gradients."""
+    """The same as :func:`expert_loop` for experts of one width, each projection as one kernel: Paddle's grouped
+    GEMM where it runs (a GPU; checked against the padded form at its first call, ``kernels.fused_or_plain``),
+    else :func:`padded_swiglu`. A run without rows takes the padded form, which still gives every weight its
+    (zero) gradient."""
+    if rows.shape[0] == 0:
+        return padded_swiglu(rows, counts, up_gate, down)
+    return kernels.fused_or_plain("grouped_gemm", rows, lambda: grouped_gemm_swiglu(rows, counts, up_gate, down),
+                                  lambda: padded_swiglu(rows, counts, up_gate, down))
+
+
+def grouped_gemm_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Tensor],
+                        down: list[paddle.Tensor]) -> paddle.Tensor:
+    """Paddle's grouped GEMM over the stacked weights, no padding (GPU only)."""
+    hidden = kernels.swiglu(kernels.grouped_gemm(rows, paddle.stack(up_gate).astype(rows.dtype), counts))
+    return kernels.grouped_gemm(hidden, paddle.stack(down).astype(hidden.dtype), counts)
+
+
+def padded_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Tensor],
+                  down: list[paddle.Tensor]) -> paddle.Tensor:
+    """One batched matmul per projection: the rows are padded to the busiest expert's count with zeros,
+    ``[experts, rows, hidden]``. Zero rows give zero outputs and add nothing to the weights' gradients."""
     experts, most, hidden = len(counts), max(max(counts), 1), rows.shape[1]
     # slot (e, i) of the padded batch reads row i of expert e, or the appended zero row
     source = np.full([experts, most], rows.shape[0], dtype="int64")

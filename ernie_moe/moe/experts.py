@@ -6,9 +6,10 @@ whichever rank holds it.
 
 The experts take the dispatcher's rows sorted by expert, with the row count of each expert, and return their
 outputs in the same order. Two ways to run them, with the same result (``training.moe_expert_matmul``): one
-expert after another, or grouped, every expert of a width in one padded batched matmul per projection
-(``expert_matmul``). The loop suits CPUs, where the arithmetic sets the time and padding only adds to it; the
-grouped run suits GPUs, where 64 experts would otherwise launch their small matmuls one after another.
+expert after another, or grouped, every expert of a width in one kernel per projection (``expert_matmul``:
+Paddle's grouped GEMM on a GPU, a padded batched matmul elsewhere). The loop suits CPUs, where the arithmetic
+sets the time and padding only adds to it; the grouped run suits GPUs, where 64 experts would otherwise launch
+their small matmuls one after another.
 """
 
 from __future__ import annotations
