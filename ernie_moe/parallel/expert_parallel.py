@@ -84,10 +84,10 @@ class ExpertParallelDispatcher(_ByOwner):
         inputs = paddle.gather(received, index) if received.shape[0] else received
         return inputs, mine.sum(axis=0).tolist(), state
 
-    def rows_back(self, out, state: ExpertParallelState):
-        source_major = paddle.zeros_like(out)
-        if out.shape[0]:
-            source_major = paddle.scatter(source_major, state.to_expert_major, out)
+    def rows_back(self, expert_rows, state: ExpertParallelState):
+        source_major = paddle.zeros_like(expert_rows)
+        if expert_rows.shape[0]:
+            source_major = paddle.scatter(source_major, state.to_expert_major, expert_rows)
         return all_to_all(source_major, state.recv_splits, state.send_splits, self.group)
 
 
@@ -121,5 +121,5 @@ class TensorParallelExpertDispatcher(_ByOwner):
         state = TensorParallelExpertState(rows, row_weights, routed, kept, per_rank.sum(axis=1).tolist())
         return inputs, per_rank[self.rank].tolist(), state
 
-    def rows_back(self, out, state: TensorParallelExpertState):
-        return GatherRows.apply(out, state.block_sizes, self.group)
+    def rows_back(self, expert_rows, state: TensorParallelExpertState):
+        return GatherRows.apply(expert_rows, state.block_sizes, self.group)
