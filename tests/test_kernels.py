@@ -219,6 +219,23 @@ def test_the_grouped_gemm_gives_the_loops_outputs_and_gradients(monkeypatch, on_
     assert np.all(results[0][3] == 0) and np.all(results[0][7] == 0)  # expert 1's up_gate and down gradients
 
 
+def test_under_autocast_the_grouped_gemm_runs_in_its_dtype(monkeypatch, on_a_gpu):
+    """float32 rows (an O1 residual stream) meet the kernel in autocast's dtype; float64 stands in for bfloat16,
+    which Paddle's CPU swiglu lacks."""
+    monkeypatch.setattr(paddle.amp, "is_autocast_enabled", lambda: True)
+    monkeypatch.setattr(paddle.amp, "get_autocast_dtype", lambda: "float64")
+    seen = []
+    monkeypatch.setattr(kernels, "batched_gemm", lambda lhs, rhs, *args, **kwargs: seen.append(
+        (lhs.dtype, rhs.dtype)) or documented_batched_gemm(lhs, rhs, *args, **kwargs))
+    rng = np.random.default_rng(0)
+    x, up_gate, down = (paddle.to_tensor(rng.standard_normal(shape).astype("float32")) for shape in
+                        ([6, 8], [2, 8, 12], [2, 6, 8]))
+    out = grouped_swiglu(x, [4, 2], list(up_gate), list(down))
+    assert out.dtype == paddle.float64 and set(seen) == {(paddle.float64, paddle.float64)}
+    assert kernels._FUSED_WORKS == {("grouped_gemm", str(x.place), "paddle.float64"): True}
+    np.testing.assert_allclose(out.numpy(), expert_loop(x, [4, 2], list(up_gate), list(down)).numpy(), rtol=1e-5)
+
+
 def test_a_paddle_build_without_the_grouped_gemm_runs_the_padded_matmuls(monkeypatch, on_a_gpu):
     monkeypatch.setattr(kernels, "batched_gemm", None)
     rng = np.random.default_rng(0)
