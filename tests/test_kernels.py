@@ -10,13 +10,14 @@ import warnings
 import numpy as np
 import paddle
 import pytest
+from paddle.base import core
 from test_model import first_batch
 
 import ernie_moe.doctor.kernels as doctor
 from ernie_moe.model import kernels
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.model.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
-from ernie_moe.moe.expert_matmul import expert_loop, grouped_swiglu
+from ernie_moe.moe.expert_matmul import expert_loop, grouped_gemm_swiglu, grouped_swiglu, padded_swiglu
 from ernie_moe.moe.experts import use_expert_matmul
 from ernie_moe.parallel import cpu_fallbacks
 
@@ -228,12 +229,45 @@ def test_under_autocast_the_grouped_gemm_runs_in_its_dtype(monkeypatch, on_a_gpu
     monkeypatch.setattr(kernels, "batched_gemm", lambda lhs, rhs, *args, **kwargs: seen.append(
         (lhs.dtype, rhs.dtype)) or documented_batched_gemm(lhs, rhs, *args, **kwargs))
     rng = np.random.default_rng(0)
-    x, up_gate, down = (paddle.to_tensor(rng.standard_normal(shape).astype("float32")) for shape in
-                        ([6, 8], [2, 8, 12], [2, 6, 8]))
-    out = grouped_swiglu(x, [4, 2], list(up_gate), list(down))
-    assert out.dtype == paddle.float64 and set(seen) == {(paddle.float64, paddle.float64)}
+    arrays = [rng.standard_normal(shape).astype("float32") for shape in [[6, 8], [8, 12], [8, 12], [6, 8], [6, 8]]]
+    results = []
+    for run in (grouped_swiglu, expert_loop):
+        x, *weights = (paddle.to_tensor(a, stop_gradient=False) for a in arrays)
+        out = run(x, [4, 2], weights[:2], weights[2:])
+        out.sum().backward()
+        assert all(w.grad.dtype == paddle.float32 for w in weights)  # the weights' own dtype
+        results.append([out.numpy()] + [w.grad.numpy() for w in weights])
+    assert results[0][0].dtype == np.float64 and set(seen) == {(paddle.float64, paddle.float64)}
     assert kernels._FUSED_WORKS == {("grouped_gemm", str(x.place), "paddle.float64"): True}
-    np.testing.assert_allclose(out.numpy(), expert_loop(x, [4, 2], list(up_gate), list(down)).numpy(), rtol=1e-5)
+    for grouped, loop in zip(*results):
+        np.testing.assert_allclose(grouped, loop, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("run", [padded_swiglu, grouped_gemm_swiglu], ids=["padded", "grouped gemm"])
+def test_the_grouped_experts_keep_no_stacked_copy_of_the_weights_for_backward(on_a_gpu, run):
+    """What the forward pass leaves allocated (the activations kept for backward) is the loop's and a little
+    padding: not the experts' weights stacked for the kernel, here 14 times the loop's activations."""
+    rng = np.random.default_rng(0)
+    counts, hidden, width = [2] * 8, 32, 128
+    x, *weights = (paddle.to_tensor(0.2 * rng.standard_normal(shape).astype("float32"), stop_gradient=False)
+                   for shape in [[16, hidden]] + [[hidden, 2 * width]] * 8 + [[width, hidden]] * 8)
+
+    def kept_by(run):
+        before = core.host_memory_stat_current_value("Allocated", 0)
+        out = run(x, counts, weights[:8], weights[8:])
+        return core.host_memory_stat_current_value("Allocated", 0) - before, out
+
+    loop, loop_out = kept_by(expert_loop)
+    grouped, out = kept_by(run)
+    stacked = 4 * sum(int(np.prod(w.shape)) for w in weights)
+    assert stacked > 14 * loop > 0 and loop <= grouped < loop + stacked / 10, (loop, grouped, stacked)
+    out.sum().backward()  # the backward stacks them again
+    grads = [w.grad.numpy() for w in weights]
+    for w in weights:
+        w.clear_gradient()
+    loop_out.sum().backward()
+    for grad, w in zip(grads, weights):
+        np.testing.assert_allclose(grad, w.grad.numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_paddle_build_without_the_grouped_gemm_runs_the_padded_matmuls(monkeypatch, on_a_gpu):

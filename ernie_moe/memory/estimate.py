@@ -128,6 +128,7 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[
     attention = 4 * (norm_residual + attention_linear) + scores_bytes
 
     modalities = m.moe_modalities_at(layer)
+    stacking = 0.0
     if not modalities:
         mlp = 4 * (norm_residual + 4 * t * m.intermediate_size / tp)
     else:
@@ -143,24 +144,27 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[
         router = 3.4 * sum(n * e for n, e, _ in routed)
         exchange = 2 * copies * h if parallel.expert_parallel_degree > 1 and parallel.moe_group == "ep" else 0
         shared = 4 * t * widths[0] * m.moe_num_shared_experts / tp
-        # batched matmuls keep the stacked weights of this rank's experts (a copy) for their backward
+        mlp = 4 * (norm_residual + router + t * h + copies * (1.8 * h + 3.2 * width) + exchange + shared)
+        # batched matmuls stack one projection's weights of this rank's experts of one width while it runs, in
+        # forward and again in backward (then their stacked gradient): the largest up/gate projection's at most
         expert_ranks = parallel.expert_parallel_degree if parallel.moe_group == "ep" else expert_split
-        stacked = sum(3 * h * n * wd for _, n, wd in routed) / expert_ranks if uses_grouped_matmul(training) else 0
-        mlp = 4 * (norm_residual + router + t * h + copies * (1.8 * h + 3.2 * width) + exchange + shared + stacked)
+        if uses_grouped_matmul(training):
+            stacking = 4 * max(2 * h * n * wd for _, n, wd in routed) / expert_ranks
 
-    # (kept for backward, re-run in backward minus what the layer's backward has freed before it)
+    # (kept for backward, what the layer's backward holds besides: its re-run block, minus what it has freed before
+    # it, and the stacked expert weights)
     recomputes = training.recompute and layer in selected_layers(training.recompute_layers, m.num_hidden_layers)
     granularity = training.recompute_granularity if recomputes else None
     if granularity == "full":
-        return 4 * t * h / sp, attention + mlp
+        return 4 * t * h / sp, attention + mlp + stacking
     if granularity == "full_attn":
-        return 4 * t * h / sp + mlp, max(attention - mlp, 0.0)
+        return 4 * t * h / sp + mlp, max(attention - mlp, 0.0) + stacking
     if granularity == "core_attn":
         core = scores_bytes + 4 * repeat
-        return attention - core + mlp, max(core - mlp, 0.0)
+        return attention - core + mlp, max(core - mlp, 0.0) + stacking
     if granularity == "moe" and modalities:
-        return attention + 4 * (norm_residual + t * h), mlp
-    return attention + mlp, 0.0
+        return attention + 4 * (norm_residual + t * h), mlp + stacking
+    return attention + mlp, stacking
 
 
 def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, float]]:

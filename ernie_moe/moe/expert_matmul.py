@@ -94,9 +94,30 @@ def grouped_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.
 
 def grouped_gemm_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Tensor],
                         down: list[paddle.Tensor]) -> paddle.Tensor:
-    """Paddle's grouped GEMM over the stacked weights, no padding (GPU only)."""
-    hidden = kernels.swiglu(kernels.grouped_gemm(rows, paddle.stack(up_gate).astype(rows.dtype), counts))
-    return kernels.grouped_gemm(hidden, paddle.stack(down).astype(hidden.dtype), counts)
+    """Paddle's grouped GEMM over the experts' weights, no padding (GPU only)."""
+    hidden = kernels.swiglu(kernels.grouped_gemm(rows, up_gate, counts))
+    return kernels.grouped_gemm(hidden, down, counts)
+
+
+class _BatchedOverExperts(PyLayer):
+    """``x [experts, rows, in]`` times each expert's weight ``[in, out]`` as one batched matmul. The weights are
+    stacked here and again in backward, so the backward keeps the weights themselves, not a stacked copy."""
+
+    @staticmethod
+    def forward(ctx, x, *weights):
+        # which inputs want a gradient, read now: the tensors a recompute hands back to backward are detached
+        ctx.wants_grad = [not t.stop_gradient for t in (x, *weights)]
+        ctx.save_for_backward(x, *weights)
+        return paddle.bmm(x, kernels.stack_as(weights, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensor()
+        wants_x, wants_weights = ctx.wants_grad[0], ctx.wants_grad[1:]
+        grad_x = paddle.matmul(grad, kernels.stack_as(weights, x.dtype), transpose_y=True) if wants_x else None
+        per_expert = paddle.matmul(x, grad, transpose_x=True) if any(wants_weights) else None
+        return grad_x, *[per_expert[j].astype(w.dtype) if wants else None
+                         for j, (w, wants) in enumerate(zip(weights, wants_weights))]
 
 
 def padded_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Tensor],
@@ -110,7 +131,7 @@ def padded_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.T
         source[e, :end - start] = np.arange(start, end)
     flat = paddle.concat([rows, paddle.zeros([1, hidden], dtype=rows.dtype)], axis=0)
     padded = paddle.gather(flat, paddle.to_tensor(source.reshape(-1))).reshape([experts, most, hidden])
-    h = kernels.swiglu(paddle.bmm(padded, paddle.stack(up_gate).astype(padded.dtype)))
-    out = paddle.bmm(h, paddle.stack(down).astype(h.dtype)).reshape([experts * most, -1])
+    h = kernels.swiglu(_BatchedOverExperts.apply(padded, *up_gate))
+    out = _BatchedOverExperts.apply(h, *down).reshape([experts * most, -1])
     kept = np.concatenate([e * most + np.arange(c) for e, c in enumerate(counts)]).astype("int64")
     return paddle.gather(out, paddle.to_tensor(kept))
