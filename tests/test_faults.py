@@ -93,18 +93,81 @@ def test_a_crafted_pdparams_is_refused_and_never_executed(tmp_path):
     assert not touched.exists()
 
 
-def test_a_real_pdparams_reads_as_paddle_load_reads_it(tmp_path):
+@pytest.mark.parametrize("protocol", [2, 3, 4])
+def test_a_real_pdparams_reads_as_paddle_load_reads_it(tmp_path, protocol):
+    """Every pickle protocol ``paddle.save`` writes; its bookkeeping entry and a bare tensor's (name, array) pair
+    are read past, bfloat16 is widened."""
     import paddle
 
     from ernie_moe.checkpoint.pdparams import load_pdparams
 
     state = {"w": paddle.randn([3, 4]), "half": paddle.randn([5]).astype("float16"),
-             "bf16": paddle.randn([2, 3]).astype("bfloat16")}
-    paddle.save(state, str(tmp_path / "model_state.pdparams"))
+             "bf16": paddle.randn([2, 3]).astype("bfloat16"), "ids": paddle.to_tensor([[1, -2]], dtype="int64"),
+             "mask": paddle.to_tensor([True, False]), "empty": paddle.zeros([0, 4])}
+    paddle.save(state, str(tmp_path / "model_state.pdparams"), protocol=protocol)
     loaded = load_pdparams(tmp_path / "model_state.pdparams")
     assert set(loaded) == set(state)
     for name, tensor in state.items():
-        np.testing.assert_array_equal(loaded[name], tensor.astype("float32").numpy(), err_msg=name)
+        expected = tensor.astype("float32") if tensor.dtype == paddle.bfloat16 else tensor
+        np.testing.assert_array_equal(loaded[name], expected.numpy(), err_msg=name)
+        assert loaded[name].dtype == expected.numpy().dtype, name
+    reference = paddle.load(str(tmp_path / "model_state.pdparams"))  # the test's own file: paddle.load may read it
+    np.testing.assert_array_equal(loaded["w"], reference["w"].numpy())
+
+
+class Stateful:
+    def __init__(self):
+        self.touched = True
+
+
+@pytest.mark.parametrize("payload, why", [
+    ({"w": TouchesAFile("/nonexistent/pwned")}, "it names posix.system"),
+    ({"w": np.array([TouchesAFile("/nonexistent/pwned")], dtype=object)}, "dtype object"),
+    ({"w": np.array([1, 2], dtype=object)}, "dtype object"),
+    ({"w": np.zeros(2, dtype=[("a", "f4"), ("b", "i4")])}, "structured dtype"),
+    ({"w": np.array(["text"])}, "dtype <U4"),
+    ({"w": {1, 2}}, "opcode"),
+    ({"w": Stateful()}, "it names test_faults.Stateful"),
+    (b"not a pickle", "opcode"),
+    ([np.ones(2)], "it holds a list, not a state dict"),
+], ids=["call", "objects calling", "objects", "records", "strings", "set", "instance", "garbage", "list"])
+def test_a_pdparams_of_anything_but_plain_arrays_is_refused_by_name(tmp_path, payload, why):
+    from ernie_moe.checkpoint.errors import CheckpointError
+    from ernie_moe.checkpoint.pdparams import load_pdparams
+
+    path = tmp_path / "model_state.pdparams"
+    path.write_bytes(payload if isinstance(payload, bytes) else pickle.dumps(payload, protocol=4))
+    with pytest.raises(CheckpointError, match="refusing to read .*model_state.pdparams: ") as refused:
+        load_pdparams(path)
+    assert why in str(refused.value)
+
+
+def test_a_cut_or_altered_pdparams_is_refused(tmp_path):
+    """Cut anywhere, or with an array's length byte changed, a real file is an error, never a wrong tensor."""
+    from ernie_moe.checkpoint.errors import CheckpointError
+    from ernie_moe.checkpoint.pdparams import load_pdparams
+
+    data = pickle.dumps({"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, protocol=4)
+    path = tmp_path / "model_state.pdparams"
+    refused = 0
+    for end in range(len(data)):
+        path.write_bytes(data[:end])
+        with pytest.raises(CheckpointError, match="refusing to read"):
+            load_pdparams(path)
+        refused += 1
+    assert refused == len(data)
+    raw = np.arange(6, dtype=np.float32).tobytes()
+    at = data.index(raw)
+    assert data[at - 1] == len(raw)  # SHORT_BINBYTES' length byte
+    path.write_bytes(data[:at - 1] + bytes([len(raw) - 4]) + data[at:at + len(raw) - 4] + data[at + len(raw):])
+    with pytest.raises(CheckpointError, match="an array of shape .2, 3. and dtype float32 holds 20 bytes"):
+        load_pdparams(path)
+
+
+def test_no_module_of_the_package_imports_pickle():
+    for module in (ROOT / "ernie_moe").rglob("*.py"):
+        source = module.read_text()
+        assert "import pickle" not in source and "from pickle" not in source, module
 
 
 @pytest.mark.slow
