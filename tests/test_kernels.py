@@ -16,6 +16,7 @@ from test_model import first_batch
 import ernie_moe.doctor.kernels as doctor
 from ernie_moe.model import kernels
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+from ernie_moe.model.recompute import apply_recompute
 from ernie_moe.model.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
 from ernie_moe.moe.expert_matmul import expert_loop, grouped_gemm_swiglu, grouped_swiglu, padded_swiglu
 from ernie_moe.moe.experts import use_expert_matmul
@@ -26,18 +27,17 @@ def documented_fused_rope(q, k=None, v=None, sin=None, cos=None, position_ids=No
                           time_major=False, rotary_emb_base=10000.0):
     """``paddle.incubate.nn.functional.fused_rotary_position_embedding`` on ``q``: ``q cos + rotate(q) sin`` with
     [seq, dim] tables read at ``position_ids [batch, seq]`` when given; the "neox" style pairs neighbours,
-    the other halves."""
-    x = q.astype("float32").numpy()
-    dim = x.shape[-1]
-    sin, cos = (t.astype("float32").numpy().reshape([-1, dim]) for t in (sin, cos))
+    the other halves. Written with Paddle's operations, so it has the kernel's gradient too."""
+    dim = q.shape[-1]
+    sin, cos = (t.astype(q.dtype).reshape([-1, dim]) for t in (sin, cos))
     if position_ids is not None:
-        sin, cos = sin[position_ids.numpy()], cos[position_ids.numpy()]
-    sin, cos = sin.reshape([-1, x.shape[1], 1, dim]), cos.reshape([-1, x.shape[1], 1, dim])
+        sin, cos = (paddle.gather(t, position_ids.flatten()) for t in (sin, cos))
+    sin, cos = sin.reshape([-1, q.shape[1], 1, dim]), cos.reshape([-1, q.shape[1], 1, dim])
     if use_neox_rotary_style:
-        turned = np.stack([-x[..., 1::2], x[..., 0::2]], axis=-1).reshape(x.shape)
+        turned = paddle.stack([-q[..., 1::2], q[..., 0::2]], axis=-1).reshape(q.shape)
     else:
-        turned = np.concatenate([-x[..., dim // 2:], x[..., : dim // 2]], axis=-1)
-    return paddle.to_tensor(x * cos + turned * sin).astype(q.dtype), None, None
+        turned = paddle.concat([-q[..., dim // 2:], q[..., : dim // 2]], axis=-1)
+    return q * cos + turned * sin, None, None
 
 
 def documented_moe_combine(x, combine_weights, scatter_index):
@@ -163,16 +163,45 @@ def test_the_model_runs_the_fused_rotations_on_a_gpu(tiny_cfg, on_a_gpu):
     kernel = on_a_gpu(Kernel())
     fused_logits = model(batch, return_logits=True).logits.numpy()
     layers = tiny_cfg.model.num_hidden_layers + tiny_cfg.model.vision_config.depth
-    assert kernel.calls == 2 * layers  # q and k in every decoder and ViT layer
-    assert kernels.moe_combine.calls == len(moe_layers)
+    # each kernel's first call runs it once more, forward and backward, against the plain formula
+    assert kernel.calls == 2 * layers + 2  # q and k in every decoder and ViT layer; the checks of both rotations
+    assert kernels.moe_combine.calls == len(moe_layers) + 1
     assert len(widths_with_rows) == len(moe_layers) and {64, 32} in widths_with_rows  # text and vision widths
-    assert kernels.batched_gemm.calls == 2 * sum(len(widths) for widths in widths_with_rows)
+    assert kernels.batched_gemm.calls == 2 * sum(len(widths) for widths in widths_with_rows) + 2 + 2 * 2
     assert "rotary fused, vision_rotary fused, moe_combine fused, grouped_gemm fused" in kernels.chosen_on(
         paddle.CPUPlace())
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "_is_gpu", lambda place: False)
         plain_logits = model(batch, return_logits=True).logits.numpy()
     np.testing.assert_allclose(fused_logits, plain_logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "hooks"])
+def test_the_first_calls_inside_a_recompute_give_the_plain_gradients(tiny_cfg, on_a_gpu, use_reentrant):
+    """Under full recompute every kernel's first call runs in the recompute's first pass: reentrant, the check runs
+    there; not reentrant, where fleet's saved-tensor hooks take what autograd saves, the plain path runs and the
+    check waits for a call outside."""
+    batch = first_batch(tiny_cfg)
+    on_a_gpu(Kernel())
+    grads, chosen = [], []
+    for on_gpu in (True, False):
+        paddle.seed(0)
+        model = ErnieMoEForConditionalGeneration(tiny_cfg.model)
+        use_expert_matmul(model, "grouped")
+        apply_recompute(model, "full", use_reentrant=use_reentrant)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "_is_gpu", lambda place, on=on_gpu: on)
+            out = model(batch)
+            (out.loss_sum / out.num_label_tokens + out.router_loss).backward()
+            chosen.append(sorted(kernel for (kernel, _, _), works in kernels._FUSED_WORKS.items() if works))
+        grads.append({name: p.grad.numpy() for name, p in model.named_parameters() if p.grad is not None})
+        kernels._FUSED_WORKS.clear()
+    # not reentrant, only the final norm, outside the recomputed layers, is checked (and used from then on)
+    checked = ["grouped_gemm", "moe_combine", "rms_norm", "rotary", "vision_rotary"] if use_reentrant else ["rms_norm"]
+    assert chosen == [checked, []]
+    assert set(grads[0]) == set(grads[1]) and len(grads[0]) > 20
+    for name in grads[0]:
+        np.testing.assert_allclose(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def test_the_fused_combine_gives_the_plain_sums_and_gradients(on_a_gpu):
@@ -212,7 +241,8 @@ def test_the_grouped_gemm_gives_the_loops_outputs_and_gradients(monkeypatch, on_
         (out * probe).sum().backward()
         results.append([out.numpy(), x.grad.numpy()] + [w.grad.numpy() for w in weights if w.grad is not None])
         assert weights[6].grad is None
-    assert kernels.batched_gemm.calls == 2 + 2 * 2  # each projection forward, then its rows' and weights' gradients
+    # each projection forward, then its rows' and weights' gradients; twice, as the first call's check runs them too
+    assert kernels.batched_gemm.calls == 2 * (2 + 2 * 2)
     assert "grouped_gemm fused" in kernels.chosen_on(paddle.CPUPlace())
     assert len(results[0]) == len(results[1]) == 2 + 7
     for grouped, loop in zip(*results):
@@ -303,12 +333,60 @@ def weight_gradient_not_summed(ctx, grad):
     return grad_x, grad_weight_rows[:, 0].reshape(weights.shape)
 
 
+def backward_not_registered(ctx, grad):
+    raise RuntimeError("(NotFound) The kernel `moe_combine_grad` is not registered.")
+
+
+@pytest.mark.parametrize("backward, why", [
+    (weight_gradient_not_summed, "differs from the plain formula by"),
+    (backward_not_registered, r"failed \(RuntimeError: \(NotFound\) The kernel `moe_combine_grad` is not registered"),
+], ids=["wrong gradient", "no gradient kernel"])
+@pytest.mark.parametrize("grad_enabled", [True, False], ids=["training", "no_grad"])
+def test_a_fused_kernel_whose_backward_fails_its_first_call_is_not_used(monkeypatch, on_a_gpu, backward, why,
+                                                                        grad_enabled):
+    """The first call checks the backward pass too, also where the call itself needs none (evaluation, or a
+    recompute's first pass), so the training that follows never meets it."""
+    monkeypatch.setattr(kernels._MoECombine, "backward", staticmethod(backward))
+    rng = np.random.default_rng(0)
+    tokens = paddle.to_tensor([5, 0, 2, 2, 5, 5, 0, 5, 3])
+    x = paddle.to_tensor(rng.standard_normal([9, 6]).astype("float32"), stop_gradient=False)
+    w = paddle.to_tensor(rng.random(9).astype("float32"), stop_gradient=False)
+    with paddle.set_grad_enabled(grad_enabled), pytest.warns(UserWarning, match=f"fused moe_combine {why}"):
+        out = kernels.weighted_combine(x, tokens, w, 7)
+    assert kernels.moe_combine.calls == 1 and "moe_combine plain" in kernels.chosen_on(paddle.CPUPlace())
+    out = kernels.weighted_combine(x, tokens, w, 7)
+    out.sum().backward()
+    rx, rw = x.detach(), w.detach()
+    rx.stop_gradient = rw.stop_gradient = False
+    kernels.plain_weighted_combine(rx, tokens, rw, 7).sum().backward()
+    for ours, reference in ((x.grad, rx.grad), (w.grad, rw.grad)):
+        np.testing.assert_array_equal(ours.numpy(), reference.numpy())
+
+
+def test_a_grouped_gemm_whose_weight_gradient_is_wrong_is_not_used(monkeypatch, on_a_gpu):
+    monkeypatch.setattr(kernels, "batched_gemm", GroupedGemm(wrong_weight_gradient=True))
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape).astype("float32") for shape in [[6, 8], [8, 12], [8, 12], [6, 8], [6, 8]]]
+    results = []
+    for run in (grouped_swiglu, expert_loop):
+        x, *weights = (paddle.to_tensor(a, stop_gradient=False) for a in arrays)
+        if run is grouped_swiglu:
+            with pytest.warns(UserWarning, match="fused grouped_gemm differs from the plain formula by 5.00e-01"):
+                out = run(x, [4, 2], weights[:2], weights[2:])
+        else:
+            out = run(x, [4, 2], weights[:2], weights[2:])
+        out.sum().backward()
+        results.append([out.numpy(), x.grad.numpy()] + [w.grad.numpy() for w in weights])
+    assert "grouped_gemm plain" in kernels.chosen_on(paddle.CPUPlace())
+    for grouped, loop in zip(*results):
+        np.testing.assert_allclose(grouped, loop, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("error, failed", [
     (0.0, []), (0.05, ["rotary embedding, fused kernel", "vision rotary embedding, fused kernel"]),
     ("combine", ["moe combine with gradients, fused kernel"]),
-    # the first call checks the forward pass only: the grouped path the model runs fails too
-    ("grouped gemm", ["routed experts grouped, with gradients",
-                      "routed experts grouped, with gradients, fused kernel"]),
+    # the grouped path the model runs falls back to the padded matmuls at its first call: only the kernel fails
+    ("grouped gemm", ["routed experts grouped, with gradients, fused kernel"]),
 ])
 def test_the_doctor_checks_each_fused_kernel_on_a_gpu(monkeypatch, on_a_gpu, error, failed):
     on_a_gpu(Kernel(error=error if isinstance(error, float) else 0.0))

@@ -6,13 +6,18 @@ RMSNorm's AVX-512 variant stops a CPU without AVX-512 with SIGILL), so they run 
 formulas as their reference: ``python -m ernie_moe.doctor`` checks each fused kernel against NumPy on the user's
 GPU.
 
-A GPU-only kernel is also checked where it first runs: its first call on a device and dtype is compared with
-the plain formula on the same inputs. One that fails that call or disagrees falls back to the plain path
-there, once, with a warning, so a Paddle build whose kernel differs cannot train a different model.
+A GPU-only kernel is also checked where it first runs: at its first call on a device and dtype, it and the
+plain formula run forward and backward on copies of the same inputs, and their outputs and gradients are
+compared. One that fails there or disagrees falls back to the plain path on that device and dtype, once, with a
+warning, so a Paddle build whose kernel or gradient differs cannot train a different model. In a non-reentrant
+recompute's first pass fleet's hooks take every tensor autograd saves, so no check can run there: a kernel not
+yet checked takes the plain path there and in the pass that replays it, and its check waits for its first call
+outside them (a layer that does not recompute, or evaluation).
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -22,6 +27,7 @@ from paddle import _C_ops
 from paddle.autograd import PyLayer
 from paddle.incubate.nn.functional import fused_rotary_position_embedding, moe_combine
 
+from .recompute import replaying, saved_tensors_hooked
 from .rope import apply_rotary, apply_rotary_half
 
 try:  # Paddle's grouped GEMM; a build without it runs the padded batched matmul (``moe.expert_matmul``)
@@ -34,6 +40,7 @@ except ImportError:
 TOLERANCE = {"float32": 1e-5, "float32 (TF32 matmuls)": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
 
 _FUSED_WORKS: dict[tuple[str, str, str], bool] = {}  # (kernel, place, dtype) -> whether the fused kernel is used
+_MATMULS = {"grouped_gemm"}  # kernels made of matmuls
 
 
 def swiglu(gate_up: paddle.Tensor) -> paddle.Tensor:
@@ -53,8 +60,8 @@ def fused_rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddl
 
 
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
-    return fused_or_plain("rms_norm", x, lambda: fused_rms_norm(x, weight, eps),
-                          lambda: plain_rms_norm(x, weight, eps))
+    return fused_or_plain("rms_norm", [x, weight], lambda x, w: fused_rms_norm(x, w, eps),
+                          lambda x, w: plain_rms_norm(x, w, eps))
 
 
 def fused_rotary(x: paddle.Tensor, angles: paddle.Tensor, halves: bool) -> paddle.Tensor:
@@ -81,15 +88,15 @@ def fused_rotary(x: paddle.Tensor, angles: paddle.Tensor, halves: bool) -> paddl
 def rotary(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
     """The language model's rotation (``rope.apply_rotary``): ``x [batch, seq, heads, head_dim]``, ``angles
     [batch, seq, head_dim / 2]``."""
-    return fused_or_plain("rotary", x, lambda: fused_rotary(x, angles, halves=False),
-                          lambda: apply_rotary(x, angles))
+    return fused_or_plain("rotary", [x], lambda x: fused_rotary(x, angles, halves=False),
+                          lambda x: apply_rotary(x, angles))
 
 
 def vision_rotary(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
     """The ViT's rotation (``rope.apply_rotary_half``): ``x [patches, heads, head_dim]``, ``angles [patches,
     head_dim / 2]``."""
-    return fused_or_plain("vision_rotary", x, lambda: fused_rotary(x.unsqueeze(0), angles, halves=True)[0],
-                          lambda: apply_rotary_half(x, angles))
+    return fused_or_plain("vision_rotary", [x], lambda x: fused_rotary(x.unsqueeze(0), angles, halves=True)[0],
+                          lambda x: apply_rotary_half(x, angles))
 
 
 def ranks_within_groups(ids: paddle.Tensor, groups: int):
@@ -188,36 +195,74 @@ def weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: p
     """``out[t]``: the sum of ``weights[r] * rows[r]`` over the rows r with ``token_index[r] == t``."""
     if rows.shape[0] == 0:
         return plain_weighted_combine(rows, token_index, weights, num_tokens)
-    return fused_or_plain("moe_combine", rows, lambda: fused_weighted_combine(rows, token_index, weights, num_tokens),
-                          lambda: plain_weighted_combine(rows, token_index, weights, num_tokens))
+    return fused_or_plain("moe_combine", [rows, weights],
+                          lambda rows, w: fused_weighted_combine(rows, token_index, w, num_tokens),
+                          lambda rows, w: plain_weighted_combine(rows, token_index, w, num_tokens))
 
 
-def fused_or_plain(kernel: str, x: paddle.Tensor, fused, plain) -> paddle.Tensor:
-    """``fused()`` where it is used on ``x``'s device and dtype (see the module docstring), else ``plain()``."""
+def fused_or_plain(kernel: str, inputs: list[paddle.Tensor], fused, plain) -> paddle.Tensor:
+    """``fused(*inputs)`` where it is used on the first input's device and dtype (see the module docstring), else
+    ``plain(*inputs)``. ``inputs`` are the tensors the kernel differentiates; the rest the functions hold."""
+    x = inputs[0]
     if not _is_gpu(x.place):
-        return plain()
+        return plain(*inputs)
     key = (kernel, str(x.place), str(x.dtype))
     if not _FUSED_WORKS.get(key, True):
-        return plain()
+        return plain(*inputs)
     try:
-        out = fused()
-    except (RuntimeError, NotImplementedError, ValueError) as error:
-        return _fall_back(key, f"failed ({error})", plain)
-    if key not in _FUSED_WORKS:
-        with paddle.no_grad():
-            reference = plain().astype("float32").numpy()
-            difference = np.abs(out.astype("float32").numpy() - reference).max() / max(np.abs(reference).max(), 1.0)
-        if not difference <= TOLERANCE.get(str(x.dtype).split(".")[-1], TOLERANCE["float32"]):
-            return _fall_back(key, f"differs from the plain formula by {difference:.2e}", plain)
-        _FUSED_WORKS[key] = True
-    return out
+        if key not in _FUSED_WORKS:
+            if saved_tensors_hooked() or replaying():  # no check runs here; a replay repeats its first pass
+                return plain(*inputs)
+            difference = _largest_difference(inputs, fused, plain)
+            if not difference <= _tolerance(kernel, x.dtype):
+                return _fall_back(key, f"differs from the plain formula by {difference:.2e}", plain, inputs)
+            _FUSED_WORKS[key] = True
+        return fused(*inputs)
+    except (RuntimeError, NotImplementedError, ValueError, OSError) as error:  # OSError: raised in a backward
+        return _fall_back(key, f"failed ({_first_line(error)})", plain, inputs)
 
 
-def _fall_back(key: tuple[str, str, str], why: str, plain) -> paddle.Tensor:
+def _tolerance(kernel: str, dtype) -> float:
+    name = str(dtype).split(".")[-1]
+    if name == "float32" and kernel in _MATMULS:  # the kernel's and the plain path's matmuls may run in TF32
+        return TOLERANCE["float32 (TF32 matmuls)"]
+    return TOLERANCE.get(name, TOLERANCE["float32"])
+
+
+def _largest_difference(inputs: list[paddle.Tensor], fused, plain) -> float:
+    """The largest difference between the fused and the plain path's output and gradients, each relative to the
+    plain one's largest magnitude (at least 1)."""
+    results = [_output_and_gradients(inputs, run) for run in (fused, plain)]
+    return max(float(np.abs(a - b).max(initial=0.0)) / max(float(np.abs(b).max(initial=0.0)), 1.0)
+               for a, b in zip(*results))
+
+
+def _output_and_gradients(inputs: list[paddle.Tensor], run) -> list[np.ndarray]:
+    """``run`` on detached copies of ``inputs``, then the gradients of ``sum(out * probe)`` for each copy that is
+    floating point (zero where it has none), in float32; in training, evaluation or a recompute alike."""
+    leaves = [t.detach() for t in inputs]
+    for leaf in leaves:
+        leaf.stop_gradient = not leaf.is_floating_point()
+    trained = [leaf for leaf in leaves if not leaf.stop_gradient]
+    with paddle.set_grad_enabled(True):
+        out = run(*leaves).astype("float32")
+        probe = paddle.cos(paddle.arange(out.numel(), dtype="float32") * 0.7).reshape(out.shape)
+        grads = paddle.grad([(out * probe).sum()], trained, allow_unused=True)
+    return [out.numpy()] + [np.zeros(leaf.shape, "float32") if g is None else g.astype("float32").numpy()
+                            for leaf, g in zip(trained, grads)]
+
+
+def _first_line(error: Exception) -> str:
+    """The error itself, without the trace Paddle wraps around one raised in a backward pass."""
+    inner = re.search(r"\w+Error: [^\n]*", str(error))
+    return inner.group(0) if inner else (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _fall_back(key: tuple[str, str, str], why: str, plain, inputs: list[paddle.Tensor]) -> paddle.Tensor:
     _FUSED_WORKS[key] = False
     warnings.warn(f"Paddle's fused {key[0]} {why} on {key[1]} in {key[2]}; using the plain formula there.",
                   stacklevel=3)
-    return plain()
+    return plain(*inputs)
 
 
 def _is_gpu(place) -> bool:

@@ -16,22 +16,32 @@ import paddle
 from paddle.distributed.fleet.utils import recompute
 
 GRANULARITIES = ("full", "full_attn", "core_attn", "moe")
-_replaying = False
+
+
+class _Pass:
+    replaying = False  # a recomputed forward runs again, in the backward pass
+    hooked = False  # fleet's saved-tensor hooks take what autograd saves (a non-reentrant recompute's first pass)
 
 
 def replaying() -> bool:
     """True while a recomputed forward runs again in the backward pass: statistics must not count it twice."""
-    return _replaying
+    return _Pass.replaying
+
+
+def saved_tensors_hooked() -> bool:
+    """True during a non-reentrant recompute's first pass, whose hooks take every tensor autograd saves: no
+    backward pass of its own can run there."""
+    return _Pass.hooked
 
 
 @contextlib.contextmanager
-def _replay(active: bool):
-    global _replaying
-    previous, _replaying = _replaying, active
+def _in_pass(replaying: bool, hooked: bool):
+    previous = _Pass.replaying, _Pass.hooked
+    _Pass.replaying, _Pass.hooked = replaying, hooked
     try:
         yield
     finally:
-        _replaying = previous
+        _Pass.replaying, _Pass.hooked = previous
 
 
 def recomputed(function, *args, use_reentrant: bool = True):
@@ -40,7 +50,8 @@ def recomputed(function, *args, use_reentrant: bool = True):
 
     def run(*inputs):
         calls.append(None)
-        with _replay(len(calls) > 1):
+        first = len(calls) == 1
+        with _in_pass(replaying=not first, hooked=first and not use_reentrant):
             return function(*inputs)
 
     return recompute(run, *args, use_reentrant=use_reentrant)

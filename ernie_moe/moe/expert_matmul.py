@@ -81,15 +81,18 @@ def expert_loop(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Ten
 def grouped_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Tensor],
                    down: list[paddle.Tensor]) -> paddle.Tensor:
     """The same as :func:`expert_loop` for experts of one width, each projection as one kernel: Paddle's grouped
-    GEMM where it runs (a GPU; checked against the padded form at its first call, ``kernels.fused_or_plain``),
-    else :func:`padded_swiglu`. A run without rows takes the padded form, which still gives every weight its
-    (zero) gradient. Under autocast both compute in its dtype, as a batched matmul does there."""
+    GEMM where it runs (a GPU; checked against the padded form, forward and backward, at its first call:
+    ``kernels.fused_or_plain``), else :func:`padded_swiglu`. A run without rows takes the padded form, which still
+    gives every weight its (zero) gradient. Under autocast both compute in its dtype, as a batched matmul does
+    there."""
     if rows.shape[0] == 0:
         return padded_swiglu(rows, counts, up_gate, down)
     if paddle.amp.is_autocast_enabled():  # so the first-call check compares, and keys, the dtype that runs
         rows = rows.astype(paddle.amp.get_autocast_dtype())
-    return kernels.fused_or_plain("grouped_gemm", rows, lambda: grouped_gemm_swiglu(rows, counts, up_gate, down),
-                                  lambda: padded_swiglu(rows, counts, up_gate, down))
+    n = len(counts)
+    return kernels.fused_or_plain("grouped_gemm", [rows, *up_gate, *down],
+                                  lambda rows, *w: grouped_gemm_swiglu(rows, counts, list(w[:n]), list(w[n:])),
+                                  lambda rows, *w: padded_swiglu(rows, counts, list(w[:n]), list(w[n:])))
 
 
 def grouped_gemm_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Tensor],
