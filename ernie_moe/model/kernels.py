@@ -149,47 +149,6 @@ def fused_weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weig
     return _MoECombine.apply(rows, slot_weights, index)
 
 
-def stack_as(weights: list[paddle.Tensor], dtype) -> paddle.Tensor:
-    """The experts' weights as one ``[experts, in, out]`` tensor in ``dtype``."""
-    return paddle.stack(weights).astype(dtype)
-
-
-class _GroupedGemm(PyLayer):
-    """Paddle's grouped GEMM (``batched_gemm``) with its backward as two more grouped GEMMs: the rows' gradient
-    against the transposed weights, and each group's weight gradient ``rows_j^T grad_j`` (the kernel's
-    transposed-lhs form, whose inner dimension is the group's row count). The weights are stacked for the kernel
-    here and again in backward, so the backward keeps the weights themselves, not a stacked copy. A group without
-    rows gets a zero weight gradient whatever the kernel leaves in its slot."""
-
-    @staticmethod
-    def forward(ctx, rows, counts, *weights):
-        # which inputs want a gradient, read now: the tensors a recompute hands back to backward are detached
-        ctx.counts, ctx.wants_grad = counts, [not t.stop_gradient for t in (rows, *weights)]
-        ctx.save_for_backward(rows, *weights)
-        return batched_gemm(rows, stack_as(weights, rows.dtype), counts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rows, *weights = ctx.saved_tensor()
-        counts, wants_rows, wants_weights = ctx.counts, ctx.wants_grad[0], ctx.wants_grad[1:]
-        grad_rows = batched_gemm(grad, stack_as(weights, rows.dtype), counts, trans_rhs=True) if wants_rows else None
-        per_group = batched_gemm(rows, grad, counts, trans_lhs=True) if any(wants_weights) else None
-        grad_weights = [
-            None if not wants else per_group[j].astype(w.dtype) if counts[j] else paddle.zeros_like(w)
-            for j, (w, wants) in enumerate(zip(weights, wants_weights))
-        ]
-        return grad_rows, *grad_weights
-
-
-def grouped_gemm(rows: paddle.Tensor, weights: list[paddle.Tensor], counts: list[int]) -> paddle.Tensor:
-    """``rows [n, in]``, of which group j owns ``counts[j]`` consecutive rows, times ``weights[j] [in, out]`` (in
-    the rows' dtype): ``[n, out]``, in one kernel without padding (GPU only; see
-    :func:`..moe.expert_matmul.grouped_swiglu`)."""
-    if batched_gemm is None:
-        raise NotImplementedError("this Paddle build has no batched_gemm")
-    return _GroupedGemm.apply(rows, counts, *weights)
-
-
 def weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: paddle.Tensor,
                      num_tokens: int) -> paddle.Tensor:
     """``out[t]``: the sum of ``weights[r] * rows[r]`` over the rows r with ``token_index[r] == t``."""

@@ -98,29 +98,72 @@ def grouped_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.
 def grouped_gemm_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Tensor],
                         down: list[paddle.Tensor]) -> paddle.Tensor:
     """Paddle's grouped GEMM over the experts' weights, no padding (GPU only)."""
-    hidden = kernels.swiglu(kernels.grouped_gemm(rows, up_gate, counts))
-    return kernels.grouped_gemm(hidden, down, counts)
+    if kernels.batched_gemm is None:
+        raise NotImplementedError("this Paddle build has no batched_gemm")
+    hidden = kernels.swiglu(_OverStackedWeights.apply(rows, _GroupedGemm(counts), *up_gate))
+    return _OverStackedWeights.apply(hidden, _GroupedGemm(counts), *down)
 
 
-class _BatchedOverExperts(PyLayer):
-    """``x [experts, rows, in]`` times each expert's weight ``[in, out]`` as one batched matmul. The weights are
-    stacked here and again in backward, so the backward keeps the weights themselves, not a stacked copy."""
+class _PaddedBatch:
+    """One batched matmul over ``x [experts, rows, in]``, every expert's rows padded with zeros to one count."""
+
+    def __init__(self, counts: list[int]):
+        self.counts = counts
+
+    def forward(self, x, stacked):
+        return paddle.bmm(x, stacked)
+
+    def grad_x(self, grad, stacked):
+        return paddle.matmul(grad, stacked, transpose_y=True)
+
+    def grad_weights(self, x, grad):
+        return paddle.matmul(x, grad, transpose_x=True)
+
+
+class _GroupedGemm:
+    """Paddle's grouped GEMM (``batched_gemm``) over ``x [rows, in]``, expert j owning ``counts[j]`` consecutive
+    rows; its backward is two more grouped GEMMs: against the transposed weights, and each expert's
+    ``x_j^T grad_j`` (the kernel's transposed-lhs form, whose inner dimension is the expert's row count)."""
+
+    def __init__(self, counts: list[int]):
+        self.counts = counts
+
+    def forward(self, x, stacked):
+        return kernels.batched_gemm(x, stacked, self.counts)
+
+    def grad_x(self, grad, stacked):
+        return kernels.batched_gemm(grad, stacked, self.counts, trans_rhs=True)
+
+    def grad_weights(self, x, grad):
+        return kernels.batched_gemm(x, grad, self.counts, trans_lhs=True)
+
+
+class _OverStackedWeights(PyLayer):
+    """``x`` times each expert's weight ``[in, out]`` in one kernel (``form``: :class:`_PaddedBatch` or
+    :class:`_GroupedGemm`). The weights are stacked for the kernel here and again in backward, so the backward
+    keeps the weights themselves, not a stacked copy. Each weight's gradient comes back in its own dtype; an
+    expert without rows gets an exact zero, whatever a grouped kernel leaves in its slot."""
 
     @staticmethod
-    def forward(ctx, x, *weights):
+    def forward(ctx, x, form: _PaddedBatch | _GroupedGemm, *weights):
         # which inputs want a gradient, read now: the tensors a recompute hands back to backward are detached
-        ctx.wants_grad = [not t.stop_gradient for t in (x, *weights)]
+        ctx.form, ctx.wants_grad = form, [not t.stop_gradient for t in (x, *weights)]
         ctx.save_for_backward(x, *weights)
-        return paddle.bmm(x, kernels.stack_as(weights, x.dtype))
+        return form.forward(x, _stacked(weights, x.dtype))
 
     @staticmethod
     def backward(ctx, grad):
         x, *weights = ctx.saved_tensor()
-        wants_x, wants_weights = ctx.wants_grad[0], ctx.wants_grad[1:]
-        grad_x = paddle.matmul(grad, kernels.stack_as(weights, x.dtype), transpose_y=True) if wants_x else None
-        per_expert = paddle.matmul(x, grad, transpose_x=True) if any(wants_weights) else None
-        return grad_x, *[per_expert[j].astype(w.dtype) if wants else None
-                         for j, (w, wants) in enumerate(zip(weights, wants_weights))]
+        form, wants_x, wants_weights = ctx.form, ctx.wants_grad[0], ctx.wants_grad[1:]
+        grad_x = form.grad_x(grad, _stacked(weights, x.dtype)) if wants_x else None
+        per_expert = form.grad_weights(x, grad) if any(wants_weights) else None
+        return grad_x, *[None if not wants else per_expert[j].astype(w.dtype) if form.counts[j] else
+                         paddle.zeros_like(w) for j, (w, wants) in enumerate(zip(weights, wants_weights))]
+
+
+def _stacked(weights: list[paddle.Tensor], dtype) -> paddle.Tensor:
+    """The experts' weights as one ``[experts, in, out]`` tensor in ``dtype``."""
+    return paddle.stack(weights).astype(dtype)
 
 
 def padded_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.Tensor],
@@ -134,7 +177,7 @@ def padded_swiglu(rows: paddle.Tensor, counts: list[int], up_gate: list[paddle.T
         source[e, :end - start] = np.arange(start, end)
     flat = paddle.concat([rows, paddle.zeros([1, hidden], dtype=rows.dtype)], axis=0)
     padded = paddle.gather(flat, paddle.to_tensor(source.reshape(-1))).reshape([experts, most, hidden])
-    h = kernels.swiglu(_BatchedOverExperts.apply(padded, *up_gate))
-    out = _BatchedOverExperts.apply(h, *down).reshape([experts * most, -1])
+    h = kernels.swiglu(_OverStackedWeights.apply(padded, _PaddedBatch(counts), *up_gate))
+    out = _OverStackedWeights.apply(h, _PaddedBatch(counts), *down).reshape([experts * most, -1])
     kept = np.concatenate([e * most + np.arange(c) for e, c in enumerate(counts)]).astype("int64")
     return paddle.gather(out, paddle.to_tensor(kept))
