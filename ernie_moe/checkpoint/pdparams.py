@@ -112,11 +112,12 @@ class _Reader:
             raise _Refused("it ends early")
         return data[:-1].decode("utf-8")
 
-    def since_mark(self) -> list:
+    def since_mark(self) -> tuple[list, list]:
+        """(the items pushed since the last mark, the stack below it, which is the stack again)."""
         if not self.marks:
             raise _Refused("it is not a pickle of a state dict")
         items, self.stack = self.stack, self.marks.pop()
-        return items
+        return items, self.stack
 
     def named(self, module: str, name: str) -> _Name:
         kind = _NAMES.get((module, name))
@@ -142,8 +143,7 @@ class _Reader:
             elif code in (b"}", b"]", b")"):
                 s.append({} if code == b"}" else [] if code == b"]" else ())
             elif code == b"t":
-                items = self.since_mark()
-                s = self.stack
+                items, s = self.since_mark()
                 s.append(tuple(items))
             elif code in (b"\x85", b"\x86", b"\x87"):  # TUPLE1..3
                 n = code[0] - 0x84
@@ -153,12 +153,10 @@ class _Reader:
                 del s[-n:]
                 s.append(items)
             elif code in (b"l", b"d"):  # LIST, DICT from the mark
-                items = self.since_mark()
-                s = self.stack
+                items, s = self.since_mark()
                 s.append(list(items) if code == b"l" else dict(zip(items[::2], items[1::2])))
             elif code in (b"a", b"e"):  # APPEND, APPENDS
-                items = [s.pop()] if code == b"a" else self.since_mark()
-                s = self.stack
+                items, s = ([s.pop()], s) if code == b"a" else self.since_mark()
                 if not isinstance(s[-1], list):
                     raise _Refused("it appends to something other than a list")
                 s[-1].extend(items)
@@ -167,8 +165,7 @@ class _Reader:
                     items = [s[-2], s[-1]]
                     del s[-2:]
                 else:
-                    items = self.since_mark()
-                    s = self.stack
+                    items, s = self.since_mark()
                 if not isinstance(s[-1], dict) or len(items) % 2:
                     raise _Refused("it sets items of something other than a dict")
                 for key, value in zip(items[::2], items[1::2]):
