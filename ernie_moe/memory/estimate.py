@@ -151,20 +151,21 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[
         if uses_grouped_matmul(training):
             stacking = 4 * max(2 * h * n * wd for _, n, wd in routed) / expert_ranks
 
-    # (kept for backward, what the layer's backward holds besides: its re-run block, minus what it has freed before
-    # it, and the stacked expert weights)
+    # (kept for backward, re-run in backward minus what the layer's backward has freed before it)
     recomputes = training.recompute and layer in selected_layers(training.recompute_layers, m.num_hidden_layers)
     granularity = training.recompute_granularity if recomputes else None
     if granularity == "full":
-        return 4 * t * h / sp, attention + mlp + stacking
-    if granularity == "full_attn":
-        return 4 * t * h / sp + mlp, max(attention - mlp, 0.0) + stacking
-    if granularity == "core_attn":
+        kept, rerun = 4 * t * h / sp, attention + mlp
+    elif granularity == "full_attn":
+        kept, rerun = 4 * t * h / sp + mlp, max(attention - mlp, 0.0)
+    elif granularity == "core_attn":
         core = scores_bytes + 4 * repeat
-        return attention - core + mlp, max(core - mlp, 0.0) + stacking
-    if granularity == "moe" and modalities:
-        return attention + 4 * (norm_residual + t * h), mlp + stacking
-    return attention + mlp, stacking
+        kept, rerun = attention - core + mlp, max(core - mlp, 0.0)
+    elif granularity == "moe" and modalities:
+        kept, rerun = attention + 4 * (norm_residual + t * h), mlp
+    else:
+        kept, rerun = attention + mlp, 0.0
+    return kept, rerun + stacking  # the stacked weights come on top of whatever the backward holds then
 
 
 def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, float]]:
