@@ -192,8 +192,13 @@ def _largest_difference(inputs: list[paddle.Tensor], fused, plain) -> float:
     """The largest difference between the fused and the plain path's output and gradients, each relative to the
     plain one's largest magnitude (at least 1)."""
     results = [_output_and_gradients(inputs, run) for run in (fused, plain)]
-    return max(float(np.abs(a - b).max(initial=0.0)) / max(float(np.abs(b).max(initial=0.0)), 1.0)
-               for a, b in zip(*results))
+    return max(relative_difference(a, b) for a, b in zip(*results))
+
+
+def relative_difference(ours: np.ndarray, reference: np.ndarray) -> float:
+    """The largest absolute difference, relative to the reference's largest magnitude (at least 1): what
+    :data:`TOLERANCE` bounds."""
+    return float(np.abs(ours - reference).max(initial=0.0)) / max(float(np.abs(reference).max(initial=0.0)), 1.0)
 
 
 def _output_and_gradients(inputs: list[paddle.Tensor], run) -> list[np.ndarray]:
