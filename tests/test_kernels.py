@@ -194,6 +194,8 @@ def test_the_first_calls_inside_a_recompute_give_the_plain_gradients(tiny_cfg, o
             out = model(batch)
             (out.loss_sum / out.num_label_tokens + out.router_loss).backward()
             chosen.append(sorted(kernel for (kernel, _, _), works in kernels._FUSED_WORKS.items() if works))
+            if on_gpu and not use_reentrant:  # the report says which kernels still wait for their check
+                assert "rms_norm fused, rotary unchecked" in kernels.chosen_on(paddle.CPUPlace())
         grads.append({name: p.grad.numpy() for name, p in model.named_parameters() if p.grad is not None})
         kernels._FUSED_WORKS.clear()
     # not reentrant, only the final norm, outside the recomputed layers, is checked (and used from then on)
@@ -323,7 +325,7 @@ def test_a_fused_kernel_that_fails_its_first_call_is_not_used_again(on_a_gpu, ke
         warnings.simplefilter("error")
         np.testing.assert_array_equal(kernels.rotary(x, angles).numpy(), apply_rotary(x, angles).numpy())
     assert kernel.calls == 1
-    assert "rotary plain, vision_rotary fused" in kernels.chosen_on(paddle.CPUPlace())
+    assert "rotary plain, vision_rotary unchecked" in kernels.chosen_on(paddle.CPUPlace())
 
 
 def weight_gradient_not_summed(ctx, grad):

@@ -234,9 +234,12 @@ def _is_gpu(place) -> bool:
 
 
 def chosen_on(place) -> str:
-    """Which kernels run on ``place``, for the doctor's report."""
+    """Which kernels run on ``place``, for the doctor's report: on a GPU, "unchecked" for a GPU-only kernel whose
+    first-call check has not run yet (the plain path runs until it has)."""
     def choice(kernel: str) -> str:
         works = [ok for (k, p, _), ok in _FUSED_WORKS.items() if k == kernel and p == str(place)]
-        return "fused" if _is_gpu(place) and all(works) else "plain"
+        if not _is_gpu(place) or not all(works):
+            return "plain"
+        return "fused" if works else "unchecked"
     gpu_only = ("rms_norm", "rotary", "vision_rotary", "moe_combine", "grouped_gemm")
     return ", ".join(["swiglu fused"] + [f"{kernel} {choice(kernel)}" for kernel in gpu_only])
