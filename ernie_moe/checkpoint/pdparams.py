@@ -11,6 +11,7 @@ bytes) into arrays of plain dtypes, calling nothing the file names. Any other op
 from __future__ import annotations
 
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -27,6 +28,7 @@ _NAMES = {
     ("_codecs", "encode"): "encode", ("builtins", "bytes"): "bytes", ("__builtin__", "bytes"): "bytes",
 }
 _PLAIN_KINDS = "biuf"  # bool, signed and unsigned integers, floats: no objects, strings or records
+_TYPE_CODE = re.compile(r"[A-Za-z]\d*")  # how NumPy pickles a dtype ('f4', 'b1', 'O8'): never a parsed expression
 
 
 class _Name:
@@ -47,8 +49,9 @@ class _Refused(Exception):
 
 
 def _dtype(code, state) -> np.dtype:
-    if not isinstance(code, str) or not isinstance(state, tuple) or len(state) < 5 or any(
-            part is not None for part in state[2:5]):
+    if not isinstance(code, str) or not _TYPE_CODE.fullmatch(code):
+        raise _Refused(f"it holds a dtype written {code!r}, not a type code such as 'f4'")
+    if not isinstance(state, tuple) or len(state) < 5 or any(part is not None for part in state[2:5]):
         raise _Refused("it holds a structured dtype")
     order = state[1] if state[1] in ("<", ">") else "="
     dtype = np.dtype(code).newbyteorder(order)
