@@ -37,6 +37,8 @@ def test_overrides_follow_yaml_types():
     ("model.moe_k=5", ["moe_k (5)", "expert count"]),
     ("model.moe_layer_start_index=7", ["outside the model's 2 layers"]),
     ("model.moe_layer_end_index=[1, 9]", ["outside the model's 2 layers"]),
+    ("model.moe_layer_end_index=[]", ["model.moe_layer_end_index []", "one value per modality (2)"]),
+    ("model.moe_layer_start_index=[1, 1, 1]", ["model.moe_layer_start_index [1, 1, 1]", "one value per modality"]),
     ("model.moe_intermediate_size=[8]", ["one width per entry"]),
     ("model.pixel_hidden_size=48", ["pixel_hidden_size (48)", "embed_dim (32)"]),
     ("data.image_size=50", ["data.image_size (50)", "multiple of"]),

@@ -64,10 +64,12 @@ def _check_model(m: ModelConfig) -> None:
              f"model.moe_capacity must be [] (dropless) or three positive factors [train, eval, eval_small], "
              f"got {m.moe_capacity}.")
     _require(m.moe_aux_free_update_coef >= 0, "model.moe_aux_free_update_coef cannot be negative.")
-    for name in ("moe_aux_loss_lambda", "moe_z_loss_lambda", "moe_orthogonal_loss_lambda"):
+    for name in ("moe_aux_loss_lambda", "moe_z_loss_lambda", "moe_orthogonal_loss_lambda", "moe_layer_start_index",
+                 "moe_layer_end_index"):
         value = getattr(m, name)
         if isinstance(value, list):
-            _require(len(value) == groups, f"model.{name} {value} must have one weight per modality ({groups}).")
+            _require(len(value) == groups, f"model.{name} {value} must have one value per modality ({groups}), or "
+                                           f"be one number for all.")
 
     layers = m.num_hidden_layers
     starts, ends = m.moe_layer_range()
