@@ -112,6 +112,8 @@ def jsonl_dir(tmp_path):
         {"images": [], "messages": [{"role": "user", "content": "<image> two"},
                                     {"role": "assistant", "content": "x"}]},
         {"image": "ok.png", "text": "word " * 200},
+        {"messages": [{"role": "user", "content": "<image> a marker beside parts"},
+                      {"role": "assistant", "content": [{"type": "text", "text": "x"}]}]},
     ]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
@@ -124,7 +126,7 @@ def test_bad_jsonl_records_are_skipped_and_counted(jsonl_dir):
     stats = Counter()
     rows = list(RowStream(JsonlDataset(str(jsonl_dir)), build_tokenizer(cfg), cfg, stats, shuffle=False))
     assert dict(stats) == {"missing_image": 1, "corrupt_image": 1, "empty_text": 1, "bad_json": 1,
-                           "image_count_mismatch": 1, "overlong_skipped": 1}
+                           "image_count_mismatch": 2, "overlong_skipped": 1}
     docs = sum(int(r.doc_ids.max()) + (0 if (r.token_type_ids == -1).any() else 1) for r in rows)
     assert docs == 2
 

@@ -129,8 +129,11 @@ def parse_messages(messages, images: list[str], videos) -> tuple:
         else:
             raise BadSample("bad_message", f"message {message!r} needs a string content or a list of parts")
         out.append({"role": message.get("role"), "content": parts})
+    marks = [p["type"] for m in out for p in m["content"] if p["type"] != "text"]
+    if parts_given and (marks.count("image"), marks.count("video")) != (len(image_paths), len(video_frames)):
+        raise BadSample("image_count_mismatch", f"{IMAGE_MARK} or {VIDEO_MARK} markers in a string content beside "
+                                                "content parts: only parts name files there")
     if not parts_given:
-        marks = [p["type"] for m in out for p in m["content"] if p["type"] != "text"]
         if marks.count("video") != len(videos):
             raise BadSample("video_without_frames", f"{marks.count('video')} {VIDEO_MARK} markers but "
                                                     f"{len(videos)} videos")
