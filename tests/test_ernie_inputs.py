@@ -380,6 +380,55 @@ def test_a_video_file_without_a_decoder_is_a_counted_skip(tmp_path, monkeypatch)
     assert len(rows) == 1 and dict(stats) == {"video_decoder_missing": 1}
 
 
+def test_a_video_file_too_large_with_frames_of_two_sizes_or_an_unknown_codec_is_a_counted_skip(tmp_path):
+    """An MJPEG stream whose header says 32 x 32 and whose frames alternate between 32 x 32 and 48 x 32: over
+    data.max_image_pixels by its header, or by a frame (judged before the frame is converted), it is
+    video_too_large; within the cap, bad_video. A stream of a codec no decoder knows is corrupt_video."""
+    from fractions import Fraction
+
+    import av
+
+    from ernie_moe.data.jsonl import load_video
+    from ernie_moe.data.sample import BadSample
+
+    with av.open(str(tmp_path / "mixed.avi"), "w") as container:
+        stream = container.add_stream("mjpeg", rate=5)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuvj420p"
+        wider = av.CodecContext.create("mjpeg", "w")
+        wider.width, wider.height, wider.pix_fmt, wider.time_base = 48, 32, "yuvj420p", Fraction(1, 5)
+        wider.open()
+        for i in range(10):
+            encoder, width = (stream, 32) if i % 2 == 0 else (wider, 48)
+            frame = av.VideoFrame.from_ndarray(np.full((32, width, 3), 20 * i, np.uint8), format="rgb24")
+            frame.pts = i
+            for packet in encoder.encode(frame):
+                packet.stream = stream
+                container.mux(packet)
+        container.mux(stream.encode())
+    skips = []
+    for max_pixels in (32 * 32 - 1, 48 * 32 - 1, 48 * 32):
+        with pytest.raises(BadSample) as skipped:
+            load_video(tmp_path, "mixed.avi", max_pixels)
+        skips.append((skipped.value.reason, str(skipped.value)))
+    assert [reason for reason, _ in skips] == ["video_too_large", "video_too_large", "bad_video"]
+    assert "has frames of 32 x 32 pixels" in skips[0][1]  # the header's size
+    assert "has frames of 48 x 32 pixels" in skips[1][1]  # a decoded frame's
+    assert "differ in size" in skips[2][1]
+    # a Matroska file naming a codec no decoder knows: PyAV gives its stream no codec context
+    with av.open(str(tmp_path / "clip.mkv"), "w") as container:
+        stream = container.add_stream("mpeg4", rate=5)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for i in range(4):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.full((32, 32, 3), i, np.uint8), "rgb24")))
+        container.mux(stream.encode())
+    data = (tmp_path / "clip.mkv").read_bytes()
+    assert data.count(b"V_MPEG4/ISO/ASP") == 1
+    (tmp_path / "clip.mkv").write_bytes(data.replace(b"V_MPEG4/ISO/ASP", b"V_NOPE4/ISO/ASP"))
+    with pytest.raises(BadSample, match="names no codec PyAV can decode") as skipped:
+        load_video(tmp_path, "clip.mkv", 48 * 32)
+    assert skipped.value.reason == "corrupt_video"
+
+
 def test_a_video_file_is_decoded_and_sampled(tmp_path):
     """A 4-second clip of 20 frames (frame i a flat grey of level 12 i), written with PyAV: 2 frames per second
     gives 8, raised to the minimum of 16; the decoded frames are those the sampler chose, in order (each nearest

@@ -133,8 +133,9 @@ class DataConfig:
     video_timestamp_font: str = opt("", "video files: a TrueType font file to draw each frame's time on it with, "
                                         "as ERNIE-4.5-VL's processor does (its font: Roboto-Regular.ttf); '' = "
                                         "frames as decoded")
-    max_image_pixels: int = opt(50_000_000, "JSONL images: larger ones (width x height, read from the header "
-                                            "before decoding) are skipped as image_too_large")
+    max_image_pixels: int = opt(50_000_000, "JSONL images and video frames: larger ones (width x height, read from "
+                                            "the header before decoding) are skipped as image_too_large or "
+                                            "video_too_large")
     num_train_samples: int = opt(20000, "synthetic training samples per epoch")
     num_eval_samples: int = opt(256, "synthetic held-out samples")
     blank_images: bool = opt(False, "replace every image with zeros (control run: vision carries no signal)")

@@ -99,7 +99,7 @@ def load_image(path: Path, max_pixels: int) -> np.ndarray:
 def load_video(root: Path, source, max_pixels: int, reading: VideoReading = ERNIE_VIDEO_READING) -> np.ndarray:
     """A video given as its frame files or as a video file (relative to ``root``), ``[T, H, W, 3]`` uint8."""
     if isinstance(source, str):
-        return read_video(root / source, reading)
+        return read_video(root / source, reading, max_pixels)
     loaded = [load_image(root / str(f), max_pixels) for f in source]
     if len({f.shape for f in loaded}) != 1:
         raise BadSample("bad_video", f"the frames of video {source[0]}, ... differ in size")

@@ -69,9 +69,10 @@ def _font(path: str, size: int):
     return ImageFont.truetype(path, size)
 
 
-def read_video(path: Path, reading: VideoReading) -> np.ndarray:
+def read_video(path: Path, reading: VideoReading, max_pixels: int) -> np.ndarray:
     """The sampled frames of a video file, ``[T, H, W, 3]`` uint8, each with its time drawn on it when
-    ``reading`` names a font (frame i of a video at r frames per second is at i / r seconds)."""
+    ``reading`` names a font (frame i of a video at r frames per second is at i / r seconds). A video whose
+    frames have more than ``max_pixels`` pixels is refused before a frame is converted."""
     try:
         import av
     except ImportError:
@@ -82,6 +83,9 @@ def read_video(path: Path, reading: VideoReading) -> np.ndarray:
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
+            if stream.codec_context is None:
+                raise BadSample("corrupt_video", f"video '{path}' names no codec PyAV can decode")
+            _check_size(path, stream.codec_context.width, stream.codec_context.height, max_pixels)
             rate = float(stream.average_rate or 0)
             total = stream.frames or sum(1 for _ in container.decode(stream))  # a container may not say
             if not total or rate <= 0:
@@ -89,11 +93,23 @@ def read_video(path: Path, reading: VideoReading) -> np.ndarray:
             wanted = set(frame_indices(total, total / rate, reading))
             container.seek(0)
             # only the sampled frames are converted and kept: a long video is not held whole
-            frames = [f.to_ndarray(format="rgb24") for i, f in enumerate(container.decode(stream)) if i in wanted]
+            frames = []
+            for i, frame in enumerate(container.decode(stream)):
+                if i in wanted:
+                    _check_size(path, frame.width, frame.height, max_pixels)  # a frame may differ from the header
+                    frames.append(frame.to_ndarray(format="rgb24"))
     except (av.error.FFmpegError, IndexError, ValueError, OSError) as err:
         raise BadSample("corrupt_video", f"video '{path}' cannot be decoded: {err}") from None
     if len(frames) != len(wanted):
         raise BadSample("corrupt_video", f"video '{path}': {len(frames)} of the {len(wanted)} sampled frames decode")
+    if len({f.shape for f in frames}) != 1:
+        raise BadSample("bad_video", f"the frames of video '{path}' differ in size")
     if reading.timestamp_font:  # every sampled frame decoded, in order
         frames = [draw_timestamp(f, i / rate, reading.timestamp_font) for i, f in zip(sorted(wanted), frames)]
     return np.stack(frames)
+
+
+def _check_size(path: Path, width: int, height: int, max_pixels: int) -> None:
+    if width * height > max_pixels:
+        raise BadSample("video_too_large", f"video '{path}' has frames of {width} x {height} pixels, more than "
+                                           f"data.max_image_pixels ({max_pixels})")
