@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -57,6 +58,38 @@ def test_overrides_follow_yaml_types():
 def test_bad_values_name_the_key(override, words):
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "configs" / "vl_moe.yaml", [override])
+    for word in words:
+        assert word in str(err.value)
+
+
+FOLDER_CONFIG = {"model_type": "ernie4_5_moe_vl", "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "moe_num_experts": [4, 4], "moe_intermediate_size": [32, 16]}
+
+
+def test_a_model_folder_config_gives_the_expert_groups(tmp_path):
+    for widths, expected in (([32, 16], [32, 16]), (32, [32, 32])):  # one width: the same for both groups
+        (tmp_path / "config.json").write_text(json.dumps({**FOLDER_CONFIG, "moe_intermediate_size": widths}))
+        model = load_config(None, [f"training.model_name_or_path={tmp_path}"]).model
+        assert (model.moe_num_experts, model.moe_intermediate_size, model.head_dim) == ([4, 4], expected, 16)
+
+
+@pytest.mark.parametrize("change, words", [
+    ([FOLDER_CONFIG], ["holds a JSON list, not an object"]),
+    ({"num_attention_heads": "4"}, ["num_attention_heads must be a positive whole number, not '4'"]),
+    ({"hidden_size": [64]}, ["hidden_size must be a positive whole number, not [64]"]),
+    ({"num_attention_heads": 0}, ["num_attention_heads must be a positive whole number, not 0"]),
+    ({"moe_num_experts": 1.5}, ["moe_num_experts must be a whole number or a list of them, not 1.5"]),
+    ({"moe_intermediate_size": {"text": 32}}, ["moe_intermediate_size must be a whole number or a list"]),
+    ({"moe_num_experts": [4, True]}, ["moe_num_experts must be a whole number or a list of them"]),
+    ({"num_key_value_heads": "2"}, ["model.num_key_value_heads", "integer"]),
+], ids=["list", "string heads", "list width", "no heads", "fractional experts",
+        "mapping widths", "boolean experts", "string kv heads"])
+def test_a_model_folder_config_with_values_of_the_wrong_kind_is_a_config_error(tmp_path, change, words):
+    """A run started from a model folder reads its config.json: each value of the wrong kind is named."""
+    config = [FOLDER_CONFIG] if isinstance(change, list) else {**FOLDER_CONFIG, **change}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"training.model_name_or_path={tmp_path}"])
     for word in words:
         assert word in str(err.value)
 

@@ -207,6 +207,23 @@ def test_a_pdparams_with_bytes_changed_anywhere_is_read_or_refused(tmp_path, pro
     assert outcomes["refused"] + outcomes["read"] == 2000 and outcomes["refused"] > 1000, outcomes
 
 
+@pytest.mark.parametrize("config, index, why", [
+    ([{"model_type": "ernie4_5_moe_vl"}], None, "config.json holds a JSON list, not an object"),
+    ({"model_type": "ernie4_5_moe_vl"}, [1], "cannot read .*model.safetensors.index.json: list indices"),
+    ({"model_type": "ernie4_5_moe_vl"}, {"weight_map": ["a"]}, "weight_map must map each tensor name to a file"),
+    ({"model_type": "ernie4_5_moe_vl"}, {"weight_map": {"w": 3}}, "weight_map must map each tensor name to a file"),
+], ids=["config list", "index list", "map list", "file number"])
+def test_a_model_folder_with_json_of_the_wrong_shape_is_refused(tmp_path, config, index, why):
+    from ernie_moe.checkpoint.errors import CheckpointError
+    from ernie_moe.checkpoint.formats import SourceCheckpoint
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if index is not None:
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=why):
+        SourceCheckpoint(tmp_path)
+
+
 def test_no_module_of_the_package_imports_pickle():
     for module in (ROOT / "ernie_moe").rglob("*.py"):
         source = module.read_text()

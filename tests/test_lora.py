@@ -184,6 +184,24 @@ def test_lora_needs_a_base_and_targets_that_exist(tmp_path, base):
         lora(tmp_path, base, "training.lora_targets=[attention, lm_head_typo]")
 
 
+def test_an_adapter_config_with_settings_of_the_wrong_kind_is_a_checkpoint_error(tmp_path, base):
+    tr = lora(tmp_path / "run", base, "training.max_steps=1")
+    tr._finish({})
+    folder = tmp_path / "run" / "final_model"
+    written = json.loads((folder / "lora_config.json").read_text())
+    (folder / "lora_config.json").write_text(json.dumps({**written, "target_modules": "q_proj"}))
+    settings, _ = read_adapter(folder)  # one pattern, as PaddleFormers allows, not one per letter
+    assert settings.targets == ("q_proj",) and settings.rank == 8
+    for change in ({"r": "8"}, {"r": 0}, {"r": True}, {"lora_alpha": None}, {"target_modules": [1]}, {"r": None}):
+        (folder / "lora_config.json").write_text(json.dumps({**written, **change}))
+        with pytest.raises(CheckpointError, match="cannot read the LoRA adapter in .*: lora_config.json needs r "
+                                                  r"\(at least 1\), lora_alpha \(a number\) and target_modules"):
+            read_adapter(folder)
+    (folder / "lora_config.json").write_text(json.dumps([written]))
+    with pytest.raises(CheckpointError, match="it holds r=None, lora_alpha=None, target_modules=None"):
+        read_adapter(folder)
+
+
 def test_an_adapter_of_another_shape_does_not_merge_or_load(tmp_path, base):
     tr = lora(tmp_path / "run", base, "training.max_steps=1")
     tr._finish({})

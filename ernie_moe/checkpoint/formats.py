@@ -70,6 +70,8 @@ class SourceCheckpoint:
             self.config = json.loads(config_file.read_text())
         except ValueError as err:
             raise CheckpointError(f"cannot read {config_file}: {err}") from err
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{config_file} holds a JSON {type(self.config).__name__}, not an object.")
         self.model_type = self.config.get("model_type")
         if self.model_type not in MODEL_TYPES:
             raise CheckpointError(f"{config_file}: model_type {self.model_type!r} is not one of "
@@ -93,8 +95,10 @@ class SourceCheckpoint:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as err:
+            except (ValueError, KeyError, TypeError) as err:
                 raise CheckpointError(f"cannot read {index}: {err}") from err
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise CheckpointError(f"{index}: weight_map must map each tensor name to a file name.")
             return {_normalise(k): (d / f, k) for k, f in weight_map.items()}, None
         single = d / "model.safetensors"
         if single.is_file():

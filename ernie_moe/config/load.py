@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 import types
 import typing
 from pathlib import Path
@@ -15,10 +14,9 @@ from pathlib import Path
 import yaml
 
 from .errors import ConfigError
+from .kinds import fits
 from .model_folder import model_config_from
 from .schema import Config
-
-_SCIENTIFIC = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), check_paths: bool = True) -> Config:
@@ -137,7 +135,7 @@ def _join(where: str, key) -> str:
 def _coerce(value, hint, name: str):
     """Accept ``value`` when it fits ``hint`` (YAML rules: an int is a valid float, nothing else converts)."""
     for option in _union_members(hint):
-        ok, converted = _fits(value, option)
+        ok, converted = fits(value, option)
         if ok:
             return converted
     raise ConfigError(f"{name} = {value!r} has the wrong type: expected {_describe(hint)}.")
@@ -147,27 +145,6 @@ def _union_members(hint):
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return typing.get_args(hint)
     return (hint,)
-
-
-def _fits(value, hint):
-    if typing.get_origin(hint) is list:
-        (item,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            return False, None
-        items = [_fits(v, item) for v in value]
-        return all(ok for ok, _ in items), [v for _, v in items]
-    if hint is bool:
-        return isinstance(value, bool), value
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if hint is float:
-        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
-            value = float(value)  # PyYAML reads "1e-3" (no dot) as a string
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else None
-    if hint is str:
-        return isinstance(value, str), value
-    raise TypeError(f"unsupported config type {hint}")
 
 
 def _describe(hint) -> str:

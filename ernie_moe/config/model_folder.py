@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .errors import ConfigError
+from .kinds import fits
 
 _SAME_NAME = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "initializer_range",
@@ -28,9 +29,14 @@ def model_config_from(directory) -> dict:
         source = json.loads(config_file.read_text())
     except ValueError as err:
         raise ConfigError(f"cannot read {config_file}: {err}") from err
+    if not isinstance(source, dict):
+        raise ConfigError(f"{config_file} holds a JSON {type(source).__name__}, not an object: not a model config.")
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in source]
     if missing:
         raise ConfigError(f"{config_file} lacks {', '.join(missing)}: not an ERNIE 4.5 model config.")
+    for key in ("hidden_size", "num_attention_heads"):  # the head width is derived from them here
+        if not fits(source[key], int)[0] or source[key] < 1:
+            raise ConfigError(f"{config_file}: {key} must be a positive whole number, not {source[key]!r}.")
     if source.get("use_bias"):
         raise ConfigError(f"{directory}: use_bias=true (biases in attention and MLP) is not supported.")
     if source.get("hidden_act", "silu") != "silu":
@@ -39,11 +45,10 @@ def model_config_from(directory) -> dict:
     heads = source["num_attention_heads"]
     out["num_key_value_heads"] = source.get("num_key_value_heads") or heads
     out["head_dim"] = source.get("head_dim") or source["hidden_size"] // heads
-    experts = source.get("moe_num_experts") or 0
-    experts = [experts] if isinstance(experts, int) else list(experts)
-    experts = [n for n in experts if n] if any(experts) else []
-    widths = source.get("moe_intermediate_size") or source.get("intermediate_size")
-    widths = [widths] * len(experts) if isinstance(widths, int) else list(widths)[: len(experts)]
+    experts = [n for n in _numbers(source, "moe_num_experts", config_file) if n]
+    width_key = "moe_intermediate_size" if source.get("moe_intermediate_size") else "intermediate_size"
+    widths = _numbers(source, width_key, config_file)
+    widths = (widths * len(experts) if fits(source.get(width_key), int)[0] else widths)[: len(experts)]
     out.update(moe_num_experts=experts, moe_intermediate_size=widths if experts else [])
     gate_act = source.get("moe_gate_act") or source.get("scoring_func")
     if gate_act:
@@ -55,3 +60,12 @@ def model_config_from(directory) -> dict:
         vision = source["vision_config"]
         out["vision_config"] = {key: vision[key] for key in _VISION_KEYS if vision.get(key) is not None}
     return out
+
+
+def _numbers(source: dict, key: str, config_file: Path) -> list[int]:
+    """``key``'s whole number, or list of them, as a list (absent or 0: an empty list)."""
+    value = source.get(key) or []
+    values = [value] if fits(value, int)[0] else value
+    if not fits(values, list[int])[0]:
+        raise ConfigError(f"{config_file}: {key} must be a whole number or a list of them, not {value!r}.")
+    return values

@@ -25,6 +25,7 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.files import sha256_of
 from ..checkpoint.formats import group_qkv, ungroup_qkv
 from ..checkpoint.model_files import save_model, trained_names
+from ..config.kinds import fits
 from ..parallel.tensor_parallel import shard_of
 from .lora import LoRASettings, apply_lora, is_lora, linear_layers
 
@@ -90,12 +91,12 @@ def target_patterns(adapted: set[str], layers: set[str]) -> list[str]:
     return patterns
 
 
-def read_adapter(directory) -> tuple[dict, dict[str, np.ndarray]]:
-    """(lora_config.json, tensors as written: PaddleFormers' q/k/v order) of an adapter folder; CheckpointError
-    if unreadable."""
+def read_adapter(directory) -> tuple[LoRASettings, dict[str, np.ndarray]]:
+    """(the settings of lora_config.json, the tensors as written: PaddleFormers' q/k/v order) of an adapter folder;
+    CheckpointError if unreadable."""
     folder = Path(directory)
     try:
-        config = json.loads((folder / CONFIG).read_text())
+        settings = settings_of(json.loads((folder / CONFIG).read_text()))
         weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
         tensors = {}
         for file in sorted(set(weight_map.values())):
@@ -103,18 +104,24 @@ def read_adapter(directory) -> tuple[dict, dict[str, np.ndarray]]:
                 tensors.update({k: f.get_tensor(k) for k in f.keys()})
     except Exception as err:  # a missing file, bad JSON, or one of safetensors' ways of reporting a corrupt file
         raise CheckpointError(f"cannot read the LoRA adapter in {folder}: {err}") from None
-    return config, tensors
+    return settings, tensors
 
 
-def settings_of(config: dict) -> LoRASettings:
-    return LoRASettings(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
-                        targets=tuple(config["target_modules"]), rslora=bool(config.get("rslora", False)))
+def settings_of(config) -> LoRASettings:
+    """The LoRA settings of an adapter's ``lora_config.json``: a rank of at least 1, an alpha and the target
+    patterns (a list, or one pattern); CheckpointError when one is missing or of the wrong kind."""
+    rank, alpha, targets = (config.get(key) if isinstance(config, dict) else None
+                            for key in ("r", "lora_alpha", "target_modules"))
+    targets = [targets] if isinstance(targets, str) else targets
+    if not (fits(rank, int)[0] and rank >= 1 and fits(alpha, float)[0] and fits(targets, list[str])[0]):
+        raise CheckpointError(f"{CONFIG} needs r (at least 1), lora_alpha (a number) and target_modules (patterns); "
+                              f"it holds r={rank!r}, lora_alpha={alpha!r}, target_modules={targets!r}")
+    return LoRASettings(rank=rank, alpha=float(alpha), targets=tuple(targets), rslora=bool(config.get("rslora", False)))
 
 
 def load_adapter(model, model_cfg, directory) -> LoRASettings:
     """Add the adapter's LoRA pairs to a built model (one process) and load them."""
-    config, tensors = read_adapter(directory)
-    settings = settings_of(config)
+    settings, tensors = read_adapter(directory)
     apply_lora(model, settings, None)
     for name, param in model.stable_named_parameters():
         if not is_lora(name):
@@ -129,9 +136,9 @@ def load_adapter(model, model_cfg, directory) -> LoRASettings:
     return settings
 
 
-def merged_weight(name: str, weight: np.ndarray, adapter: tuple[dict, dict], model_cfg) -> np.ndarray:
+def merged_weight(name: str, weight: np.ndarray, adapter: tuple[LoRASettings, dict], model_cfg) -> np.ndarray:
     """``weight + A B * scaling`` for a Paddle-layout weight the adapter adapts (``weight`` itself otherwise)."""
-    config, tensors = adapter
+    settings, tensors = adapter
     layer = name[: -len(".weight")]
     if not name.endswith(".weight") or f"{layer}.lora_A" not in tensors:
         return weight
@@ -140,7 +147,7 @@ def merged_weight(name: str, weight: np.ndarray, adapter: tuple[dict, dict], mod
     if a.shape[0] != weight.shape[0] or b.shape[1] != weight.shape[1] or a.shape[1] != b.shape[0]:
         raise CheckpointError(f"LoRA pair of '{layer}' is {list(a.shape)} x {list(b.shape)}; the base weight is "
                               f"{list(weight.shape)}: the adapter was trained on a model of another shape")
-    return weight + (a @ b.astype("float32")) * settings_of(config).scaling
+    return weight + (a @ b.astype("float32")) * settings.scaling
 
 
 def adapter_base(adapter_dir, base_dir=None) -> str:
