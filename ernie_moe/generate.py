@@ -19,7 +19,7 @@ from .checkpoint.errors import CheckpointError
 from .cli import at_least_one
 from .config import ConfigError
 from .config.schema import DataConfig
-from .data.jsonl import load_image, load_video, parse_messages
+from .data.jsonl import images_of, load_image, load_video, parse_messages
 from .data.packing import BadSample, Encoder
 from .data.sample import Chunk, Sample
 from .generation import generate, load_model_folder
@@ -45,7 +45,8 @@ def prompts_from(args) -> list[Sample]:
                 raise UsageError(f"{path} line {number} is not JSON: {err}") from None
             if not isinstance(record, dict):
                 raise UsageError(f"{path} line {number} is not a JSON object")
-            conversation, images, videos = parse_messages(record.get("messages"), record.get("images", []),
+            conversation, images, videos = parse_messages(record.get("messages"),
+                                                          images_of(record, f"{path} line {number}"),
                                                           record.get("videos", []))
             samples.append(Sample([load_image(path.parent / str(p), max_pixels) for p in images],
                                   videos=[load_video(path.parent, v, max_pixels) for v in videos],

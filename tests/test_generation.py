@@ -9,6 +9,7 @@ import numpy as np
 import paddle
 import pytest
 from conftest import ROOT
+from PIL import Image
 
 from ernie_moe.checkpoint import save_model
 from ernie_moe.config import load_config
@@ -85,6 +86,23 @@ def test_sampling_keeps_to_the_nucleus():
     drawn = Counter(choose(logits, 1.0, 0.7, rng) for _ in range(2000))
     assert set(drawn) == {0, 1} and 0.55 < drawn[0] / 2000 < 0.7  # 0.5 / 0.8 of the draws
     assert choose(logits, 0.0, 1.0, rng) == 0
+
+
+def test_a_messages_file_names_its_images_as_training_records_do(tmp_path):
+    from argparse import Namespace
+
+    from ernie_moe.data.sample import BadSample
+    from ernie_moe.generate import prompts_from
+
+    Image.fromarray(np.zeros((28, 28, 3), np.uint8)).save(tmp_path / "a.png")
+    chat = tmp_path / "chat.jsonl"
+    turn = [{"role": "user", "content": "<image> what?"}]
+    chat.write_text(json.dumps({"images": "a.png", "messages": turn}) + "\n")  # one path, not a list
+    (sample,) = prompts_from(Namespace(messages=str(chat), image=[], prompt=None))
+    assert len(sample.images) == 1 and sample.images[0].shape == (28, 28, 3)
+    chat.write_text(json.dumps({"images": 7, "messages": turn}) + "\n")
+    with pytest.raises(BadSample, match="chat.jsonl line 1: images must be a path or a list of paths, not 7"):
+        prompts_from(Namespace(messages=str(chat), image=[], prompt=None))
 
 
 def run(*args):

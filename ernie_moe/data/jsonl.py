@@ -58,10 +58,7 @@ class JsonlDataset:
             raise BadSample("bad_json", f"line {index + 1}: {err}") from None
         if not isinstance(record, dict):
             raise BadSample("bad_json", f"line {index + 1} is not a JSON object")
-        images = record.get("images", [record["image"]] if "image" in record else [])
-        images = [images] if isinstance(images, str) else images
-        if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
-            raise BadSample("bad_images", f"line {index + 1}: images must be a path or a list of paths, not {images!r}")
+        images = images_of(record, f"line {index + 1}")
         if "messages" in record:
             conversation, images, videos = parse_messages(record["messages"], images, record.get("videos", []))
             return Sample(images=[self._load_image(p) for p in images],
@@ -77,6 +74,16 @@ class JsonlDataset:
 
     def _load_video(self, source) -> np.ndarray:
         return load_video(self.root, source, self.max_pixels, self.video_reading)
+
+
+def images_of(record: dict, where: str) -> list[str]:
+    """The image paths of a record (``"image"``, or ``"images"``: a path or a list of them); BadSample
+    (``bad_images``, naming ``where``) when they are something else."""
+    images = record.get("images", [record["image"]] if "image" in record else [])
+    images = [images] if isinstance(images, str) else images
+    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+        raise BadSample("bad_images", f"{where}: images must be a path or a list of paths, not {images!r}")
+    return images
 
 
 def load_image(path: Path, max_pixels: int) -> np.ndarray:
