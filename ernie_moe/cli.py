@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
-def at_least_one(text: str) -> int:
-    """An argparse type: a whole number of 1 or more (argparse then exits 2 with the message)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def bounded(kind: type, low: float, high: float = math.inf, low_included: bool = True):
+    """An argparse type: a finite ``kind`` (int or float) from ``low`` (itself only if ``low_included``) to
+    ``high``; argparse exits 2 with the message for anything else."""
+    if high < math.inf:
+        wanted = f"from {low:g} to {high:g}" if low_included else f"above {low:g} and at most {high:g}"
+    else:
+        wanted = f"at least {low:g}" if low_included else f"above {low:g}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be {'a whole number' if kind is int else 'a number'}, not {text!r}") from None
+        if not (math.isfinite(value) and (value >= low if low_included else value > low) and value <= high):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, not {text}")
+        return value
+    return parse
+
+
+at_least_one = bounded(int, 1)

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
-from .cli import at_least_one
+from .cli import at_least_one, bounded
 from .config import ConfigError, load_config
 from .data import DataError, RowStream, rank_batches
 from .data.jsonl import JsonlDataset
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data", required=True, help="a JSONL file (the training shapes) or 'synthetic'")
     parser.add_argument("--config", help="training config whose data section (sequence length, images) applies")
     parser.add_argument("--batch-size", type=at_least_one, default=8)
-    parser.add_argument("--max-batches", type=int, default=0, help="0 = all")
+    parser.add_argument("--max-batches", type=bounded(int, 0), default=0, help="0 = all")
     parser.add_argument("--out", help="write the figures here as JSON")
     args = parser.parse_args(argv)
     try:

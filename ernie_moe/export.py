@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 
 from .checkpoint.formats import MODEL_TYPES, VL, CheckpointError, SourceCheckpoint, to_hf
 from .checkpoint.model_files import model_config_dict
+from .cli import bounded
 from .config.load import ConfigError, build
 from .config.model_folder import model_config_from
 from .config.schema import ModelConfig
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("source", help="checkpoint or model folder")
     parser.add_argument("output", help="folder to write")
     parser.add_argument("--model-type", default=VL, choices=MODEL_TYPES)
-    parser.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    parser.add_argument("--max-shard-size-gb", type=bounded(float, 0, low_included=False), default=5.0)
     parser.add_argument("--merge-lora", action="store_true", help="SOURCE is a LoRA adapter: merge it into its base")
     parser.add_argument("--base", help="with --merge-lora: the base model folder (default: the one the adapter names)")
     args = parser.parse_args(argv)

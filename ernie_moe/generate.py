@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
-from .cli import at_least_one
+from .cli import at_least_one, bounded
 from .config import ConfigError
 from .config.schema import DataConfig
 from .data.jsonl import images_of, load_image, load_video, parse_messages
@@ -74,8 +74,8 @@ def main(argv=None) -> int:
     source.add_argument("--prompt", help="a user turn")
     source.add_argument("--messages", help="JSONL: one {'images': [...], 'messages': [...]} conversation per line")
     parser.add_argument("--max-new-tokens", type=at_least_one, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=bounded(float, 0, 1, low_included=False), default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:

@@ -20,6 +20,7 @@ import functools
 import sys
 from pathlib import Path
 
+from ..cli import at_least_one, bounded
 from ..config import ConfigError, load_config
 from ..parallel.layout import Layout
 from .estimate import Workload, estimate, sample_workload
@@ -84,14 +85,15 @@ def report(cfg, world: int, device_gb: float, run_search: bool, image_fraction: 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m ernie_moe.memory", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*", help="section.key=value")
-    parser.add_argument("--world-size", type=int, default=0, help="ranks (default: the product of the degrees)")
-    parser.add_argument("--device-memory-gb", type=float, default=80.0)
+    parser.add_argument("--world-size", type=at_least_one, help="ranks (default: the product of the degrees)")
+    parser.add_argument("--device-memory-gb", type=bounded(float, 0, low_included=False), default=80.0)
     parser.add_argument("--search", action="store_true", help="list the layouts that fit")
     parser.add_argument("--smallest", action="store_true", help="the fewest GPUs (a multiple of 8) that fit")
-    parser.add_argument("--image-fraction", type=float, default=0.5)
+    parser.add_argument("--image-fraction", type=bounded(float, 0, 1), default=0.5)
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides, check_paths=False)

@@ -1,0 +1,44 @@
+"""The commands' numeric arguments: out of range is argparse's exit 2 with the range, before any work."""
+
+import argparse
+
+import pytest
+from conftest import ROOT
+
+from ernie_moe import evaluate, export, generate
+from ernie_moe.cli import at_least_one, bounded
+from ernie_moe.memory import report
+
+
+def test_bounded_takes_finite_numbers_in_range_only():
+    fraction, above_zero = bounded(float, 0, 1), bounded(float, 0, low_included=False)
+    assert (fraction("0"), fraction("1"), fraction("0.25"), above_zero("1e-3"), at_least_one("3")) == (0, 1, 0.25,
+                                                                                                        1e-3, 3)
+    for parse, text, message in ((fraction, "1.5", "must be from 0 to 1, not 1.5"),
+                                 (fraction, "nan", "must be from 0 to 1, not nan"),
+                                 (above_zero, "0", "must be above 0, not 0"),
+                                 (above_zero, "inf", "must be above 0, not inf"),
+                                 (bounded(float, 0, 1, low_included=False), "0", "above 0 and at most 1, not 0"),
+                                 (at_least_one, "0", "must be at least 1, not 0"),
+                                 (at_least_one, "2.5", "must be a whole number, not '2.5'"),
+                                 (fraction, "half", "must be a number, not 'half'")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(text)
+
+
+CONFIG = str(ROOT / "configs" / "vl_moe.yaml")
+
+
+@pytest.mark.parametrize("main, argv, message", [
+    (report.main, ["--config", CONFIG, "--world-size", "0"], "--world-size: must be at least 1, not 0"),
+    (report.main, ["--config", CONFIG, "--image-fraction", "7"], "--image-fraction: must be from 0 to 1, not 7"),
+    (report.main, ["--config", CONFIG, "--device-memory-gb", "-5"], "--device-memory-gb: must be above 0, not -5"),
+    (generate.main, ["--model", "m", "--top-p", "0"], "--top-p: must be above 0 and at most 1, not 0"),
+    (generate.main, ["--model", "m", "--temperature", "nan"], "--temperature: must be at least 0, not nan"),
+    (evaluate.main, ["--model", "m", "--data", "d", "--max-batches", "-1"], "--max-batches: must be at least 0"),
+    (export.main, ["a", "b", "--max-shard-size-gb", "0"], "--max-shard-size-gb: must be above 0, not 0"),
+], ids=["world size", "image fraction", "device memory", "top-p", "temperature", "max batches", "shard size"])
+def test_the_commands_refuse_numbers_out_of_range(capsys, main, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
