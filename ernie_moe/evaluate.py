@@ -65,7 +65,11 @@ def main(argv=None) -> int:
     result = {**figures, **{f"skipped/{k}": v for k, v in sorted(skipped.items())}}
     print(" | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        try:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        except OSError as err:
+            print(f"evaluate error: cannot write --out: {err}", file=sys.stderr)
+            return 2
     return 0
 
 

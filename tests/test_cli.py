@@ -42,3 +42,11 @@ def test_the_commands_refuse_numbers_out_of_range(capsys, main, argv, message):
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_evaluate_says_when_it_cannot_write_its_figures(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(evaluate, "scores", lambda *args: ({"eval_loss": 0.5}, {}))
+    assert evaluate.main(["--model", "m", "--data", "synthetic", "--out", str(tmp_path)]) == 2  # a folder
+    assert "evaluate error: cannot write --out: [Errno 21] Is a directory" in capsys.readouterr().err
+    assert evaluate.main(["--model", "m", "--data", "synthetic", "--out", str(tmp_path / "figures.json")]) == 0
+    assert '"eval_loss": 0.5' in (tmp_path / "figures.json").read_text()
