@@ -53,6 +53,16 @@ def make_ernie_tokenizer(folder, chat_template: str | None = ERNIE_VL_TEMPLATE):
     return folder
 
 
+def test_a_tokenizer_config_whose_added_tokens_decoder_is_not_a_mapping_is_refused(tmp_path):
+    from ernie_moe.data.tokenizer import tokenizer_in
+
+    folder = make_ernie_tokenizer(tmp_path / "tokenizer")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "added_tokens_decoder": ["<a>"]}))
+    with pytest.raises(ValueError, match=r"added_tokens_decoder must map token ids to tokens, not \['<a>'\]"):
+        tokenizer_in(folder, 4)
+
+
 def picture(folder, name, height, width, seed):
     """A smooth random colour image, saved as PNG (lossless): what both sides read."""
     rng = np.random.default_rng(seed)

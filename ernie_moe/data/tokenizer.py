@@ -181,7 +181,11 @@ def special_tokens(folder: Path, sp) -> dict[str, int]:
     ``added_tokens_decoder``, else the SentencePiece piece of that text. Tokens without an id are left out."""
     config, names = _json(folder / "tokenizer_config.json"), []
     ids = {str(k): int(v) for k, v in _json(folder / "added_tokens.json").items() if isinstance(v, int)}
-    for key, entry in (config.get("added_tokens_decoder") or {}).items():
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise ValueError(f"{folder / 'tokenizer_config.json'}: added_tokens_decoder must map token ids to tokens, "
+                         f"not {decoder!r}")
+    for key, entry in decoder.items():
         content = entry.get("content") if isinstance(entry, dict) else None
         if isinstance(content, str) and str(key).isdigit():
             ids.setdefault(content, int(key))
