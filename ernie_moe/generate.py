@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=at_least_one, default=64)
     parser.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=bounded(float, 0, 1, low_included=False), default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=bounded(int, 0), default=0)
     args = parser.parse_args(argv)
     try:
         samples = prompts_from(args)

@@ -35,9 +35,10 @@ CONFIG = str(ROOT / "configs" / "vl_moe.yaml")
     (report.main, ["--config", CONFIG, "--device-memory-gb", "-5"], "--device-memory-gb: must be above 0, not -5"),
     (generate.main, ["--model", "m", "--top-p", "0"], "--top-p: must be above 0 and at most 1, not 0"),
     (generate.main, ["--model", "m", "--temperature", "nan"], "--temperature: must be at least 0, not nan"),
+    (generate.main, ["--model", "m", "--seed", "-1"], "--seed: must be at least 0, not -1"),
     (evaluate.main, ["--model", "m", "--data", "d", "--max-batches", "-1"], "--max-batches: must be at least 0"),
     (export.main, ["a", "b", "--max-shard-size-gb", "0"], "--max-shard-size-gb: must be above 0, not 0"),
-], ids=["world size", "image fraction", "device memory", "top-p", "temperature", "max batches", "shard size"])
+], ids=["world size", "image fraction", "device memory", "top-p", "temperature", "seed", "max batches", "shard size"])
 def test_the_commands_refuse_numbers_out_of_range(capsys, main, argv, message):
     with pytest.raises(SystemExit) as stop:
         main(argv)
