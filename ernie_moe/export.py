@@ -26,6 +26,7 @@ from .cli import bounded
 from .config.load import ConfigError, build
 from .config.model_folder import model_config_from
 from .config.schema import ModelConfig
+from .config.validate import check_model
 from .finetune.adapter_files import adapter_base, merged_weight, read_adapter
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -49,6 +50,7 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
            adapter_dir=None) -> dict:
     source = SourceCheckpoint(source_dir)
     cfg = build(ModelConfig, model_config_from(source_dir), "model")
+    check_model(cfg)
     adapter = read_adapter(adapter_dir) if adapter_dir is not None else None
     config = model_config_dict(cfg, hf_layout=True, model_type=model_type, base=source.config)
     out = Path(output_dir)

@@ -51,3 +51,32 @@ def test_evaluate_says_when_it_cannot_write_its_figures(tmp_path, monkeypatch, c
     assert "evaluate error: cannot write --out: [Errno 21] Is a directory" in capsys.readouterr().err
     assert evaluate.main(["--model", "m", "--data", "synthetic", "--out", str(tmp_path / "figures.json")]) == 0
     assert '"eval_loss": 0.5' in (tmp_path / "figures.json").read_text()
+
+
+def test_export_refuses_a_folder_whose_config_does_not_fit_its_weights(tmp_path, capsys):
+    """q/k/v are split by the config's heads: heads that do not add up to the stored columns would hand one
+    projection's columns to another, so they are an error, as are heads that cannot work together."""
+    import json
+
+    import paddle
+
+    from ernie_moe.checkpoint import save_model
+    from ernie_moe.config import load_config
+    from ernie_moe.data import build_tokenizer
+    from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+
+    cfg = load_config(CONFIG)
+    paddle.seed(0)
+    save_model(ErnieMoEForConditionalGeneration(cfg.model), cfg.model, str(tmp_path / "model"), build_tokenizer(cfg),
+               hf_layout=True)
+    written = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert export.main([str(tmp_path / "model"), str(tmp_path / "out")]) == 0
+    heads, kv, head_dim = cfg.model.num_attention_heads, cfg.model.num_key_value_heads, cfg.model.head_dim
+    assert kv < heads - 1  # grouped-query attention, so both changes below are changes
+    for change, message in (({"num_key_value_heads": heads}, f"columns; the config's heads give q, k and v "
+                                                              f"{heads * head_dim} + {heads * head_dim}"),
+                            ({"num_key_value_heads": heads - 1}, f"num_attention_heads ({heads}) must be a multiple")):
+        (tmp_path / "model" / "config.json").write_text(json.dumps({**written, **change}))
+        capsys.readouterr()
+        assert export.main([str(tmp_path / "model"), str(tmp_path / "again")]) == 2
+        assert message in capsys.readouterr().err

@@ -44,6 +44,9 @@ def to_hf(name: str, array: np.ndarray, cfg, model_type: str = VL) -> list[tuple
         q = cfg.num_attention_heads * cfg.head_dim
         kv = cfg.num_key_value_heads * cfg.head_dim
         base = name[: -len("qkv_proj.weight")]
+        if array.shape[1] != q + 2 * kv:  # the split would silently hand columns of one projection to another
+            raise CheckpointError(f"'{name}' has {array.shape[1]} columns; the config's heads give q, k and v "
+                                  f"{q} + {kv} + {kv} = {q + 2 * kv}")
         parts = np.split(array, [q, q + kv], axis=1)
         return [(f"{base}{x}_proj.weight", np.ascontiguousarray(p.T)) for x, p in zip("qkv", parts)]
     if name.endswith("up_gate_proj.weight"):

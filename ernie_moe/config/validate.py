@@ -11,7 +11,7 @@ from .schema import FREEZE_PARTS, LORA_TARGET_GROUPS, Config, ModelConfig
 
 def validate(cfg: Config, check_paths: bool = True) -> None:
     """``check_paths=False`` skips the checks that data and tokenizer files exist (planning a run elsewhere)."""
-    _check_model(cfg.model)
+    check_model(cfg.model)
     _check_data(cfg, check_paths)
     _check_training(cfg)
     _check_parallel(cfg)
@@ -27,7 +27,9 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _check_model(m: ModelConfig) -> None:
+def check_model(m: ModelConfig) -> None:
+    """The model section's own cross-field checks (also what a model folder's config.json must pass to be
+    exported)."""
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "moe_k", "moe_layer_interval"):
         _require(getattr(m, name) >= 1, f"model.{name} must be at least 1, got {getattr(m, name)}.")
