@@ -25,7 +25,7 @@ from PIL import Image, UnidentifiedImageError
 
 from .chat import check_messages
 from .sample import BadSample, Chunk, Sample
-from .video import ERNIE_VIDEO_READING, VideoReading, read_video
+from .video import ERNIE_VIDEO_READING, VideoReading, read_video, stack_frames
 
 IMAGE_MARK, VIDEO_MARK = "<image>", "<video>"
 
@@ -107,10 +107,7 @@ def load_video(root: Path, source, max_pixels: int, reading: VideoReading = ERNI
     """A video given as its frame files or as a video file (relative to ``root``), ``[T, H, W, 3]`` uint8."""
     if isinstance(source, str):
         return read_video(root / source, reading, max_pixels)
-    loaded = [load_image(root / str(f), max_pixels) for f in source]
-    if len({f.shape for f in loaded}) != 1:
-        raise BadSample("bad_video", f"the frames of video {source[0]}, ... differ in size")
-    return np.stack(loaded)
+    return stack_frames([load_image(root / str(f), max_pixels) for f in source], f"{source[0]}, ...")
 
 
 def parse_messages(messages, images: list[str], videos) -> tuple:

@@ -102,10 +102,16 @@ def read_video(path: Path, reading: VideoReading, max_pixels: int) -> np.ndarray
         raise BadSample("corrupt_video", f"video '{path}' cannot be decoded: {err}") from None
     if len(frames) != len(wanted):
         raise BadSample("corrupt_video", f"video '{path}': {len(frames)} of the {len(wanted)} sampled frames decode")
-    if len({f.shape for f in frames}) != 1:
-        raise BadSample("bad_video", f"the frames of video '{path}' differ in size")
+    frames = stack_frames(frames, f"'{path}'")
     if reading.timestamp_font:  # every sampled frame decoded, in order
-        frames = [draw_timestamp(f, i / rate, reading.timestamp_font) for i, f in zip(sorted(wanted), frames)]
+        frames = np.stack([draw_timestamp(f, i / rate, reading.timestamp_font) for i, f in zip(sorted(wanted), frames)])
+    return frames
+
+
+def stack_frames(frames: list[np.ndarray], video: str) -> np.ndarray:
+    """A video's frames as one ``[T, H, W, 3]`` array; BadSample (``bad_video``) when they differ in size."""
+    if len({f.shape for f in frames}) != 1:
+        raise BadSample("bad_video", f"the frames of video {video} differ in size")
     return np.stack(frames)
 
 
