@@ -5,8 +5,9 @@ in one process; ``install()`` puts them where PaddleFormers looks them up.
 - ``flashmask_attention`` (the ViT's attention): softmax attention in float32 under the same block mask. The
   ViT casts q, k and v to bfloat16 only to feed that kernel; the replaced forward leaves the casts out with it.
 - ``expand_modality_expert_id``: a modality's expert index to its index among all experts.
-- ``moe_gate_dispatch_partial_nosoftmaxtopk``: the unpadded layout of the published dispatch, every token kept;
-  an expert receiving more tokens than its capacity raises rather than dropping silently.
+- ``moe_gate_dispatch_partial_nosoftmaxtopk``: the unpadded layout of the published dispatch; an expert keeps
+  choices up to its capacity, every token's first choice before any second choice, and a dropped choice gets
+  weight 0 (PaddleFormers renormalises the kept weights after it).
 - ``build_src_rank_and_local_expert_id``: each dispatched row's rank and expert there.
 - ``moe_combine``: the weighted sum of each token's expert outputs.
 - ``async_offload`` / ``create_async_load``: device-to-host copies, already done on a CPU.
@@ -57,27 +58,32 @@ def expand_modality_expert_id(expert_id, num_expert_per_modality, group_size, mo
 
 def moe_gate_dispatch_partial_nosoftmaxtopk(x, combine_weights, expert_id, k, capacity, num_experts, use_pad,
                                             expert_start_index, expert_end_index, reverse_token_drop=False):
-    """The unpadded layout: the local experts' tokens, expert after expert, each expert's in sequence order.
-    Returns the rows, the weights (zero for other ranks' experts), token -> row ``[k, seq]``, row -> token, and the
-    tokens per expert over all experts and over the local ones."""
+    """The unpadded layout: the local experts' kept tokens, expert after expert, each expert's in sequence order.
+    Returns the rows, the weights (zero for dropped choices and other ranks' experts), token -> row ``[k, seq]``,
+    row -> token, the tokens per expert over all experts before capacity, and the kept ones of the local experts."""
     assert not use_pad, "the published dispatch (v2-alltoall-unpad) is unpadded"
+    assert not reverse_token_drop
     ids = expert_id.numpy().astype(np.int64)
     counts = np.bincount(ids.reshape(-1), minlength=num_experts)
-    if counts.max() > capacity:
-        raise ValueError(f"an expert receives {counts.max()} tokens, over its capacity {capacity}")
+    kept, taken = np.zeros(ids.shape, bool), np.zeros([num_experts], np.int64)
+    for slot in range(ids.shape[1]):  # first choices claim an expert's slots before second choices
+        for s in range(ids.shape[0]):
+            if taken[ids[s, slot]] < capacity:
+                taken[ids[s, slot]] += 1
+                kept[s, slot] = True
     experts = np.arange(num_experts)
     is_local = (experts >= expert_start_index) & (experts < expert_end_index)
-    local_counts = np.where(is_local, counts, 0)
+    local_counts = np.where(is_local, taken, 0)
     next_row = np.concatenate([[0], np.cumsum(local_counts)[:-1]])
     to_row = np.zeros(ids.shape, np.int32)
     from_row = np.zeros([local_counts.sum()], np.int64)
     for s, slot in np.ndindex(*ids.shape):
         e = ids[s, slot]
-        if is_local[e]:
+        if is_local[e] and kept[s, slot]:
             to_row[s, slot], from_row[next_row[e]] = next_row[e], s
             next_row[e] += 1
     rows = paddle.gather(x, paddle.to_tensor(from_row))
-    weights = combine_weights * paddle.to_tensor(is_local[ids].astype(np.float32))
+    weights = combine_weights * paddle.to_tensor((is_local[ids] & kept).astype(np.float32))
     return (rows, weights, paddle.to_tensor(to_row.T.copy()), paddle.to_tensor(from_row.astype(np.int32)),
             paddle.to_tensor(counts), paddle.to_tensor(local_counts))
 

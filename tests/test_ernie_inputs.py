@@ -224,21 +224,24 @@ VL_MODEL = {"vocab_size": 400, "max_position_embeddings": 4096, "moe_use_aux_fre
 
 
 @pytest.mark.slow
-def test_vl_logits_equal_paddleformers_on_the_processors_output(ernie_side, tmp_path):
+@pytest.mark.parametrize("capacity", [[8, 8, 8], [1.0, 1.0, 1.0]], ids=["every_token", "capacity_1"])
+def test_vl_logits_equal_paddleformers_on_the_processors_output(ernie_side, tmp_path, capacity):
     """Text only; one image; three images of different sizes; an image and a 6-frame video: this package, from the JSONL
     conversation, gives the logits PaddleFormers' Ernie4_5_VLMoeForConditionalGeneration gives on its processor's
-    output, on a checkpoint PaddleFormers made (GPU-only kernels replaced as ``paddleformers_cpu.py`` says).
+    output, on a checkpoint PaddleFormers made (GPU-only kernels replaced as ``paddleformers_cpu.py`` says), with
+    room for every token and with capacity 1, where batches with images take PaddleFormers' capacity rule.
     PaddleFormers' ViT takes bfloat16 pixels, so ours are rounded to bfloat16 too: both see the same input."""
     folder, _ = ernie_side
     cases = [0, 1, 2, 6]
     placeholder = build_tokenizer(ernie_config(folder)).placeholder_id()
-    paddleformers("make", "vl", tmp_path / "model", json.dumps(dict(VL_MODEL, im_patch_id=placeholder)), cwd=tmp_path)
+    made = dict(VL_MODEL, im_patch_id=placeholder, moe_capacity=capacity)
+    paddleformers("make", "vl", tmp_path / "model", json.dumps(made), cwd=tmp_path)
     paddleformers("vl_logits", tmp_path / "model" / "hf", tmp_path, *(folder / "out" / f"{n}.npz" for n in cases),
                   cwd=tmp_path)
     budget = [f"data.{k}={v}" for k, v in BUDGET.items()]
     cfg = load_config(None, [f"training.model_name_or_path={tmp_path / 'model' / 'hf'}",
                              f"data.tokenizer_path={folder / 'tokenizer'}", *budget])
-    assert cfg.model.moe_use_aux_free and cfg.model.im_patch_id == placeholder
+    assert cfg.model.moe_use_aux_free and cfg.model.im_patch_id == placeholder and cfg.model.moe_capacity == capacity
     model = build_model(cfg.model, DistEnv())
     load_pretrained(model, tmp_path / "model" / "hf")
     model.eval()

@@ -34,8 +34,11 @@ def np_swiglu(expert, x):
 
 def reference(layer, x, types, capacity=None, bias=None, renormalize_after_drop=True):
     """Plain loop over tokens: route within the token's modality, keep first-come choices under capacity, then
-    renormalise each token's kept weights (ERNIE's rule; ``renormalize_after_drop=False``: before the drop)."""
+    renormalise each token's kept weights (ERNIE's rule; ``renormalize_after_drop=False``: before the drop).
+    Capacity as PaddleFormers gives it: with image tokens in the batch, all tokens over all experts for every
+    expert; text alone, text tokens over text experts."""
     flat, t = x.reshape(-1, x.shape[-1]), types.reshape(-1)
+    with_images = bool((t >= 1).any())
     out = np.zeros_like(flat)
     offsets = {0: 0, 1: layer.router_counts[0]}
     used = np.zeros(layer.num_experts, int)
@@ -50,7 +53,12 @@ def reference(layer, x, types, capacity=None, bias=None, renormalize_after_drop=
         top = np.argsort(-score, axis=1, kind="stable")[:, :2]
         weights = np.take_along_axis(probs, top, 1)
         weights /= weights.sum(1, keepdims=True)
-        cap = None if capacity is None else int(capacity * len(rows) // w.shape[1])
+        if capacity is None:
+            cap = None
+        elif with_images:
+            cap = int(capacity * int((t >= 0).sum()) // layer.num_experts)
+        else:
+            cap = int(capacity * len(rows) // w.shape[1])
         choices.append((rows, top + offsets[g], weights, cap))
     for rows, top, weights, cap in choices:
         kept = np.zeros(top.shape, bool)
@@ -149,6 +157,31 @@ def test_capacity_drops_the_same_tokens_as_the_reference():
     window = layer.stats.pop_window()
     np.testing.assert_array_equal(window["kept"], used)
     assert window["routed"].sum() == 2 * 30 and window["kept"].sum() < window["routed"].sum()
+
+
+def paddleformers_capacity(factors, training, token_types, experts):
+    """PaddleFormers' ERNIE-4.5-VL capacity, written from its gate: a batch with image tokens takes the
+    multimodal layer (all tokens, every expert of both modalities), a text-only one the text layer."""
+    tokens = len(token_types)
+    count = sum(experts) if any(t >= 1 for t in token_types) else experts[0]
+    factor = factors[0] if training else (factors[2] if tokens < count else factors[1])
+    return int(factor * tokens // count)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_capacity_of_a_batch_with_images_is_paddleformers(training):
+    """Text only, a few image tokens, mostly image tokens, fewer tokens than experts: each expert's capacity."""
+    layer, _ = make_layer("model.moe_capacity=[1.0, 1.5, 4.0]")
+    layer.train(training)
+    for types in ([0] * 24, [0] * 20 + [1] * 4, [1] * 20 + [2] * 2 + [0] * 2, [0, 1, 1], [0] * 3):
+        t = paddle.to_tensor([types])
+        tokens = [layer._tokens_of(t.flatten(), m) for m in layer.group_modality]
+        got = layer._capacities(tokens).numpy()
+        want = paddleformers_capacity([1.0, 1.5, 4.0], training, types, [4, 3])
+        if any(v >= 1 for v in types):
+            np.testing.assert_array_equal(got, [want] * 7, err_msg=str(types))
+        else:  # the vision experts get no token; their capacity is their own group's
+            np.testing.assert_array_equal(got[:4], [want] * 4, err_msg=str(types))
 
 
 def test_a_dropped_choice_leaves_the_kept_ones_renormalised():

@@ -125,9 +125,14 @@ class MoELayer(nn.Layer):
         return (token_index, expert_ids, weights), router_loss
 
     def _capacities(self, tokens: list[paddle.Tensor]) -> paddle.Tensor | None:
-        """Each expert's capacity for this batch ([experts]), or None when dropless."""
+        """Each expert's capacity for this batch ([experts]), or None when dropless. PaddleFormers' rule: a batch
+        with image or video tokens gives every expert ``int(factor * all tokens // all experts)``; otherwise each
+        group's experts share its own tokens."""
         if not self.capacity_factors:
             return None
+        if self.group_modality == [TEXT, VISION] and tokens[1].shape[0]:
+            total = sum(t.shape[0] for t in tokens)
+            return paddle.full([self.num_experts], self._capacity(total, self.num_experts), dtype="int64")
         per_expert = [self._capacity(t.shape[0], n) for t, n in zip(tokens, self.router_counts) for _ in range(n)]
         return paddle.to_tensor(per_expert, dtype="int64")
 
