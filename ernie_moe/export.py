@@ -51,7 +51,7 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
     source = SourceCheckpoint(source_dir)
     cfg = build(ModelConfig, model_config_from(source_dir), "model")
     check_model(cfg)
-    adapter = read_adapter(adapter_dir) if adapter_dir is not None else None
+    adapter = read_adapter(adapter_dir, cfg) if adapter_dir is not None else None
     config = model_config_dict(cfg, hf_layout=True, model_type=model_type, base=source.config)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,8 @@ libraries the rest of the suite uses).
     python paddleformers_side.py timestamps FRAMES TIMES FONT OUT  # the processor's time mark drawn on each frame
     python paddleformers_side.py vl_logits DIR OUT PROCESSED...  # the VL model's logits on `process` outputs,
                                                     # OUT/<stem>.npy each, on the CPU (paddleformers_cpu.py)
+    python paddleformers_side.py vl_lora DIR ADAPTER OUT PROCESSED...  # the same with LoRAModel.from_pretrained,
+                                                    # and the LoRA tensors it holds as OUT/lora_state.npz
 """
 
 import json
@@ -182,16 +184,23 @@ def timestamps(frames, times, font, out):
     np.save(out, np.stack(drawn))
 
 
-def vl_logits(directory, out, *processed):
+def vl_logits(directory, out, *processed, adapter=None):
     """``Ernie4_5_VLMoeForConditionalGeneration``'s logits on the processor's output for each conversation, its
     uint8 pixels normalised as its model expects them (rescaled, the image processor's mean and std, bfloat16).
-    Its router losses are off: their kernel (``cal_aux_loss``) is GPU-only and they do not enter the logits."""
+    Its router losses are off: their kernel (``cal_aux_loss``) is GPU-only and they do not enter the logits.
+    With ``adapter``, through ``LoRAModel.from_pretrained``, whose LoRA tensors go to OUT/lora_state.npz."""
     import paddleformers_cpu
     from paddleformers.transformers.ernie4_5_moe_vl.image_processor import Ernie4_5_VLImageProcessor
 
     paddleformers_cpu.install()
     _, model_cls, _ = classes("vl")
     model = model_cls.from_pretrained(directory, convert_from_hf=True, router_aux_loss_coef=0.0)
+    if adapter is not None:
+        from paddleformers.peft import LoRAModel
+
+        model = LoRAModel.from_pretrained(model, adapter)
+        state = model.get_trainable_state_dict()
+        np.savez(Path(out) / "lora_state.npz", **{k: v.astype("float32").numpy() for k, v in state.items()})
     model.eval()
     image_processor = Ernie4_5_VLImageProcessor()
     mean, std = (np.asarray(v, np.float32)[None, :, None] for v in (image_processor.image_mean,
@@ -218,4 +227,5 @@ if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {"make": make, "dump": dump, "logits": logits, "generate": generate, "lora_logits": lora_logits,
      "lora_dump": lora_dump, "image": image, "process": process,
-     "frames": frames, "timestamps": timestamps, "vl_logits": vl_logits}[command](*args)
+     "frames": frames, "timestamps": timestamps, "vl_logits": vl_logits,
+     "vl_lora": lambda base, adapter, out, *cases: vl_logits(base, out, *cases, adapter=adapter)}[command](*args)

@@ -249,18 +249,22 @@ def test_vl_logits_equal_paddleformers_on_the_processors_output(ernie_side, tmp_
                       cfg.data.video_budget)
     data = JsonlDataset(str(folder / "data.jsonl"))
     for n in cases:
-        sample = encoder(data[n])
-        ids = paddle.to_tensor(sample.input_ids[None])
-        patches = np.concatenate(sample.patches) if sample.patches else np.zeros([0, 588], np.float32)
-        pixels = paddle.to_tensor(patches).astype("bfloat16").astype("float32")
-        grids = np.stack(sample.grids) if sample.grids else np.zeros([0, 3], np.int64)
-        batch = Batch(ids, paddle.full_like(ids, -100), paddle.to_tensor(sample.token_type_ids[None]),
-                      paddle.to_tensor(sample.position_ids[None]), paddle.zeros_like(ids), pixels, grids)
-        with paddle.no_grad():
-            ours = model(batch, return_logits=True).logits.numpy()
+        ours = vl_logits(model, encoder(data[n]))
         theirs = np.load(tmp_path / f"{n}.npy")
-        assert ours.shape == theirs.shape == (1, len(sample), 400)
+        assert ours.shape == theirs.shape == (1, ours.shape[1], 400)
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4, err_msg=f"conversation {n}")
+
+
+def vl_logits(model, sample) -> np.ndarray:
+    """Our logits on an encoded conversation, its pixels rounded to bfloat16 as PaddleFormers' ViT takes them."""
+    ids = paddle.to_tensor(sample.input_ids[None])
+    patches = np.concatenate(sample.patches) if sample.patches else np.zeros([0, 588], np.float32)
+    pixels = paddle.to_tensor(patches).astype("bfloat16").astype("float32")
+    grids = np.stack(sample.grids) if sample.grids else np.zeros([0, 3], np.int64)
+    batch = Batch(ids, paddle.full_like(ids, -100), paddle.to_tensor(sample.token_type_ids[None]),
+                  paddle.to_tensor(sample.position_ids[None]), paddle.zeros_like(ids), pixels, grids)
+    with paddle.no_grad():
+        return model(batch, return_logits=True).logits.numpy()
 
 
 @pytest.mark.slow

@@ -23,6 +23,18 @@ ARCHITECTURES = {"ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_Mo
                  VL: "Ernie4_5_VLMoeForConditionalGeneration"}
 
 
+def folder_config(directory) -> dict:
+    """The ``config.json`` of the model folder a run started from, as it is there ({} for none, or one that cannot
+    be read): what the run writes keeps its keys, PaddleFormers' own settings among them."""
+    if not directory:
+        return {}
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) and config.get("model_type") in ARCHITECTURES else {}
+
+
 def model_config_dict(model_cfg, hf_layout: bool = False, model_type: str = VL, base: dict | None = None) -> dict:
     """ERNIE 4.5 config.json keys (``torch_dtype`` marks the Hugging Face layout), on top of ``base`` (the
     source's config.json when converting, which keeps keys such as the special token ids). The text model
@@ -35,13 +47,20 @@ def model_config_dict(model_cfg, hf_layout: bool = False, model_type: str = VL, 
         raise ValueError(f"an ernie4_5_moe checkpoint holds one expert pool; this model has {experts} "
                          "(text, vision): export it as ernie4_5_moe_vl.")
     data = {k: v for k, v in (base or {}).items() if k not in ("torch_dtype", "dtype")}
+    vision_base = data.get("vision_config") if isinstance(data.get("vision_config"), dict) else {}
     data.update(dataclasses.asdict(model_cfg))
     data.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]], hidden_act="silu", use_bias=False)
     data["torch_dtype" if hf_layout else "dtype"] = "float32"
     if model_type == VL:
-        data["vision_config"].update(model_type="DFNRope_vision_transformer",
-                                     hidden_size=model_cfg.vision_config.embed_dim,
-                                     spatial_patch_size=model_cfg.vision_config.patch_size)
+        data["vision_config"] = {**vision_base, **data["vision_config"], "model_type": "DFNRope_vision_transformer",
+                                 "hidden_size": model_cfg.vision_config.embed_dim,
+                                 "spatial_patch_size": model_cfg.vision_config.patch_size}
+        if not model_cfg.moe_capacity and experts:
+            # PaddleFormers has no dropless mode: a factor of the expert count gives every expert room for every
+            # token, which is dropless
+            data["moe_capacity"] = [float(sum(experts))] * 3
+        # its unpadded all-to-all dispatch (the published one) computes what this package's dispatcher does
+        data.setdefault("moe_multimodal_dispatch_use_allgather", "v2-alltoall-unpad")
         return data
     for key in ("vision_config", "pixel_hidden_size", "im_patch_id", "spatial_conv_size", "temporal_conv_size",
                 "rope_3d", "freq_allocation"):
@@ -135,11 +154,12 @@ def trained_names(model) -> set[str]:
 
 def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_layout: bool = False,
                written: WrittenFiles | None = None, only: set[str] | None = None, stem: str = "model",
-               convert=None) -> Path:
+               convert=None, source: dict | None = None) -> Path:
     """Write every parameter in full under its stable name, in the Paddle layout ([in, out] linears, fused
     q/k/v and gate/up) or, with ``hf_layout``, the Hugging Face one. ``only``: the stable names to write
     (a LoRA run's adapter); ``stem`` names the files (``<stem>-0000k-of-0000n.safetensors``, ``<stem>.
-    safetensors.index.json``); ``convert(name, array) -> [(name, array)]`` replaces the layout conversion.
+    safetensors.index.json``); ``convert(name, array) -> [(name, array)]`` replaces the layout conversion;
+    ``source``: the config.json of the folder the run started from, whose keys config.json keeps.
 
     Called on every rank. In each pipeline stage, rank r of the expert group holding the stage's lead rank
     writes a shard with its experts, the lead adding the stage's other parameters; without expert groups
@@ -191,7 +211,7 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
                       for w, names, _ in listing if w is not None for name in names}
         index = {"metadata": {"total_size": sum(size for _, _, size in listing)}, "weight_map": weight_map}
         texts = {f"{stem}.safetensors.index.json": json.dumps(index, indent=2),
-                 "config.json": json.dumps(model_config_dict(model_cfg, hf_layout), indent=2)}
+                 "config.json": json.dumps(written_config(model_cfg, hf_layout, source, tokenizer), indent=2)}
         if written is None:
             for name, text in texts.items():
                 (out / name).write_text(text)
@@ -206,3 +226,14 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
             except OSError as err:
                 written.fail(err)
     return out
+
+
+def written_config(model_cfg, hf_layout: bool, source: dict | None, tokenizer) -> dict:
+    """The config.json a run writes: the source folder's keys, this model's, and the tokenizer's special ids
+    where the source names none."""
+    config = model_config_dict(model_cfg, hf_layout, base=source)
+    if tokenizer is not None:
+        for key, value in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id),
+                           ("pad_token_id", tokenizer.pad_id)):
+            config.setdefault(key, int(value))
+    return config

@@ -5,12 +5,14 @@
     peft_model-0000k-of-0000n.safetensors   ``<layer>.lora_A [in, r]`` and ``<layer>.lora_B [r, out]``
     base_model.json                         the base model folder and the SHA-256 of its files
 
-Tensors are in PaddleFormers' in-memory (Paddle) layout, so ``LoRAModel.from_pretrained`` reads them; the
-one difference from this package's own layout is the column order of a fused q/k/v (``formats.group_qkv``).
+Tensors are in PaddleFormers' in-memory (Paddle) layout, so ``LoRAModel.from_pretrained`` reads them. Its
+text models fuse q/k/v in another column order (``formats.group_qkv``); its VL model keeps q, k, v and gate, up
+as separate layers, so a fused layer's pair becomes one pair per piece: the same A, and B's columns split.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -23,8 +25,8 @@ from safetensors import safe_open
 from ..checkpoint.checkpoint import BASE_FILE, read_base
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.files import sha256_of
-from ..checkpoint.formats import group_qkv, ungroup_qkv
-from ..checkpoint.model_files import save_model, trained_names
+from ..checkpoint.formats import VL, group_qkv, ungroup_qkv
+from ..checkpoint.model_files import folder_config, save_model, trained_names
 from ..config.kinds import fits
 from ..parallel.tensor_parallel import shard_of
 from .lora import LoRASettings, apply_lora, is_lora, linear_layers
@@ -44,6 +46,10 @@ def base_reference(directory: str) -> dict:
     return {"path": str(folder), "sha256": digest.hexdigest()}
 
 
+# the fused layers of this package and the layers PaddleFormers' VL model has in their place
+PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "up_gate_proj": ("gate_proj", "up_proj")}
+
+
 def _qkv_order(name: str, array: np.ndarray, model_cfg, to_paddleformers: bool) -> np.ndarray:
     """A fused q/k/v layer's B in PaddleFormers' column order (or back to this package's); any other as is."""
     if not name.endswith("self_attn.qkv_proj.lora_B"):
@@ -52,14 +58,67 @@ def _qkv_order(name: str, array: np.ndarray, model_cfg, to_paddleformers: bool) 
     return group_qkv(array, heads, kv) if to_paddleformers else ungroup_qkv(array, heads, kv)
 
 
+def pieces_of(layer: str) -> list[str]:
+    """The layers PaddleFormers' VL model has for one of this package's (a fused layer's pieces, or itself)."""
+    prefix, _, last = layer.rpartition(".")
+    return [f"{prefix}.{piece}" for piece in PIECES[last]] if last in PIECES else [layer]
+
+
+def split_pair(name: str, array: np.ndarray, model_cfg) -> list[tuple[str, np.ndarray]]:
+    """A LoRA tensor as PaddleFormers' VL model holds it: for a fused layer its pieces' A (each the same) or B
+    (the piece's columns); any other as is."""
+    layer, _, factor = name.rpartition(".")
+    pieces = pieces_of(layer)
+    if len(pieces) == 1:
+        return [(name, array)]
+    if factor == "lora_A":
+        return [(f"{piece}.lora_A", array) for piece in pieces]
+    if layer.endswith("qkv_proj"):
+        q, kv = (model_cfg.num_attention_heads * model_cfg.head_dim, model_cfg.num_key_value_heads * model_cfg.head_dim)
+        bounds = [q, q + kv]
+    else:
+        bounds = [array.shape[1] // 2]
+    return [(f"{piece}.lora_B", np.ascontiguousarray(part)) for piece, part in zip(pieces, np.split(array, bounds, 1))]
+
+
+def _joined_pairs(tensors: dict[str, np.ndarray], directory) -> dict[str, np.ndarray]:
+    """Per-piece pairs (PaddleFormers' VL form) fused back into one pair per fused layer; CheckpointError when the
+    pieces' A differ (an adapter trained with a pair per piece, which this package's fused layers cannot hold)."""
+    out = dict(tensors)
+    for fused, pieces in PIECES.items():
+        for name in [n for n in tensors if n.endswith(f".{pieces[0]}.lora_A")]:
+            prefix = name[: -len(f".{pieces[0]}.lora_A")]
+            wanted = [f"{prefix}.{piece}.{factor}" for factor in ("lora_A", "lora_B") for piece in pieces]
+            missing = [n for n in wanted if n not in out]
+            if missing:
+                raise CheckpointError(f"the LoRA adapter in {directory} adapts {name[: -len('.lora_A')]} but holds no "
+                                      f"{missing[0]}: this package adapts {', '.join(pieces)} together")
+            a = [out.pop(f"{prefix}.{piece}.lora_A") for piece in pieces]
+            if any(not np.array_equal(a[0], other) for other in a[1:]):
+                raise CheckpointError(f"the LoRA adapter in {directory} holds a pair of its own for each of "
+                                      f"{', '.join(pieces)} in {prefix}; this package trains one pair for them "
+                                      "together and cannot load it")
+            out[f"{prefix}.{fused}.lora_A"] = a[0]
+            out[f"{prefix}.{fused}.lora_B"] = np.concatenate([out.pop(f"{prefix}.{p}.lora_B") for p in pieces], 1)
+    return out
+
+
 def save_adapter(model, model_cfg, settings: LoRASettings, directory, tokenizer, env, base: dict) -> Path:
-    """Write the model's LoRA pairs in PaddleFormers' form (every rank calls this)."""
+    """Write the model's LoRA pairs in PaddleFormers' form for the base's model type (every rank calls this)."""
     out = Path(directory)
     names = trained_names(model)
-    save_model(model, model_cfg, str(out), tokenizer, env, only=names, stem="peft_model",
-               convert=lambda name, array: [(name, _qkv_order(name, array, model_cfg, to_paddleformers=True))])
+    pieces = folder_config(base["path"]).get("model_type") == VL
+
+    def convert(name, array):
+        if pieces:
+            return split_pair(name, array, model_cfg)
+        return [(name, _qkv_order(name, array, model_cfg, to_paddleformers=True))]
+
+    save_model(model, model_cfg, str(out), tokenizer, env, only=names, stem="peft_model", convert=convert)
     layers = {n for n, _, _, _ in linear_layers(model)}
     adapted = {n[: -len(".lora_A")] for n in names if n.endswith(".lora_A")}
+    if pieces:  # PaddleFormers matches target_modules against its own layer names
+        layers, adapted = ({piece for layer in group for piece in pieces_of(layer)} for group in (layers, adapted))
     listing = env.all_gather_object((sorted(adapted), sorted(layers))) if env.world_size > 1 else [(adapted, layers)]
     if env.is_main:
         adapted = {n for a, _ in listing for n in a}
@@ -91,9 +150,10 @@ def target_patterns(adapted: set[str], layers: set[str]) -> list[str]:
     return patterns
 
 
-def read_adapter(directory) -> tuple[LoRASettings, dict[str, np.ndarray]]:
-    """(the settings of lora_config.json, the tensors as written: PaddleFormers' q/k/v order) of an adapter folder;
-    CheckpointError if unreadable."""
+def read_adapter(directory, model_cfg=None) -> tuple[LoRASettings, dict[str, np.ndarray]]:
+    """(the settings of lora_config.json, the tensors) of an adapter folder; CheckpointError if unreadable. The
+    tensors are as written, or with ``model_cfg`` in this package's layout (one pair per fused layer, this
+    package's q/k/v column order)."""
     folder = Path(directory)
     try:
         settings = settings_of(json.loads((folder / CONFIG).read_text()))
@@ -104,6 +164,9 @@ def read_adapter(directory) -> tuple[LoRASettings, dict[str, np.ndarray]]:
                 tensors.update({k: f.get_tensor(k) for k in f.keys()})
     except Exception as err:  # a missing file, bad JSON, or one of safetensors' ways of reporting a corrupt file
         raise CheckpointError(f"cannot read the LoRA adapter in {folder}: {err}") from None
+    if model_cfg is not None:
+        tensors = _joined_pairs({k: _qkv_order(k, v, model_cfg, to_paddleformers=False) for k, v in tensors.items()},
+                                folder)
     return settings, tensors
 
 
@@ -121,14 +184,21 @@ def settings_of(config) -> LoRASettings:
 
 def load_adapter(model, model_cfg, directory) -> LoRASettings:
     """Add the adapter's LoRA pairs to a built model (one process) and load them."""
-    settings, tensors = read_adapter(directory)
-    apply_lora(model, settings, None)
-    for name, param in model.stable_named_parameters():
+    settings, tensors = read_adapter(directory, model_cfg)
+    # the adapted layers are those the tensors name (target_modules may name PaddleFormers' layers instead)
+    layers = sorted(n[: -len(".lora_A")] for n in tensors if n.endswith(".lora_A"))
+    apply_lora(model, dataclasses.replace(settings, targets=tuple(re.escape(n) for n in layers)), None)
+    params = dict(model.stable_named_parameters())
+    unknown = [n for n in tensors if n not in params]
+    if unknown:
+        raise CheckpointError(f"the LoRA adapter in {directory} holds '{unknown[0]}', which is no layer of this "
+                              "model: the adapter was trained on a model of another shape")
+    for name, param in params.items():
         if not is_lora(name):
             continue
         if name not in tensors:
             raise CheckpointError(f"the LoRA adapter in {directory} holds no tensor '{name}'")
-        value = shard_of(param, _qkv_order(name, tensors[name], model_cfg, to_paddleformers=False))
+        value = shard_of(param, tensors[name])
         if list(value.shape) != list(param.shape):
             raise CheckpointError(f"LoRA tensor '{name}' in {directory} has shape {list(value.shape)}; this model "
                                   f"expects {list(param.shape)}: the adapter was trained on a model of another shape")
@@ -137,13 +207,14 @@ def load_adapter(model, model_cfg, directory) -> LoRASettings:
 
 
 def merged_weight(name: str, weight: np.ndarray, adapter: tuple[LoRASettings, dict], model_cfg) -> np.ndarray:
-    """``weight + A B * scaling`` for a Paddle-layout weight the adapter adapts (``weight`` itself otherwise)."""
+    """``weight + A B * scaling`` for a Paddle-layout weight the adapter adapts (``weight`` itself otherwise);
+    ``adapter``: :func:`read_adapter` in this package's layout."""
     settings, tensors = adapter
     layer = name[: -len(".weight")]
     if not name.endswith(".weight") or f"{layer}.lora_A" not in tensors:
         return weight
     a = tensors[f"{layer}.lora_A"].astype("float32")
-    b = _qkv_order(f"{layer}.lora_B", tensors[f"{layer}.lora_B"], model_cfg, to_paddleformers=False)
+    b = tensors[f"{layer}.lora_B"]
     if a.shape[0] != weight.shape[0] or b.shape[1] != weight.shape[1] or a.shape[1] != b.shape[0]:
         raise CheckpointError(f"LoRA pair of '{layer}' is {list(a.shape)} x {list(b.shape)}; the base weight is "
                               f"{list(weight.shape)}: the adapter was trained on a model of another shape")

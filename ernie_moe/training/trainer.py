@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from ..batch import IGNORE_INDEX
 from ..checkpoint import Run, TrainingParts, claim_output_dir, load_checkpoint, resolve, save_checkpoint, save_model
+from ..checkpoint.model_files import folder_config
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
@@ -340,7 +341,8 @@ class Trainer:
         if self.base is not None:  # the adapter alone, as PaddleFormers' LoRAModel reads it
             save_adapter(self.model, self.cfg.model, LoRASettings.of(t), final, self.tokenizer, self.env, self.base)
         else:
-            save_model(self.model, self.cfg.model, str(final), self.tokenizer, self.env, hf_layout=True)
+            save_model(self.model, self.cfg.model, str(final), self.tokenizer, self.env, hf_layout=True,
+                       source=folder_config(t.model_name_or_path))
         summary.update(status="done", model_dir=str(final))
         self._write_summary(summary)
         self.monitor.close()
