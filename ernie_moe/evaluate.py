@@ -1,9 +1,11 @@
 """Score a model folder on held-out data, as the trainer does:
 ``python -m ernie_moe.evaluate --model DIR --data val.jsonl [--config FILE] [--out FILE.json]``.
 
-``--data synthetic`` takes the held-out synthetic split a run with ``--config`` draws (``data.image_size``,
-``data.num_eval_samples``, ``training.seed``) and adds caption accuracy. Prints the loss, token accuracy and
-(synthetic data) caption accuracy, and writes them as JSON with ``--out``. One process.
+Samples are encoded as the folder's training encoded them (its ``preprocessor_config.json``: sequence length,
+images, videos); ``--config`` names a training config whose sections override that. ``--data synthetic`` takes
+the held-out synthetic split of that run (``data.image_size``, ``data.num_eval_samples``, ``training.seed``) and
+adds caption accuracy. Prints the loss, token accuracy and (synthetic data) caption accuracy, and writes them as
+JSON with ``--out``. One process.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
 from .cli import at_least_one, bounded
-from .config import ConfigError, load_config
+from .config import ConfigError
 from .data import DataError, RowStream, rank_batches
 from .data.jsonl import JsonlDataset
 from .data.synthetic import SyntheticShapes
-from .generation import load_model_folder
+from .generation import folder_run_config, load_model_folder
 from .parallel import DistEnv
 from .training.evaluate import evaluate
 
@@ -32,7 +34,8 @@ def scores(model_dir, data: str, base, batch_size: int = 8, max_batches: int = 0
     loaded = load_model_folder(model_dir)
     model, tokenizer, model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
     if data == "synthetic":
-        held_out = SyntheticShapes(base.training.seed, "eval", base.data.num_eval_samples, base.data.image_size)
+        held_out = SyntheticShapes(base.training.seed, "eval", base.data.num_eval_samples, base.data.image_size,
+                                   base.data.blank_images)
     else:
         if not Path(data).is_file():
             raise DataError(f"--data file '{data}' does not exist")
@@ -47,13 +50,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="final model, checkpoint or PaddleFormers ERNIE 4.5 folder")
     parser.add_argument("--data", required=True, help="a JSONL file (the training shapes) or 'synthetic'")
-    parser.add_argument("--config", help="training config whose data section (sequence length, images) applies")
+    parser.add_argument("--config", help="a training config whose data section overrides the folder's settings")
     parser.add_argument("--batch-size", type=at_least_one, default=8)
     parser.add_argument("--max-batches", type=bounded(int, 0), default=0, help="0 = all")
     parser.add_argument("--out", help="write the figures here as JSON")
     args = parser.parse_args(argv)
     try:
-        base = load_config(args.config, check_paths=False)
+        base = folder_run_config(args.model, args.config)
         figures, skipped = scores(args.model, args.data, base, args.batch_size, args.max_batches)
     except (CheckpointError, ConfigError, DataError, OSError) as err:
         print(f"evaluate error: {err}", file=sys.stderr)

@@ -1,13 +1,17 @@
-"""Write a model folder as PaddleFormers' ``from_pretrained`` reads it (Hugging Face layout).
+"""Write a model folder as PaddleFormers' ``from_pretrained`` reads it (Hugging Face layout), or as
+transformers' ``AutoModelForImageTextToText.from_pretrained`` reads it (``--format transformers``).
 
     python -m ernie_moe.export SOURCE OUTPUT [--model-type ernie4_5_moe_vl|ernie4_5_moe|ernie4_5]
-    python -m ernie_moe.export ADAPTER OUTPUT --merge-lora [--base BASE]
+    python -m ernie_moe.export SOURCE OUTPUT --format transformers
+    python -m ernie_moe.export ADAPTER OUTPUT --merge-lora [--base BASE] [--format transformers]
 
 SOURCE is a training checkpoint (``checkpoint-<step>``), a final model, or any folder that
 ``training.model_name_or_path`` reads. With ``--merge-lora``, ADAPTER is a LoRA run's final model (its
 adapter): the output is the base model it refers to (or ``--base``) with ``A B * scaling`` added to each
 adapted weight. Tensors are read and converted one at a time and written in shards of at
-most ``--max-shard-size-gb``; the tokenizer files are copied. The text model types leave out the vision side.
+most ``--max-shard-size-gb``; the tokenizer files and the processor and generation settings are copied. The
+text model types leave out the vision side. The two formats hold the same tensors and differ in config.json
+(transformers' nests the text and vision sections); a setting transformers cannot express is an export error.
 """
 
 from __future__ import annotations
@@ -20,13 +24,17 @@ from pathlib import Path
 
 from safetensors.numpy import save_file
 
-from .checkpoint.formats import MODEL_TYPES, VL, CheckpointError, SourceCheckpoint, to_hf
-from .checkpoint.model_files import model_config_dict
+from .checkpoint.formats import MODEL_TYPES, VL, CheckpointError, SourceCheckpoint, to_hf, transformers_name
+from .checkpoint.model_files import PADDLEFORMERS, TRANSFORMERS, model_config_dict
 from .cli import bounded
 from .config.load import ConfigError, build
 from .config.model_folder import model_config_from
 from .config.schema import ModelConfig
+from .config.transformers_form import special_ids, to_transformers
 from .config.validate import check_model
+from .data.processor_config import FILE as PROCESSOR_FILE
+from .data.processor_config import for_library, read_saved
+from .data.tokenizer import tokenizer_in
 from .finetune.adapter_files import adapter_base, merged_weight, read_adapter
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -47,12 +55,22 @@ def model_names(source_names) -> list[str]:
 
 
 def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 5 * 2 ** 30,
-           adapter_dir=None) -> dict:
+           adapter_dir=None, form: str = PADDLEFORMERS) -> dict:
     source = SourceCheckpoint(source_dir)
     cfg = build(ModelConfig, model_config_from(source_dir), "model")
     check_model(cfg)
     adapter = read_adapter(adapter_dir, cfg) if adapter_dir is not None else None
-    config = model_config_dict(cfg, hf_layout=True, model_type=model_type, base=source.config)
+    saved = read_saved(adapter_dir or source_dir)  # processor settings; an adapter's run encoded inputs its own way
+    if form == TRANSFORMERS:
+        if model_type != VL:
+            raise ValueError(f"--format transformers writes the VL model ({VL}), not {model_type}")
+        try:
+            tokenizer = tokenizer_in(source_dir, cfg.im_patch_id)
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
+        config = to_transformers(cfg, special_ids(tokenizer), source.config)
+    else:
+        config = model_config_dict(cfg, hf_layout=True, model_type=model_type, base=source.config)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards, weight_map, shard, size, total = [], {}, {}, 0, 0
@@ -74,7 +92,7 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
         if adapter is not None:
             value = merged_weight(name, value, adapter, cfg)
         for hf_name, array in to_hf(name, value, cfg, model_type):
-            shard[hf_name] = array
+            shard[transformers_name(hf_name) if form == TRANSFORMERS else hf_name] = array
             size += array.nbytes
             total += array.nbytes
         if size >= max_shard_bytes:
@@ -87,9 +105,11 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for filename in TOKENIZER_FILES:
+    for filename in (*TOKENIZER_FILES, "generation_config.json"):
         if (Path(source_dir) / filename).is_file():
             shutil.copy(Path(source_dir) / filename, out / filename)
+    if saved is not None:
+        (out / PROCESSOR_FILE).write_text(json.dumps(for_library(saved, form == TRANSFORMERS), indent=2))
     return {"tensors": len(weight_map), "shards": len(shards), "bytes": total}
 
 
@@ -101,17 +121,21 @@ def main(argv=None) -> int:
     parser.add_argument("--max-shard-size-gb", type=bounded(float, 0, low_included=False), default=5.0)
     parser.add_argument("--merge-lora", action="store_true", help="SOURCE is a LoRA adapter: merge it into its base")
     parser.add_argument("--base", help="with --merge-lora: the base model folder (default: the one the adapter names)")
+    parser.add_argument("--format", default=PADDLEFORMERS, choices=(PADDLEFORMERS, TRANSFORMERS),
+                        help="whose config.json to write (the tensors are the same)")
     args = parser.parse_args(argv)
     try:
         source, adapter = args.source, None
         if args.merge_lora:
             source, adapter = adapter_base(args.source, args.base), args.source
-        done = export(source, args.output, args.model_type, int(args.max_shard_size_gb * 2 ** 30), adapter)
+        done = export(source, args.output, args.model_type, int(args.max_shard_size_gb * 2 ** 30), adapter,
+                      args.format)
     except (CheckpointError, ConfigError, ValueError, OSError) as err:
         print(f"export error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {done['tensors']} tensors ({done['bytes'] / 2 ** 20:.1f} MiB) in {done['shards']} shard(s) to "
-          f"{args.output} ({args.model_type}, Hugging Face layout)")
+          f"{args.output} ({'transformers ' + VL if args.format == TRANSFORMERS else args.model_type}, "
+          "Hugging Face layout)")
     return 0
 
 

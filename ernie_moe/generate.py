@@ -3,8 +3,10 @@
 With images and no prompt the model continues from the images (a captioning model captions them); with
 ``--prompt`` the text goes in as a user turn of the chat format the trainer writes (``User: ... Assistant: ``);
 ``--messages FILE.jsonl`` takes one conversation per line, in the training JSONL shape, image paths relative to
-the file. Decoding is greedy unless ``--temperature`` is above 0, one forward per new token over a key/value
-cache, and stops at the end-of-sentence token. One process.
+the file. Images and videos are encoded as the folder's training encoded them (its ``preprocessor_config.json``;
+``--config FILE``: a training config whose data section overrides it). Decoding is greedy unless
+``--temperature`` is above 0, one forward per new token over a key/value cache, and stops at the end-of-sentence
+token. One process.
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ from .config.schema import DataConfig
 from .data.jsonl import images_of, load_image, load_video, parse_messages
 from .data.packing import BadSample, Encoder
 from .data.sample import Chunk, Sample
-from .generation import generate, load_model_folder
+from .generation import folder_run_config, generate, load_model_folder
 
 
 class UsageError(ValueError):
     """A request that cannot be answered; the message says why."""
 
 
-def prompts_from(args) -> list[Sample]:
-    max_pixels = DataConfig().max_image_pixels
+def prompts_from(args, data: DataConfig) -> list[Sample]:
+    """The samples to continue, their images and videos read as ``data`` reads a training record's."""
+    max_pixels = data.max_image_pixels
     if args.messages:
         path = Path(args.messages)
         if not path.is_file():
@@ -49,7 +52,7 @@ def prompts_from(args) -> list[Sample]:
                                                           images_of(record, f"{path} line {number}"),
                                                           record.get("videos", []))
             samples.append(Sample([load_image(path.parent / str(p), max_pixels) for p in images],
-                                  videos=[load_video(path.parent, v, max_pixels) for v in videos],
+                                  videos=[load_video(path.parent, v, max_pixels, data.video_reading) for v in videos],
                                   conversation=conversation))
         if not samples:
             raise UsageError(f"--messages file '{path}' holds no conversation")
@@ -66,6 +69,12 @@ def prompts_from(args) -> list[Sample]:
     return [Sample(images, chunks)]
 
 
+def prompt_encoder(tokenizer, model_cfg, data: DataConfig) -> Encoder:
+    """The training encoder of ``data``, any prompt length the model's positions allow."""
+    return Encoder(tokenizer, model_cfg, model_cfg.max_position_embeddings, "skip", data.max_image_side, Counter(),
+                   data.pixel_budget, data.video_budget)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="final model, checkpoint or PaddleFormers ERNIE 4.5 folder")
@@ -77,16 +86,16 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=bounded(float, 0, 1, low_included=False), default=1.0)
     parser.add_argument("--seed", type=bounded(int, 0), default=0)
+    parser.add_argument("--config", help="a training config whose data section overrides the folder's settings")
     args = parser.parse_args(argv)
     try:
-        samples = prompts_from(args)
+        data = folder_run_config(args.model, args.config).data
+        samples = prompts_from(args, data)
         loaded = load_model_folder(args.model)
         model, tokenizer, cfg = loaded.model, loaded.tokenizer, loaded.cfg
         if not loaded.sees_images and any(sample.images for sample in samples):
             raise UsageError(f"'{args.model}' is a text model (it holds no vision encoder): it cannot take images")
-        data = DataConfig()
-        encoder = Encoder(tokenizer, cfg, cfg.max_position_embeddings, "skip", data.max_image_side, Counter())
-        prompts = [encoder.prompt(sample) for sample in samples]
+        prompts = [prompt_encoder(tokenizer, cfg, data).prompt(sample) for sample in samples]
     except (BadSample, UsageError, CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"generate error: {err}", file=sys.stderr)
         return 2

@@ -22,9 +22,10 @@ from ernie_moe.data.packing import Encoder
 from ernie_moe.parallel.env import DistEnv
 from ernie_moe.training.runner import build_model
 
-# ERNIE-4.5-VL's special tokens (the slot strings the processor expands are not tokens)
+# ERNIE-4.5-VL's special tokens (the slot strings the processor expands are not tokens), and a video placeholder
+# for transformers, which marks video tokens with an id of their own
 SPECIALS = ["<|begin_of_sentence|>", "<|end_of_sentence|>", "<|IMAGE_START|>", "<|IMAGE_END|>", "<|VIDEO_START|>",
-            "<|VIDEO_END|>", "<|IMAGE_PLACEHOLDER|>"]
+            "<|VIDEO_END|>", "<|IMAGE_PLACEHOLDER|>", "<|VIDEO_PLACEHOLDER|>"]
 WORDS = ("a the cat dog red green blue square round grid what is this describe compare them colour shape and "
          "hello there small animal moves left same object yes tiny both first then ok picture video user "
          "assistant you are brief").split()
@@ -255,11 +256,14 @@ def test_vl_logits_equal_paddleformers_on_the_processors_output(ernie_side, tmp_
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4, err_msg=f"conversation {n}")
 
 
-def vl_logits(model, sample) -> np.ndarray:
-    """Our logits on an encoded conversation, its pixels rounded to bfloat16 as PaddleFormers' ViT takes them."""
+def vl_logits(model, sample, bfloat16_pixels: bool = True) -> np.ndarray:
+    """Our logits on an encoded conversation, its pixels rounded to bfloat16 as PaddleFormers' ViT takes them
+    (or as they are)."""
     ids = paddle.to_tensor(sample.input_ids[None])
     patches = np.concatenate(sample.patches) if sample.patches else np.zeros([0, 588], np.float32)
-    pixels = paddle.to_tensor(patches).astype("bfloat16").astype("float32")
+    pixels = paddle.to_tensor(patches)
+    if bfloat16_pixels:
+        pixels = pixels.astype("bfloat16").astype("float32")
     grids = np.stack(sample.grids) if sample.grids else np.zeros([0, 3], np.int64)
     batch = Batch(ids, paddle.full_like(ids, -100), paddle.to_tensor(sample.token_type_ids[None]),
                   paddle.to_tensor(sample.position_ids[None]), paddle.zeros_like(ids), pixels, grids)

@@ -12,7 +12,7 @@ from conftest import ROOT
 from PIL import Image
 
 from ernie_moe.checkpoint import save_model
-from ernie_moe.config import load_config
+from ernie_moe.config import DataConfig, load_config
 from ernie_moe.data import build_tokenizer
 from ernie_moe.data.packing import Encoder
 from ernie_moe.data.sample import Chunk, Sample
@@ -98,11 +98,11 @@ def test_a_messages_file_names_its_images_as_training_records_do(tmp_path):
     chat = tmp_path / "chat.jsonl"
     turn = [{"role": "user", "content": "<image> what?"}]
     chat.write_text(json.dumps({"images": "a.png", "messages": turn}) + "\n")  # one path, not a list
-    (sample,) = prompts_from(Namespace(messages=str(chat), image=[], prompt=None))
+    (sample,) = prompts_from(Namespace(messages=str(chat), image=[], prompt=None), DataConfig())
     assert len(sample.images) == 1 and sample.images[0].shape == (28, 28, 3)
     chat.write_text(json.dumps({"images": 7, "messages": turn}) + "\n")
     with pytest.raises(BadSample, match="chat.jsonl line 1: images must be a path or a list of paths, not 7"):
-        prompts_from(Namespace(messages=str(chat), image=[], prompt=None))
+        prompts_from(Namespace(messages=str(chat), image=[], prompt=None), DataConfig())
 
 
 def run(*args):

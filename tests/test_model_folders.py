@@ -1,12 +1,15 @@
-"""What a fine-tuning run writes, read where it goes next: PaddleFormers' model and LoRA classes."""
+"""What a fine-tuning run writes, read where it goes next: generation and evaluation, PaddleFormers' model and
+LoRA classes."""
 
 import json
+from argparse import Namespace
 from collections import Counter
 
 import numpy as np
 import pytest
 from conftest import ROOT
-from test_ernie_inputs import BUDGET, VL_MODEL, ernie_config, vl_logits
+from PIL import Image
+from test_ernie_inputs import BUDGET, VL_MODEL, ernie_config, make_ernie_tokenizer, vl_logits
 from test_ernie_inputs import ernie_side as conversations  # noqa: F401 (a fixture)
 from test_pretrained import paddleformers
 
@@ -14,11 +17,11 @@ from ernie_moe.config import load_config
 from ernie_moe.data.jsonl import JsonlDataset
 from ernie_moe.data.loader import build_tokenizer
 from ernie_moe.data.packing import Encoder
+from ernie_moe.evaluate import main as evaluate_main
 from ernie_moe.finetune.adapter_files import read_adapter
-from ernie_moe.generation.model_folder import load_model_folder
+from ernie_moe.generate import prompt_encoder, prompts_from
+from ernie_moe.generation.model_folder import folder_run_config, load_model_folder
 from ernie_moe.training import Trainer
-
-pytestmark = pytest.mark.slow  # starts PaddleFormers' processes
 
 CASES = [0, 1, 2, 6]  # text only, one image, three images, an image and a video
 
@@ -55,6 +58,7 @@ def our_logits(model_dir, folder) -> dict[int, np.ndarray]:
     return {n: vl_logits(loaded.model, encoder(data[n])) for n in CASES}
 
 
+@pytest.mark.slow
 def test_a_fine_tuned_vl_model_keeps_its_source_keys_and_gives_paddleformers_logits(published, tmp_path):
     """Every key of the published config.json survives fine-tuning (those this package does not own with their
     values), and PaddleFormers' from_pretrained + forward on the final model gives our logits."""
@@ -73,6 +77,7 @@ def test_a_fine_tuned_vl_model_keeps_its_source_keys_and_gives_paddleformers_log
         np.testing.assert_allclose(ours[n], np.load(tmp_path / f"{n}.npy"), rtol=0, atol=1e-4, err_msg=f"case {n}")
 
 
+@pytest.mark.slow
 def test_paddleformers_lora_model_reads_every_pair_of_a_vl_adapter(published, tmp_path):
     """LoRAModel.from_pretrained holds exactly the adapter's tensors (a fused layer's pair as one per piece, as its
     VL model has them), with our values, and its logits equal ours on text, images and video."""
@@ -90,3 +95,92 @@ def test_paddleformers_lora_model_reads_every_pair_of_a_vl_adapter(published, tm
     for n in CASES:
         assert np.abs(ours[n] - base[n]).max() > 1e-3  # the adapter changes the model
         np.testing.assert_allclose(ours[n], np.load(tmp_path / f"{n}.npy"), rtol=0, atol=1e-4, err_msg=f"case {n}")
+
+
+# under, at and over a small pixel budget; tall, wide, 2000+ px, below the minimum
+IMAGE_SIZES = [(70, 100), (224, 224), (1500, 300), (300, 1600), (2100, 2000), (30, 40)]
+SMALL_BUDGET = ["data.image_min_pixels=3136", "data.image_max_pixels=50176", "data.video_min_pixels=3136",
+                "data.video_max_pixels=12544"]
+
+
+@pytest.fixture(scope="module")
+def run_on_images(tmp_path_factory):
+    """A two-step run on conversations about images of many sizes, with a pixel budget, a sequence length and a
+    longest side that are not the defaults; its config and its final model."""
+    root = tmp_path_factory.mktemp("images")
+    make_ernie_tokenizer(root / "tokenizer")
+    rng = np.random.default_rng(0)
+    lines = []
+    for i, (height, width) in enumerate(IMAGE_SIZES):
+        Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8)).save(root / f"{i}.png")
+        lines.append({"images": [f"{i}.png"], "messages": [{"role": "user", "content": "<image>what is this?"},
+                                                           {"role": "assistant", "content": "a red square"}]})
+    (root / "data.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = ernie_config(root, f"training.output_dir={root / 'run'}", "data.dataset=jsonl",
+                       f"data.train_path={root / 'data.jsonl'}", f"data.eval_path={root / 'data.jsonl'}",
+                       "data.max_seq_len=320", "data.max_image_side=112", *SMALL_BUDGET, "training.max_steps=2",
+                       "training.eval_steps=0", "logging.visualdl=false", "logging.progress_bar=false",
+                       "model.max_position_embeddings=1024")
+    summary = Trainer(cfg).train()
+    return root, cfg, summary
+
+
+def test_generate_encodes_a_prompt_as_the_training_did(run_on_images):
+    """For every image size, the prompt generate builds from the final model's folder alone equals the training
+    encoder's for the same conversation: ids, types, 3D positions, grids and patches."""
+    root, cfg, _ = run_on_images
+    final = root / "run" / "final_model"
+    settings = folder_run_config(final).data
+    assert settings.pixel_budget == cfg.data.pixel_budget and settings.max_seq_len == 320
+    loaded = load_model_folder(final)
+    chat = root / "prompts.jsonl"
+    chat.write_text("".join(json.dumps({"images": [f"{i}.png"], "messages": [
+        {"role": "user", "content": "<image>what is this?"}]}) + "\n" for i in range(len(IMAGE_SIZES))))
+    samples = prompts_from(Namespace(messages=str(chat), image=[], prompt=None), settings)
+    ours = prompt_encoder(loaded.tokenizer, loaded.cfg, settings)
+    training = Encoder(loaded.tokenizer, cfg.model, 1024, "skip", cfg.data.max_image_side, Counter(),
+                       cfg.data.pixel_budget, cfg.data.video_budget)
+    default = folder_run_config(root).data  # a folder without the file: the package's defaults
+    assert default.pixel_budget is None and default.max_image_side == 448
+    grids = []
+    for n, sample in enumerate(samples):
+        got, want = ours.prompt(sample), training.prompt(sample)
+        for field in ("input_ids", "token_type_ids", "position_ids"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=f"{field} {n}")
+        np.testing.assert_array_equal(np.stack(got.grids), np.stack(want.grids), err_msg=f"image {n}")
+        np.testing.assert_array_equal(np.concatenate(got.patches), np.concatenate(want.patches))
+        grids.append(int(np.prod(got.grids[0])))
+        assert 4 <= grids[-1] <= 50176 // 196 + 4  # inside the budget, in patches
+    assert len(set(grids)) > 3
+
+
+def test_evaluate_on_the_folder_alone_gives_the_trainers_final_figures(run_on_images, tmp_path, capsys):
+    root, _, summary = run_on_images
+    out = tmp_path / "scores.json"
+    assert evaluate_main(["--model", str(root / "run" / "final_model"), "--data", str(root / "data.jsonl"),
+                          "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert "skipped/overlong_skipped" not in figures
+    for key in ("eval_loss", "eval_token_accuracy"):
+        assert figures[key] == pytest.approx(summary[key], rel=1e-6, abs=1e-7), key
+
+
+def test_processor_settings_of_other_libraries_and_bad_files(tmp_path):
+    """PaddleFormers' and transformers' processor files give their pixel budget; a file that is not an object, holds
+    a value of the wrong kind or is far too large is a config error naming it."""
+    from ernie_moe.config import ConfigError
+    from ernie_moe.data.processor_config import FILE, folder_settings
+
+    file = tmp_path / FILE
+    file.write_text(json.dumps({"min_pixels": 3136, "max_pixels": 1003520, "patch_size": 14}))
+    assert folder_run_config(tmp_path).data.pixel_budget == (3136, 1003520)
+    file.write_text(json.dumps({"size": {"shortest_edge": 3136, "longest_edge": 4816896}}))
+    assert folder_run_config(tmp_path).data.pixel_budget == (3136, 4816896)
+    for text, message in (("[1]", "holds a JSON list"), ("{", "cannot read"),
+                          (json.dumps({"max_pixels": "many"}), "image_max_pixels = 'many' has the wrong type"),
+                          (json.dumps({"ernie_moe": {"data": {"max_seq_len": 1.5}}}), "max_seq_len"),
+                          (json.dumps({"ernie_moe": []}), "must be an object"), (" " * (2 << 20), "bytes")):
+        file.write_text(text)
+        with pytest.raises(ConfigError, match=message) as caught:
+            folder_settings(tmp_path)
+        assert FILE in str(caught.value)

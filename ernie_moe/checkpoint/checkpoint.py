@@ -35,7 +35,14 @@ from . import faults
 from .errors import CheckpointError
 from .files import WrittenFiles, sha256_of, sync_folder
 from .lineage import MARKER, Checkpoint, Run, folder_for, marker_text, prune, read
-from .model_files import NUMPY_DTYPES, SafetensorsWriter, folder_config, save_model, trained_names
+from .model_files import (
+    NUMPY_DTYPES,
+    SafetensorsWriter,
+    folder_config,
+    inference_files,
+    save_model,
+    trained_names,
+)
 
 BASE_FILE = "base_model.json"
 ADAM_STATES = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
@@ -87,7 +94,7 @@ def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent:
         written.fail(err)
     only = trained_names(parts.model) if parts.base else None
     save_model(parts.model, cfg.model, str(tmp), tokenizer, env, written=written, only=only,
-               source=folder_config(cfg.training.model_name_or_path))
+               source=folder_config(cfg.training.model_name_or_path), extra=inference_files(cfg, tokenizer))
     if parts.base and env.is_main:
         written.write(tmp / BASE_FILE, json.dumps(parts.base, indent=2))
     faults.hit("kill_during_save", step, env.rank)

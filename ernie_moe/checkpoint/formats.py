@@ -3,7 +3,8 @@
 - Paddle layout (this package's checkpoints, ERNIE's ``-Paddle`` releases, PaddleNLP ``model_state.pdparams``):
   linear weights ``[in, out]``, fused ``qkv_proj`` (q, k, v concatenated) and ``up_gate_proj`` (gate, up),
   router weights ``[hidden, experts]``; prefix ``model.`` or ``ernie.``.
-- Hugging Face layout (PaddleFormers' ``save_pretrained``; its ``config.json`` carries ``torch_dtype``):
+- Hugging Face layout (PaddleFormers' ``save_pretrained``, whose ``config.json`` carries ``torch_dtype``, and
+  transformers' ERNIE-4.5-VL, whose tensors are the same):
   linear weights ``[out, in]``, separate ``q/k/v_proj`` and ``gate/up_proj``. The VL model keeps its router
   weights ``[hidden, experts]``; the text models store them ``[experts, hidden]``.
 
@@ -20,6 +21,7 @@ import numpy as np
 import paddle
 from safetensors import safe_open
 
+from ..config.transformers_form import from_transformers, is_transformers_form
 from ..model.ernie_vl import is_router, is_vision
 from .errors import CheckpointError
 from .pdparams import load_pdparams
@@ -75,6 +77,11 @@ class SourceCheckpoint:
             raise CheckpointError(f"cannot read {config_file}: {err}") from err
         if not isinstance(self.config, dict):
             raise CheckpointError(f"{config_file} holds a JSON {type(self.config).__name__}, not an object.")
+        if is_transformers_form(self.config):  # its tensors are in PaddleFormers' Hugging Face layout
+            try:
+                self.config = from_transformers(self.config)
+            except ValueError as err:
+                raise CheckpointError(f"{config_file}: {err}") from None
         self.model_type = self.config.get("model_type")
         if self.model_type not in MODEL_TYPES:
             raise CheckpointError(f"{config_file}: model_type {self.model_type!r} is not one of "
@@ -180,5 +187,16 @@ def group_qkv(value: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
 
 
 def _normalise(name: str) -> str:
-    """ERNIE's own releases prefix the decoder with ``ernie.``; PaddleFormers uses ``model.``."""
-    return "model." + name[len("ernie."):] if name.startswith("ernie.") else name
+    """ERNIE's own releases prefix the decoder with ``ernie.``, PaddleFormers uses ``model.``; transformers keeps
+    the ViT under ``model.vision_model.``, PaddleFormers under ``vision_model.``."""
+    if name.startswith("ernie."):
+        return "model." + name[len("ernie."):]
+    return name[len("model."):] if name.startswith(TRANSFORMERS_VIT) else name
+
+
+TRANSFORMERS_VIT = "model.vision_model."
+
+
+def transformers_name(name: str) -> str:
+    """A Hugging Face-layout tensor name as transformers saves it."""
+    return "model." + name if name.startswith("vision_model.") else name

@@ -14,11 +14,14 @@ from pathlib import Path
 import numpy as np
 import paddle
 
+from ..config.transformers_form import special_ids, to_transformers
+from ..data.processor_config import processor_file
 from ..model.ernie_vl import is_expert
 from ..parallel.tensor_parallel import full_tensor
 from .files import WrittenFiles
-from .formats import VL, to_hf
+from .formats import VL, to_hf, transformers_name
 
+PADDLEFORMERS, TRANSFORMERS = "paddleformers", "transformers"  # the config.json forms a model folder can take
 ARCHITECTURES = {"ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
                  VL: "Ernie4_5_VLMoeForConditionalGeneration"}
 
@@ -154,12 +157,15 @@ def trained_names(model) -> set[str]:
 
 def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_layout: bool = False,
                written: WrittenFiles | None = None, only: set[str] | None = None, stem: str = "model",
-               convert=None, source: dict | None = None) -> Path:
+               convert=None, source: dict | None = None, extra: dict[str, str] | None = None,
+               form: str = PADDLEFORMERS) -> Path:
     """Write every parameter in full under its stable name, in the Paddle layout ([in, out] linears, fused
     q/k/v and gate/up) or, with ``hf_layout``, the Hugging Face one. ``only``: the stable names to write
     (a LoRA run's adapter); ``stem`` names the files (``<stem>-0000k-of-0000n.safetensors``, ``<stem>.
     safetensors.index.json``); ``convert(name, array) -> [(name, array)]`` replaces the layout conversion;
-    ``source``: the config.json of the folder the run started from, whose keys config.json keeps.
+    ``source``: the config.json of the folder the run started from, whose keys config.json keeps; ``extra``:
+    more files for rank 0 to write, {name: text} (:func:`inference_files`); ``form``: the config.json of
+    PaddleFormers (``paddleformers``) or transformers (``transformers``), over the same tensors.
 
     Called on every rank. In each pipeline stage, rank r of the expert group holding the stage's lead rank
     writes a shard with its experts, the lead adding the stage's other parameters; without expert groups
@@ -182,6 +188,8 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
     def converted(name, array):
         if convert is not None:
             return convert(name, array)
+        if form == TRANSFORMERS:
+            return [(transformers_name(n), a) for n, a in to_hf(name, array, model_cfg)]
         return to_hf(name, array, model_cfg) if hf_layout else [(name, array)]
 
     specs = []
@@ -211,7 +219,8 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
                       for w, names, _ in listing if w is not None for name in names}
         index = {"metadata": {"total_size": sum(size for _, _, size in listing)}, "weight_map": weight_map}
         texts = {f"{stem}.safetensors.index.json": json.dumps(index, indent=2),
-                 "config.json": json.dumps(written_config(model_cfg, hf_layout, source, tokenizer), indent=2)}
+                 "config.json": json.dumps(written_config(model_cfg, hf_layout, source, tokenizer, form), indent=2),
+                 **(extra or {})}
         if written is None:
             for name, text in texts.items():
                 (out / name).write_text(text)
@@ -228,12 +237,26 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
     return out
 
 
-def written_config(model_cfg, hf_layout: bool, source: dict | None, tokenizer) -> dict:
+def written_config(model_cfg, hf_layout: bool, source: dict | None, tokenizer, form: str = PADDLEFORMERS) -> dict:
     """The config.json a run writes: the source folder's keys, this model's, and the tokenizer's special ids
-    where the source names none."""
+    where the source names none; in transformers' form, its ERNIE-4.5-VL config (ValueError for a model it
+    cannot express)."""
+    if form == TRANSFORMERS:
+        return to_transformers(model_cfg, special_ids(tokenizer), source)
     config = model_config_dict(model_cfg, hf_layout, base=source)
     if tokenizer is not None:
         for key, value in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id),
                            ("pad_token_id", tokenizer.pad_id)):
             config.setdefault(key, int(value))
     return config
+
+
+def inference_files(cfg, tokenizer, form: str = PADDLEFORMERS) -> dict[str, str]:
+    """What a folder needs beside its weights to be used as the run used it: the processor settings (how inputs
+    were encoded, for the library of ``form``) and PaddleFormers' / transformers' ``generation_config.json``."""
+    files = processor_file(cfg.data, cfg.model, cfg.training.seed, form == TRANSFORMERS)
+    if tokenizer is not None:
+        generation = {"bos_token_id": int(tokenizer.bos_id), "eos_token_id": int(tokenizer.eos_id),
+                      "pad_token_id": int(tokenizer.pad_id), "do_sample": False, "use_cache": True}
+        files["generation_config.json"] = json.dumps(generation, indent=2)
+    return files

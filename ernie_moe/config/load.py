@@ -19,7 +19,9 @@ from .model_folder import model_config_from
 from .schema import Config
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), check_paths: bool = True) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), check_paths: bool = True,
+                base: dict | None = None) -> Config:
+    """``base``: sections under the YAML file's (a model folder's own settings, which the file overrides)."""
     raw: dict = {}
     if path is not None:
         path = Path(path)
@@ -33,6 +35,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
             raise ConfigError(f"config file '{path}' is empty; start from configs/vl_moe.yaml.")
         if not isinstance(raw, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, not {type(raw).__name__}.")
+    raw = _overlay(base or {}, raw)
     for item in overrides:
         _apply_override(raw, item)
     _start_from_checkpoint(raw, check_paths)

@@ -1,5 +1,6 @@
 """The ``model`` section that describes a model folder (PaddleFormers' / Hugging Face ``config.json`` of an
-ERNIE 4.5 model, or this package's own output): the base a run started from a checkpoint overrides."""
+ERNIE 4.5 model, transformers' ERNIE-4.5-VL, or this package's own output): the base a run started from a
+checkpoint overrides."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .kinds import fits
+from .transformers_form import from_transformers, is_transformers_form
 
 _SAME_NAME = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "initializer_range",
@@ -31,6 +33,11 @@ def model_config_from(directory) -> dict:
         raise ConfigError(f"cannot read {config_file}: {err}") from err
     if not isinstance(source, dict):
         raise ConfigError(f"{config_file} holds a JSON {type(source).__name__}, not an object: not a model config.")
+    if is_transformers_form(source):
+        try:
+            source = from_transformers(source)
+        except ValueError as err:
+            raise ConfigError(f"{config_file}: {err}") from None
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in source]
     if missing:
         raise ConfigError(f"{config_file} lacks {', '.join(missing)}: not an ERNIE 4.5 model config.")

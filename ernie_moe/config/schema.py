@@ -61,7 +61,9 @@ class ModelConfig:
     moe_layer_end_index: int | list[int] = opt(-1, "last MoE layer, -1 = last layer (per modality when a list)")
     moe_layer_interval: int = opt(1, "layer i is MoE when (i + 1) % interval == 0 and inside the range")
     moe_num_shared_experts: int = opt(1, "shared experts, each of width moe_intermediate_size[0]")
-    moe_capacity: list[float] = opt([], "[train, eval, eval_when_tokens_lt_experts] capacity factors; [] = dropless")
+    moe_capacity: list[float] = opt([], "[train, eval, eval_when_tokens_lt_experts] capacity factors; [] = dropless "
+                                        "(written to config.json as the expert count, which PaddleFormers reads as "
+                                        "room for every token)")
     moe_gate_act: str = choice("softmax", "softmax", "sigmoid", doc="router score function")
     moe_norm_gate_logits: bool = opt(True, "renormalise the top-k weights to sum to 1")
     moe_use_hard_gate: bool = opt(True, "modality-isolated routing: text tokens to text experts, images to vision")
@@ -200,6 +202,9 @@ class TrainingConfig:
     eval_steps: int = opt(100, "evaluate every N steps and at the end; 0 = only at the end")
     save_steps: int = opt(0, "write output_dir/checkpoint-<step> every N steps (and at the end); 0 = only at the end")
     save_total_limit: int = opt(0, "keep the newest N checkpoints of the run's lineage; 0 = keep all")
+    final_model_format: str = choice("paddleformers", "paddleformers", "transformers",
+                                     doc="final_model's config.json: PaddleFormers' or Hugging Face transformers' "
+                                         "ERNIE-4.5-VL (same tensors; full fine-tuning only)")
     resume_from_checkpoint: str = opt("", "'auto' (the newest intact checkpoint of the newest run in output_dir, "
                                           "if any) or a checkpoint folder; empty = start fresh")
     overwrite_output_dir: bool = opt(False, "let a fresh run remove the checkpoints an earlier run left in "

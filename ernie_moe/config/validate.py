@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .load import ConfigError
 from .schema import FREEZE_PARTS, LORA_TARGET_GROUPS, Config, ModelConfig
+from .transformers_form import to_transformers
 
 
 def validate(cfg: Config, check_paths: bool = True) -> None:
@@ -15,6 +16,7 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check_data(cfg, check_paths)
     _check_training(cfg)
     _check_parallel(cfg)
+    _check_final_format(cfg)
     lg = cfg.logging
     _require(lg.logging_steps >= 1 and lg.imbalance_warn_windows >= 1,
              "logging.logging_steps and logging.imbalance_warn_windows must be at least 1.")
@@ -214,6 +216,19 @@ def _check_fine_tuning(t) -> None:
     _require(bool(t.model_name_or_path),
              "training.fine_tuning 'lora' adapts a pretrained model: set training.model_name_or_path to its folder "
              "(the adapter's checkpoints hold only the LoRA pairs and refer to that folder).")
+
+
+def _check_final_format(cfg: Config) -> None:
+    if cfg.training.final_model_format != "transformers":
+        return
+    _require(cfg.training.fine_tuning != "lora",
+             "training.final_model_format 'transformers' writes a whole model; a LoRA run writes its adapter in "
+             "PaddleFormers' form: merge it with python -m ernie_moe.export ADAPTER OUT --merge-lora --format "
+             "transformers.")
+    try:
+        to_transformers(cfg.model, {})
+    except ValueError as err:
+        raise ConfigError(f"training.final_model_format 'transformers': {err}.") from None
 
 
 def _check_output_dir(output_dir: str) -> None:

@@ -103,8 +103,10 @@ def _joined_pairs(tensors: dict[str, np.ndarray], directory) -> dict[str, np.nda
     return out
 
 
-def save_adapter(model, model_cfg, settings: LoRASettings, directory, tokenizer, env, base: dict) -> Path:
-    """Write the model's LoRA pairs in PaddleFormers' form for the base's model type (every rank calls this)."""
+def save_adapter(model, model_cfg, settings: LoRASettings, directory, tokenizer, env, base: dict,
+                 extra: dict[str, str] | None = None) -> Path:
+    """Write the model's LoRA pairs in PaddleFormers' form for the base's model type, and the ``extra`` files
+    (every rank calls this)."""
     out = Path(directory)
     names = trained_names(model)
     pieces = folder_config(base["path"]).get("model_type") == VL
@@ -114,7 +116,8 @@ def save_adapter(model, model_cfg, settings: LoRASettings, directory, tokenizer,
             return split_pair(name, array, model_cfg)
         return [(name, _qkv_order(name, array, model_cfg, to_paddleformers=True))]
 
-    save_model(model, model_cfg, str(out), tokenizer, env, only=names, stem="peft_model", convert=convert)
+    save_model(model, model_cfg, str(out), tokenizer, env, only=names, stem="peft_model", convert=convert,
+               extra=extra)
     layers = {n for n, _, _, _ in linear_layers(model)}
     adapted = {n[: -len(".lora_A")] for n in names if n.endswith(".lora_A")}
     if pieces:  # PaddleFormers matches target_modules against its own layer names

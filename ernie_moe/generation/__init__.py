@@ -2,6 +2,7 @@
 
 from .decoding import Generated, generate
 from .kv_cache import KVCache, forward_cached
-from .model_folder import LoadedModel, load_model_folder
+from .model_folder import LoadedModel, folder_run_config, load_model_folder
 
-__all__ = ["Generated", "KVCache", "LoadedModel", "forward_cached", "generate", "load_model_folder"]
+__all__ = ["Generated", "KVCache", "LoadedModel", "folder_run_config", "forward_cached", "generate",
+           "load_model_folder"]

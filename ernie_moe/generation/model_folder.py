@@ -10,13 +10,22 @@ import paddle
 
 from ..checkpoint.checkpoint import BASE_FILE
 from ..checkpoint.errors import CheckpointError
+from ..checkpoint.formats import VL
 from ..checkpoint.pretrained import load_pretrained
+from ..config import Config, load_config
 from ..config.load import build
 from ..config.model_folder import model_config_from
 from ..config.schema import ModelConfig
+from ..data.processor_config import folder_settings
 from ..data.tokenizer import tokenizer_in
 from ..finetune.adapter_files import adapter_base, load_adapter
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_vision
+
+
+def folder_run_config(directory, config_path=None) -> Config:
+    """The config under which inputs to the folder's model are encoded as its training encoded them: the folder's
+    processor settings (``preprocessor_config.json``) under the sections of the YAML file ``config_path``."""
+    return load_config(config_path, check_paths=False, base=folder_settings(directory))
 
 
 @dataclass
@@ -42,7 +51,8 @@ def load_model_folder(directory, need_tokenizer: bool = True) -> LoadedModel:
     if adapter:
         load_adapter(model, cfg, adapter)
     missing = report.get("new", [])
-    text_only = bool(missing) and all(is_vision(name) for name in missing)
+    # a text model's folder has no vision side; a VL folder without one is incomplete
+    text_only = bool(missing) and all(is_vision(name) for name in missing) and report["model_type"] != VL
     if missing and not text_only:
         unexpected = [name for name in missing if not is_vision(name)]
         raise CheckpointError(f"'{weights}' holds no weights for {len(unexpected)} of this model's parameters (e.g. "

@@ -145,11 +145,12 @@ class Adapter(nn.Layer):
         self.merge = cfg.spatial_conv_size
         self.temporal = cfg.temporal_conv_size
         width = cfg.pixel_hidden_size * self.merge ** 2
+        # ERNIE's epsilon (1e-6), not Paddle's default: it matters where the merged features are small
         self.spatial_linear = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width),
-                                            nn.LayerNorm(width))
+                                            nn.LayerNorm(width, epsilon=1e-6))
         if self.temporal > 1:
             self.temporal_linear = nn.Sequential(nn.Linear(width * self.temporal, width), nn.GELU(),
-                                                 nn.Linear(width, width), nn.LayerNorm(width))
+                                                 nn.Linear(width, width), nn.LayerNorm(width, epsilon=1e-6))
         self.mlp = nn.Linear(width, cfg.hidden_size)
         self.after_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from ..batch import IGNORE_INDEX
 from ..checkpoint import Run, TrainingParts, claim_output_dir, load_checkpoint, resolve, save_checkpoint, save_model
-from ..checkpoint.model_files import folder_config
+from ..checkpoint.model_files import folder_config, inference_files
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
@@ -338,11 +338,13 @@ class Trainer:
     def _finish(self, summary: dict) -> None:
         t = self.cfg.training
         final = Path(t.output_dir) / "final_model"
+        files = inference_files(self.cfg, self.tokenizer, t.final_model_format)
         if self.base is not None:  # the adapter alone, as PaddleFormers' LoRAModel reads it
-            save_adapter(self.model, self.cfg.model, LoRASettings.of(t), final, self.tokenizer, self.env, self.base)
+            save_adapter(self.model, self.cfg.model, LoRASettings.of(t), final, self.tokenizer, self.env, self.base,
+                         files)
         else:
             save_model(self.model, self.cfg.model, str(final), self.tokenizer, self.env, hf_layout=True,
-                       source=folder_config(t.model_name_or_path))
+                       source=folder_config(t.model_name_or_path), extra=files, form=t.final_model_format)
         summary.update(status="done", model_dir=str(final))
         self._write_summary(summary)
         self.monitor.close()

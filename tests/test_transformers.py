@@ -1,0 +1,151 @@
+"""Hugging Face transformers' ERNIE-4.5-VL (torch, on the CPU, in its own process) reading the folders this package
+writes, and this package reading, training and writing back the folders transformers saves."""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+from test_ernie_inputs import BUDGET, ernie_config, vl_logits
+from test_ernie_inputs import ernie_side as conversations  # noqa: F401 (a fixture)
+from test_model_folders import fine_tune
+
+from ernie_moe.checkpoint import save_model
+from ernie_moe.data.jsonl import JsonlDataset
+from ernie_moe.data.loader import build_tokenizer
+from ernie_moe.data.packing import Encoder
+from ernie_moe.export import main as export_main
+from ernie_moe.generation.model_folder import load_model_folder
+
+pytestmark = pytest.mark.slow  # starts transformers' processes
+
+HF_SIDE = Path(__file__).with_name("transformers_side.py")
+CASES = [0, 1, 9, 5, 6]  # text only, one image, two images, a video, an image and a video
+
+
+def transformers(*args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(HF_SIDE), *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def made(conversations, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+    """(The conversations' folder, a tiny random ERNIE-4.5-VL saved by transformers for its tokenizer.)"""
+    folder, _ = conversations
+    tokenizer = build_tokenizer(ernie_config(folder))
+    ids = {f"{kind}_{end}_token_id": tokenizer.token_id(f"<|{kind.upper()}_{end.upper()}|>")
+           for kind in ("image", "video") for end in ("start", "end")}
+    config = {"text_config": {"vocab_size": 400, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "moe_num_experts": 4,
+                              "moe_intermediate_size": [32, 16], "moe_k": 2, "moe_num_shared_experts": 1,
+                              "mlp_layer_types": ["dense", "sparse", "sparse"],
+                              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                  "mrope_section": [2, 2, 4]},
+                              "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+                              "pad_token_id": tokenizer.pad_id},
+              "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                                "patch_size": 14, "spatial_merge_size": 2},
+              "image_token_id": tokenizer.placeholder_id(),
+              "video_token_id": tokenizer.token_id("<|VIDEO_PLACEHOLDER|>"), **ids}
+    root = tmp_path_factory.mktemp("transformers")
+    transformers("make", root / "hf", json.dumps(config), cwd=root)
+    return folder, root / "hf"
+
+
+def inputs_for_transformers(sample, model_cfg, video_token_id: int) -> dict:
+    """Our encoded conversation as transformers' model takes it: position ids [3, 1, seq], video placeholders under
+    their own id, the image and the video patches apart."""
+    ids, types = sample.input_ids.copy(), sample.token_type_ids
+    placeholder = ids == model_cfg.im_patch_id
+    # each run of placeholders is one image or video, in the order of the patches and grids
+    starts = np.nonzero(placeholder & ~np.concatenate([[False], placeholder[:-1]]))[0]
+    is_video = [types[s] == 2 for s in starts]
+    ids[placeholder & (types == 2)] = video_token_id
+    out = {"input_ids": ids[None], "position_ids": np.ascontiguousarray(sample.position_ids.T[:, None, :]),
+           "moe_mm_token_type_ids": types[None]}
+    for video, pixels, grid in ((False, "pixel_values", "image_grid_thw"), (True, "pixel_values_videos",
+                                                                            "video_grid_thw")):
+        chosen = [k for k, v in enumerate(is_video) if v == video]
+        out[pixels] = (np.concatenate([sample.patches[k] for k in chosen]) if chosen
+                       else np.zeros([0, 588], np.float32))
+        out[grid] = np.stack([sample.grids[k] for k in chosen]) if chosen else np.zeros([0, 3], np.int64)
+    return out
+
+
+def compare_on_conversations(model_dir, folder, tmp_path) -> tuple[dict, dict, dict]:
+    """(Our logits, transformers') on the cases, each read from ``model_dir``; and what transformers reported."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    loaded = load_model_folder(model_dir, need_tokenizer=False)
+    cfg = ernie_config(folder, *(f"data.{k}={v}" for k, v in BUDGET.items()))
+    encoder = Encoder(build_tokenizer(cfg), loaded.cfg, 4096, "skip", 448, Counter(), cfg.data.pixel_budget,
+                      cfg.data.video_budget)
+    video_id = json.loads((Path(model_dir) / "config.json").read_text()).get("video_token_id")
+    data = JsonlDataset(str(folder / "data.jsonl"))
+    ours = {}
+    for n in CASES:
+        sample = encoder(data[n])
+        ours[n] = vl_logits(loaded.model, sample, bfloat16_pixels=False)
+        np.savez(tmp_path / f"{n}.npz", **inputs_for_transformers(sample, loaded.cfg, video_id))
+    transformers("logits", model_dir, tmp_path, *(tmp_path / f"{n}.npz" for n in CASES), cwd=tmp_path)
+    theirs = {n: np.load(tmp_path / f"{n}.npy") for n in CASES}
+    return ours, theirs, json.loads((tmp_path / "loading.json").read_text())
+
+
+def tensors(folder) -> dict[str, np.ndarray]:
+    out = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+def test_a_folder_transformers_saves_gives_its_outputs_here_and_goes_back_bit_for_bit(made, tmp_path):
+    """transformers' folder read here gives its logits on text, images and video; written back in transformers'
+    form it holds every tensor bit for bit, and transformers loads it with nothing missing or unexpected."""
+    folder, hf = made
+    ours, theirs, _ = compare_on_conversations(hf, folder, tmp_path / "a")
+    for n in CASES:
+        np.testing.assert_allclose(ours[n], theirs[n], rtol=0, atol=1e-4, err_msg=f"case {n}")
+    loaded = load_model_folder(hf, need_tokenizer=False)
+    back = tmp_path / "back"
+    save_model(loaded.model, loaded.cfg, str(back), build_tokenizer(ernie_config(folder)), hf_layout=True,
+               form="transformers")
+    original, written = tensors(hf), tensors(back)
+    assert sorted(original) == sorted(written)
+    for name, value in original.items():
+        assert value.dtype == written[name].dtype and np.array_equal(value, written[name]), name
+    _, again, report = compare_on_conversations(back, folder, tmp_path / "b")
+    assert report["missing_keys"] == [] and report["unexpected_keys"] == []
+    for n in CASES:
+        np.testing.assert_array_equal(again[n], theirs[n], err_msg=f"case {n}")
+
+
+def test_a_run_from_a_transformers_folder_ends_in_a_folder_transformers_reads(made, tmp_path):
+    """Two fine-tuning steps from transformers' folder, final_model in its form: transformers loads it whole, with
+    the run's pixel budget in its image processor, and gives our logits; the exporter writes the same tensors
+    from the run's checkpoint."""
+    folder, hf = made
+    final = fine_tune(hf, folder, tmp_path / "run", "training.final_model_format=transformers")
+    assert json.loads((final / "config.json").read_text())["model_type"] == "ernie4_5_vl_moe"
+    ours, theirs, report = compare_on_conversations(final, folder, tmp_path / "cmp")
+    assert report["missing_keys"] == [] and report["unexpected_keys"] == []
+    assert report["image_processor_size"] == {"shortest_edge": BUDGET["image_min_pixels"],
+                                              "longest_edge": BUDGET["image_max_pixels"]}
+    base, _, _ = compare_on_conversations(hf, folder, tmp_path / "base")
+    for n in CASES:
+        assert np.abs(ours[n] - base[n]).max() > 1e-3  # the run changed the model
+        np.testing.assert_allclose(ours[n], theirs[n], rtol=0, atol=1e-4, err_msg=f"case {n}")
+    exported = tmp_path / "exported"
+    assert export_main([str(tmp_path / "run" / "checkpoint-2"), str(exported), "--format", "transformers"]) == 0
+    assert json.loads((exported / "config.json").read_text()) == json.loads((final / "config.json").read_text())
+    final_tensors, exported_tensors = tensors(final), tensors(exported)
+    assert sorted(final_tensors) == sorted(exported_tensors)
+    for name, value in final_tensors.items():
+        assert np.array_equal(value, exported_tensors[name]), name
