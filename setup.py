@@ -26,7 +26,9 @@ setup(
         # video files (frame lists need nothing more)
         "video": ["av>=12"],
         # PaddleFormers makes the ERNIE 4.5 checkpoints the interop tests load (pyarrow pinned: see README), and
-        # brings transformers, whose ERNIE-4.5-VL runs on the CPU build of torch in the tests' own processes
-        "test": ["pytest>=7", "ruff>=0.5", "paddleformers==1.2.0", "pyarrow==25.0.1", "av>=12", "torch==2.13.0"],
+        # brings transformers, whose ERNIE-4.5-VL (with PEFT for adapters) runs on torch's CPU build in the tests'
+        # own processes
+        "test": ["pytest>=7", "ruff>=0.5", "paddleformers==1.2.0", "pyarrow==25.0.1", "av>=12", "torch==2.13.0",
+                 "peft==0.21.2"],
     },
 )

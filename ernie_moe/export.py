@@ -4,11 +4,13 @@ transformers' ``AutoModelForImageTextToText.from_pretrained`` reads it (``--form
     python -m ernie_moe.export SOURCE OUTPUT [--model-type ernie4_5_moe_vl|ernie4_5_moe|ernie4_5]
     python -m ernie_moe.export SOURCE OUTPUT --format transformers
     python -m ernie_moe.export ADAPTER OUTPUT --merge-lora [--base BASE] [--format transformers]
+    python -m ernie_moe.export ADAPTER OUTPUT --adapter --format transformers [--base BASE]
 
 SOURCE is a training checkpoint (``checkpoint-<step>``), a final model, or any folder that
 ``training.model_name_or_path`` reads. With ``--merge-lora``, ADAPTER is a LoRA run's final model (its
 adapter): the output is the base model it refers to (or ``--base``) with ``A B * scaling`` added to each
-adapted weight. Tensors are read and converted one at a time and written in shards of at
+adapted weight; with ``--adapter --format transformers`` the output is the adapter in PEFT's form (routed
+experts excepted: transformers stacks them). Tensors are read and converted one at a time and written in shards of at
 most ``--max-shard-size-gb``; the tokenizer files and the processor and generation settings are copied. The
 text model types leave out the vision side. The two formats hold the same tensors and differ in config.json
 (transformers' nests the text and vision sections); a setting transformers cannot express is an export error.
@@ -36,6 +38,7 @@ from .data.processor_config import FILE as PROCESSOR_FILE
 from .data.processor_config import for_library, read_saved
 from .data.tokenizer import tokenizer_in
 from .finetune.adapter_files import adapter_base, merged_weight, read_adapter
+from .finetune.peft_files import write_peft_adapter
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "tokenizer.json")
@@ -120,11 +123,15 @@ def main(argv=None) -> int:
     parser.add_argument("--model-type", default=VL, choices=MODEL_TYPES)
     parser.add_argument("--max-shard-size-gb", type=bounded(float, 0, low_included=False), default=5.0)
     parser.add_argument("--merge-lora", action="store_true", help="SOURCE is a LoRA adapter: merge it into its base")
+    parser.add_argument("--adapter", action="store_true",
+                        help="with --format transformers, SOURCE is a LoRA adapter: write it in PEFT's form")
     parser.add_argument("--base", help="with --merge-lora: the base model folder (default: the one the adapter names)")
     parser.add_argument("--format", default=PADDLEFORMERS, choices=(PADDLEFORMERS, TRANSFORMERS),
                         help="whose config.json to write (the tensors are the same)")
     args = parser.parse_args(argv)
     try:
+        if args.adapter:
+            return _peft_adapter(args)
         source, adapter = args.source, None
         if args.merge_lora:
             source, adapter = adapter_base(args.source, args.base), args.source
@@ -136,6 +143,19 @@ def main(argv=None) -> int:
     print(f"wrote {done['tensors']} tensors ({done['bytes'] / 2 ** 20:.1f} MiB) in {done['shards']} shard(s) to "
           f"{args.output} ({'transformers ' + VL if args.format == TRANSFORMERS else args.model_type}, "
           "Hugging Face layout)")
+    return 0
+
+
+def _peft_adapter(args) -> int:
+    """``--adapter --format transformers``: the adapter in PEFT's form, for the base in transformers' form."""
+    if args.format != TRANSFORMERS or args.merge_lora:
+        raise ValueError("--adapter writes a LoRA adapter in PEFT's form: give it with --format transformers, "
+                         "without --merge-lora")
+    base = adapter_base(args.source, args.base)
+    cfg = build(ModelConfig, model_config_from(base), "model")
+    done = write_peft_adapter(args.source, args.output, cfg, args.base)
+    print(f"wrote {done['tensors']} LoRA tensors on {done['layers']} layers ({done['bytes'] / 2 ** 20:.1f} MiB) to "
+          f"{args.output} (PEFT's form, for transformers' {VL})")
     return 0
 
 

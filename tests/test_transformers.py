@@ -20,6 +20,7 @@ from ernie_moe.data.jsonl import JsonlDataset
 from ernie_moe.data.loader import build_tokenizer
 from ernie_moe.data.packing import Encoder
 from ernie_moe.export import main as export_main
+from ernie_moe.finetune.adapter_files import adapter_base
 from ernie_moe.generation.model_folder import load_model_folder
 
 pytestmark = pytest.mark.slow  # starts transformers' processes
@@ -80,21 +81,28 @@ def inputs_for_transformers(sample, model_cfg, video_token_id: int) -> dict:
     return out
 
 
-def compare_on_conversations(model_dir, folder, tmp_path) -> tuple[dict, dict, dict]:
-    """(Our logits, transformers') on the cases, each read from ``model_dir``; and what transformers reported."""
+def compare_on_conversations(model_dir, folder, tmp_path, peft=None) -> tuple[dict, dict, dict]:
+    """(Our logits, transformers') on the cases, each read from ``model_dir`` (with ``peft``: ours from the
+    adapter ``model_dir``, transformers' from its base with the PEFT adapter ``peft``); and what transformers
+    reported."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     loaded = load_model_folder(model_dir, need_tokenizer=False)
     cfg = ernie_config(folder, *(f"data.{k}={v}" for k, v in BUDGET.items()))
     encoder = Encoder(build_tokenizer(cfg), loaded.cfg, 4096, "skip", 448, Counter(), cfg.data.pixel_budget,
                       cfg.data.video_budget)
-    video_id = json.loads((Path(model_dir) / "config.json").read_text()).get("video_token_id")
+    base = Path(adapter_base(model_dir)) if peft else Path(model_dir)
+    video_id = json.loads((base / "config.json").read_text()).get("video_token_id")
     data = JsonlDataset(str(folder / "data.jsonl"))
     ours = {}
     for n in CASES:
         sample = encoder(data[n])
         ours[n] = vl_logits(loaded.model, sample, bfloat16_pixels=False)
         np.savez(tmp_path / f"{n}.npz", **inputs_for_transformers(sample, loaded.cfg, video_id))
-    transformers("logits", model_dir, tmp_path, *(tmp_path / f"{n}.npz" for n in CASES), cwd=tmp_path)
+    cases = [tmp_path / f"{n}.npz" for n in CASES]
+    if peft:
+        transformers("peft", base, peft, tmp_path, *cases, cwd=tmp_path)
+    else:
+        transformers("logits", model_dir, tmp_path, *cases, cwd=tmp_path)
     theirs = {n: np.load(tmp_path / f"{n}.npy") for n in CASES}
     return ours, theirs, json.loads((tmp_path / "loading.json").read_text())
 
@@ -149,3 +157,36 @@ def test_a_run_from_a_transformers_folder_ends_in_a_folder_transformers_reads(ma
     assert sorted(final_tensors) == sorted(exported_tensors)
     for name, value in final_tensors.items():
         assert np.array_equal(value, exported_tensors[name]), name
+
+
+def test_a_lora_adapter_in_pefts_form_gives_our_logits_over_transformers_base(made, tmp_path, capsys):
+    """A LoRA run on attention, dense MLP, shared experts, ViT and adapter from transformers' folder: the adapter in
+    PEFT's form loads over that folder with every tensor where PEFT holds it, and gives our logits, as does the
+    adapter merged into a transformers folder; an adapter on routed experts, which transformers stacks, is refused
+    with the way out."""
+    folder, hf = made
+    adapter = fine_tune(hf, folder, tmp_path / "run", "training.fine_tuning=lora",
+                        "training.lora_targets=[attention,mlp,shared_experts,vit,adapter]")
+    peft = tmp_path / "peft"
+    assert export_main([str(adapter), str(peft), "--adapter", "--format", "transformers"]) == 0
+    ours, theirs, _ = compare_on_conversations(adapter, folder, tmp_path / "cmp", peft=peft)
+    held = dict(np.load(tmp_path / "cmp" / "peft_state.npz"))
+    written = load_file(str(peft / "adapter_model.safetensors"))
+    assert sorted(held) == sorted(written)
+    assert any(".self_attn.v_proj.lora_B" in k for k in held) and any("vision_tower.blocks.1" in k for k in held)
+    for name, value in written.items():
+        np.testing.assert_array_equal(held[name], value, err_msg=name)
+    base, _, _ = compare_on_conversations(hf, folder, tmp_path / "base")
+    for n in CASES:
+        assert np.abs(ours[n] - base[n]).max() > 1e-3  # the adapter changes the model
+        np.testing.assert_allclose(ours[n], theirs[n], rtol=0, atol=1e-4, err_msg=f"case {n}")
+    merged = tmp_path / "merged"
+    assert export_main([str(adapter), str(merged), "--merge-lora", "--format", "transformers"]) == 0
+    _, merged_theirs, report = compare_on_conversations(merged, folder, tmp_path / "merged_cmp")
+    assert report["missing_keys"] == [] and report["unexpected_keys"] == []
+    for n in CASES:
+        np.testing.assert_allclose(merged_theirs[n], ours[n], rtol=0, atol=1e-4, err_msg=f"merged, case {n}")
+    experts = fine_tune(hf, folder, tmp_path / "experts", "training.fine_tuning=lora", "training.max_steps=1",
+                        "training.lora_targets=[text_experts]")
+    assert export_main([str(experts), str(tmp_path / "no"), "--adapter", "--format", "transformers"]) == 2
+    assert "merge the adapter instead" in capsys.readouterr().err

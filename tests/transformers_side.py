@@ -5,6 +5,8 @@
     python transformers_side.py logits DIR OUT CASES...  # AutoModelForImageTextToText.from_pretrained(DIR): what
                                                        # it found missing or unexpected (OUT/loading.json) and its
                                                        # logits on each case (.npz of its inputs) as OUT/<stem>.npy
+    python transformers_side.py peft BASE ADAPTER OUT CASES...  # the same with PeftModel.from_pretrained(ADAPTER)
+                                                       # over BASE; the LoRA tensors it holds as OUT/peft_state.npz
     python transformers_side.py resave DIR OUT         # from_pretrained(DIR), then save_pretrained(OUT)
 """
 
@@ -44,8 +46,14 @@ def load(directory):
     return model.eval(), {k: sorted(map(str, v)) for k, v in info.items()}
 
 
-def logits(directory, out, *cases):
+def logits(directory, out, *cases, adapter=None):
     model, info = load(directory)
+    if adapter is not None:
+        from peft import PeftModel, get_peft_model_state_dict
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
+        state = get_peft_model_state_dict(model)
+        np.savez(Path(out) / "peft_state.npz", **{k: v.float().numpy() for k, v in state.items()})
     if Path(directory, "preprocessor_config.json").is_file():
         from transformers import AutoImageProcessor
 
@@ -71,4 +79,5 @@ def resave(directory, out):
 
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"make": make, "logits": logits, "resave": resave}[command](*args)
+    {"make": make, "logits": logits, "resave": resave,
+     "peft": lambda base, adapter, out, *cases: logits(base, out, *cases, adapter=adapter)}[command](*args)
