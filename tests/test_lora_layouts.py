@@ -133,7 +133,7 @@ def test_merged_export_gives_the_lora_models_weights(tmp_path, base, reference):
     assert done.returncode == 0, done.stderr[-2000:]
     before, after, pairs = load_model(base), load_model(merged), adapter(one / "final_model")
     assert set(before) == set(after)
-    adapted = {k[: -len(".lora_A")] for k in pairs if k.endswith(".lora_A")}
+    adapted = {module_of(k[: -len(".lora_A")]) for k in pairs if k.endswith(".lora_A")}  # a piece's pair: its layer
     # weights no pair adapts are the base's, bit for bit (frozen: they never changed)
     untouched = [k for k in before if module_of(k) not in adapted]
     assert untouched and all(np.array_equal(before[k], after[k]) for k in untouched)
