@@ -22,10 +22,10 @@ import time
 import paddle
 
 from ernie_moe.config import load_config
-from ernie_moe.model.init import init_layer
-from ernie_moe.model.layers import SwiGLUMLP
 from ernie_moe.moe.experts import use_expert_matmul
 from ernie_moe.moe.layer import MoELayer
+from ernie_moe.nn.init import init_layer
+from ernie_moe.nn.layers import SwiGLUMLP
 from ernie_moe.parallel import SingleDevicePlan
 from ernie_moe.parallel.cpu_fallbacks import reuse_freed_host_memory, use_avx2_math_on_amd
 

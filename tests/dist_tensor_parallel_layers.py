@@ -10,6 +10,7 @@ import paddle.distributed as dist
 import paddle.nn.functional as F
 
 from ernie_moe.moe.dispatcher import LocalDispatcher
+from ernie_moe.nn import sharding
 from ernie_moe.parallel import cpu_fallbacks
 from ernie_moe.parallel import tensor_parallel as tp
 from ernie_moe.parallel.expert_parallel import TensorParallelExpertDispatcher
@@ -29,7 +30,7 @@ def leaf(array):
 
 def with_weight(layer, full):
     """The layer holding its slice of ``full``."""
-    layer.weight.set_value(tp.shard_of(layer.weight, full))
+    layer.weight.set_value(sharding.shard_of(layer.weight, full))
     return layer
 
 
@@ -46,7 +47,7 @@ def check_linears(group, rng, sequence_parallel):
     xr, wr = leaf(x), leaf(w)
     ref = paddle.matmul(xr, wr)
     (ref * paddle.to_tensor(upstream)).sum().backward()
-    cols = tp.shard_index(segments, rank, size)
+    cols = sharding.shard_index(segments, rank, size)
     column = with_weight(tp.ColumnParallelLinear(hidden, sum(segments), group, sequence_parallel, 0.02, segments), w)
     xs = leaf(x[:, piece])
     out = column(xs)
@@ -54,7 +55,7 @@ def check_linears(group, rng, sequence_parallel):
     (out * paddle.to_tensor(upstream[..., cols])).sum().backward()
     close(column.weight.grad.numpy(), wr.grad.numpy()[:, cols], "column weight grad slice")
     close(xs.grad.numpy(), xr.grad.numpy()[:, piece], "column input grad")
-    close(tp.full_tensor(column.weight, group).numpy(), w, "column weight reassembled")
+    close(sharding.full_tensor(column.weight, group).numpy(), w, "column weight reassembled")
 
     # row: input this rank's block of features, output the sum (this rank's sequence piece under SP)
     w = rng.normal(size=(sum(segments), hidden)).astype("float32")
@@ -63,7 +64,7 @@ def check_linears(group, rng, sequence_parallel):
     xr, wr = leaf(x), leaf(w)
     ref = paddle.matmul(xr, wr)
     (ref * paddle.to_tensor(upstream)).sum().backward()
-    rows = tp.shard_index([sum(segments)], rank, size)
+    rows = sharding.shard_index([sum(segments)], rank, size)
     row = with_weight(tp.RowParallelLinear(sum(segments), hidden, group, sequence_parallel, 0.02), w)
     xs = leaf(x[..., rows])
     out = row(xs)
@@ -84,7 +85,7 @@ def check_embedding_and_loss(group, rng):
     out = emb(ids)
     close(out.numpy(), weight[ids.numpy()], "embedding output")
     (out * upstream).sum().backward()
-    rows = tp.shard_index([vocab], group.rank, group.nranks)
+    rows = sharding.shard_index([vocab], group.rank, group.nranks)
     close(emb.weight.grad.numpy(), ref.grad.numpy()[rows], "embedding grad slice")
 
     logits = rng.normal(size=(3, 4, vocab)).astype("float32") * 3

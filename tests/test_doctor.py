@@ -9,8 +9,8 @@ from conftest import ROOT
 import ernie_moe.doctor.kernels as kernels
 from ernie_moe.doctor.__main__ import main
 from ernie_moe.model.attention import core_attention
-from ernie_moe.model.layers import RMSNorm
 from ernie_moe.moe.expert_matmul import expert_loop
+from ernie_moe.nn.layers import RMSNorm
 
 
 def test_every_computation_matches_its_reference_here(capsys):

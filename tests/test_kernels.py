@@ -14,12 +14,12 @@ from paddle.base import core
 from test_model import first_batch
 
 import ernie_moe.doctor.kernels as doctor
-from ernie_moe.model import kernels
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.model.recompute import apply_recompute
-from ernie_moe.model.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
 from ernie_moe.moe.expert_matmul import expert_loop, grouped_gemm_swiglu, grouped_swiglu, padded_swiglu
 from ernie_moe.moe.experts import use_expert_matmul
+from ernie_moe.nn import kernels
+from ernie_moe.nn.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
 from ernie_moe.parallel import cpu_fallbacks
 
 

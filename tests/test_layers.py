@@ -4,9 +4,9 @@ from test_rope import numpy_rope
 
 from ernie_moe.config import load_config
 from ernie_moe.model.attention import Attention, causal_document_mask
-from ernie_moe.model.init import init_layer
-from ernie_moe.model.layers import RMSNorm, SwiGLUMLP
-from ernie_moe.model.rope import rope_angles
+from ernie_moe.nn.init import init_layer
+from ernie_moe.nn.layers import RMSNorm, SwiGLUMLP
+from ernie_moe.nn.rope import rope_angles
 from ernie_moe.parallel import SingleDevicePlan
 
 

@@ -4,10 +4,10 @@ import paddle.nn.functional as F
 import pytest
 
 from ernie_moe.config import load_config
-from ernie_moe.model.init import init_layer
 from ernie_moe.moe.expert_matmul import expert_loop, grouped_swiglu
 from ernie_moe.moe.experts import use_expert_matmul
 from ernie_moe.moe.layer import MoELayer
+from ernie_moe.nn.init import init_layer
 from ernie_moe.parallel import SingleDevicePlan
 
 

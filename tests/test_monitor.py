@@ -6,10 +6,10 @@ import pytest
 from conftest import ROOT
 
 from ernie_moe.config import load_config
-from ernie_moe.model.init import init_layer
 from ernie_moe.moe.layer import MoELayer
 from ernie_moe.monitor.alerts import Alerts
 from ernie_moe.monitor.expert_balance import heat_map, load_figures, summarize
+from ernie_moe.nn.init import init_layer
 from ernie_moe.parallel import SingleDevicePlan
 
 

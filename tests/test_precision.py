@@ -12,8 +12,8 @@ import pytest
 from conftest import ROOT
 
 from ernie_moe.config import load_config
-from ernie_moe.model.layers import RMSNorm
 from ernie_moe.moe.router import Router
+from ernie_moe.nn.layers import RMSNorm
 from ernie_moe.training import Trainer
 from ernie_moe.training.precision import FLOAT32_LAYERS, NonFiniteGradients, Precision
 

@@ -6,7 +6,7 @@ import pytest
 from conftest import ROOT
 from test_e2e import launch, load_model, records
 
-import ernie_moe.model.recompute as recompute_module
+import ernie_moe.nn.recompute as recompute_module
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.model.recompute import selected_layers
 from ernie_moe.training import Trainer

@@ -1,7 +1,7 @@
 import numpy as np
 import paddle
 
-from ernie_moe.model.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
+from ernie_moe.nn.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
 
 
 def numpy_rope(x, pos, theta, t_slots):

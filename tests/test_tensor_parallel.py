@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from ernie_moe.parallel.tensor_parallel import shard_index
+from ernie_moe.nn.sharding import shard_index
 
 
 def test_shard_index_splits_every_segment():

@@ -30,7 +30,7 @@ from paddle.base import core
 from safetensors import safe_open
 
 from ..model.ernie_vl import is_expert
-from ..parallel.tensor_parallel import full_tensor, shard_of
+from ..nn.sharding import full_tensor, shard_of
 from . import faults
 from .errors import CheckpointError
 from .files import WrittenFiles, sha256_of, sync_folder

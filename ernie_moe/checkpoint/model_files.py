@@ -17,7 +17,7 @@ import paddle
 from ..config.transformers_form import special_ids, to_transformers
 from ..data.processor_config import processor_file
 from ..model.ernie_vl import is_expert
-from ..parallel.tensor_parallel import full_tensor
+from ..nn.sharding import full_tensor
 from .files import WrittenFiles
 from .formats import VL, to_hf, transformers_name
 

@@ -20,7 +20,7 @@ from collections import defaultdict
 import numpy as np
 import paddle
 
-from ..parallel.tensor_parallel import shard_of
+from ..nn.sharding import shard_of
 from .formats import CheckpointError, SourceCheckpoint
 
 

@@ -17,6 +17,7 @@ from .errors import ConfigError
 from .kinds import fits
 from .model_folder import model_config_from
 from .schema import Config
+from .validate import validate
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), check_paths: bool = True,
@@ -40,8 +41,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
         _apply_override(raw, item)
     _start_from_checkpoint(raw, check_paths)
     cfg = build(Config, raw, "")
-    from .validate import validate
-
     validate(cfg, check_paths)
     return cfg
 

@@ -110,6 +110,17 @@ def _per_modality(value, n: int) -> list:
 
 
 @dataclass(frozen=True)
+class VideoReading:
+    """How a video file becomes frames."""
+
+    fps: float = 2.0  # frames per second of video kept ...
+    min_frames: int = 16  # ... but at least this many ...
+    max_frames: int = 180  # ... and at most this many
+    timestamp_font: str = ""  # a TrueType font to draw each frame's time with; "" = none
+
+
+
+@dataclass(frozen=True)
 class DataConfig:
     dataset: str = choice("synthetic", "synthetic", "jsonl", doc="bundled synthetic shapes, or JSONL files")
     train_path: str | list[str] = opt("", "JSONL training file, or a list of them (dataset: jsonl)")
@@ -150,9 +161,7 @@ class DataConfig:
         return (self.image_min_pixels, self.image_max_pixels) if self.image_max_pixels else None
 
     @property
-    def video_reading(self):
-        from ..data.video import VideoReading  # data imports config: imported here, not at the top
-
+    def video_reading(self) -> VideoReading:
         return VideoReading(self.video_fps, self.video_min_frames, self.video_max_frames, self.video_timestamp_font)
 
     @property
@@ -165,6 +174,10 @@ class DataConfig:
         """``train_path`` as a list of files."""
         paths = self.train_path
         return list(paths) if isinstance(paths, list) else ([paths] if paths else [])
+
+
+# training.offload_optim: optimizer states of one visit to the device (the planner counts with it too)
+OFFLOAD_BUCKET_BYTES = 2 ** 30
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .load import ConfigError
+from .errors import ConfigError
 from .schema import FREEZE_PARTS, LORA_TARGET_GROUPS, Config, ModelConfig
 from .transformers_form import to_transformers
 

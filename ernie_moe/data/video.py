@@ -9,23 +9,12 @@ draws it the same way, and without one leaves the frames as decoded.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..config.schema import VideoReading
 from .sample import BadSample
-
-
-@dataclass(frozen=True)
-class VideoReading:
-    """How a video file becomes frames."""
-
-    fps: float = 2.0  # frames per second of video kept ...
-    min_frames: int = 16  # ... but at least this many ...
-    max_frames: int = 180  # ... and at most this many
-    timestamp_font: str = ""  # a TrueType font to draw each frame's time with; "" = none
-
 
 ERNIE_VIDEO_READING = VideoReading()  # ERNIE-4.5-VL's processor's defaults
 

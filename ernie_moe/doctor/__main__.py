@@ -15,7 +15,7 @@ from pathlib import Path
 
 import paddle
 
-from ..model.kernels import chosen_on
+from ..nn.kernels import chosen_on
 from ..parallel import cpu_fallbacks
 from .kernels import device_dtypes, run_checks
 from .layouts import check_layouts

@@ -10,15 +10,15 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from ..model import kernels
 from ..model.attention import causal_document_mask, core_attention
-from ..model.init import init_layer
-from ..model.kernels import TOLERANCE
-from ..model.layers import RMSNorm, SwiGLUMLP
-from ..model.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
 from ..model.single_device import SingleDevicePlan
 from ..moe.dispatcher import LocalDispatcher
 from ..moe.expert_matmul import expert_loop, grouped_gemm_swiglu, grouped_swiglu
+from ..nn import kernels
+from ..nn.init import init_layer
+from ..nn.kernels import TOLERANCE
+from ..nn.layers import RMSNorm, SwiGLUMLP
+from ..nn.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
 
 
 @dataclass

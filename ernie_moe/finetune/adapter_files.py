@@ -28,7 +28,7 @@ from ..checkpoint.files import sha256_of
 from ..checkpoint.formats import VL, group_qkv, ungroup_qkv
 from ..checkpoint.model_files import folder_config, save_model, trained_names
 from ..config.kinds import fits
-from ..parallel.tensor_parallel import shard_of
+from ..nn.sharding import shard_of
 from .lora import LoRASettings, apply_lora, is_lora, linear_layers
 
 CONFIG = "lora_config.json"

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import paddle
 from paddle import nn
 
-from ..model.init import init_weights
+from ..nn.init import init_weights
+from ..nn.sharding import sharded_parameter
 from ..parallel import tensor_parallel as tp
 
 # Target groups by role; anything else in ``training.lora_targets`` is a regular expression matched in full
@@ -92,7 +93,7 @@ class LoRALinear(nn.Layer):
 
     def _split(self, shape: list[int], axis: int, segments: list[int]):
         """This rank's slice of a factor split along ``axis`` as the base weight is (its fused segments)."""
-        return tp.sharded_parameter(self, shape, axis, segments, self.base.group, 0.0)
+        return sharded_parameter(self, shape, axis, segments, self.base.group, 0.0)
 
     @property
     def base(self) -> nn.Layer:

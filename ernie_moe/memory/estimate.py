@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..config.schema import OFFLOAD_BUCKET_BYTES
 from ..model.recompute import selected_layers
-from ..training.offload import BUCKET_BYTES
 from .params import frozen_parts, stage_layers, stage_lora_params, stage_params
 
 PIXEL_CHANNELS_BYTES = 4  # flattened patches arrive as float32
@@ -245,7 +245,7 @@ def estimate(cfg, workload: Workload, data_world: int | None = None) -> list[Sta
         optimizer -= 4 * (trainable_float32 / sharding) if o2 else 0  # float32 weights need no master copy
         if t.offload_optim:  # what visits at once: a bucket, or fleet's sharded share of the shared states whole
             shared_share = states_per_param * trainable[0] / sharding if p.sharding else 0.0
-            optimizer = max(shared_share, min(optimizer - shared_share, BUCKET_BYTES))
+            optimizer = max(shared_share, min(optimizer - shared_share, OFFLOAD_BUCKET_BYTES))
         per_layer = [_layer_activations(m, p, t, layer, workload) for layer in layers]
         if stage == 0:
             per_layer = _first_stage_activations(m, t, workload) + per_layer

@@ -6,7 +6,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from . import kernels
+from ..nn import kernels
 
 
 def core_attention(q, k, v, allowed: paddle.Tensor | None) -> paddle.Tensor:

@@ -24,10 +24,10 @@ import paddle
 from paddle import nn
 
 from ..batch import Batch
+from ..nn.init import mark_default_rules
+from ..nn.rope import rope_angles
 from .attention import causal_document_mask
 from .decoder import DecoderLayer
-from .init import mark_default_rules
-from .rope import rope_angles
 from .vision import Adapter, VisionTransformer
 
 

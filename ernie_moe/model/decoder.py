@@ -6,8 +6,8 @@ import paddle
 from paddle import nn
 
 from ..moe.layer import MoELayer
+from ..nn.layers import SwiGLUMLP
 from .attention import Attention
-from .layers import SwiGLUMLP
 
 
 class DecoderLayer(nn.Layer):

@@ -15,10 +15,10 @@ import paddle
 from paddle import nn
 
 from ..batch import IGNORE_INDEX, Batch
+from ..nn.init import init_weights
+from ..nn.recompute import recomputed
 from .blocks import ImageFeatures, block_inputs, ordered_blocks, stable_names_of, tied_head
 from .decoder import DecoderLayer
-from .init import init_weights
-from .recompute import recomputed
 from .single_device import SingleDevicePlan
 
 

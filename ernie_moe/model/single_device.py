@@ -10,8 +10,8 @@ from paddle import nn
 
 from ..batch import IGNORE_INDEX
 from ..moe.dispatcher import LocalDispatcher
-from .init import mark_normal
-from .layers import RMSNorm
+from ..nn.init import mark_normal
+from ..nn.layers import RMSNorm
 
 _ZERO = paddle.ParamAttr(initializer=nn.initializer.Constant(0.0))
 
@@ -30,7 +30,7 @@ class SingleDevicePlan:
 
     def linear(self, in_features: int, out_features: int) -> nn.Linear:
         layer = nn.Linear(in_features, out_features, weight_attr=_ZERO, bias_attr=False)
-        mark_normal(layer.weight, self.std)  # drawn by name once the model is built (model.init)
+        mark_normal(layer.weight, self.std)  # drawn by name once the model is built (nn.init)
         return layer
 
     # Megatron's names: column-parallel layers split their output features (``segments``: fused pieces such

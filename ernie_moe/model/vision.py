@@ -12,10 +12,10 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from . import kernels
+from ..nn import kernels
+from ..nn.layers import RMSNorm
+from ..nn.rope import vision_rope_angles
 from .attention import core_attention
-from .layers import RMSNorm
-from .rope import vision_rope_angles
 
 
 def patch_positions(grid_thw: np.ndarray, merge: int) -> tuple[np.ndarray, np.ndarray]:

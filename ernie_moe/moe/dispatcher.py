@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import paddle
 
-from ..model import kernels
+from ..nn import kernels
 
 
 @dataclass

@@ -14,7 +14,7 @@ import paddle
 from paddle import _C_ops
 from paddle.autograd import PyLayer
 
-from ..model import kernels
+from ..nn import kernels
 
 
 def _spans(counts: list[int]) -> list[tuple[int, int]]:

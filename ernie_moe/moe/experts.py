@@ -1,7 +1,7 @@
 """Routed experts: SwiGLU MLPs, text experts first, then vision experts (ERNIE's numbering).
 
 A process holds the experts its plan assigns to it (all of them on one device). Weights are drawn by
-their stable names (``model.init``), which carry the global expert id, so an expert starts the same on
+their stable names (``nn.init``), which carry the global expert id, so an expert starts the same on
 whichever rank holds it.
 
 The experts take the dispatcher's rows sorted by expert, with the row count of each expert, and return their
@@ -17,7 +17,7 @@ from __future__ import annotations
 import paddle
 from paddle import nn
 
-from ..model.layers import SwiGLUMLP
+from ..nn.layers import SwiGLUMLP
 from .expert_matmul import expert_loop, grouped_swiglu
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import paddle
 from paddle import nn
 
-from ..model.layers import SwiGLUMLP
-from ..model.recompute import replaying
+from ..nn.layers import SwiGLUMLP
+from ..nn.recompute import replaying
 from .experts import Experts
 from .losses import orthogonal_loss
 from .router import Router

@@ -13,7 +13,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ..model.init import mark_xavier_uniform
+from ..nn.init import mark_xavier_uniform
 from . import losses
 
 

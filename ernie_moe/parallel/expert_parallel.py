@@ -19,8 +19,8 @@ import paddle
 import paddle.distributed as dist
 
 from ..moe.dispatcher import DispatchState, LocalDispatcher
+from ..nn.sharding import shard_index
 from .comm import CopyToGroup, GatherRows, all_to_all
-from .tensor_parallel import shard_index
 
 
 def local_expert_ids(counts: list[int], rank: int, size: int) -> list[int]:

@@ -26,7 +26,7 @@ from ..model.blocks import (
 )
 from ..model.decoder import DecoderLayer
 from ..model.ernie_vl import BlockQueries
-from ..model.init import init_weights
+from ..nn.init import init_weights
 from ..timing import part
 
 

@@ -13,9 +13,9 @@ import copy
 
 import paddle
 
-from ..model.layers import RMSNorm
 from ..model.single_device import SingleDevicePlan
 from ..moe.dispatcher import LocalDispatcher
+from ..nn.layers import RMSNorm
 from . import tensor_parallel as tp
 from .comm import GatherAlong, SplitAlong, SumOverRanks
 from .expert_parallel import ExpertParallelDispatcher, TensorParallelExpertDispatcher, local_expert_ids

@@ -1,51 +1,22 @@
 """Tensor-parallel layers (Megatron-style) over a tensor-parallel group, with optional sequence parallelism.
 
-Weights are slices of the tensor a single device would have drawn (``model.init`` draws by name), so any
+Weights are slices of the tensor a single device would have drawn (``nn.init`` draws by name), so any
 layout starts from the same model. Each split parameter carries ``is_distributed``, ``split_axis`` and
-``segments`` (the fused pieces, such as q/k/v or gate/up, each split evenly), which is how fleet marks them
-and how the exporter and gradient clipping put them back together.
+``segments`` (the fused pieces, such as q/k/v or gate/up, each split evenly; see ``nn.sharding``), which is how
+fleet marks them and how the exporter and gradient clipping put them back together.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddle import nn
 
 from ..batch import IGNORE_INDEX
+from ..nn.sharding import sharded_parameter
 from .comm import CopyToGroup, GatherAlong, ReduceFromGroup, SplitAlong
 
 SEQUENCE_AXIS = 1  # activations are [batch, seq, hidden]
-
-
-def shard_index(segments: list[int], rank: int, size: int) -> np.ndarray:
-    """Indices of rank's share: every segment is split evenly and the pieces are kept in segment order."""
-    index, start = [], 0
-    for n in segments:
-        per = n // size
-        index.append(np.arange(start + rank * per, start + (rank + 1) * per))
-        start += n
-    return np.concatenate(index)
-
-
-def sharded_parameter(layer: nn.Layer, shape: list[int], axis: int, segments: list[int], group,
-                      std: float) -> paddle.Tensor:
-    """This rank's slice of a ``shape`` tensor, drawn later by name (``model.init``) from the whole tensor."""
-    local = list(shape)
-    local[axis] = shape[axis] // group.nranks
-    param = layer.create_parameter(local, default_initializer=nn.initializer.Constant(0.0))
-    param.is_distributed, param.split_axis, param.segments = True, axis, list(segments)
-    param.full_shape, param.tp_rank, param.tp_size = list(shape), group.rank, group.nranks
-    param.init_rule = ("normal", std)
-    return param
-
-
-def shard_of(param, full: np.ndarray) -> np.ndarray:
-    """This rank's slice of ``full`` for ``param`` (``full`` itself for a parameter that is not split)."""
-    if not getattr(param, "is_distributed", False) or list(full.shape) != param.full_shape:
-        return full
-    return np.take(full, shard_index(param.segments, param.tp_rank, param.tp_size), axis=param.split_axis)
 
 
 def enter_region(x: paddle.Tensor, group, sequence_parallel: bool) -> paddle.Tensor:
@@ -136,16 +107,3 @@ def vocab_parallel_argmax(logits: paddle.Tensor, group) -> paddle.Tensor:
     dist.all_gather(wheres, where, group=group)
     owner = paddle.stack(bests, axis=-1).argmax(axis=-1, keepdim=True)
     return paddle.take_along_axis(paddle.stack(wheres, axis=-1), owner, axis=-1).squeeze(-1)
-
-
-def full_tensor(param: paddle.Tensor, group, value: paddle.Tensor | None = None) -> paddle.Tensor:
-    """The unsplit tensor of a tensor-parallel parameter, or of ``value`` split like it (an optimizer moment):
-    a collective over ``group``."""
-    value = param if value is None else value
-    if not getattr(param, "is_distributed", False) or group is None or value.shape != param.shape:
-        return value
-    pieces: list[paddle.Tensor] = []
-    dist.all_gather(pieces, value.detach(), group=group)
-    axis = param.split_axis
-    chunks = [paddle.split(p, [n // group.nranks for n in param.segments], axis=axis) for p in pieces]
-    return paddle.concat([chunks[r][s] for s in range(len(param.segments)) for r in range(group.nranks)], axis=axis)

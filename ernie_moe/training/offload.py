@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import paddle
 
-BUCKET_BYTES = 2 ** 30  # optimizer states of one visit to the device
+from ..config.schema import OFFLOAD_BUCKET_BYTES
+
+BUCKET_BYTES = OFFLOAD_BUCKET_BYTES
 
 
 def state_bytes_per_parameter(multi_precision: bool) -> int:

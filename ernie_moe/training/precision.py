@@ -19,9 +19,9 @@ import math
 import paddle
 from paddle import nn
 
-from ..model.layers import RMSNorm
 from ..moe.layer import MoEStatics
 from ..moe.router import Router
+from ..nn.layers import RMSNorm
 
 # Layers whose weights stay float32 under O2
 FLOAT32_LAYERS = [Router, RMSNorm, MoEStatics, nn.LayerNorm]

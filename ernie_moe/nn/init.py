@@ -13,6 +13,8 @@ import zlib
 
 import numpy as np
 
+from .sharding import shard_of
+
 
 def mark_normal(param, std: float):
     param.init_rule = ("normal", std)
@@ -50,8 +52,6 @@ def draw(rule: tuple, shape: list[int], rng: np.random.Generator) -> np.ndarray:
 
 def init_weights(stable_parameters, seed: int) -> None:
     """Draw every parameter that has an ``init_rule``; ``stable_parameters`` yields (stable name, parameter)."""
-    from ..parallel.tensor_parallel import shard_of
-
     for name, param in stable_parameters:
         rule = getattr(param, "init_rule", None)
         if rule is None:

@@ -1,0 +1,88 @@
+"""The package's floors: each folder (or top-level module) imports only from floors below its own, so no import
+runs up and no two folders import each other. Every import counts, those inside functions too."""
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "ernie_moe"
+# lowest first; a part may import from any lower floor, and within itself
+FLOORS = [
+    {"batch", "timing", "cli", "config"},
+    {"nn", "data"},
+    {"moe"},
+    {"model"},
+    {"parallel", "monitor"},
+    {"checkpoint", "memory"},
+    {"finetune"},
+    {"generation"},
+    {"training"},
+    {"doctor", "generate", "evaluate", "export", "__init__"},
+]
+FLOOR = {part: level for level, parts in enumerate(FLOORS) for part in parts}
+
+
+def part_of(path: Path, package: Path = PACKAGE) -> str:
+    """The folder under ernie_moe/ a file belongs to, or the top-level module's name."""
+    relative = path.relative_to(package)
+    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def imported_parts(path: Path, root: Path = ROOT) -> set[str]:
+    """The parts of the package a file imports, by relative or absolute import, wherever the import stands."""
+    module = path.relative_to(root).with_suffix("").parts  # ("ernie_moe", "moe", "layer")
+    package = module[:-1]  # a module's package; an __init__'s is its own folder, which [:-1] also gives
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(package[: len(package) - node.level + 1])
+                target = base + (node.module.split(".") if node.module else [])
+                names = [target + [alias.name] for alias in node.names] if not node.module else [target]
+            elif node.module:
+                names = [node.module.split(".")]
+        elif isinstance(node, ast.Import):
+            names = [alias.name.split(".") for alias in node.names]
+        for target in names:
+            if target[0] == "ernie_moe" and len(target) > 1:
+                found.add(target[1])
+    return found
+
+
+def edges() -> dict[tuple[str, str], list[str]]:
+    """(importing part, imported part) -> the files that make the import."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = part_of(path)
+        for target in imported_parts(path) - {source}:
+            if target in FLOOR:  # a name imported from the package's __init__ is not a part
+                out.setdefault((source, target), []).append(str(path.relative_to(ROOT)))
+    return out
+
+
+def test_every_part_has_a_floor():
+    parts = {part_of(p) for p in PACKAGE.rglob("*.py")}
+    assert parts <= set(FLOOR), f"parts without a floor: {sorted(parts - set(FLOOR))}"
+
+
+def test_no_import_runs_up_and_no_two_parts_import_each_other():
+    found = edges()
+    upward = {f"{a} -> {b}": files for (a, b), files in found.items() if FLOOR[b] >= FLOOR[a]}
+    assert not upward, f"imports that run up or sideways: {upward}"
+    mutual = sorted({tuple(sorted(pair)) for pair in found if pair[::-1] in found})
+    assert not mutual, f"parts that import each other: {mutual}"
+
+
+def test_the_walk_sees_relative_absolute_and_deferred_imports(tmp_path):
+    """The walk itself finds an import of each kind, so the test above can fail."""
+    folder = tmp_path / "ernie_moe" / "nn"
+    folder.mkdir(parents=True)
+    probe = folder / "probe.py"
+    probe.write_text("from . import kernels\nfrom ..moe.layer import MoELayer\nimport ernie_moe.model.blocks\n"
+                     "from ernie_moe.parallel import plan\n\n\ndef later():\n    from ..training import Trainer\n"
+                     "    from .. import checkpoint\n")
+    assert imported_parts(probe, tmp_path) == {"nn", "moe", "model", "parallel", "training", "checkpoint"}
+    (folder / "__init__.py").write_text("from .probe import later\nfrom ..data import loader\n")
+    assert imported_parts(folder / "__init__.py", tmp_path) == {"nn", "data"}
