@@ -1,7 +1,9 @@
-"""Run on 2 ranks by tests/test_tensor_parallel.py: each tensor-parallel piece next to its unsharded reference.
+"""Run on 2 ranks by tests/test_tensor_parallel.py: each tensor-parallel piece next to its unsharded reference,
+and both expert dispatchers next to the single-device one.
 
-Same input on both ranks; outputs must equal the single-device layer's, each rank's weight gradient must
-equal its slice of the full gradient, and input gradients must be complete.
+Same input on both ranks (the all-to-all dispatcher: each rank its half of the tokens); outputs must equal the
+single-device layer's, each rank's weight gradient must equal its slice of the full gradient, and input
+gradients must be complete.
 """
 
 import numpy as np
@@ -13,7 +15,7 @@ from ernie_moe.moe.dispatcher import LocalDispatcher
 from ernie_moe.nn import sharding
 from ernie_moe.parallel import cpu_fallbacks
 from ernie_moe.parallel import tensor_parallel as tp
-from ernie_moe.parallel.expert_parallel import TensorParallelExpertDispatcher
+from ernie_moe.parallel.expert_parallel import ExpertParallelDispatcher, TensorParallelExpertDispatcher
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -133,6 +135,40 @@ def check_expert_dispatch(group, rng):
         close(grad, ref[3][j], f"expert {j} grad")
 
 
+def check_all_to_all_dispatch(group, rng):
+    """Experts spread over ranks that hold different tokens (all-to-all), against all tokens and all experts on one
+    device: each rank's outputs and token and routing-weight gradients are the single device's for its tokens,
+    and each expert's gradient, on the rank that holds it, is the single device's over every token."""
+    tokens, hidden, counts, k = 12, 4, [4, 2], 2
+    experts = [rng.normal(size=(hidden, hidden)).astype("float32") for _ in range(sum(counts))]
+    x = rng.normal(size=(tokens, hidden)).astype("float32")
+    ids = np.stack([rng.permutation(sum(counts))[:k] for _ in range(tokens)])
+    ids[: tokens // 2, 0] = 0  # one rank's tokens crowd an expert of the other's, so rows cross unevenly
+    weights = rng.random(size=(tokens, k)).astype("float32")
+    upstream = rng.normal(size=(tokens, hidden)).astype("float32")
+
+    def run(dispatcher, rows_of, expert_ids):
+        n = len(rows_of)
+        xs, ws = leaf(x[rows_of]), leaf(weights[rows_of])
+        params = [leaf(experts[j]) for j in expert_ids]
+        rows, per_expert, state = dispatcher.dispatch(xs, paddle.arange(n), paddle.to_tensor(ids[rows_of]), ws,
+                                                      sum(counts), None)
+        outputs = [paddle.matmul(i, p) for i, p in zip(paddle.split(rows, per_expert, axis=0), params)]
+        out = dispatcher.combine(paddle.concat(outputs, axis=0), state, n)
+        (out * paddle.to_tensor(upstream[rows_of])).sum().backward()
+        return out.numpy(), xs.grad.numpy(), ws.grad.numpy(), [p.grad.numpy() for p in params]
+
+    ref = run(LocalDispatcher(), np.arange(tokens), list(range(sum(counts))))
+    mine = [j for s, n in zip([0, 4], counts) for j in range(s + group.rank * n // 2, s + (group.rank + 1) * n // 2)]
+    rows = np.arange(group.rank * tokens // 2, (group.rank + 1) * tokens // 2)
+    got = run(ExpertParallelDispatcher(counts, group), rows, mine)
+    close(got[0], ref[0][rows], "all-to-all combined output")
+    close(got[1], ref[1][rows], "all-to-all token grad")
+    close(got[2], ref[2][rows], "all-to-all routing weight grad")
+    for j, grad in zip(mine, got[3]):
+        close(grad, ref[3][j], f"all-to-all expert {j} grad")
+
+
 if __name__ == "__main__":
     cpu_fallbacks.use_private_group_rendezvous()
     dist.init_parallel_env()
@@ -142,4 +178,5 @@ if __name__ == "__main__":
     check_linears(group, rng, sequence_parallel=True)
     check_embedding_and_loss(group, rng)
     check_expert_dispatch(group, rng)
+    check_all_to_all_dispatch(group, rng)
     print(f"tensor-parallel layers OK on rank {dist.get_rank()}")

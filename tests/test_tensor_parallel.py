@@ -1,4 +1,5 @@
-"""Tensor-parallel layers on 2 real ranks against their unsharded references (see dist_tensor_parallel_layers.py)."""
+"""Tensor-parallel layers and expert dispatchers on 2 real ranks against their unsharded references (see
+dist_tensor_parallel_layers.py)."""
 
 import os
 import subprocess
