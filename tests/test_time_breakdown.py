@@ -52,3 +52,28 @@ def test_nested_parts_count_their_time_once():
     assert totals["tensor_parallel_comm"] >= 0.02 and totals["forward"] >= 0.01
     assert totals["forward"] + totals["tensor_parallel_comm"] <= outer  # counted twice, it would pass outer
     assert times.pop() == {}
+
+
+def test_fleets_pipeline_schedule_still_has_the_parts_the_timing_wraps():
+    """The installed fleet's PipelineParallel has the private step methods and send / receive helper that the
+    pipeline timing wraps; a schedule without them is refused naming each one."""
+    import inspect
+    import types
+
+    from paddle.distributed.fleet.meta_parallel import PipelineParallel
+    from paddle.distributed.fleet.meta_parallel.pp_utils.p2p_communication import P2pHelper
+
+    from ernie_moe.parallel.pipeline import (
+        FLEET_P2P_HELPER,
+        FLEET_STEP_METHODS,
+        missing_schedule_parts,
+        time_schedule_parts,
+    )
+
+    made_in_init = f"self.{FLEET_P2P_HELPER} =" in inspect.getsource(PipelineParallel.__init__)
+    installed = types.SimpleNamespace(**{m: getattr(PipelineParallel, m, None) for m in FLEET_STEP_METHODS},
+                                      **{FLEET_P2P_HELPER: P2pHelper if made_in_init else None})
+    assert missing_schedule_parts(installed) == []
+    renamed = types.SimpleNamespace(_forward_step=lambda: None, _p2p_helper=object())
+    with pytest.raises(RuntimeError, match=r"PipelineParallel\._backward_step, object\.send_\* / recv_\*"):
+        time_schedule_parts(renamed)

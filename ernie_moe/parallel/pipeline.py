@@ -110,17 +110,42 @@ def stage_inputs(micro_batches, scored=None, scale: float = 1.0) -> list:
     return [inputs, labels + ((scored,) if scored is not None else ())]
 
 
+# The private parts of fleet's PipelineParallel that the timing wraps. A Paddle release may rename them: the
+# check below names what is missing (tests/test_time_breakdown.py runs it on the installed fleet).
+FLEET_STEP_METHODS = ("_forward_step", "_backward_step")
+FLEET_P2P_HELPER = "_p2p_helper"
+
+
+def missing_schedule_parts(schedule) -> list[str]:
+    """What the timing needs of fleet's schedule (an instance, or the class with ``helper_class``) and
+    ``schedule`` lacks, by name."""
+    missing = [f"PipelineParallel.{m}" for m in FLEET_STEP_METHODS if not callable(getattr(schedule, m, None))]
+    helper = getattr(schedule, FLEET_P2P_HELPER, None)
+    if helper is None:
+        return [*missing, f"PipelineParallel.{FLEET_P2P_HELPER}"]
+    helper_class = helper if isinstance(helper, type) else type(helper)
+    if not any(n.startswith(("send_", "recv_")) for n in dir(helper_class)):
+        missing.append(f"{helper_class.__name__}.send_* / recv_*")
+    return missing
+
+
 def time_schedule_parts(schedule) -> None:
     """Time the parts of fleet's schedule on this rank (``schedule``: fleet's ``PipelineParallel``).
 
     The stage's forward and backward steps count as ``forward`` and ``backward``. A receive is the wait for a
     neighbour's activation or gradient with nothing else to run: ``pipeline_bubble`` (the schedule's fill
     and drain, any imbalance between stages, and the arrival of the tensor itself). Sends, and the
-    interleaved schedule's combined send-and-receive calls, are ``pipeline_send_recv``.
+    interleaved schedule's combined send-and-receive calls, are ``pipeline_send_recv``. A fleet without the
+    parts it wraps raises, naming them.
     """
+    missing = missing_schedule_parts(schedule)
+    if missing:
+        raise RuntimeError(f"the step-time breakdown times fleet's pipeline schedule through {', '.join(missing)}, "
+                           f"which this Paddle ({paddle.__version__}) does not have; set "
+                           "logging.time_breakdown=false to train without it")
     schedule._forward_step = _timed(schedule._forward_step, "forward")
     schedule._backward_step = _timed(schedule._backward_step, "backward")
-    helper = schedule._p2p_helper
+    helper = getattr(schedule, FLEET_P2P_HELPER)
     for name in dir(type(helper)):
         if name.startswith(("send_", "recv_")):
             kind = "pipeline_bubble" if name.startswith("recv_") else "pipeline_send_recv"

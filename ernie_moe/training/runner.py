@@ -20,7 +20,7 @@ from ..data import collate
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_expert
 from ..parallel import build_plan
 from ..parallel.pipeline import ErniePipeline, stage_inputs, time_schedule_parts
-from ..timing import part
+from ..timing import STEP_TIMES, part
 from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
 
 
@@ -101,7 +101,8 @@ class PipelineRunner(PlainRunner):
     def __init__(self, model, env, precision):
         self.model, self.env, self.precision = model, env, precision
         self.fleet_model = fleet.distributed_model(model)
-        time_schedule_parts(self.fleet_model)
+        if STEP_TIMES.enabled:
+            time_schedule_parts(self.fleet_model)
 
     def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:
         """What fleet's ``train_batch`` runs before its optimizer step; the sums come from the last stage."""
