@@ -18,19 +18,16 @@ from ..checkpoint.model_files import folder_config, inference_files
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
-from ..finetune import prepare_fine_tuning
-from ..finetune.adapter_files import base_reference, save_adapter
+from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
-from ..model.recompute import apply_recompute
-from ..moe.experts import use_expert_matmul
 from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
 from ..parallel import init_distributed, sync_gradients
 from ..timing import STEP_TIMES, part
-from .memory_guard import MemoryGuard, is_out_of_memory
-from .optimizer import build_optimizer, clip_grad_norm, optimizer_state_bytes, split_experts
-from .precision import NonFiniteGradients, Precision
-from .runner import build_model, build_runner
+from .assembly import assemble
+from .memory_guard import is_out_of_memory
+from .optimizer import clip_grad_norm, optimizer_state_bytes
+from .precision import NonFiniteGradients
 from .state import StepResult, TrainingState
 
 # A run that skipped more than this share of its steps for non-finite gradients ends as a failure.
@@ -50,32 +47,13 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg)
         check_tokenizer(self.tokenizer, cfg.model)
         self.state = TrainingState.start(t)
-        self.model = build_model(cfg.model, self.env, t.loss_subbatch_seqlen)
-        apply_recompute(self.model, self.state.recompute, self.state.recompute_layers, t.recompute_use_reentrant)
-        use_expert_matmul(self.model, t.moe_expert_matmul)
-        if t.model_name_or_path:
-            self._initialise_from(t.model_name_or_path)
-        self.fine_tuning = prepare_fine_tuning(self.model, t, cfg.model, self.env)
-        # a LoRA run's checkpoints and adapter hold the pairs only, and refer to the base by its digest
-        self.base = None
-        if t.fine_tuning == "lora":
-            self.base = self.env.all_gather_object(base_reference(t.model_name_or_path) if self.env.is_main
-                                                   else None)[0]
+        parts = assemble(cfg, self.env, self.state, device_bytes(t), self._initialise_from)
+        self.model, self.fine_tuning, self.base = parts.model, parts.fine_tuning, parts.base
+        self.precision, self.runner, self.guard = parts.precision, parts.runner, parts.guard
+        self.optimizer, self.scheduler, self.param_groups = parts.optimizer, parts.scheduler, parts.param_groups
         if self.env.is_main:
             print(self.fine_tuning.describe(), flush=True)
-        self.precision = Precision(t)
-        self.precision.cast_model(self.model)
-        if self.precision.enabled and not paddle.is_compiled_with_cuda() and self.env.is_main:
-            print(f"note: {self.precision.dtype} mixed precision needs a GPU; on this CPU build Paddle computes in "
-                  "float32 (loss scaling and the inf/nan step guard still apply)", flush=True)
-        if t.offload_optim and not paddle.device.get_device().startswith("gpu") and self.env.is_main:
-            print("note: training.offload_optim keeps optimizer states in host memory between steps; on a CPU that "
-                  "is where they already are, so it saves nothing here (the same moves run)", flush=True)
-        self.runner = build_runner(self.model, self.env, self.precision)
-        self.guard = MemoryGuard(t, self.env, device_bytes(t), self.model,
-                                 can_halve=not self.runner.fixed_micro_batches)
-        self.optimizer, self.scheduler = build_optimizer(self.model, t, self.env)
-        self.param_groups = split_experts(self.model)
+        self._notes()
 
         self.data_stats: Counter = Counter()
         train_set, self.eval_set = build_datasets(cfg)
@@ -327,13 +305,26 @@ class Trainer:
         (out / "run_config.yaml").write_text(text)
         self.monitor.text("config", f"```yaml\n{text}```")
 
-    def _initialise_from(self, directory: str) -> None:
-        report = load_pretrained(self.model, directory, self.env)
+    def _initialise_from(self, model, directory: str) -> dict:
+        report = load_pretrained(model, directory, self.env)
         if self.env.is_main:
             print(format_report(report), flush=True)
             out = Path(self.cfg.training.output_dir)
             out.mkdir(parents=True, exist_ok=True)
             (out / "import_report.json").write_text(json.dumps(report, indent=2))
+        return report
+
+    def _notes(self) -> None:
+        """What a setting does not do on this machine, said once by rank 0."""
+        t = self.cfg.training
+        if not self.env.is_main:
+            return
+        if self.precision.enabled and not paddle.is_compiled_with_cuda():
+            print(f"note: {self.precision.dtype} mixed precision needs a GPU; on this CPU build Paddle computes in "
+                  "float32 (loss scaling and the inf/nan step guard still apply)", flush=True)
+        if t.offload_optim and not paddle.device.get_device().startswith("gpu"):
+            print("note: training.offload_optim keeps optimizer states in host memory between steps; on a CPU that "
+                  "is where they already are, so it saves nothing here (the same moves run)", flush=True)
 
     def _finish(self, summary: dict) -> None:
         t = self.cfg.training

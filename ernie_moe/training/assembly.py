@@ -1,0 +1,90 @@
+"""How a model is assembled for training: every step after the config and the process groups, in one order.
+
+Each step is a small function; the order is the contract, and each step says why it stands where it does.
+
+1. ``build``: the plain model for this rank (the plan's parallel pieces, pipeline stages, expert weights marked
+   to stay out of fleet's broadcasts). Everything after transforms this model in place.
+2. ``recompute``: which blocks drop their activations. Before the weights and LoRA, which wrap layers inside the
+   blocks it routes through fleet's recompute, so the wrappers are part of what is recomputed.
+3. ``expert_matmul``: the experts one by one or grouped; it reads weights only when it runs, so it may come here.
+4. ``pretrained``: the weights of ``training.model_name_or_path``, into the plain layers, before LoRA puts
+   wrappers around them (the stable names are the base's either way).
+5. ``fine_tuning``: what trains (LoRA pairs beside chosen layers, frozen parts), after the base weights are in;
+   a LoRA run refers to its base by digest.
+6. ``precision``: the cast to the AMP dtype, after every parameter (LoRA's included) exists.
+7. ``runner``: fleet's wrapper (data parallel or the pipeline schedule), which takes the model as it now is.
+8. ``guard``: the memory guard, which needs to know whether the runner fixes the micro-batch.
+9. ``optimizer``: AdamW and the schedule over the parameters that train, last, once nothing adds any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..finetune import prepare_fine_tuning
+from ..finetune.adapter_files import base_reference
+from ..model.recompute import apply_recompute
+from ..moe.experts import use_expert_matmul
+from .memory_guard import MemoryGuard
+from .optimizer import build_optimizer, split_experts
+from .precision import Precision
+from .runner import build_model, build_runner
+
+
+@dataclass
+class Assembled:
+    model: object
+    fine_tuning: object  # what trains (finetune.FineTuning)
+    base: dict | None  # a LoRA run's base model folder and its digest
+    import_report: dict | None  # what pretrained loading did, for training.model_name_or_path
+    precision: Precision
+    runner: object
+    guard: MemoryGuard
+    optimizer: object
+    scheduler: object
+    param_groups: dict  # parameters by gradient-sync group (experts apart)
+
+
+def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
+    """The model, runner and optimizer of a run, built step by step in the order above. ``state``: the training
+    state (its recompute settings); ``load_weights(model, folder) -> report`` loads a pretrained folder."""
+    t = cfg.training
+    model = build(cfg, env)
+    recompute(model, t, state)
+    expert_matmul(model, t)
+    report = load_weights(model, t.model_name_or_path) if t.model_name_or_path else None
+    fine_tuning, base = fine_tune(model, cfg, env)
+    precision = cast(model, t)
+    runner = build_runner(model, env, precision)
+    guard = MemoryGuard(t, env, device_bytes, model, can_halve=not runner.fixed_micro_batches)
+    optimizer, scheduler = build_optimizer(model, t, env)
+    return Assembled(model, fine_tuning, base, report, precision, runner, guard, optimizer, scheduler,
+                     split_experts(model))
+
+
+def build(cfg, env):
+    return build_model(cfg.model, env, cfg.training.loss_subbatch_seqlen)
+
+
+def recompute(model, t, state) -> None:
+    apply_recompute(model, state.recompute, state.recompute_layers, t.recompute_use_reentrant)
+
+
+def expert_matmul(model, t) -> None:
+    use_expert_matmul(model, t.moe_expert_matmul)
+
+
+def fine_tune(model, cfg, env):
+    """(what trains, the LoRA base's reference or None)."""
+    t = cfg.training
+    fine_tuning = prepare_fine_tuning(model, t, cfg.model, env)
+    base = None
+    if t.fine_tuning == "lora":  # every rank refers to the base by the digest rank 0 took
+        base = env.all_gather_object(base_reference(t.model_name_or_path) if env.is_main else None)[0]
+    return fine_tuning, base
+
+
+def cast(model, t) -> Precision:
+    precision = Precision(t)
+    precision.cast_model(model)
+    return precision
