@@ -59,6 +59,7 @@ def model_names(source_names) -> list[str]:
 
 def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 5 * 2 ** 30,
            adapter_dir=None, form: str = PADDLEFORMERS) -> dict:
+    refuse_writing_into(output_dir, [source_dir, adapter_dir])
     source = SourceCheckpoint(source_dir)
     cfg = build(ModelConfig, model_config_from(source_dir), "model")
     check_model(cfg)
@@ -116,6 +117,16 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
     return {"tensors": len(weight_map), "shards": len(shards), "bytes": total}
 
 
+def refuse_writing_into(output_dir, read_dirs) -> None:
+    """ValueError, before anything is written, when ``output_dir`` is a folder the command reads or lies inside
+    one (an export into its own checkpoint overwrote the files it then failed to read)."""
+    out = Path(output_dir).resolve()
+    for folder in (Path(d).resolve() for d in read_dirs if d is not None):
+        if out == folder or folder in out.parents:
+            raise ValueError(f"the output folder {output_dir} is {'the' if out == folder else 'inside the'} folder "
+                             f"{folder} this export reads; write it elsewhere")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="checkpoint or model folder")
@@ -152,6 +163,7 @@ def _peft_adapter(args) -> int:
         raise ValueError("--adapter writes a LoRA adapter in PEFT's form: give it with --format transformers, "
                          "without --merge-lora")
     base = adapter_base(args.source, args.base)
+    refuse_writing_into(args.output, [args.source, base])
     cfg = build(ModelConfig, model_config_from(base), "model")
     done = write_peft_adapter(args.source, args.output, cfg, args.base)
     print(f"wrote {done['tensors']} LoRA tensors on {done['layers']} layers ({done['bytes'] / 2 ** 20:.1f} MiB) to "

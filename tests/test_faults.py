@@ -588,3 +588,59 @@ def test_an_eval_file_without_usable_records_warns(bad_records, tmp_path):
     result = train(out, "data.dataset=jsonl", f"data.train_path={bad_records}", f"data.eval_path={bad_only}",
                    "model.vocab_size=300", "data.max_seq_len=128", "training.max_steps=1")
     assert "WARNING the held-out data gave nothing to evaluate (skipped samples: {'bad_images': 3})" in result.stdout
+
+
+# ------------------------------------------------------------------------------- one writer per output folder
+
+HOLD = ("import sys\nfrom ernie_moe.checkpoint.output_lock import lock_output_dir\nlock_output_dir(sys.argv[1])\n"
+        "print('locked', flush=True)\nsys.stdin.read()\n")
+
+
+def hold_lock(folder):
+    """Another job holding ``folder``'s lock; returned once it holds it (it says so), until its stdin closes."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+@pytest.mark.slow
+def test_a_second_run_a_resume_or_an_overwrite_beside_a_running_job_stops_naming_it(tmp_path):
+    """While another job holds the output folder, a fresh run, a resume and an overwrite each stop with a line
+    naming it before touching anything; once that job is gone (ended, or killed with -9), runs go ahead."""
+    out = tmp_path / "run"
+    train(out, "training.max_steps=2")
+    before = {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    holder = hold_lock(out)
+    try:
+        for extra in ([], ["training.resume_from_checkpoint=auto", "training.max_steps=4"],
+                      ["training.overwrite_output_dir=true"]):
+            done = train(out, "training.max_steps=2", *extra, check=False)
+            assert done.returncode == 2, done.stderr[-2000:]
+            assert f"is in use by a running job (host {os.uname().nodename}, process {holder.pid}" in done.stderr
+        after = {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".run.lock"}
+        assert after == {k: v for k, v in before.items() if k != ".run.lock"}
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    train(out, "training.resume_from_checkpoint=auto", "training.max_steps=3")
+    killed = hold_lock(out)
+    killed.kill()  # kill -9: the kernel lets go of the lock with the process
+    killed.wait(timeout=60)
+    train(out, "training.resume_from_checkpoint=auto", "training.max_steps=4")
+    assert max(losses(out)) == 4
+
+
+def test_export_into_the_folder_it_reads_is_refused_before_any_write(tmp_path):
+    from ernie_moe.export import main as export_main
+
+    out = tmp_path / "run"
+    from ernie_moe.training import Trainer
+
+    Trainer(load_config(CONFIG, [f"training.output_dir={out}", *SMALL, "training.max_steps=1"])).train()
+    checkpoint = out / "checkpoint-1"
+    files = {p: p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()}
+    for target in (checkpoint, checkpoint / "exported"):
+        assert export_main([str(checkpoint), str(target)]) == 2
+    assert {p: p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()} == files

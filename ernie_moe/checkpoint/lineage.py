@@ -22,8 +22,10 @@ from pathlib import Path
 
 import paddle.distributed as dist
 
+from ..config.errors import ConfigError
 from .errors import CheckpointError
 from .files import sha256_of
+from .output_lock import lock_output_dir
 
 MARKER = "COMPLETE"
 PREFIX = "checkpoint-"
@@ -168,18 +170,29 @@ def resolve(resume_from: str, output_dir: str, env=None, warn=print) -> Checkpoi
 
 
 def claim_output_dir(training_cfg, env) -> None:
-    """A fresh run (no resume) may not write into a folder holding another run's checkpoints, unless
-    ``training.overwrite_output_dir`` says to remove them."""
+    """Take the output folder's lock (one job at a time, every run: fresh, resumed or overwriting; see
+    ``output_lock``), then: a fresh run (no resume) may not write into a folder holding another run's
+    checkpoints, unless ``training.overwrite_output_dir`` says to remove them."""
     t = training_cfg
     root = Path(t.output_dir)
+    refused = None
+    if env.is_main:
+        try:
+            lock_output_dir(root)
+        except ConfigError as err:
+            refused = str(err)
+        except OSError as err:
+            refused = f"training.output_dir '{root}' cannot be written: {err}"
+    if env.world_size > 1:  # every rank stops with rank 0's line
+        refused = env.all_gather_object(refused)[0]
+    if refused:
+        raise ConfigError(refused)
     if t.resume_from_checkpoint or not root.is_dir():
         return
     existing = sorted(root.glob(PREFIX + "*"))
     if not existing:
         return
     if not t.overwrite_output_dir:
-        from ..config import ConfigError
-
         raise ConfigError(f"training.output_dir '{root}' already holds checkpoints of an earlier run "
                           f"({', '.join(p.name for p in existing[:3])}{', ...' if len(existing) > 3 else ''}). "
                           "Resume it with training.resume_from_checkpoint=auto, choose another output_dir, or set "

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from ..batch import IGNORE_INDEX
 from ..checkpoint import Run, TrainingParts, claim_output_dir, load_checkpoint, resolve, save_checkpoint, save_model
 from ..checkpoint.model_files import folder_config, inference_files
+from ..checkpoint.output_lock import release_output_dir
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
@@ -111,11 +112,13 @@ class Trainer:
         if skipped > trained * MAX_SKIPPED_FRACTION:
             self._write_summary({**summary, "status": "failed"})
             self.monitor.close()
+            release_output_dir(t.output_dir)
             raise NonFiniteGradients(
                 f"{skipped} of the {trained} steps of this run were skipped for non-finite gradients (inf/nan), so "
                 "the model hardly trained; no final model was written. Check the config (rope_theta, rms_norm_eps, "
                 "learning rate) and the data.")
         self._finish(summary)
+        release_output_dir(t.output_dir)
         return summary
 
     def _guarded_step(self) -> StepResult:
