@@ -644,3 +644,46 @@ def test_export_into_the_folder_it_reads_is_refused_before_any_write(tmp_path):
     for target in (checkpoint, checkpoint / "exported"):
         assert export_main([str(checkpoint), str(target)]) == 2
     assert {p: p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()} == files
+
+
+# ------------------------------------------------------------------------------------------------ preemption
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigterm_in_step@3@1", "sigterm_during_save@2@1"])
+def test_sigterm_to_one_rank_saves_stops_every_rank_and_resumes_exactly(tmp_path, fault):
+    """SIGTERM to rank 1 of 2, mid-step or mid-save: both ranks finish the step, the step is saved, the run exits
+    with code 4 naming the checkpoint, and a resume ends with the losses of a run never interrupted."""
+    steps = ["training.max_steps=6", "training.save_steps=2"]
+    whole = train(tmp_path / "whole", *steps, nproc=2)
+    assert whole.returncode == 0
+    out = tmp_path / "stopped"
+    done = train(out, *steps, fault=fault, nproc=2, check=False)
+    stop_step = int(fault.split("@")[1])
+    assert done.returncode == 4, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["steps"] == stop_step
+    assert summary["reason"] == "another rank was told to stop" or "SIGTERM" in summary["reason"]
+    assert (out / f"checkpoint-{stop_step}").is_dir() and not list(out.glob("*.tmp"))
+    train(out, *steps, "training.resume_from_checkpoint=auto", nproc=2)
+    assert losses(out) == losses(tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_workers_whose_launcher_is_killed_stop_instead_of_training_on(tmp_path):
+    """kill -9 of the launcher at step 3 of 20: its workers notice, save the step they finish and exit, so no
+    process trains on beside a restarted job."""
+    out = tmp_path / "orphaned"
+    done = train(out, "training.max_steps=20", "training.save_steps=10", fault="launcher_killed@3@0", nproc=2,
+                 check=False)
+    assert done.returncode == -signal.SIGKILL
+    # the workers outlive their launcher until they have saved and written the summary; wait for them to exit
+    # (the pattern goes in the environment, so the waiter's own command line does not hold it)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WORKERS_OF=f"training.output_dir={out}")
+    waiter = ("import os, subprocess, time\n"
+              "while subprocess.run(['pgrep', '-f', os.environ['WORKERS_OF']], capture_output=True).returncode == 0:\n"
+              "    time.sleep(0.2)\n")
+    subprocess.run([sys.executable, "-c", waiter], env=env, timeout=300, check=True)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["reason"] == "the process that started this one is gone"
+    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert saved == [summary["steps"]] and summary["steps"] < 10

@@ -98,6 +98,7 @@ def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent:
     if parts.base and env.is_main:
         written.write(tmp / BASE_FILE, json.dumps(parts.base, indent=2))
     faults.hit("kill_during_save", step, env.rank)
+    faults.hit("sigterm_during_save", step, env.rank)
     _save_optimizer(parts, env, tmp, step, written)
     written.write(tmp / f"rng_state-{env.rank:05d}.json", json.dumps(rng_state()))
     if env.is_main:

@@ -5,7 +5,10 @@ fail at ``point``:
 
 - ``kill_during_save``: SIGKILL once the model files are written, before the optimizer state;
 - ``kill_before_rename``: SIGKILL with the completion marker written but the folder not yet renamed;
-- ``disk_full``: the optimizer writer raises ``ENOSPC`` (No space left on device).
+- ``disk_full``: the optimizer writer raises ``ENOSPC`` (No space left on device);
+- ``sigterm_during_save``: SIGTERM once the model files are written, as a scheduler's preemption would;
+- ``sigterm_in_step``: SIGTERM after the step's forward and backward passes (the trainer's hook);
+- ``launcher_killed``: at the same point, SIGKILL to the process that started this one (the launcher).
 
 Unset, :func:`hit` is one dictionary look-up.
 """
@@ -29,5 +32,9 @@ def hit(point: str, step: int, rank: int) -> None:
         return
     if point.startswith("kill"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if point.startswith("sigterm"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    if point == "launcher_killed":
+        os.kill(os.getppid(), signal.SIGKILL)
     if point == "disk_full":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"optimizer-{rank:05d}.safetensors")

@@ -215,6 +215,8 @@ class TrainingConfig:
     eval_steps: int = opt(100, "evaluate every N steps and at the end; 0 = only at the end")
     save_steps: int = opt(0, "write output_dir/checkpoint-<step> every N steps (and at the end); 0 = only at the end")
     save_total_limit: int = opt(0, "keep the newest N checkpoints of the run's lineage; 0 = keep all")
+    save_on_signal: bool = opt(True, "on SIGTERM or SIGINT (or the launcher gone), every rank finishes its step, "
+                                      "saves a checkpoint and the run exits with code 4")
     final_model_format: str = choice("paddleformers", "paddleformers", "transformers",
                                      doc="final_model's config.json: PaddleFormers' or Hugging Face transformers' "
                                          "ERNIE-4.5-VL (same tensors; full fine-tuning only)")

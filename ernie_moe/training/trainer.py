@@ -13,7 +13,16 @@ import yaml
 from tqdm import tqdm
 
 from ..batch import IGNORE_INDEX
-from ..checkpoint import Run, TrainingParts, claim_output_dir, load_checkpoint, resolve, save_checkpoint, save_model
+from ..checkpoint import (
+    Run,
+    TrainingParts,
+    claim_output_dir,
+    faults,
+    load_checkpoint,
+    resolve,
+    save_checkpoint,
+    save_model,
+)
 from ..checkpoint.model_files import folder_config, inference_files
 from ..checkpoint.output_lock import release_output_dir
 from ..checkpoint.pretrained import format_report, load_pretrained
@@ -30,6 +39,7 @@ from .memory_guard import is_out_of_memory
 from .optimizer import clip_grad_norm, optimizer_state_bytes
 from .precision import NonFiniteGradients
 from .state import StepResult, TrainingState
+from .stop import StopRequested, StopWatch
 
 # A run that skipped more than this share of its steps for non-finite gradients ends as a failure.
 MAX_SKIPPED_FRACTION = 0.5
@@ -89,20 +99,25 @@ class Trainer:
                    disable=not (self.env.is_main and self.cfg.logging.progress_bar))
         window, last_eval, started, first = [], {}, time.time(), self.step + 1
         skipped_before = self.precision.skipped
-        for self.step in range(first, t.max_steps + 1):
-            window.append(self._guarded_step())
-            bar.update(1)
-            if self.step % log_every == 0 or self.step == t.max_steps:
-                metrics = self.monitor.end_window(self.step, window, self.data_stats)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
-                for line in self.monitor.warnings if self.env.is_main else []:
-                    bar.write(f"WARNING {line}")
-                window = []
-            if (t.eval_steps and self.step % t.eval_steps == 0) or self.step == t.max_steps:
-                last_eval = self.evaluate()
-                self.monitor.log_eval(self.step, last_eval)
-            if (t.save_steps and self.step % t.save_steps == 0) or self.step == t.max_steps:
-                self._save()
+        with StopWatch(self.env, t.save_on_signal) as stop:
+            for self.step in range(first, t.max_steps + 1):
+                window.append(self._guarded_step())
+                bar.update(1)
+                if self.step % log_every == 0 or self.step == t.max_steps:
+                    metrics = self.monitor.end_window(self.step, window, self.data_stats)
+                    bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
+                    for line in self.monitor.warnings if self.env.is_main else []:
+                        bar.write(f"WARNING {line}")
+                    window = []
+                if (t.eval_steps and self.step % t.eval_steps == 0) or self.step == t.max_steps:
+                    last_eval = self.evaluate()
+                    self.monitor.log_eval(self.step, last_eval)
+                if (t.save_steps and self.step % t.save_steps == 0) or self.step == t.max_steps:
+                    self._save()
+                with part("step_reduce"):
+                    reason = stop.agreed()
+                if reason:
+                    self._stop(reason, bar)
         bar.close()
         self.stream.close()
         trained, skipped = max(t.max_steps - first + 1, 0), self.precision.skipped - skipped_before
@@ -120,6 +135,22 @@ class Trainer:
         self._finish(summary)
         release_output_dir(t.output_dir)
         return summary
+
+    def _stop(self, reason: str, bar) -> None:
+        """Stop after this step on request: a checkpoint of it (unless the step just saved one), the summary, then
+        StopRequested for the run's exit code."""
+        bar.close()
+        saved = self.last_checkpoint is not None and self.last_checkpoint.step == self.step
+        if not saved:
+            self._save()
+        where = self.last_checkpoint.path if self.last_checkpoint else "no checkpoint (the last steps were skipped)"
+        self._write_summary({"status": "stopped", "steps": self.step, "reason": reason,
+                             "checkpoint": str(where)})
+        self.stream.close()
+        self.monitor.close()
+        release_output_dir(self.cfg.training.output_dir)
+        raise StopRequested(f"{reason}: stopped after step {self.step}, saved {where}; resume with "
+                            "training.resume_from_checkpoint=auto")
 
     def _guarded_step(self) -> StepResult:
         """A training step; a stop for non-finite gradients names the checkpoint to go back to."""
@@ -172,6 +203,8 @@ class Trainer:
                 with part("data"):
                     batches = micro_batches or [collate(r) for r in rows]
                 result = self._step(batches)
+                for fault in ("sigterm_in_step", "launcher_killed"):
+                    faults.hit(fault, self.step, self.env.rank)
                 break
             except Exception as err:
                 rung = self.guard.step_down(self.state, f"out of memory in step {self.step}") \
