@@ -25,12 +25,17 @@ pytestmark = pytest.mark.slow  # starts processes
 PF_SIDE = Path(__file__).with_name("paddleformers_side.py")
 
 
+def other_side(script: Path, *args, cwd, timeout: int = 300) -> None:
+    """Run another library's side of an interop test (``script`` with ``args``) in its own process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(script), *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def paddleformers(*args, cwd):
     """Run PaddleFormers' side in its own process."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(PF_SIDE), *map(str, args)], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    other_side(PF_SIDE, *args, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,6 @@
 writes, and this package reading, training and writing back the folders transformers saves."""
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +11,7 @@ from safetensors.numpy import load_file
 from test_ernie_inputs import BUDGET, ernie_config, vl_logits
 from test_ernie_inputs import ernie_side as conversations  # noqa: F401 (a fixture)
 from test_model_folders import fine_tune
+from test_pretrained import other_side
 
 from ernie_moe.checkpoint import save_model
 from ernie_moe.data.jsonl import JsonlDataset
@@ -30,10 +28,8 @@ CASES = [0, 1, 9, 5, 6]  # text only, one image, two images, a video, an image a
 
 
 def transformers(*args, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(HF_SIDE), *map(str, args)], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    """Run transformers' side in its own process."""
+    other_side(HF_SIDE, *args, cwd=cwd, timeout=600)
 
 
 @pytest.fixture(scope="module")
