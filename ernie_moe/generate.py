@@ -106,7 +106,7 @@ def main(argv=None) -> int:
             return 2
     for prompt in prompts:
         out = generate(model, prompt, args.max_new_tokens, tokenizer.eos_id, args.temperature, args.top_p, args.seed,
-                       never=(cfg.im_patch_id,) if loaded.sees_images else ())
+                       never=(cfg.im_patch_id,) if loaded.sees_images else (), tokens=tokenizer.vocab_size)
         text = tokenizer.decode(out.ids)
         print(json.dumps({"text": text, "tokens": len(out.ids), "stop": out.stop}) if args.messages else text,
               flush=True)

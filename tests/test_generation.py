@@ -154,3 +154,28 @@ def test_the_command_line_captions_an_image_and_reports_bad_input(model_dir, tmp
         model = tmp_path / "other" if what == "incompatible folder" else out
         done = run("--model", model, *args)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, (what, done.stderr)
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_generated(monkeypatch):
+    """The default model's vocabulary is larger than its tokenizer's word list: an id the tokenizer cannot
+    decode is never chosen, greedy or sampled, even where the model favours it above all others."""
+    from ernie_moe.generation import decoding
+
+    cfg, model = built("vl")
+    prompt, tokenizer = a_prompt(cfg, with_image=True)
+    favoured = cfg.model.vocab_size - 1
+    assert tokenizer.vocab_size <= favoured
+    real = decoding.forward_cached
+
+    def favouring(*args):
+        logits = real(*args)
+        bias = np.zeros(logits.shape[-1], np.float32)
+        bias[favoured] = 1e4
+        return logits + paddle.to_tensor(bias)
+
+    monkeypatch.setattr(decoding, "forward_cached", favouring)
+    assert generate(model, prompt, 4, tokenizer.eos_id).ids[0] == favoured  # the model does favour it
+    for temperature in (0.0, 1.0):
+        out = generate(model, prompt, 4, tokenizer.eos_id, temperature, tokens=tokenizer.vocab_size)
+        assert out.ids and all(i < tokenizer.vocab_size for i in out.ids)
+        tokenizer.decode(out.ids)

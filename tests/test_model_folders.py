@@ -21,6 +21,7 @@ from ernie_moe.evaluate import main as evaluate_main
 from ernie_moe.finetune.adapter_files import read_adapter
 from ernie_moe.generate import prompt_encoder, prompts_from
 from ernie_moe.generation.model_folder import folder_run_config, load_model_folder
+from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.training import Trainer
 
 CASES = [0, 1, 2, 6]  # text only, one image, three images, an image and a video
@@ -184,3 +185,23 @@ def test_processor_settings_of_other_libraries_and_bad_files(tmp_path):
         with pytest.raises(ConfigError, match=message) as caught:
             folder_settings(tmp_path)
         assert FILE in str(caught.value)
+
+
+@pytest.mark.parametrize("change, message", [({"moe_k": 9}, "moe_k"), ({"rope_theta": 0}, "rope_theta"),
+                                             ({"rms_norm_eps": -1}, "rms_norm_eps"),
+                                             ({"im_patch_id": 10 ** 6}, "im_patch_id")])
+def test_generate_and_evaluate_check_a_folders_config_as_a_run_does(tmp_path, capsys, change, message):
+    """A model folder whose config.json a run would refuse is refused by generate and evaluate too (exit 2, the
+    key named), before a model is built from it."""
+    from ernie_moe.checkpoint import save_model
+    from ernie_moe.generate import main as generate_main
+
+    cfg = load_config(ROOT / "configs" / "vl_moe.yaml", ["data.image_size=56"])
+    save_model(ErnieMoEForConditionalGeneration(cfg.model), cfg.model, str(tmp_path / "model"), build_tokenizer(cfg),
+               hf_layout=True)
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, **change}))
+    assert generate_main(["--model", str(tmp_path / "model"), "--prompt", "a"]) == 2
+    assert message in capsys.readouterr().err
+    assert evaluate_main(["--model", str(tmp_path / "model"), "--data", "synthetic"]) == 2
+    assert message in capsys.readouterr().err

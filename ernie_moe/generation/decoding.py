@@ -46,11 +46,13 @@ def choose(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
 
 @paddle.no_grad()
 def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, use_cache: bool = True, never: tuple[int, ...] = ()) -> Generated:
+             top_p: float = 1.0, seed: int = 0, use_cache: bool = True, never: tuple[int, ...] = (),
+             tokens: int | None = None) -> Generated:
     """Continue ``prompt`` (``data.packing.Encoder.prompt``) until the end-of-sentence token,
     ``max_new_tokens`` or the model's last position, never choosing the ids in ``never`` (the image
-    placeholder of a model that sees images: images come from the prompt). ``use_cache=False`` runs the
-    whole sequence again for every token (the reference the cache is checked against)."""
+    placeholder of a model that sees images: images come from the prompt) nor ids from ``tokens`` on (a
+    vocabulary larger than the tokenizer's: ids it cannot decode). ``use_cache=False`` runs the whole sequence
+    again for every token (the reference the cache is checked against)."""
     channels = model.cfg.vision_config.in_channels * model.cfg.vision_config.patch_size ** 2
     rng = np.random.default_rng(seed)
     limit = model.cfg.max_position_embeddings
@@ -61,6 +63,8 @@ def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperatu
     while True:
         scores = logits[0, -1].astype("float32").numpy()
         scores[list(never)] = -np.inf
+        if tokens is not None:
+            scores[tokens:] = -np.inf
         token = choose(scores, temperature, top_p, rng)
         if token == eos_id:
             return Generated(new, "eos")

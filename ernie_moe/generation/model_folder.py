@@ -16,6 +16,7 @@ from ..config import Config, load_config
 from ..config.load import build
 from ..config.model_folder import model_config_from
 from ..config.schema import ModelConfig
+from ..config.validate import check_model
 from ..data.processor_config import folder_settings
 from ..data.tokenizer import tokenizer_in
 from ..finetune.adapter_files import adapter_base, load_adapter
@@ -45,6 +46,7 @@ def load_model_folder(directory, need_tokenizer: bool = True) -> LoadedModel:
     adapter = folder if (folder / BASE_FILE).is_file() else None  # a LoRA adapter: its base, then its pairs
     weights = Path(adapter_base(folder)) if adapter else folder
     cfg = build(ModelConfig, model_config_from(weights), "model")
+    check_model(cfg)  # what a run checks of its model section, before anything is built from it
     paddle.seed(0)
     model = ErnieMoEForConditionalGeneration(cfg)
     report = load_pretrained(model, weights)
