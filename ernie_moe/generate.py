@@ -21,7 +21,7 @@ from .checkpoint.errors import CheckpointError
 from .cli import at_least_one, bounded
 from .config import ConfigError
 from .config.schema import DataConfig
-from .data.jsonl import images_of, load_image, load_video, parse_messages
+from .data.jsonl import images_of, load_image, load_video, parse_messages, parse_record
 from .data.packing import BadSample, Encoder
 from .data.sample import Chunk, Sample
 from .generation import folder_run_config, generate, load_model_folder
@@ -39,15 +39,10 @@ def prompts_from(args, data: DataConfig) -> list[Sample]:
         if not path.is_file():
             raise UsageError(f"--messages file '{path}' does not exist")
         samples = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
+        for number, line in enumerate(path.read_bytes().splitlines(), start=1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError as err:
-                raise UsageError(f"{path} line {number} is not JSON: {err}") from None
-            if not isinstance(record, dict):
-                raise UsageError(f"{path} line {number} is not a JSON object")
+            record = parse_record(line, f"{path} line {number}")
             conversation, images, videos = parse_messages(record.get("messages"),
                                                           images_of(record, f"{path} line {number}"),
                                                           record.get("videos", []))

@@ -323,3 +323,21 @@ def test_a_pixel_budget_that_cannot_hold_a_merge_block_is_a_config_error():
         load_config(None, ["data.image_min_pixels=100", "data.image_max_pixels=1003520"])
     with pytest.raises(ConfigError, match="image_min_pixels"):
         load_config(None, ["data.image_min_pixels=5000", "data.image_max_pixels=4000"])
+
+
+def test_records_nested_too_deep_not_text_or_naming_impossible_paths_are_counted_skips(tmp_path):
+    """A record nested 100,000 deep, one whose bytes are not UTF-8, one with a lone surrogate escape and one whose
+    image path is longer than the system allows are each a counted skip; a first line behind a byte-order mark
+    reads as any other."""
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a red dot"}]}
+    lines = [b"\xef\xbb\xbf" + json.dumps(good).encode(), b"[" * 100_000 + b"]" * 100_000,
+             json.dumps(good).encode().replace(b"red", b"r\xffd"), json.dumps(good).replace("red", "\\ud800").encode(),
+             json.dumps({"images": ["x" * 5000 + ".png"], "text": "a dot"}).encode(), json.dumps(good).encode()]
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={path}", "model.vocab_size=300",
+                             "data.max_seq_len=128"])
+    stats = Counter()
+    rows = list(RowStream(JsonlDataset(str(path)), build_tokenizer(cfg), cfg, stats, shuffle=False))
+    assert dict(stats) == {"bad_json": 1, "bad_utf8": 2, "missing_image": 1}
+    assert sum(int(r.doc_ids.max()) + (0 if (r.token_type_ids == -1).any() else 1) for r in rows) == 2

@@ -687,3 +687,19 @@ def test_workers_whose_launcher_is_killed_stop_instead_of_training_on(tmp_path):
     assert summary["status"] == "stopped" and summary["reason"] == "the process that started this one is gone"
     saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     assert saved == [summary["steps"]] and summary["steps"] < 10
+
+
+def test_a_torn_blank_or_undecodable_metrics_line_does_not_stop_a_resume(tmp_path):
+    """A crash mid-write leaves metrics.jsonl with a torn last line; blank lines and a stray byte are no records
+    either. The resume keeps every whole record up to its step, drops the rest, and goes on."""
+    from ernie_moe.training import Trainer
+
+    out = tmp_path / "run"
+    steps = [f"training.output_dir={out}", *SMALL, "training.save_steps=2"]
+    Trainer(load_config(CONFIG, [*steps, "training.max_steps=2"])).train()
+    whole = (out / "metrics.jsonl").read_bytes()
+    (out / "metrics.jsonl").write_bytes(whole + b"\n\n\xff\xfe\n" + b'{"step": 3, "loss": 0.')
+    Trainer(load_config(CONFIG, [*steps, "training.max_steps=4", "training.resume_from_checkpoint=auto"])).train()
+    text = (out / "metrics.jsonl").read_text()
+    assert text.startswith(whole.decode())
+    assert [r["step"] for r in map(json.loads, text.splitlines()) if "loss" in r] == [1, 2, 3, 4]

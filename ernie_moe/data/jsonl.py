@@ -46,18 +46,13 @@ class JsonlDataset:
     def __len__(self) -> int:
         return len(self.offsets)
 
-    def _line(self, index: int) -> str:
+    def _line(self, index: int) -> bytes:
         with open(self.path, "rb") as f:
             f.seek(self.offsets[index])
-            return f.readline().decode("utf-8", errors="replace")
+            return f.readline()
 
     def __getitem__(self, index: int) -> Sample:
-        try:
-            record = json.loads(self._line(index))
-        except json.JSONDecodeError as err:
-            raise BadSample("bad_json", f"line {index + 1}: {err}") from None
-        if not isinstance(record, dict):
-            raise BadSample("bad_json", f"line {index + 1} is not a JSON object")
+        record = parse_record(self._line(index), f"line {index + 1}")
         images = images_of(record, f"line {index + 1}")
         if "messages" in record:
             conversation, images, videos = parse_messages(record["messages"], images, record.get("videos", []))
@@ -76,6 +71,28 @@ class JsonlDataset:
         return load_video(self.root, source, self.max_pixels, self.video_reading)
 
 
+def parse_record(line: bytes | str, where: str) -> dict:
+    """One JSONL line as a record; BadSample for text that is not UTF-8 (``bad_utf8``: it would be trained on as
+    replacement characters), not JSON or nested past what the parser takes (``bad_json``), or not an object."""
+    try:
+        text = line.decode("utf-8").removeprefix("\ufeff") if isinstance(line, bytes) else line
+    except UnicodeDecodeError as err:
+        raise BadSample("bad_utf8", f"{where} is not UTF-8 text: {err}") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise BadSample("bad_json", f"{where}: {err}") from None
+    except RecursionError:
+        raise BadSample("bad_json", f"{where} is nested too deep to read") from None
+    if not isinstance(record, dict):
+        raise BadSample("bad_json", f"{where} is not a JSON object")
+    try:  # a \\ud800 escape is valid JSON but no text: no tokenizer can take it
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BadSample("bad_utf8", f"{where} holds a character that is not text: {err.reason}") from None
+    return record
+
+
 def images_of(record: dict, where: str) -> list[str]:
     """The image paths of a record (``"image"``, or ``"images"``: a path or a list of them); BadSample
     (``bad_images``, naming ``where``) when they are something else."""
@@ -88,7 +105,11 @@ def images_of(record: dict, where: str) -> list[str]:
 
 def load_image(path: Path, max_pixels: int) -> np.ndarray:
     """An image file as RGB ``uint8 [H, W, 3]``; BadSample when it is missing, too large or undecodable."""
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as err:  # a name the system refuses (too long, say) names no file
+        raise BadSample("missing_image", f"image '{str(path)[:200]}...' cannot be looked up: {err.strerror}") from None
+    if not found:
         raise BadSample("missing_image", f"image '{path}' does not exist")
     try:
         with Image.open(path) as image:  # reads the header only: the size is known before decoding

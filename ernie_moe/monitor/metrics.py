@@ -17,9 +17,7 @@ class MetricsLogger:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         path = Path(output_dir) / "metrics.jsonl"
-        kept = []
-        if resumed_at and path.exists():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resumed_at]
+        kept = _records_up_to(path, resumed_at) if resumed_at and path.exists() else []
         self.file = open(path, "w")
         self.file.writelines(line + "\n" for line in kept)
         if visualdl:
@@ -66,3 +64,17 @@ def _plain(value):
     if hasattr(value, "item"):
         value = value.item()
     return round(value, 8) if isinstance(value, float) else value
+
+
+def _records_up_to(path: Path, step: int) -> list[str]:
+    """The lines of an earlier ``metrics.jsonl`` up to ``step``, to keep on resume. A line that is no record (torn
+    by a crash mid-write, blank, not UTF-8, not an object with a step) is dropped: it was never a whole window."""
+    kept = []
+    for raw in path.read_bytes().splitlines():
+        try:
+            record = json.loads(raw.decode("utf-8"))
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+                kept.append(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            continue
+    return kept
