@@ -173,3 +173,22 @@ def test_real_scale_configs_fit_their_gpu_counts(tmp_path, monkeypatch, name, gp
     assert data_parallel * p.tensor_parallel_degree * p.pipeline_parallel_degree * p.sharding_parallel_degree == gpus
     with pytest.raises(ConfigError, match="cannot hold"):
         check_layout(cfg.parallel, gpus // 2 + 1)
+
+
+def test_configs_that_expand_nest_or_are_not_text_are_refused_before_they_are_built(tmp_path):
+    """A 300-byte alias bomb, YAML nested 20,000 deep, a Latin-1 file, a far too large one and a folder given as the
+    config each give one config error (quickly: nothing is expanded), as does an alias in an override."""
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(7))
+    cases = {"bomb.yaml": (bomb.encode(), "anchor or alias"),
+             "deep.yaml": (b"a: " + b"[" * 20_000 + b"]" * 20_000 + b"\n", "levels deep"),
+             "latin1.yaml": ("training:\n  output_dir: caf\xe9\n".encode("latin-1"), "not UTF-8"),
+             "huge.yaml": (b"# " + b"x" * (2 << 20) + b"\n", "bytes; a config is at most")}
+    for name, (data, message) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConfigError, match=message):
+            load_config(tmp_path / name)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match="anchor or alias"):
+        load_config(None, ["training.lora_targets=[&a attention, *a]"])

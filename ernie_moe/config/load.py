@@ -26,10 +26,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
     raw: dict = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise ConfigError(f"config file '{path}' does not exist.")
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' is not a regular file.")
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file '{path}' is {path.stat().st_size} bytes; a config is at most "
+                              f"{MAX_CONFIG_BYTES} bytes.")
         try:
-            raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file '{path}' is not UTF-8 text ({err.reason} at byte {err.start}).") from None
+        try:
+            raw = _plain_yaml(text, f"config file '{path}'")
         except yaml.YAMLError as err:
             raise ConfigError(f"config file '{path}' is not valid YAML: {err}") from None
         if raw is None:
@@ -43,6 +52,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
     cfg = build(Config, raw, "")
     validate(cfg, check_paths)
     return cfg
+
+
+MAX_CONFIG_BYTES = 1 << 20
+MAX_YAML_DEPTH = 32  # a config is two levels deep (three with vision_config); far past that it is no config
+
+
+def _plain_yaml(text: str, what: str):
+    """YAML of plain values: no anchors or aliases (a few hundred bytes of them expand past any memory) and no
+    nesting past :data:`MAX_YAML_DEPTH`, both judged on the parser's events before anything is built.
+    ConfigError naming ``what``; yaml.YAMLError for text that is not YAML."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            raise ConfigError(f"{what} uses a YAML anchor or alias (&name / *name); a config holds plain values: "
+                              "write each value out.")
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise ConfigError(f"{what} nests more than {MAX_YAML_DEPTH} levels deep: not a config.")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+    return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -99,9 +130,9 @@ def _apply_override(raw: dict, item: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override '{item}': '{part}' is a value, not a section.")
     try:
-        node[parts[-1]] = yaml.safe_load(value)
+        node[parts[-1]] = _plain_yaml(value, f"override '{item}'")
     except yaml.YAMLError:
-        node[parts[-1]] = value
+        node[parts[-1]] = value  # not YAML: the text itself
 
 
 def build(cls, raw, where: str):
