@@ -189,19 +189,26 @@ def test_processor_settings_of_other_libraries_and_bad_files(tmp_path):
 
 @pytest.mark.parametrize("change, message", [({"moe_k": 9}, "moe_k"), ({"rope_theta": 0}, "rope_theta"),
                                              ({"rms_norm_eps": -1}, "rms_norm_eps"),
-                                             ({"im_patch_id": 10 ** 6}, "im_patch_id")])
+                                             ({"im_patch_id": 10 ** 6}, "im_patch_id"),
+                                             ({"num_hidden_layers": 10 ** 6}, "describes 1000000 decoder layers"),
+                                             ({"vision_config": {"depth": 10 ** 6}}, "describes 1000000 ViT blocks")])
 def test_generate_and_evaluate_check_a_folders_config_as_a_run_does(tmp_path, capsys, change, message):
-    """A model folder whose config.json a run would refuse is refused by generate and evaluate too (exit 2, the
-    key named), before a model is built from it."""
+    """A model folder whose config.json a run would refuse, or that describes more layers than its tensors hold,
+    is refused by generate, evaluate and export (exit 2, the key named), before a model is built from it."""
     from ernie_moe.checkpoint import save_model
+    from ernie_moe.export import main as export_main
     from ernie_moe.generate import main as generate_main
 
     cfg = load_config(ROOT / "configs" / "vl_moe.yaml", ["data.image_size=56"])
     save_model(ErnieMoEForConditionalGeneration(cfg.model), cfg.model, str(tmp_path / "model"), build_tokenizer(cfg),
                hf_layout=True)
     config = json.loads((tmp_path / "model" / "config.json").read_text())
+    if "vision_config" in change:
+        change = {"vision_config": {**config["vision_config"], **change["vision_config"]}}
     (tmp_path / "model" / "config.json").write_text(json.dumps({**config, **change}))
     assert generate_main(["--model", str(tmp_path / "model"), "--prompt", "a"]) == 2
     assert message in capsys.readouterr().err
     assert evaluate_main(["--model", str(tmp_path / "model"), "--data", "synthetic"]) == 2
     assert message in capsys.readouterr().err
+    assert export_main([str(tmp_path / "model"), str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -15,6 +15,7 @@ vision router is ``gate.weight_1``.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,18 @@ class SourceCheckpoint:
 
     def names(self) -> list[str]:
         return list(self.where)
+
+    def check_depth(self, cfg) -> None:
+        """CheckpointError when the folder's tensors hold another number of decoder layers or ViT blocks than the
+        model section ``cfg`` says: judged from the names, before a model of that size is built."""
+        for what, pattern, wanted in (("decoder layers", r"^model\.layers\.(\d+)\.", cfg.num_hidden_layers),
+                                      ("ViT blocks", r"^vision_model\.blocks\.(\d+)\.", cfg.vision_config.depth)):
+            found = {int(m.group(1)) for m in (re.match(pattern, n) for n in self.where) if m}
+            if what == "ViT blocks" and not found:
+                continue  # a text model's folder has no vision side
+            if found != set(range(wanted)):
+                raise CheckpointError(f"{self.directory}: config.json describes {wanted} {what}; its tensors hold "
+                                      f"{len(found)} (numbered {min(found, default=0)} to {max(found, default=-1)})")
 
     def has(self, name: str) -> bool:
         return name in self.where

@@ -10,7 +10,7 @@ import paddle
 
 from ..checkpoint.checkpoint import BASE_FILE
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.formats import VL
+from ..checkpoint.formats import VL, SourceCheckpoint
 from ..checkpoint.pretrained import load_pretrained
 from ..config import Config, load_config
 from ..config.load import build
@@ -47,6 +47,7 @@ def load_model_folder(directory, need_tokenizer: bool = True) -> LoadedModel:
     weights = Path(adapter_base(folder)) if adapter else folder
     cfg = build(ModelConfig, model_config_from(weights), "model")
     check_model(cfg)  # what a run checks of its model section, before anything is built from it
+    SourceCheckpoint(weights).check_depth(cfg)
     paddle.seed(0)
     model = ErnieMoEForConditionalGeneration(cfg)
     report = load_pretrained(model, weights)
