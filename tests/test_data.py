@@ -341,3 +341,34 @@ def test_records_nested_too_deep_not_text_or_naming_impossible_paths_are_counted
     rows = list(RowStream(JsonlDataset(str(path)), build_tokenizer(cfg), cfg, stats, shuffle=False))
     assert dict(stats) == {"bad_json": 1, "bad_utf8": 2, "missing_image": 1}
     assert sum(int(r.doc_ids.max()) + (0 if (r.token_type_ids == -1).any() else 1) for r in rows) == 2
+
+
+def stream_rows(cfg, folder, workers, count=6):
+    stats = Counter()
+    stream = RowStream(JsonlDataset(str(folder)), build_tokenizer(cfg), cfg, stats, shuffle=True, workers=workers)
+    try:
+        return list(itertools.islice(iter(stream), count)), dict(stats)
+    finally:
+        stream.close()
+
+
+def test_a_data_worker_killed_mid_run_is_replaced_and_the_rows_do_not_change(jsonl_dir, monkeypatch, capsys):
+    """kill -9 of a worker as it takes a sample (the kernel's out-of-memory killer does this): a new worker
+    redoes its samples and the rows and counts equal an undisturbed run's; a worker that dies again and again
+    stops the run with a line naming how, instead of waiting for it."""
+    from ernie_moe import faults
+    from ernie_moe.data import DataError
+
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={jsonl_dir}", "model.vocab_size=300",
+                             "data.max_seq_len=128"])
+    undisturbed = stream_rows(cfg, jsonl_dir, 0)
+    monkeypatch.setenv(faults.VARIABLE, "kill_worker@3")
+    rows, stats = stream_rows(cfg, jsonl_dir, 2)
+    assert "a worker died (killed by signal 9 (SIGKILL))" in capsys.readouterr().out
+    assert stats == undisturbed[1]
+    for a, b in zip(rows, undisturbed[0], strict=True):
+        for name in ("input_ids", "labels", "token_type_ids", "position_ids", "doc_ids"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    monkeypatch.setenv(faults.VARIABLE, "kill_every_worker@3")
+    with pytest.raises(DataError, match="a data worker died 4 times"):
+        stream_rows(cfg, jsonl_dir, 2)

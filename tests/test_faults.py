@@ -24,7 +24,8 @@ from safetensors.numpy import load_file, save_file
 from test_e2e import records
 
 import run_trainer
-from ernie_moe.checkpoint import faults, lineage
+from ernie_moe import faults
+from ernie_moe.checkpoint import lineage
 from ernie_moe.checkpoint.lineage import MARKER, Run, marker_text, prune, read, resolve, scan
 from ernie_moe.config import load_config
 from ernie_moe.data import RowStream, build_tokenizer

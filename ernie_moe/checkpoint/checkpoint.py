@@ -29,9 +29,9 @@ import paddle.distributed as dist
 from paddle.base import core
 from safetensors import safe_open
 
+from .. import faults
 from ..model.ernie_vl import is_expert
 from ..nn.sharding import full_tensor, shard_of
-from . import faults
 from .errors import CheckpointError
 from .files import WrittenFiles, sha256_of, sync_folder
 from .lineage import MARKER, Checkpoint, Run, folder_for, marker_text, prune, read

@@ -14,12 +14,9 @@ from . import synthetic
 from .chat import chat_format
 from .jsonl import JsonlDataset
 from .packing import BadSample, Encoder, Row, pack
+from .sample import DataError
 from .tokenizer import ByteTokenizer, SentencePieceTokenizer, WordTokenizer
 from .workers import SampleWorkers
-
-
-class DataError(ValueError):
-    """Data the trainer cannot use at all (individual bad samples are skipped and counted instead)."""
 
 
 def build_tokenizer(cfg):

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+class DataError(ValueError):
+    """Data the trainer cannot use at all (individual bad samples are skipped and counted instead)."""
+
+
 class BadSample(Exception):
     """A sample that cannot be used; ``reason`` is the counter it is reported under."""
 

@@ -12,12 +12,12 @@ import paddle
 import yaml
 from tqdm import tqdm
 
+from .. import faults
 from ..batch import IGNORE_INDEX
 from ..checkpoint import (
     Run,
     TrainingParts,
     claim_output_dir,
-    faults,
     load_checkpoint,
     resolve,
     save_checkpoint,

@@ -8,7 +8,9 @@ fail at ``point``:
 - ``disk_full``: the optimizer writer raises ``ENOSPC`` (No space left on device);
 - ``sigterm_during_save``: SIGTERM once the model files are written, as a scheduler's preemption would;
 - ``sigterm_in_step``: SIGTERM after the step's forward and backward passes (the trainer's hook);
-- ``launcher_killed``: at the same point, SIGKILL to the process that started this one (the launcher).
+- ``launcher_killed``: at the same point, SIGKILL to the process that started this one (the launcher);
+- ``kill_worker`` / ``kill_every_worker``: a data worker (``data.num_workers``) asked for sample ``<step>`` kills
+  itself with SIGKILL, the first worker only or every worker that takes the sample.
 
 Unset, :func:`hit` is one dictionary look-up.
 """
