@@ -321,6 +321,14 @@ def test_bad_chat_templates_are_counted_skips(tmp_path):
         with pytest.raises(BadSample) as bad:
             TemplateChat(template).chunks(conversation)
         assert bad.value.reason == reason
+    # templates that crash, run away or would take minutes stop quickly, each a counted skip
+    runaway = ["{{ range(10**9) | list }}", "{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", "{{ 1 / 0 }}",
+               "{{ 'a' * 200000000 }}", "{{ 7 ** 100000000 }}",
+               "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}"]
+    for template in runaway:
+        with pytest.raises(BadSample) as bad:
+            TemplateChat(template).chunks(conversation)
+        assert bad.value.reason == "chat_template_error", template
     with pytest.raises(ValueError, match="cannot be read"):
         TemplateChat("{% for %}")
     # a template cannot reach Python's internals: the sandbox refuses them, so this otherwise valid one fails

@@ -14,11 +14,12 @@ over the conversation. Two formats:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from .sample import BadSample, Chunk
 from .tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE
@@ -109,6 +110,26 @@ class PlainChat:
         return chunks
 
 
+MAX_RENDERED = 16 << 20  # characters a template may write for one conversation
+MAX_VALUE = 1 << 20  # elements or characters a template's own '*' may make, digits its '**' may make
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's sandbox, with '*' and '**' bounded: ``'a' * 2e8`` or ``n ** 1e8`` would run for minutes."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > MAX_VALUE:
+                    raise SecurityError(f"the template makes a value of {len(seq) * count} items")
+        if operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)):
+            if abs(right) * math.log2(max(abs(left), 2)) > MAX_VALUE:
+                raise SecurityError(f"the template raises {left} to the power {right}")
+        return super().call_binop(context, operator, left, right)
+
+
 class TemplateChat:
     """A Jinja chat template that writes ERNIE's image and video slots; the rendered text holds the begin and
     end tokens itself."""
@@ -117,7 +138,7 @@ class TemplateChat:
 
     def __init__(self, template: str):
         try:
-            self.template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+            self.template = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True).from_string(template)
         except TemplateError as err:
             raise ValueError(f"the chat template cannot be read: {err}") from None
 
@@ -125,11 +146,18 @@ class TemplateChat:
         """As chat templates expect it: a message of text alone has a string content, one with images or
         videos the list of parts."""
         shown = [{"role": m["role"], "content": _text_only(m["content"])} for m in messages]
+        written, size = [], 0
         try:
-            return self.template.render(messages=shown, add_generation_prompt=add_generation_prompt,
-                                        bos_token=BEGIN_OF_SENTENCE, eos_token=END_OF_SENTENCE)
-        except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
-            raise BadSample("chat_template_error", f"the chat template failed on this conversation: {err}") from None
+            for piece in self.template.generate(messages=shown, add_generation_prompt=add_generation_prompt,
+                                                bos_token=BEGIN_OF_SENTENCE, eos_token=END_OF_SENTENCE):
+                size += len(piece)
+                if size > MAX_RENDERED:
+                    raise SecurityError(f"the template writes more than {MAX_RENDERED} characters")
+                written.append(piece)
+        except Exception as err:  # whatever a template raises (1/0, a runaway macro, a range too big): its failure
+            raise BadSample("chat_template_error", f"the chat template failed on this conversation: "
+                                                   f"{type(err).__name__}: {err}") from None
+        return "".join(written)
 
     def chunks(self, conversation: Conversation, open_turn: bool = False) -> list[Chunk]:
         messages = conversation.messages
