@@ -704,3 +704,32 @@ def test_a_torn_blank_or_undecodable_metrics_line_does_not_stop_a_resume(tmp_pat
     text = (out / "metrics.jsonl").read_text()
     assert text.startswith(whole.decode())
     assert [r["step"] for r in map(json.loads, text.splitlines()) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_a_resume_with_other_model_settings_or_a_hand_edited_state_is_refused_naming_it(tmp_path):
+    """A resume whose model settings differ from the checkpoint's (they change what its weights compute) stops
+    naming each; a trainer_state.json edited by hand (a field gone, of the wrong kind), its digest in COMPLETE
+    edited to match, is a checkpoint error naming the field."""
+    import hashlib
+
+    from ernie_moe.checkpoint import CheckpointError
+    from ernie_moe.training import Trainer
+
+    out = tmp_path / "run"
+    steps = [f"training.output_dir={out}", *SMALL, "training.save_steps=2"]
+    Trainer(load_config(CONFIG, [*steps, "training.max_steps=2"])).train()
+    resume = [*steps, "training.max_steps=4", "training.resume_from_checkpoint=auto"]
+    with pytest.raises(CheckpointError, match=r"model\.moe_k: 2 in the checkpoint, 1 now"):
+        Trainer(load_config(CONFIG, [*resume, "model.moe_k=1"]))
+    Trainer(load_config(CONFIG, [*resume, "model.moe_aux_loss_lambda=0.5"]))  # how training weighs a loss may change
+    state_file = out / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    for edited, message in (({k: v for k, v in state.items() if k != "scheduler"}, "'scheduler' must be an object"),
+                            ({**state, "consumed_rows": "abc"}, "'consumed_rows' must be a whole number"),
+                            ([state], "not an object")):
+        state_file.write_text(json.dumps(edited))
+        marker = json.loads((out / "checkpoint-2" / "COMPLETE").read_text())
+        marker["files"]["trainer_state.json"] = hashlib.sha256(state_file.read_bytes()).hexdigest()
+        (out / "checkpoint-2" / "COMPLETE").write_text(json.dumps(marker))
+        with pytest.raises(CheckpointError, match=message):
+            Trainer(load_config(CONFIG, [*resume, "training.resume_from_checkpoint=" + str(out / "checkpoint-2")]))

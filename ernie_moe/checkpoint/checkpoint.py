@@ -294,9 +294,42 @@ def _check_base(directory: Path, base: dict | None) -> dict | None:
     return saved
 
 
+# model settings a resume may change: how training weighs the router losses and caps the experts' load
+RESUME_MAY_CHANGE = ("moe_aux_loss_lambda", "moe_z_loss_lambda", "moe_orthogonal_loss_lambda",
+                     "moe_aux_free_update_coef", "moe_capacity")
+
+
+def _read_state(directory: Path, model_cfg) -> dict:
+    """``trainer_state.json``, its fields of the right kind; CheckpointError naming what is wrong, and naming the
+    model settings of this run that differ from the checkpoint's (they change what the weights compute)."""
+    path = directory / "trainer_state.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(state).__name__}, not an object")
+    for key, kind in (("step", int), ("consumed_rows", int), ("scheduler", dict)):
+        value = state.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            wanted = "a whole number of 0 or more" if kind is int else "an object"
+            raise CheckpointError(f"{path}: '{key}' must be {wanted}, not {value!r}")
+    saved = (state.get("config") or {}).get("model") if isinstance(state.get("config"), dict) else None
+    if isinstance(saved, dict):
+        now = dataclasses.asdict(model_cfg)
+        changed = [f"model.{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in now
+                   if k in saved and k not in RESUME_MAY_CHANGE and saved[k] != now[k]]
+        if changed:
+            raise CheckpointError(f"{directory} was trained with other model settings ({'; '.join(changed)}): its "
+                                  "weights compute something else under these; resume with the checkpoint's "
+                                  "settings, or start a new run from it (training.model_name_or_path)")
+    return state
+
+
 def load_checkpoint(parts: TrainingParts, directory: Path, env) -> dict:
     """Load model weights, optimizer state, schedule and loss scaling into this rank's layout; returns the
     saved ``trainer_state.json`` (the caller restores its state from it)."""
+    state = _read_state(directory, parts.model.cfg)
     weights = _Tensors(directory, "model.safetensors.index.json")
     named = parts.model.stable_named_parameters(include_tied_copy=True)
     base = _check_base(directory, parts.base)
@@ -308,10 +341,6 @@ def load_checkpoint(parts: TrainingParts, directory: Path, env) -> dict:
             raise CheckpointError(f"tensor '{stable}' in {directory} has shape {list(value.shape)}; this model "
                                   f"expects {list(param.shape)}")
         param.set_value(paddle.to_tensor(value).astype(param.dtype))
-    try:
-        state = json.loads((directory / "trainer_state.json").read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read {directory / 'trainer_state.json'}: {err}") from err
     states = _Tensors(directory, "optimizer.index.json")
     names = {p.name: (stable, p) for stable, p in named}
     for opt in adam_parts(parts.optimizer):
