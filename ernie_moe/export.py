@@ -24,6 +24,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from .checkpoint.formats import MODEL_TYPES, VL, CheckpointError, SourceCheckpoint, to_hf, transformers_name
@@ -84,7 +85,11 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
         nonlocal shard, size
         if shard:
             shards.append(sorted(shard))
-            save_file(shard, str(out / f"part-{len(shards)}.safetensors"), metadata={"format": "np"})
+            part = out / f"part-{len(shards)}.safetensors"
+            try:
+                save_file(shard, str(part), metadata={"format": "np"})
+            except SafetensorError as err:  # a full or read-only disk, in safetensors' own words
+                raise OSError(f"cannot write {part}: {err}") from None
         shard, size = {}, 0
 
     names = model_names(source.names())

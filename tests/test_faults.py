@@ -733,3 +733,39 @@ def test_a_resume_with_other_model_settings_or_a_hand_edited_state_is_refused_na
         (out / "checkpoint-2" / "COMPLETE").write_text(json.dumps(marker))
         with pytest.raises(CheckpointError, match=message):
             Trainer(load_config(CONFIG, [*resume, "training.resume_from_checkpoint=" + str(out / "checkpoint-2")]))
+
+
+def test_silent_cases_speak(tmp_path, monkeypatch, capsys):
+    """An unreadable COMPLETE marker is passed over with a warning; integer bytes where a weight belongs are
+    refused; skipped held-out samples are reported beside the evaluation; an export that cannot write is an export
+    error, not safetensors' traceback."""
+    from safetensors import SafetensorError
+
+    import ernie_moe.export as export_module
+    from ernie_moe.checkpoint import CheckpointError
+    from ernie_moe.checkpoint.pretrained import load_pretrained
+    from ernie_moe.training import Trainer
+
+    out, held_out = tmp_path / "run", tmp_path / "eval.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a red dot"}]}
+    held_out.write_text(json.dumps(good) + "\n{broken\n")
+    tr = Trainer(load_config(CONFIG, [f"training.output_dir={out}", *SMALL, "training.save_steps=1",
+                                      "training.max_steps=2", f"data.eval_path={held_out}", "data.dataset=jsonl",
+                                      f"data.train_path={held_out}", "model.vocab_size=300"]))
+    summary = tr.train()
+    assert summary["eval_skipped_bad_json"] == 1
+    (out / "checkpoint-2" / MARKER).write_text("{not json")
+    warnings = []
+    assert resolve("auto", str(out), warn=warnings.append).step == 1
+    assert any("checkpoint-2 has no readable COMPLETE marker" in w for w in warnings)
+    final = out / "final_model"
+    shard = next(final.glob("model-*.safetensors"))
+    tensors = load_file(str(shard))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].view(np.int32)
+    save_file(tensors, str(shard))
+    with pytest.raises(CheckpointError, match="model.norm.weight.*is stored as int32"):
+        load_pretrained(tr.model, final)
+    monkeypatch.setattr(export_module, "save_file", lambda *a, **k: (_ for _ in ()).throw(
+        SafetensorError("No space left on device (os error 28)")))
+    assert export_module.main([str(out / "checkpoint-1"), str(tmp_path / "exported")]) == 2
+    assert "export error: cannot write" in capsys.readouterr().err

@@ -159,7 +159,11 @@ class SourceCheckpoint:
             if value.dtype in (paddle.bfloat16, paddle.float16):
                 value = value.astype("float32")
             value = value.numpy()
-        return np.asarray(value)
+        value = np.asarray(value)
+        if value.dtype.kind != "f":  # integer bytes read as weights would load as garbage
+            raise CheckpointError(f"tensor '{key}' in {path or self.directory} is stored as {value.dtype}; model "
+                                  "weights are floating point")
+        return value
 
     def paddle_tensor(self, name: str) -> tuple[np.ndarray | None, bool]:
         """(Tensor ``name`` of this package's model in the Paddle layout, whether it had to be converted);

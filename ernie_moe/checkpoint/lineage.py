@@ -144,6 +144,10 @@ def resolve(resume_from: str, output_dir: str, env=None, warn=print) -> Checkpoi
     ones; a path: that checkpoint, an error naming the damaged file (and the older one to use) otherwise."""
     if resume_from == "auto":
         found = scan(output_dir)
+        folders = {p for p in Path(output_dir).glob(PREFIX + "*") if p.is_dir() and not p.name.endswith(".tmp")}
+        for unread in sorted(folders - {c.path for c in found}):
+            # a whole-looking folder whose marker cannot be read: passed over, and said so
+            warn(f"WARNING {unread} has no readable {MARKER} marker (damaged, or not a checkpoint): passed over")
         if not found:
             return None
         chain = lineage(found, found[-1])  # scan sorts by run start, then step

@@ -292,7 +292,8 @@ class Trainer:
         if not result and self.env.is_main:
             print(f"WARNING the held-out data gave nothing to evaluate (skipped samples: {dict(skipped) or 'none'})",
                   flush=True)
-        return result
+        # held-out samples skipped are reported with the figures they are missing from
+        return {**result, **{f"eval_skipped_{reason}": count for reason, count in sorted(skipped.items())}}
 
     # -------------------------------------------------------------- helpers
     def _resume(self) -> None:
