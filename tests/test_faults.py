@@ -769,3 +769,36 @@ def test_silent_cases_speak(tmp_path, monkeypatch, capsys):
         SafetensorError("No space left on device (os error 28)")))
     assert export_module.main([str(out / "checkpoint-1"), str(tmp_path / "exported")]) == 2
     assert "export error: cannot write" in capsys.readouterr().err
+
+
+def test_a_data_file_rewritten_during_a_run_or_a_fifo_for_a_shard_stops_with_a_line(tmp_path):
+    """A training file changed under a running job is a data error (its offsets would read garbage as bad_json),
+    with or without workers; a FIFO where a shard belongs is refused instead of blocking the reader."""
+    from ernie_moe.checkpoint import CheckpointError
+    from ernie_moe.checkpoint.pretrained import load_pretrained
+    from ernie_moe.data import DataError
+    from ernie_moe.training import Trainer
+
+    data = tmp_path / "train.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a red dot"}]}
+    data.write_text((json.dumps(good) + "\n") * 8)
+    for workers in (0, 2):
+        out = tmp_path / f"run{workers}"
+        tr = Trainer(load_config(CONFIG, [f"training.output_dir={out}", *SMALL, "training.max_steps=50",
+                                          "data.dataset=jsonl", f"data.train_path={data}", "model.vocab_size=300",
+                                          f"data.num_workers={workers}"]))
+        tr.train_step()
+        data.write_text((json.dumps(good) + " \n") * 9)  # another file under the same name
+        with pytest.raises(DataError, match="changed while this run reads it"):
+            for _ in range(4):
+                tr.train_step()
+        tr.stream.close()
+    model = tmp_path / "model"
+    tr.step = 50
+    tr._finish({})
+    (out / "final_model").rename(model)
+    shard = next(model.glob("model-*.safetensors"))
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(CheckpointError, match="is not a regular file"):
+        load_pretrained(tr.model, model)

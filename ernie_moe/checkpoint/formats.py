@@ -146,6 +146,8 @@ class SourceCheckpoint:
         """The stored tensor under its normalised name, as it is on disk."""
         path, key = self.where[name]
         self.used.add(name)
+        if path is not None and not path.is_file():  # a FIFO or a folder would block or fail in the reader
+            raise CheckpointError(f"'{path}', named by the index for tensor '{key}', is not a regular file")
         try:
             if self.pdparams is not None:
                 value = self.pdparams[key]

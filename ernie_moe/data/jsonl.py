@@ -17,6 +17,7 @@ the images and videos are then those of the parts, in order.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from .chat import check_messages
-from .sample import BadSample, Chunk, Sample
+from .sample import BadSample, Chunk, DataError, Sample
 from .video import ERNIE_VIDEO_READING, VideoReading, read_video, stack_frames
 
 IMAGE_MARK, VIDEO_MARK = "<image>", "<video>"
@@ -37,6 +38,7 @@ class JsonlDataset:
         self.root = self.path.parent
         self.offsets = []
         with open(self.path, "rb") as f:
+            self.identity = _identity(os.fstat(f.fileno()))
             offset = 0
             for line in f:
                 if line.strip():
@@ -48,6 +50,9 @@ class JsonlDataset:
 
     def _line(self, index: int) -> bytes:
         with open(self.path, "rb") as f:
+            if _identity(os.fstat(f.fileno())) != self.identity:  # offsets into another file would read garbage
+                raise DataError(f"{self.path} changed while this run reads it (its size or modification time is not "
+                                "what it was when the run opened it); leave data files alone during a run")
             f.seek(self.offsets[index])
             return f.readline()
 
@@ -69,6 +74,10 @@ class JsonlDataset:
 
     def _load_video(self, source) -> np.ndarray:
         return load_video(self.root, source, self.max_pixels, self.video_reading)
+
+
+def _identity(stat) -> tuple[int, int]:
+    return stat.st_size, stat.st_mtime_ns
 
 
 def parse_record(line: bytes | str, where: str) -> dict:

@@ -25,7 +25,8 @@ from .sample import BadSample, DataError
 
 
 def _serve(conn, dataset, encoder, generation: int, fault: str | None) -> None:
-    """A worker: (sequence number, sample index) in, (sequence number, encoded or None, reason, counts) out.
+    """A worker: (sequence number, sample index) in, (sequence number, encoded or None, reason, counts, the message
+    of a data error that ends the run or None) out.
     ``fault``: the trainer's injected fault (the fork server's environment is the one it started with)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides what an interrupt means
     if fault:
@@ -43,9 +44,11 @@ def _serve(conn, dataset, encoder, generation: int, fault: str | None) -> None:
         faults.hit("kill_every_worker", index, 0)
         encoder.stats = Counter()
         try:
-            conn.send((number, encoder(dataset[index]), None, encoder.stats))
+            conn.send((number, encoder(dataset[index]), None, encoder.stats, None))
         except BadSample as bad:
-            conn.send((number, None, bad.reason, encoder.stats))
+            conn.send((number, None, bad.reason, encoder.stats, None))
+        except DataError as err:  # the run cannot go on: the trainer raises it
+            conn.send((number, None, None, encoder.stats, str(err)))
 
 
 class _Worker:
@@ -95,7 +98,9 @@ class SampleWorkers:
             following = next(indices, None)
             if following is not None:
                 send(following)
-            encoded, reason, counts = answers.pop(number)
+            encoded, reason, counts, fatal = answers.pop(number)
+            if fatal is not None:
+                raise DataError(fatal)
             stats.update(counts)
             yield index, encoded, reason
 
