@@ -495,3 +495,12 @@ def test_a_video_file_is_decoded_and_sampled(tmp_path):
     for frame, plain, index in zip(stamped, sample.videos[0], chosen):
         np.testing.assert_array_equal(frame, draw_timestamp(plain, index / 5, font))
     assert (stamped != sample.videos[0]).any()
+
+
+def test_a_tokenizer_file_nested_too_deep_is_named_not_the_sentencepiece_model(tmp_path):
+    from ernie_moe.data.tokenizer import tokenizer_in
+
+    folder = make_ernie_tokenizer(tmp_path / "tokenizer")
+    (folder / "special_tokens_map.json").write_text('{"bos_token": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match=r"special_tokens_map\.json: it is nested too deep"):
+        tokenizer_in(folder, 4)

@@ -171,6 +171,8 @@ def _json(path: Path) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot read {path}: {err}") from None
+    except RecursionError:  # a RuntimeError: it would pass for the SentencePiece model's own failure
+        raise ValueError(f"cannot read {path}: it is nested too deep") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a JSON object")
     return data
