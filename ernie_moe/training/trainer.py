@@ -51,9 +51,9 @@ class Trainer:
         t = cfg.training
         self.env = init_distributed(cfg.parallel, t)
         STEP_TIMES.enabled = cfg.logging.time_breakdown
+        check_memory(cfg, self.env)  # before the output folder is claimed: a layout that cannot fit writes nothing
         claim_output_dir(t, self.env)
         self.run = Run.begin(self.env)
-        check_memory(cfg, self.env)
         paddle.seed(t.seed)
         self.tokenizer = build_tokenizer(cfg)
         check_tokenizer(self.tokenizer, cfg.model)
