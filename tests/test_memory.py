@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT
 from test_e2e import SMALL, launch, records
 
-from ernie_moe.config import load_config
+from ernie_moe.config import ConfigError, load_config
 from ernie_moe.config.schema import LORA_TARGET_GROUPS
 from ernie_moe.finetune import prepare_fine_tuning
 from ernie_moe.memory.estimate import estimate, sample_workload
@@ -192,3 +192,20 @@ def test_the_real_scale_configs_are_planned(tmp_path):
                           cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and "busiest: stage 0" in done.stdout and ": fits" in done.stdout
     assert "layouts that fit 1 ranks" in done.stdout
+
+
+def test_a_micro_batch_too_large_to_build_is_judged_from_the_config(tmp_path):
+    """per_device_train_batch_size 1e11 or 10^12 ranks: the planner judges the micro-batch from the config instead
+    of building it (which never ended), and a run with it stops at start-up before writing anything."""
+    from ernie_moe.memory.report import report
+    from ernie_moe.training import Trainer
+
+    huge = load_config(ROOT / "configs" / "vl_moe.yaml", ["training.per_device_train_batch_size=100000000000",
+                                                          f"training.output_dir={tmp_path / 'run'}"])
+    text, ok = report(huge, 1, 80, run_search=False)
+    assert not ok and "micro-batch: 100000000000 x 64 tokens" in text and "assumed" in text
+    wide, ok = report(load_config(ROOT / "configs" / "vl_moe.yaml"), 10 ** 12, 80, run_search=False)
+    assert ok and "assumed" in wide
+    with pytest.raises(ConfigError, match="does not fit the device"):
+        Trainer(huge)
+    assert not (tmp_path / "run").exists()

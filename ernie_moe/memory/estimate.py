@@ -14,6 +14,7 @@ the allocator for several layouts.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +34,9 @@ class Workload:
     rows: int
     seq: int
     image_tokens: int
-    image_sizes: list[int] = field(default_factory=list)  # patches of each image
+    # patches of an image -> how many images have that many (counts, not a list: an assumed micro-batch of a
+    # huge config would list billions)
+    image_sizes: dict[int, int] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -41,13 +44,19 @@ class Workload:
 
     @property
     def patches(self) -> int:
-        return sum(self.image_sizes)
+        return sum(size * count for size, count in self.image_sizes.items())
+
+    @property
+    def squared_patches(self) -> int:
+        """Sum over images of patches squared (the ViT's attention scores)."""
+        return sum(size * size * count for size, count in self.image_sizes.items())
 
     @classmethod
     def from_batch(cls, batch) -> Workload:
         types = batch.token_type_ids.numpy()
-        sizes = [int(np.prod(g)) for g in np.asarray(batch.grid_thw).reshape(-1, 3)]
-        return cls(rows=types.shape[0], seq=types.shape[1], image_tokens=int((types > 0).sum()), image_sizes=sizes)
+        sizes = Counter(int(np.prod(g)) for g in np.asarray(batch.grid_thw).reshape(-1, 3))
+        return cls(rows=types.shape[0], seq=types.shape[1], image_tokens=int((types > 0).sum()),
+                   image_sizes=dict(sizes))
 
     @classmethod
     def assumed(cls, cfg, image_fraction: float = 0.5) -> Workload:
@@ -61,13 +70,11 @@ class Workload:
         per_image = patches // (v.spatial_merge_size ** 2)
         rows, seq = cfg.training.per_device_train_batch_size, cfg.data.max_seq_len
         images = int(rows * seq * image_fraction) // max(per_image, 1)
-        return cls(rows=rows, seq=seq, image_tokens=images * per_image, image_sizes=[patches] * images)
+        return cls(rows=rows, seq=seq, image_tokens=images * per_image, image_sizes={patches: images} if images else {})
 
 
 def sample_workload(cfg, data_world: int) -> Workload:
     """The first micro-batch data rank 0 trains on, built by the data pipeline itself."""
-    from collections import Counter
-
     from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 
     train, _ = build_datasets(cfg)
@@ -182,7 +189,7 @@ def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, fl
     vit_trains = "vision" not in frozen or "vit" in lora
     adapter_trains = vit_trains or "adapter" not in frozen or "adapter" in lora
     p = w.patches
-    probabilities = 0 if uses_flash_attention(training) else 4 * v.num_heads * sum(n * n for n in w.image_sizes)
+    probabilities = 0 if uses_flash_attention(training) else 4 * v.num_heads * w.squared_patches
     block = 4 * (16.3 * p * d + 30 * p) + probabilities  # per-image attention: every patch, no mask
     recomputed = training.recompute and training.recompute_granularity in ("full", "full_attn")
     blocks = [(4 * p * d, block) if recomputed else (block, 0.0)] * v.depth
