@@ -27,7 +27,15 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
-from .checkpoint.formats import MODEL_TYPES, VL, CheckpointError, SourceCheckpoint, to_hf, transformers_name
+from .checkpoint.formats import (
+    FUSED_PIECES,
+    MODEL_TYPES,
+    VL,
+    CheckpointError,
+    SourceCheckpoint,
+    to_hf,
+    transformers_name,
+)
 from .checkpoint.model_files import PADDLEFORMERS, TRANSFORMERS, model_config_dict
 from .cli import bounded
 from .config.load import ConfigError, build
@@ -49,7 +57,7 @@ def model_names(source_names) -> list[str]:
     """This package's parameter names for a folder's tensor names (split q/k/v and gate/up fused)."""
     names = []
     for name in source_names:
-        for pieces, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "up_gate_proj")):
+        for fused, pieces in FUSED_PIECES.items():
             for piece in pieces:
                 if name.endswith(f".{piece}.weight"):
                     name = name[: -len(f"{piece}.weight")] + f"{fused}.weight"

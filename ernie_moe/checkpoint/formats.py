@@ -36,6 +36,23 @@ def _is_linear(name: str, ndim: int) -> bool:
     return ndim == 2 and name.endswith(".weight") and "embed_tokens" not in name and not is_router(name)
 
 
+# this package's fused layers, and the layers the Hugging Face layout (and PaddleFormers' VL model) has instead
+FUSED_PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "up_gate_proj": ("gate_proj", "up_proj")}
+
+
+def split_fused(name: str, array: np.ndarray, cfg) -> list[np.ndarray]:
+    """The columns of each piece of a fused layer's ``[rows, columns]`` tensor ``name`` (its weight, or a LoRA
+    B): q, k and v by the config's heads, gate and up in halves."""
+    if name.split(".")[-2] != "qkv_proj":
+        return np.split(array, 2, axis=1)
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    if array.shape[1] != q + 2 * kv:  # the split would silently hand columns of one projection to another
+        raise CheckpointError(f"'{name}' has {array.shape[1]} columns; the config's heads give q, k and v "
+                              f"{q} + {kv} + {kv} = {q + 2 * kv}")
+    return np.split(array, [q, q + kv], axis=1)
+
+
 def to_hf(name: str, array: np.ndarray, cfg, model_type: str = VL) -> list[tuple[str, np.ndarray]]:
     """One Paddle-layout tensor of this package's model as the Hugging Face-layout tensors it becomes in a
     ``model_type`` checkpoint (a text model has no vision side and stores its routers transposed)."""
@@ -43,20 +60,11 @@ def to_hf(name: str, array: np.ndarray, cfg, model_type: str = VL) -> list[tuple
         return []
     if model_type != VL and is_router(name):
         return [(name, np.ascontiguousarray(array.T))]
-    if name.endswith("self_attn.qkv_proj.weight"):
-        q = cfg.num_attention_heads * cfg.head_dim
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        base = name[: -len("qkv_proj.weight")]
-        if array.shape[1] != q + 2 * kv:  # the split would silently hand columns of one projection to another
-            raise CheckpointError(f"'{name}' has {array.shape[1]} columns; the config's heads give q, k and v "
-                                  f"{q} + {kv} + {kv} = {q + 2 * kv}")
-        parts = np.split(array, [q, q + kv], axis=1)
-        return [(f"{base}{x}_proj.weight", np.ascontiguousarray(p.T)) for x, p in zip("qkv", parts)]
-    if name.endswith("up_gate_proj.weight"):
-        base = name[: -len("up_gate_proj.weight")]
-        gate, up = np.split(array, 2, axis=1)
-        return [(f"{base}gate_proj.weight", np.ascontiguousarray(gate.T)),
-                (f"{base}up_proj.weight", np.ascontiguousarray(up.T))]
+    layer, _, kind = name.rpartition(".")
+    prefix, _, last = layer.rpartition(".")
+    if kind == "weight" and last in FUSED_PIECES:
+        return [(f"{prefix}.{piece}.weight", np.ascontiguousarray(part.T))
+                for piece, part in zip(FUSED_PIECES[last], split_fused(name, array, cfg))]
     if _is_linear(name, array.ndim):
         return [(name, np.ascontiguousarray(array.T))]
     return [(name, array)]
@@ -170,7 +178,7 @@ class SourceCheckpoint:
     def paddle_tensor(self, name: str) -> tuple[np.ndarray | None, bool]:
         """(Tensor ``name`` of this package's model in the Paddle layout, whether it had to be converted);
         (None, False) when the folder lacks it."""
-        for fused, pieces in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("up_gate_proj", ("gate_proj", "up_proj"))):
+        for fused, pieces in FUSED_PIECES.items():
             if name.endswith(f"{fused}.weight") and not self.has(name):
                 parts = [self.paddle_tensor(name.replace(fused, piece))[0] for piece in pieces]
                 if any(p is None for p in parts):

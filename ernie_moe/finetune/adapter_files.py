@@ -25,7 +25,7 @@ from safetensors import safe_open
 from ..checkpoint.checkpoint import BASE_FILE, read_base
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.files import sha256_of
-from ..checkpoint.formats import VL, group_qkv, ungroup_qkv
+from ..checkpoint.formats import FUSED_PIECES, VL, group_qkv, split_fused, ungroup_qkv
 from ..checkpoint.model_files import folder_config, save_model, trained_names
 from ..config.kinds import fits
 from ..nn.sharding import shard_of
@@ -46,10 +46,6 @@ def base_reference(directory: str) -> dict:
     return {"path": str(folder), "sha256": digest.hexdigest()}
 
 
-# the fused layers of this package and the layers PaddleFormers' VL model has in their place
-PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "up_gate_proj": ("gate_proj", "up_proj")}
-
-
 def _qkv_order(name: str, array: np.ndarray, model_cfg, to_paddleformers: bool) -> np.ndarray:
     """A fused q/k/v layer's B in PaddleFormers' column order (or back to this package's); any other as is."""
     if not name.endswith("self_attn.qkv_proj.lora_B"):
@@ -61,7 +57,7 @@ def _qkv_order(name: str, array: np.ndarray, model_cfg, to_paddleformers: bool) 
 def pieces_of(layer: str) -> list[str]:
     """The layers PaddleFormers' VL model has for one of this package's (a fused layer's pieces, or itself)."""
     prefix, _, last = layer.rpartition(".")
-    return [f"{prefix}.{piece}" for piece in PIECES[last]] if last in PIECES else [layer]
+    return [f"{prefix}.{piece}" for piece in FUSED_PIECES[last]] if last in FUSED_PIECES else [layer]
 
 
 def split_pair(name: str, array: np.ndarray, model_cfg) -> list[tuple[str, np.ndarray]]:
@@ -73,19 +69,15 @@ def split_pair(name: str, array: np.ndarray, model_cfg) -> list[tuple[str, np.nd
         return [(name, array)]
     if factor == "lora_A":
         return [(f"{piece}.lora_A", array) for piece in pieces]
-    if layer.endswith("qkv_proj"):
-        q, kv = (model_cfg.num_attention_heads * model_cfg.head_dim, model_cfg.num_key_value_heads * model_cfg.head_dim)
-        bounds = [q, q + kv]
-    else:
-        bounds = [array.shape[1] // 2]
-    return [(f"{piece}.lora_B", np.ascontiguousarray(part)) for piece, part in zip(pieces, np.split(array, bounds, 1))]
+    parts = split_fused(name, array, model_cfg)
+    return [(f"{piece}.lora_B", np.ascontiguousarray(part)) for piece, part in zip(pieces, parts)]
 
 
 def _joined_pairs(tensors: dict[str, np.ndarray], directory) -> dict[str, np.ndarray]:
     """Per-piece pairs (PaddleFormers' VL form) fused back into one pair per fused layer; CheckpointError when the
     pieces' A differ (an adapter trained with a pair per piece, which this package's fused layers cannot hold)."""
     out = dict(tensors)
-    for fused, pieces in PIECES.items():
+    for fused, pieces in FUSED_PIECES.items():
         for name in [n for n in tensors if n.endswith(f".{pieces[0]}.lora_A")]:
             prefix = name[: -len(f".{pieces[0]}.lora_A")]
             wanted = [f"{prefix}.{piece}.{factor}" for factor in ("lora_A", "lora_B") for piece in pieces]
