@@ -213,15 +213,15 @@ def group_qkv(value: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
     return np.concatenate(parts, axis=-1).reshape([rows, -1])
 
 
+TRANSFORMERS_VIT = "model.vision_model."
+
+
 def _normalise(name: str) -> str:
     """ERNIE's own releases prefix the decoder with ``ernie.``, PaddleFormers uses ``model.``; transformers keeps
     the ViT under ``model.vision_model.``, PaddleFormers under ``vision_model.``."""
     if name.startswith("ernie."):
         return "model." + name[len("ernie."):]
     return name[len("model."):] if name.startswith(TRANSFORMERS_VIT) else name
-
-
-TRANSFORMERS_VIT = "model.vision_model."
 
 
 def transformers_name(name: str) -> str:

@@ -24,9 +24,10 @@ from ..nn.sharding import shard_of
 from .formats import CheckpointError, SourceCheckpoint
 
 
-def load_pretrained(model, directory, env=None) -> dict:
-    """Fill this rank's parameters from ``directory``; returns the report (all ranks' names, on every rank)."""
-    source = SourceCheckpoint(directory)
+def load_pretrained(model, directory, env=None, source: SourceCheckpoint | None = None) -> dict:
+    """Fill this rank's parameters from ``directory`` (``source``: that folder, already opened); returns the report
+    (all ranks' names, on every rank)."""
+    source = source or SourceCheckpoint(directory)
     report = defaultdict(list)
     named = model.stable_named_parameters(include_tied_copy=True)
     for stable, param in named:

@@ -35,6 +35,8 @@ def from_transformers(config: dict) -> dict:
                moe_use_hard_gate=True, moe_use_aux_free=True, moe_gate_act="softmax", moe_norm_gate_logits=True,
                im_patch_id=config.get("image_token_id"))
     rope = text.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"text_config.rope_parameters must be an object, not {rope!r}")
     if rope.get("rope_theta") is not None:
         out["rope_theta"] = rope["rope_theta"]
     section = rope.get("mrope_section")

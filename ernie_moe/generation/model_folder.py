@@ -47,10 +47,11 @@ def load_model_folder(directory, need_tokenizer: bool = True) -> LoadedModel:
     weights = Path(adapter_base(folder)) if adapter else folder
     cfg = build(ModelConfig, model_config_from(weights), "model")
     check_model(cfg)  # what a run checks of its model section, before anything is built from it
-    SourceCheckpoint(weights).check_depth(cfg)
+    source = SourceCheckpoint(weights)  # opened once: a .pdparams folder is read whole when opened
+    source.check_depth(cfg)
     paddle.seed(0)
     model = ErnieMoEForConditionalGeneration(cfg)
-    report = load_pretrained(model, weights)
+    report = load_pretrained(model, weights, source=source)
     if adapter:
         load_adapter(model, cfg, adapter)
     missing = report.get("new", [])

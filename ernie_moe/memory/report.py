@@ -41,17 +41,18 @@ def workload_source(cfg, data_world: int, image_fraction: float):
     d = cfg.data
     files = d.train_files
     available = d.dataset == "synthetic" or bool(files) and all(Path(f).is_file() for f in files)
-    available = available and cfg.training.per_device_train_batch_size * data_world <= MAX_SAMPLED_ROWS
+
+    def sampled(micro_batch: int) -> bool:
+        # a micro-batch of more rows than a sample should hold is judged from the config, not built
+        return available and micro_batch * data_world <= MAX_SAMPLED_ROWS
 
     @functools.cache  # the layout search asks again for each candidate: sample each size once
     def for_micro_batch(micro_batch: int) -> Workload:
         sized = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
                                                                       per_device_train_batch_size=micro_batch))
-        # a micro-batch of more rows than a sample should hold is judged from the config, not built
-        sampled = available and micro_batch * data_world <= MAX_SAMPLED_ROWS
-        return sample_workload(sized, data_world) if sampled else Workload.assumed(sized, image_fraction)
+        return sample_workload(sized, data_world) if sampled(micro_batch) else Workload.assumed(sized, image_fraction)
 
-    return for_micro_batch, "sampled from the data" if available else (
+    return for_micro_batch, "sampled from the data" if sampled(cfg.training.per_device_train_batch_size) else (
         f"assumed: images of {d.max_image_side} px filling {image_fraction:.0%} of the tokens")
 
 

@@ -72,9 +72,10 @@ def _records_up_to(path: Path, step: int) -> list[str]:
     kept = []
     for raw in path.read_bytes().splitlines():
         try:
-            record = json.loads(raw.decode("utf-8"))
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-                kept.append(raw.decode("utf-8"))
+            line = raw.decode("utf-8")
+            record = json.loads(line)
         except (UnicodeDecodeError, ValueError, RecursionError):
             continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
     return kept

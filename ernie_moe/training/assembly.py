@@ -36,7 +36,6 @@ class Assembled:
     model: object
     fine_tuning: object  # what trains (finetune.FineTuning)
     base: dict | None  # a LoRA run's base model folder and its digest
-    import_report: dict | None  # what pretrained loading did, for training.model_name_or_path
     precision: Precision
     runner: object
     guard: MemoryGuard
@@ -47,19 +46,19 @@ class Assembled:
 
 def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
     """The model, runner and optimizer of a run, built step by step in the order above. ``state``: the training
-    state (its recompute settings); ``load_weights(model, folder) -> report`` loads a pretrained folder."""
+    state (its recompute settings); ``load_weights(model, folder)`` loads a pretrained folder."""
     t = cfg.training
     model = build(cfg, env)
     recompute(model, t, state)
     expert_matmul(model, t)
-    report = load_weights(model, t.model_name_or_path) if t.model_name_or_path else None
+    if t.model_name_or_path:
+        load_weights(model, t.model_name_or_path)
     fine_tuning, base = fine_tune(model, cfg, env)
     precision = cast(model, t)
     runner = build_runner(model, env, precision)
     guard = MemoryGuard(t, env, device_bytes, model, can_halve=not runner.fixed_micro_batches)
     optimizer, scheduler = build_optimizer(model, t, env)
-    return Assembled(model, fine_tuning, base, report, precision, runner, guard, optimizer, scheduler,
-                     split_experts(model))
+    return Assembled(model, fine_tuning, base, precision, runner, guard, optimizer, scheduler, split_experts(model))
 
 
 def build(cfg, env):

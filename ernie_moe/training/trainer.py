@@ -92,6 +92,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
+        """The run to its end (or its stop); the output folder's lock is let go however it ends."""
+        try:
+            return self._train()
+        finally:
+            release_output_dir(self.cfg.training.output_dir)
+
+    def _train(self) -> dict:
         t, log_every = self.cfg.training, self.cfg.logging.logging_steps
         self._write_run_config()
         self.monitor.start()
@@ -127,13 +134,11 @@ class Trainer:
         if skipped > trained * MAX_SKIPPED_FRACTION:
             self._write_summary({**summary, "status": "failed"})
             self.monitor.close()
-            release_output_dir(t.output_dir)
             raise NonFiniteGradients(
                 f"{skipped} of the {trained} steps of this run were skipped for non-finite gradients (inf/nan), so "
                 "the model hardly trained; no final model was written. Check the config (rope_theta, rms_norm_eps, "
                 "learning rate) and the data.")
         self._finish(summary)
-        release_output_dir(t.output_dir)
         return summary
 
     def _stop(self, reason: str, bar) -> None:
@@ -148,7 +153,6 @@ class Trainer:
                              "checkpoint": str(where)})
         self.stream.close()
         self.monitor.close()
-        release_output_dir(self.cfg.training.output_dir)
         raise StopRequested(f"{reason}: stopped after step {self.step}, saved {where}; resume with "
                             "training.resume_from_checkpoint=auto")
 
@@ -342,14 +346,13 @@ class Trainer:
         (out / "run_config.yaml").write_text(text)
         self.monitor.text("config", f"```yaml\n{text}```")
 
-    def _initialise_from(self, model, directory: str) -> dict:
+    def _initialise_from(self, model, directory: str) -> None:
         report = load_pretrained(model, directory, self.env)
         if self.env.is_main:
             print(format_report(report), flush=True)
             out = Path(self.cfg.training.output_dir)
             out.mkdir(parents=True, exist_ok=True)
             (out / "import_report.json").write_text(json.dumps(report, indent=2))
-        return report
 
     def _notes(self) -> None:
         """What a setting does not do on this machine, said once by rank 0."""
