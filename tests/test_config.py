@@ -192,3 +192,29 @@ def test_configs_that_expand_nest_or_are_not_text_are_refused_before_they_are_bu
         load_config(tmp_path)
     with pytest.raises(ConfigError, match="anchor or alias"):
         load_config(None, ["training.lora_targets=[&a attention, *a]"])
+
+
+def test_a_transformers_layer_list_gives_the_moe_range_a_search_would():
+    """transformers' mlp_layer_types read as (start, end, interval): the same as trying every interval, in one pass
+    however long the list; a list no interval describes is a clear error."""
+    import random
+
+    from ernie_moe.config.transformers_form import _interval
+
+    def searched(sparse):
+        for interval in range(1, sparse[-1] + 2):
+            if [i for i in range(sparse[0], sparse[-1] + 1) if (i + 1) % interval == 0] == sparse:
+                return interval
+        return None
+
+    rng = random.Random(0)
+    cases = [[0], [3], [1, 2, 3], [1, 3, 5], [2, 5, 8], [3, 5], [1, 2, 4]]
+    cases += [sorted(rng.sample(range(20), k)) for k in range(1, 6) for _ in range(100)]
+    for sparse in cases:
+        want = searched(sparse)
+        if want is None:
+            with pytest.raises(ValueError, match="no \\(start, end, interval\\) describes"):
+                _interval(sparse)
+        else:
+            assert _interval(sparse) == want, sparse
+    assert _interval(list(range(1, 2_000_000, 2))) == 2

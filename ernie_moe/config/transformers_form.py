@@ -67,11 +67,14 @@ def from_transformers(config: dict) -> dict:
 
 
 def _interval(sparse: list[int]) -> int:
-    """The interval whose MoE layers between the first and last sparse layer are exactly ``sparse``."""
-    for interval in range(1, sparse[-1] + 2):
-        if [i for i in range(sparse[0], sparse[-1] + 1) if (i + 1) % interval == 0] == sparse:
-            return interval
-    raise ValueError(f"mlp_layer_types puts MoE layers at {sparse}, which no (start, end, interval) describes")
+    """The interval whose MoE layers between the first and last sparse layer are exactly ``sparse``: the one gap
+    between them, when the first is a multiple of it (one pass, however long the list a config.json holds)."""
+    gaps = {b - a for a, b in zip(sparse, sparse[1:])}
+    interval = gaps.pop() if len(gaps) == 1 else 1 if not gaps else 0
+    if not interval or (sparse[0] + 1) % interval:
+        raise ValueError(f"mlp_layer_types puts MoE layers at {sparse[:8]}{' ...' if len(sparse) > 8 else ''}, "
+                         "which no (start, end, interval) describes")
+    return interval
 
 
 def to_transformers(model_cfg, special_ids: dict[str, int], source: dict | None = None) -> dict:
