@@ -1,13 +1,15 @@
 """Each valid layout of N processes for a few steps: speed, communication and memory side by side.
 
     python benchmarks/bench_layouts.py --config configs/vl_moe.yaml --nproc 2 [--steps 12] [section.key=value ...]
+        [--versus section.key=value ...]
 
 The layouts are those the memory planner's search considers (tensor x pipeline x data, experts over the data
 ranks or not, optimizer sharding over the data ranks), each keeping the config's global batch. Every layout is
 launched with ``paddle.distributed.launch``; the figures are its last logging window (steady state): tokens/s,
 step time, the share of rank 0's step spent in communication (``time/communication_share``) and waiting in
 the pipeline's bubble (``time/pipeline_bubble_s``), and the allocator peak of the busiest and the least busy
-rank.
+rank. ``--versus`` runs each layout a second time with those overrides, the two rows side by side (a before
+and after in one run: ``--versus parallel.overlap_grad_sync=false``).
 """
 
 from __future__ import annotations
@@ -66,23 +68,29 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "configs" / "vl_moe.yaml"))
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--versus", nargs="+", default=[], help="overrides of a second run of every layout")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
     print(f"{args.nproc} processes, {args.config}, last {args.steps // 2} of {args.steps} steps\n")
     print("| layout | tokens/s | step (ms) | communication | bubble | peak MiB, busiest rank | least busy |")
     print("|---|---|---|---|---|---|---|")
+    runs = [("", args.overrides)] + ([(" (" + " ".join(args.versus) + ")", args.overrides + args.versus)]
+                                     if args.versus else [])
     for candidate in layouts(cfg, args.nproc):
-        label = f"dp{Layout.of(candidate.parallel, args.nproc).dp}, {describe(candidate)}"
-        row = measure(candidate, args.config, args.nproc, args.steps, args.overrides)
-        if not row:
-            print(f"| {label} | failed | | | | | |", flush=True)
-            continue
-        print(f"| {label} | {row['tokens_per_sec']:.0f} | {row['step_time_s'] * 1e3:.1f} | "
-              f"{row.get('time/communication_share', 0):.1%} | "
-              f"{row.get('time/pipeline_bubble_s', 0) / row['step_time_s']:.1%} | "
-              f"{row['memory/max_rank_max_allocated_gb'] * 1024:.1f} | "
-              f"{row['memory/min_rank_max_allocated_gb'] * 1024:.1f} |", flush=True)
+        for suffix, overrides in runs:
+            label = f"dp{Layout.of(candidate.parallel, args.nproc).dp}, {describe(candidate)}{suffix}"
+            print(row_of(label, measure(candidate, args.config, args.nproc, args.steps, overrides)), flush=True)
+
+
+def row_of(label: str, row: dict) -> str:
+    if not row:
+        return f"| {label} | failed | | | | | |"
+    return (f"| {label} | {row['tokens_per_sec']:.0f} | {row['step_time_s'] * 1e3:.1f} | "
+            f"{row.get('time/communication_share', 0):.1%} | "
+            f"{row.get('time/pipeline_bubble_s', 0) / row['step_time_s']:.1%} | "
+            f"{row['memory/max_rank_max_allocated_gb'] * 1024:.1f} | "
+            f"{row['memory/min_rank_max_allocated_gb'] * 1024:.1f} |")
 
 
 if __name__ == "__main__":

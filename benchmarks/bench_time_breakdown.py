@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 
 from ernie_moe.config import load_config
-from ernie_moe.timing import STEP_TIMES
+from ernie_moe.timing import StepTimes, part
 from ernie_moe.training import Trainer
 
 
@@ -34,10 +34,11 @@ def main() -> None:
         for _ in range(5):  # warm-up
             trainer.train_step()
         rounds, parts, steps_timed = {True: [], False: []}, defaultdict(float), 0
-        opened = count_parts()
+        times = trainer.step_times
+        opened = count_parts(times)
         for _ in range(args.rounds):
             for on in (True, False):
-                STEP_TIMES.enabled = on
+                times.enabled = on
                 start = time.perf_counter()
                 for _ in range(args.steps):
                     result = trainer.train_step()
@@ -46,7 +47,7 @@ def main() -> None:
                         for name, seconds in result.times.items():
                             parts[name] += seconds
                 rounds[on].append((time.perf_counter() - start) / args.steps)
-        del STEP_TIMES.part
+        del times.part
     on, off = min(rounds[True]), min(rounds[False])
     print(f"{args.steps} steps per round, fastest of {args.rounds} rounds each")
     print(f"breakdown on    {on * 1e3:8.1f} ms per step")
@@ -63,31 +64,30 @@ def main() -> None:
     print(f"the named parts cover {covered:.1%} of the step")
 
 
-def count_parts() -> list[int]:
-    """Counts, from now on, the parts the breakdown opens while it is on ([count])."""
-    opened, timed = [0], STEP_TIMES.part
+def count_parts(times: StepTimes) -> list[int]:
+    """Counts, from now on, the parts ``times`` opens while it is on ([count])."""
+    opened, timed = [0], times.part
 
     def counting(name):
-        opened[0] += STEP_TIMES.enabled
+        opened[0] += times.enabled
         return timed(name)
-    STEP_TIMES.part = counting  # the instance's attribute, which ernie_moe.timing.part calls
+    times.part = counting  # the instance's attribute, which ernie_moe.timing.part calls
     return opened
 
 
 def part_cost(calls: int = 200_000) -> float:
     """Seconds that opening and closing one part adds when the breakdown is on (fastest of 5 runs, on and off
     alternating)."""
-    best = {True: float("inf"), False: float("inf")}
+    best, times = {True: float("inf"), False: float("inf")}, StepTimes()
     for _ in range(5):
         for on in (True, False):
-            STEP_TIMES.enabled = on
+            times.enabled = on
             start = time.perf_counter()
-            for _ in range(calls):
-                with STEP_TIMES.part("cost"):
-                    pass
+            with times.recording():
+                for _ in range(calls):
+                    with part("cost"):
+                        pass
             best[on] = min(best[on], (time.perf_counter() - start) / calls)
-    STEP_TIMES.enabled = False
-    STEP_TIMES.pop()
     return best[True] - best[False]
 
 

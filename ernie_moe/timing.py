@@ -1,10 +1,12 @@
 """Where a step's time goes: named parts timed by exclusive wall time (a part nested in another, such as a
 collective inside the forward pass, is counted once, in the inner part). The trainer times consecutive
-phases of the step; the collectives time themselves through :func:`part`."""
+phases of the step; the collectives time themselves through :func:`part`, which reports to the
+:class:`StepTimes` that is recording (the run's, while its step runs; none elsewhere)."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 from collections import defaultdict
 
@@ -16,8 +18,8 @@ COMMUNICATION = ("tensor_parallel_comm", "expert_all_to_all", "router_stats_comm
 
 
 class StepTimes:
-    def __init__(self):
-        self.enabled = False
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
         self.totals: dict[str, float] = defaultdict(float)
         self._open: list[list] = []  # [name, time spent in parts nested inside it]
         # kernels run asynchronously on GPUs: a part ends when the device has finished its work
@@ -46,9 +48,21 @@ class StepTimes:
         totals, self.totals = dict(self.totals), defaultdict(float)
         return totals
 
+    @contextlib.contextmanager
+    def recording(self):
+        """Make this the record that :func:`part` reports to, for the ``with`` block."""
+        token = _RECORDING.set(self)
+        try:
+            yield self
+        finally:
+            _RECORDING.reset(token)
 
-STEP_TIMES = StepTimes()  # one per process: the collectives deep inside the model report here
+
+_RECORDING: contextvars.ContextVar[StepTimes | None] = contextvars.ContextVar("step_times", default=None)
+_UNTIMED = contextlib.nullcontext()
 
 
 def part(name: str):
-    return STEP_TIMES.part(name)
+    """Time ``name`` in the record that is recording, if any (collectives deep inside the model call it)."""
+    times = _RECORDING.get()
+    return times.part(name) if times is not None else _UNTIMED

@@ -1,5 +1,5 @@
 """Run on 2 ranks by tests/test_tensor_parallel.py: each tensor-parallel piece next to its unsharded reference,
-and both expert dispatchers next to the single-device one.
+both expert dispatchers next to the single-device one, and the gradient sync against gradients averaged by hand.
 
 Same input on both ranks (the all-to-all dispatcher: each rank its half of the tokens); outputs must equal the
 single-device layer's, each rank's weight gradient must equal its slice of the full gradient, and input
@@ -15,7 +15,9 @@ from ernie_moe.moe.dispatcher import LocalDispatcher
 from ernie_moe.nn import sharding
 from ernie_moe.parallel import cpu_fallbacks
 from ernie_moe.parallel import tensor_parallel as tp
+from ernie_moe.parallel.env import DistEnv
 from ernie_moe.parallel.expert_parallel import ExpertParallelDispatcher, TensorParallelExpertDispatcher
+from ernie_moe.parallel.grad_sync import GradSync
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -169,6 +171,44 @@ def check_all_to_all_dispatch(group, rng):
         close(grad, ref[3][j], f"all-to-all expert {j} grad")
 
 
+def check_grad_sync(group, rng):
+    """Two data ranks, each its own inputs; a shared weight and an expert held by one rank only. Overlapped,
+    the shared gradient is the two ranks' mean once the backward pass returns (before ``finish``), over two
+    accumulated micro-batches of which only the second's backward syncs; a step that is not one pass, and the
+    sync after the backward, give the same gradients after ``finish``. The expert's is its own over 2."""
+    rank = group.rank
+    env = DistEnv(rank=rank, world_size=2, data_world=2, data_group=group)
+    shared_w = rng.normal(size=(4, 3)).astype("float32")
+    expert_w = rng.normal(size=(3, 3)).astype("float32")
+    inputs = [rng.normal(size=(2, 5, 4)).astype("float32") for _ in range(4)]  # [rank x micro-batch]
+    mine = inputs[2 * rank: 2 * rank + 2]
+
+    def grads(xs):  # the local gradients, no sync
+        s, e = leaf(shared_w), leaf(expert_w)
+        for x in xs:
+            paddle.matmul(paddle.matmul(paddle.to_tensor(x), s), e).square().sum().backward()
+        return s.grad.numpy(), e.grad.numpy()
+
+    local = [grads(inputs[0:2]), grads(inputs[2:4])]
+    want_shared, want_expert = (local[0][0] + local[1][0]) / 2, local[rank][1] / 2
+
+    for overlap, one_pass in ((True, True), (True, False), (False, True)):
+        s = paddle.create_parameter([4, 3], "float32", default_initializer=paddle.nn.initializer.Assign(shared_w))
+        e = paddle.create_parameter([3, 3], "float32", default_initializer=paddle.nn.initializer.Assign(expert_w))
+        sync = GradSync({"non_expert": [s], "expert": [e]}, env, overlap, one_pass=lambda one_pass=one_pass: one_pass)
+        for i, x in enumerate(mine):
+            loss = paddle.matmul(paddle.matmul(paddle.to_tensor(x), s), e).square().sum()
+            if i == len(mine) - 1:
+                sync.expect_backward([loss])
+            loss.backward()
+        what = f"overlap={overlap}, one pass={one_pass}"
+        if overlap and one_pass:
+            close(s.grad.numpy(), want_shared, f"shared gradient synced during the backward ({what})")
+        sync.finish()
+        close(s.grad.numpy(), want_shared, f"shared gradient ({what})")
+        close(e.grad.numpy(), want_expert, f"expert gradient ({what})")
+
+
 if __name__ == "__main__":
     cpu_fallbacks.use_private_group_rendezvous()
     dist.init_parallel_env()
@@ -179,4 +219,5 @@ if __name__ == "__main__":
     check_embedding_and_loss(group, rng)
     check_expert_dispatch(group, rng)
     check_all_to_all_dispatch(group, rng)
+    check_grad_sync(group, rng)
     print(f"tensor-parallel layers OK on rank {dist.get_rank()}")

@@ -39,6 +39,8 @@ LAYOUTS = {
     "tp2_moe_mp": (2, 1, [TP2, "parallel.moe_group=mp"], []),
     "sharding2": (2, 2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage1"], []),
     "ep2": (2, 2, ["parallel.expert_parallel_degree=2"], []),
+    # the overlapped gradient sync skips the first micro-batch's backward and syncs the sum in the second's
+    "ep2_accumulate": (2, 2, ["parallel.expert_parallel_degree=2"], ACCUMULATE),
     "pp2": (2, 1, [PP2], ACCUMULATE),
     "pp4_vpp2": (4, 1, ["parallel.pipeline_parallel_degree=4", "parallel.virtual_pp_degree=2"], INTERLEAVED),
     "dp2_tp2": (4, 2, [TP2], []),

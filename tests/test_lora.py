@@ -14,10 +14,11 @@ from ernie_moe.checkpoint import save_model
 from ernie_moe.checkpoint.errors import CheckpointError
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.config.schema import FREEZE_PARTS, LORA_TARGET_GROUPS
-from ernie_moe.finetune import PARTS, learning_rate_ratios
+from ernie_moe.finetune import learning_rate_ratios
 from ernie_moe.finetune.adapter_files import load_adapter, merged_weight, read_adapter, target_patterns
-from ernie_moe.finetune.lora import TARGET_GROUPS, LoRALinear, LoRASettings, is_lora
+from ernie_moe.finetune.lora import LoRALinear, LoRASettings, is_lora
 from ernie_moe.generation.model_folder import load_model_folder
+from ernie_moe.model.parameter_kinds import LORA_TARGETS, PARTS
 from ernie_moe.training import Trainer
 
 SMALL = ["data.image_size=56", "data.max_seq_len=48", "training.per_device_train_batch_size=2",
@@ -52,7 +53,7 @@ def logits(tr, batch) -> np.ndarray:
 
 
 def test_the_names_the_config_accepts_are_the_ones_finetune_knows():
-    assert set(LORA_TARGET_GROUPS) == set(TARGET_GROUPS) and set(FREEZE_PARTS) == set(PARTS)
+    assert set(LORA_TARGET_GROUPS) == set(LORA_TARGETS) and set(FREEZE_PARTS) == set(PARTS)
 
 
 @pytest.mark.parametrize("rslora", [False, True])

@@ -16,7 +16,8 @@ from ernie_moe.checkpoint import save_model
 from ernie_moe.checkpoint.formats import CheckpointError
 from ernie_moe.checkpoint.pretrained import format_report, load_pretrained
 from ernie_moe.config import ConfigError, load_config
-from ernie_moe.model.ernie_vl import Batch, is_vision
+from ernie_moe.model.ernie_vl import Batch
+from ernie_moe.model.parameter_kinds import is_vision
 from ernie_moe.parallel.env import DistEnv
 from ernie_moe.training.runner import build_model
 

@@ -30,7 +30,8 @@ from paddle.base import core
 from safetensors import safe_open
 
 from .. import faults
-from ..model.ernie_vl import is_expert
+from ..model.parameter_kinds import is_expert
+from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor, shard_of
 from .errors import CheckpointError
 from .files import WrittenFiles, sha256_of, sync_folder
@@ -213,9 +214,7 @@ def _keeps_master_weights(opt, param) -> bool:
 
 def _full_shape(param, value) -> list[int]:
     """The unsplit shape of an optimizer state (a moment of a tensor-parallel slice is split like it)."""
-    if getattr(param, "is_distributed", False) and list(value.shape) == list(param.shape):
-        return list(param.full_shape)
-    return list(value.shape)
+    return full_shape(param) if list(value.shape) == list(param.shape) else list(value.shape)
 
 
 def _experts_sharded(optimizer) -> bool:

@@ -15,7 +15,6 @@ vision router is ``gate.weight_1``.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import paddle
 from safetensors import safe_open
 
 from ..config.transformers_form import from_transformers, is_transformers_form
-from ..model.ernie_vl import is_router, is_vision
+from ..model.parameter_kinds import DECODER_LAYER, VIT_BLOCK, is_router, is_vision
 from .errors import CheckpointError
 from .pdparams import load_pdparams
 
@@ -138,9 +137,9 @@ class SourceCheckpoint:
     def check_depth(self, cfg) -> None:
         """CheckpointError when the folder's tensors hold another number of decoder layers or ViT blocks than the
         model section ``cfg`` says: judged from the names, before a model of that size is built."""
-        for what, pattern, wanted in (("decoder layers", r"^model\.layers\.(\d+)\.", cfg.num_hidden_layers),
-                                      ("ViT blocks", r"^vision_model\.blocks\.(\d+)\.", cfg.vision_config.depth)):
-            found = {int(m.group(1)) for m in (re.match(pattern, n) for n in self.where) if m}
+        for what, pattern, wanted in (("decoder layers", DECODER_LAYER, cfg.num_hidden_layers),
+                                      ("ViT blocks", VIT_BLOCK, cfg.vision_config.depth)):
+            found = {int(m.group(1)) for m in (pattern.match(n) for n in self.where) if m}
             if what == "ViT blocks" and not found:
                 continue  # a text model's folder has no vision side
             if found != set(range(wanted)):

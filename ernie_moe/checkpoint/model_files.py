@@ -16,7 +16,8 @@ import paddle
 
 from ..config.transformers_form import special_ids, to_transformers
 from ..data.processor_config import processor_file
-from ..model.ernie_vl import is_expert
+from ..model.parameter_kinds import is_expert
+from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor
 from .files import WrittenFiles
 from .formats import VL, to_hf, transformers_name
@@ -195,8 +196,8 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
     specs = []
     for name, param in named:
         if name in mine:
-            shape = param.full_shape if getattr(param, "is_distributed", False) else param.shape
-            empty = np.empty(shape, _saved_dtype(param.dtype))  # only its names and shapes after conversion are used
+            # only its names and shapes after conversion are used
+            empty = np.empty(full_shape(param), _saved_dtype(param.dtype))
             specs += [(n, a.dtype, list(a.shape)) for n, a in converted(name, empty)]
     file = None
     if writer is not None:

@@ -20,6 +20,8 @@ from collections import defaultdict
 import numpy as np
 import paddle
 
+from ..model.parameter_kinds import expert_slot, is_router_bias
+from ..nn.param_spec import full_shape
 from ..nn.sharding import shard_of
 from .formats import CheckpointError, SourceCheckpoint
 
@@ -31,14 +33,14 @@ def load_pretrained(model, directory, env=None, source: SourceCheckpoint | None 
     report = defaultdict(list)
     named = model.stable_named_parameters(include_tied_copy=True)
     for stable, param in named:
-        full_shape = list(param.full_shape) if getattr(param, "is_distributed", False) else list(param.shape)
-        value, how = _source_tensor(source, stable, full_shape)
+        whole = full_shape(param)
+        value, how = _source_tensor(source, stable, whole)
         if value is None:
             report["new"].append(stable)
             continue
-        if list(value.shape) != full_shape:
+        if list(value.shape) != whole:
             raise CheckpointError(f"tensor '{stable}' from {directory} has shape {list(value.shape)}; this model "
-                                  f"expects {full_shape} (check the model section of the config against "
+                                  f"expects {whole} (check the model section of the config against "
                                   f"{directory}/config.json)")
         param.set_value(paddle.to_tensor(np.ascontiguousarray(shard_of(param, value))).astype(param.dtype))
         report[how].append(stable)
@@ -55,25 +57,25 @@ def load_pretrained(model, directory, env=None, source: SourceCheckpoint | None 
     return result
 
 
-def _source_tensor(source: SourceCheckpoint, stable: str, full_shape: list[int]):
+def _source_tensor(source: SourceCheckpoint, stable: str, whole: list[int]):
     """(Paddle-layout tensor for ``stable``, how it was obtained), or (None, 'new')."""
     value, converted = source.paddle_tensor(stable)
     if value is not None:
-        if stable == "lm_head.weight" and list(value.shape) != full_shape and list(value.T.shape) == full_shape:
+        if stable == "lm_head.weight" and list(value.shape) != whole and list(value.T.shape) == whole:
             value, converted = np.ascontiguousarray(value.T), True  # text models keep a [vocab, hidden] head
-        rows = full_shape[0] - value.shape[0] if value.ndim == 2 else 0
-        if stable.endswith("e_score_correction_bias") and rows > 0 and value.shape[1] == full_shape[1]:
+        rows = whole[0] - value.shape[0] if value.ndim == 2 else 0
+        if is_router_bias(stable) and rows > 0 and value.shape[1] == whole[1]:
             # a text model's [1, experts] bias: the vision row starts at zero
             value, converted = np.concatenate([value, np.zeros([rows, value.shape[1]], value.dtype)]), True
         return value, "converted" if converted else "loaded"
-    match = re.match(r"(model\.layers\.\d+\.mlp\.)experts\.\d+\.(.*)$", stable)
-    if match and not any(n.startswith(match.group(1) + "experts.") for n in source.names()):
-        dense_name = match.group(1) + match.group(2)
+    slot = expert_slot(stable)
+    if slot and not any(n.startswith(slot[0] + "experts.") for n in source.names()):
+        dense_name = slot[0] + slot[1]
         dense, _ = source.paddle_tensor(dense_name)
         if dense is not None:
-            if list(dense.shape) != full_shape:
+            if list(dense.shape) != whole:
                 raise CheckpointError(
-                    f"cannot upcycle {dense_name} {list(dense.shape)} into {stable} {full_shape}: an expert copied "
+                    f"cannot upcycle {dense_name} {list(dense.shape)} into {stable} {whole}: an expert copied "
                     "from the dense MLP needs its width (set model.moe_intermediate_size to the source's "
                     "intermediate_size)")
             return dense, "upcycled"

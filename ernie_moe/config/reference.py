@@ -1,6 +1,5 @@
-"""Print the config reference as Markdown: ``python -m ernie_moe.config.reference``.
-
-The README embeds this output; a test keeps the two identical.
+"""The config reference page, made from the schema's field docs: ``python -m ernie_moe.config.reference >
+docs/config.md``. A test keeps the file identical to this output.
 """
 
 from __future__ import annotations
@@ -9,9 +8,23 @@ import dataclasses
 
 from .schema import Config
 
+INTRO = """# Config reference
+
+Written by `python -m ernie_moe.config.reference > docs/config.md` from the field docs of
+`ernie_moe/config/schema.py`; a test fails when this file is not that command's output.
+
+`run_trainer.py --config FILE section.key=value ...` loads the YAML, applies the overrides (YAML types:
+`training.max_steps=20`, `model.moe_capacity=[2,2,2]`, `model.vision_config.depth=4`) and validates the result.
+An unknown key (with the closest valid name), a wrong type, a missing file or values that cannot work together
+(heads not divisible by KV heads, `moe_k` above a modality's expert count, a layer range outside the model, ...)
+stop it with one paragraph and exit code 2. The defaults below are the dataclass defaults; `configs/vl_moe.yaml`
+sets its own values for some of them.
+"""
+
 
 def reference() -> str:
-    lines = []
+    """The whole page."""
+    lines = [INTRO]
     for section in dataclasses.fields(Config):
         lines += [f"**`{section.name}`**", "", "| key | default | meaning |", "|---|---|---|"]
         lines += _rows(section.default_factory(), "")

@@ -2,7 +2,7 @@
 
 Field names follow the ERNIE 4.5 model config (``model``) and the PaddleNLP / PaddleFormers
 trainer arguments (``training``, ``parallel``) so that users can carry their settings over.
-A field's ``choices`` metadata lists the values it accepts; its docstring is the README's reference.
+A field's ``choices`` metadata lists the values it accepts; its docstring is the config reference (docs/config.md).
 """
 
 from __future__ import annotations
@@ -280,6 +280,8 @@ class ParallelConfig:
     moe_group: str = choice("ep", "ep", "mp", doc="expert ranks: 'ep' from the data x sharding ranks, "
                                                   "'mp' the tensor-parallel ranks (experts not split)")
     sequence_parallel: bool = opt(False, "split activations along the sequence between tensor-parallel regions")
+    overlap_grad_sync: bool = opt(True, "average gradients over the data ranks bucket by bucket during the backward "
+                                        "pass (fleet's reducer) instead of after it; not with a pipeline")
 
 
 @dataclass(frozen=True)

@@ -6,22 +6,11 @@ parameters take no gradient and the optimizer never sees them (no moments, no fl
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from ..config.errors import ConfigError
-from ..model.ernie_vl import is_router
-from .lora import TARGET_GROUPS, LoRASettings, apply_lora, is_lora
-
-# Parts ``training.freeze`` names, by stable parameter name (ERNIEKit's freeze_vision / freeze_lm).
-PARTS = {
-    "vision": lambda n: n.startswith("vision_model."),
-    "adapter": lambda n: n.startswith("model.resampler_model."),
-    "lm": lambda n: n.startswith(("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")),
-    "embedding": lambda n: n.startswith("model.embed_tokens."),
-    "head": lambda n: n.startswith("lm_head."),
-    "router": lambda n: is_router(n) or n.endswith("e_score_correction_bias"),
-}
+from ..model.parameter_kinds import LORA_TARGETS, PARTS, PATCH_EMBEDDING, VISION, is_router, vit_block
+from .lora import LoRASettings, apply_lora, is_lora
 
 
 @dataclass
@@ -56,10 +45,10 @@ def prepare_fine_tuning(model, training_cfg, model_cfg, env) -> FineTuning:
         local = apply_lora(model, LoRASettings.of(t), vision_start)
         counts = {k: sum(c[k] for c in env.all_gather_object(local)) for k in local}
         # a group the model lacks (experts of a dense model) is no error; a pattern that matches nothing is
-        missing = [k for k, n in counts.items() if n == 0 and (k not in TARGET_GROUPS or not any(counts.values()))]
+        missing = [k for k, n in counts.items() if n == 0 and (k not in LORA_TARGETS or not any(counts.values()))]
         if missing:
             raise ConfigError(f"training.lora_targets: {', '.join(map(repr, missing))} matched no linear layer of "
-                              "this model (groups: " + ", ".join(TARGET_GROUPS) + "; anything else is a regular "
+                              "this model (groups: " + ", ".join(LORA_TARGETS) + "; anything else is a regular "
                               "expression matched in full against a layer name such as "
                               "'model.layers.1.self_attn.qkv_proj')")
     named = model.stable_named_parameters(include_tied_copy=True)
@@ -82,20 +71,17 @@ def learning_rate_ratios(model, training_cfg) -> dict[int, float]:
     not at all)."""
     t = training_cfg
     named = model.stable_named_parameters(include_tied_copy=True)
-    blocks = [int(m.group(1)) for n, _ in named if (m := _VIT_BLOCK.match(n))]
+    blocks = [b for n, _ in named if (b := vit_block(n)) is not None]
     depth = max(blocks) + 1 if blocks else 0
 
     def ratio(name: str) -> float:
         if is_router(name):
             return t.moe_gate_lr_ratio
-        if not name.startswith("vision_model."):
+        if not name.startswith(VISION):
             return 1.0
-        block = _VIT_BLOCK.match(name)
-        below_top = depth - int(block.group(1)) if block else depth + 1 if name.startswith(_PATCHES) else 0
+        block = vit_block(name)
+        below_top = depth - block if block is not None else depth + 1 if name.startswith(PATCH_EMBEDDING) else 0
         return t.vit_lr_ratio * t.visual_ld ** below_top
 
     return {id(p): ratio(n) for n, p in named}
 
-
-_VIT_BLOCK = re.compile(r"vision_model\.blocks\.(\d+)\.")
-_PATCHES = "vision_model.patch_embed."

@@ -21,22 +21,14 @@ from dataclasses import dataclass
 import paddle
 from paddle import nn
 
+from ..model.parameter_kinds import LORA_TARGETS, expert_id
 from ..nn.init import init_weights
+from ..nn.param_spec import describe, full_shape, spec_of
 from ..nn.sharding import sharded_parameter
 from ..parallel import tensor_parallel as tp
 
-# Target groups by role; anything else in ``training.lora_targets`` is a regular expression matched in full
-# against a layer's stable name (``model.layers.3.self_attn.qkv_proj``).
-_LM = r"model\.layers\.\d+\."
-TARGET_GROUPS = {
-    "attention": _LM + r"self_attn\.(qkv_proj|o_proj)",
-    "mlp": _LM + r"mlp\.(up_gate_proj|down_proj)",
-    "shared_experts": _LM + r"mlp\.shared_experts\.(up_gate_proj|down_proj)",
-    "text_experts": _LM + r"mlp\.experts\.\d+\.(up_gate_proj|down_proj)",
-    "vision_experts": _LM + r"mlp\.experts\.\d+\.(up_gate_proj|down_proj)",
-    "vit": r"vision_model\..*",
-    "adapter": r"model\.resampler_model\..*",
-}
+# ``training.lora_targets``: groups (``LORA_TARGETS``), or regular expressions matched in full against a layer's
+# stable name (``model.layers.3.self_attn.qkv_proj``)
 DEFAULT_TARGETS = ["attention", "mlp", "shared_experts", "text_experts", "vision_experts"]
 
 
@@ -44,7 +36,7 @@ DEFAULT_TARGETS = ["attention", "mlp", "shared_experts", "text_experts", "vision
 class LoRASettings:
     rank: int
     alpha: float
-    targets: tuple[str, ...]  # groups (TARGET_GROUPS) or regular expressions over stable layer names
+    targets: tuple[str, ...]  # groups (LORA_TARGETS) or regular expressions over stable layer names
     rslora: bool = False
     dropout: float = 0.0
     seed: int = 0  # A is drawn by name from it
@@ -73,19 +65,19 @@ class LoRALinear(nn.Layer):
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else None
         self.split = ("column" if isinstance(base, tp.ColumnParallelLinear)
                       else "row" if isinstance(base, tp.RowParallelLinear) else None)
-        in_features, out_features = getattr(base.weight, "full_shape", base.weight.shape)
+        in_features, out_features = full_shape(base.weight)
         a_shape, b_shape = [in_features, rank], [rank, out_features]
         self.lora_A = (self._split(a_shape, 0, [in_features]) if self.split == "row" else self._factor(a_shape))
-        self.lora_B = (self._split(b_shape, 1, base.weight.segments) if self.split == "column"
+        self.lora_B = (self._split(b_shape, 1, spec_of(base.weight).split.segments) if self.split == "column"
                        else self._factor(b_shape))
         # PaddleFormers' Kaiming-uniform (a = sqrt(5)) for A, drawn by name from the whole tensor; B stays zero
-        self.lora_A.init_rule = ("uniform", 1.0 / math.sqrt(in_features))
-        self.lora_B.init_rule = None
+        describe(self.lora_A, init=("uniform", 1.0 / math.sqrt(in_features)))
+        describe(self.lora_B, init=None)
         if self.split is not None and base.sequence_parallel:
             # the replicated factor sees a piece of the sequence on each rank: its gradient is partial
-            (self.lora_A if self.split == "column" else self.lora_B).sequence_parallel = True
+            describe(self.lora_A if self.split == "column" else self.lora_B, partial_over_tp=True)
         for factor in (self.lora_A, self.lora_B):  # an expert's pair is as local as its expert
-            factor.no_sync = getattr(base.weight, "no_sync", False)
+            describe(factor, local_to_rank=spec_of(base.weight).local_to_rank)
 
     def _factor(self, shape: list[int]):
         return self.create_parameter(shape, dtype=self.weight.dtype,
@@ -126,14 +118,10 @@ def linear_layers(model) -> list[tuple[str, nn.Layer, str, nn.Layer]]:
 def target_matcher(targets: list[str], vision_expert_start: int | None):
     """``matches(stable layer name) -> the targets it matches``; vision experts are those numbered from
     ``vision_expert_start`` (None: the model has no vision experts)."""
-    def expert_id(name):
-        found = re.search(r"\.mlp\.experts\.(\d+)\.", name)
-        return int(found.group(1)) if found else None
-
     def matches(name: str) -> list[str]:
         hits = []
         for target in targets:
-            if not re.fullmatch(TARGET_GROUPS.get(target, target), name):
+            if not re.fullmatch(LORA_TARGETS.get(target, target), name):
                 continue
             if target in ("text_experts", "vision_experts"):
                 vision = vision_expert_start is not None and expert_id(name) >= vision_expert_start

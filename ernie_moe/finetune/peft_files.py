@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 
 from ..checkpoint.checkpoint import read_base
 from ..checkpoint.errors import CheckpointError
+from ..model.parameter_kinds import is_expert
 from .adapter_files import read_adapter, split_pair
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -28,7 +29,7 @@ _RENAMES = ((r"^model\.layers\.", "model.language_model.layers."), (r"^vision_mo
 
 def transformers_module(layer: str) -> str:
     """transformers' module name of one of PaddleFormers' VL linear layers; CheckpointError for a routed expert."""
-    if re.search(r"\.mlp\.experts\.\d+\.", layer):
+    if is_expert(layer):
         raise CheckpointError(f"the adapter adapts the routed expert layer {layer}: transformers holds each "
                               "modality's experts as one stacked tensor, which PEFT cannot adapt; merge the adapter "
                               "instead (python -m ernie_moe.export ADAPTER OUT --merge-lora --format transformers)")

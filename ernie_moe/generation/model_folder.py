@@ -20,7 +20,8 @@ from ..config.validate import check_model
 from ..data.processor_config import folder_settings
 from ..data.tokenizer import tokenizer_in
 from ..finetune.adapter_files import adapter_base, load_adapter
-from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_vision
+from ..model.ernie_vl import ErnieMoEForConditionalGeneration
+from ..model.parameter_kinds import is_vision
 
 
 def folder_run_config(directory, config_path=None) -> Config:

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..config.schema import OFFLOAD_BUCKET_BYTES
 from ..model.recompute import selected_layers
+from ..parallel.layout import Layout
 from .params import frozen_parts, stage_layers, stage_lora_params, stage_params
 
 PIXEL_CHANNELS_BYTES = 4  # flattened patches arrive as float32
@@ -145,18 +146,18 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[
         routed = [(text, counts[0], widths[0]), (w.image_tokens, counts[1], widths[1])] if hard else \
             [(t, sum(counts), widths[0])]
         routed = [r for i, r in enumerate(routed) if not hard or i in modalities]
-        expert_split = tp if parallel.moe_group == "mp" and tp > 1 else 1
-        copies = sum(n * m.moe_k for n, _, _ in routed) / expert_split
+        layout = Layout.of(parallel)
+        # over the tensor-parallel ranks each holds the same tokens and a share of the experts: a share of the copies
+        copies = sum(n * m.moe_k for n, _, _ in routed) / (layout.expert_split if layout.experts_over_tp else 1)
         width = sum(n * m.moe_k * wd for n, _, wd in routed) / max(sum(n * m.moe_k for n, _, _ in routed), 1)
         router = 3.4 * sum(n * e for n, e, _ in routed)
-        exchange = 2 * copies * h if parallel.expert_parallel_degree > 1 and parallel.moe_group == "ep" else 0
+        exchange = 2 * copies * h if layout.experts_all_to_all else 0
         shared = 4 * t * widths[0] * m.moe_num_shared_experts / tp
         mlp = 4 * (norm_residual + router + t * h + copies * (1.8 * h + 3.2 * width) + exchange + shared)
         # batched matmuls stack one projection's weights of this rank's experts of one width while it runs, in
         # forward and again in backward (then their stacked gradient): the largest up/gate projection's at most
-        expert_ranks = parallel.expert_parallel_degree if parallel.moe_group == "ep" else expert_split
         if uses_grouped_matmul(training):
-            stacking = 4 * max(2 * h * n * wd for _, n, wd in routed) / expert_ranks
+            stacking = 4 * max(2 * h * n * wd for _, n, wd in routed) / layout.expert_split
 
     # (kept for backward, re-run in backward minus what the layer's backward has freed before it)
     recomputes = training.recompute and layer in selected_layers(training.recompute_layers, m.num_hidden_layers)
@@ -235,7 +236,8 @@ def estimate(cfg, workload: Workload, data_world: int | None = None) -> list[Sta
     sharding = p.sharding_parallel_degree if p.sharding else 1
     # optimizer sharding splits the experts' states over the ranks holding the same experts
     data_world = data_world or p.sharding_parallel_degree
-    expert_replicas = data_world // (p.expert_parallel_degree if p.moe_group == "ep" else 1) if p.sharding else 1
+    layout = Layout.of(p, data_world * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+    expert_replicas = layout.expert_copies if p.sharding else 1
     data_inputs = workload.tokens * 8 * INT_FIELDS + workload.patches * (
         m.vision_config.in_channels * m.vision_config.patch_size ** 2 * PIXEL_CHANNELS_BYTES)
     out = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..parallel.layout import Layout
+
 
 @dataclass
 class StageParams:
@@ -101,7 +103,7 @@ def stage_params(cfg, parallel, training=None) -> list[StageParams]:
     """What one rank of each pipeline stage holds (``training``: what of it is frozen; LoRA pairs are
     counted by :func:`stage_lora_params`)."""
     tp, pp = parallel.tensor_parallel_degree, parallel.pipeline_parallel_degree
-    expert_split = tp if parallel.moe_group == "mp" and tp > 1 else parallel.expert_parallel_degree
+    expert_split = Layout.of(parallel).expert_split
     h, vocab = cfg.hidden_size, cfg.vocab_size * cfg.hidden_size // tp
     frozen = frozen_parts(training)
     stages = []
@@ -127,7 +129,7 @@ def stage_lora_params(cfg, parallel, training) -> list[StageParams]:
     if training is None or training.fine_tuning != "lora":
         return [StageParams() for _ in range(parallel.pipeline_parallel_degree)]
     tp, pp, r = parallel.tensor_parallel_degree, parallel.pipeline_parallel_degree, training.lora_rank
-    expert_split = tp if parallel.moe_group == "mp" and tp > 1 else parallel.expert_parallel_degree
+    expert_split = Layout.of(parallel).expert_split
     targets, h = set(training.lora_targets), cfg.hidden_size
     column = lambda n_in, n_out: r * (n_in + n_out // tp)  # noqa: E731 - A whole, B's columns split
     row = lambda n_in, n_out: r * (n_in // tp + n_out)  # noqa: E731 - A's rows split, B whole

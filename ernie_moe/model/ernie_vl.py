@@ -8,7 +8,6 @@ the same blocks on its stages. Parameters have stable names in PaddleFormers' Pa
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
 
 import paddle
@@ -117,18 +116,3 @@ class _Named(nn.Layer):
         super().__init__()
         for name, layer in layers.items():
             setattr(self, name, layer)
-
-
-def is_expert(name: str) -> bool:
-    """A routed expert's parameter (``...mlp.experts.<id>...``), local or stable name."""
-    return ".mlp.experts." in name
-
-
-def is_router(name: str) -> bool:
-    """A router weight (``...mlp.gate.weight``, the vision router ``...mlp.gate.weight_1``)."""
-    return bool(re.search(r"\.mlp\.gate\.weight(_\d+)?$", name))
-
-
-def is_vision(name: str) -> bool:
-    """A parameter of the ViT or the adapter (stable name)."""
-    return name.startswith(("vision_model.", "model.resampler_model."))

@@ -3,8 +3,8 @@
 Every random parameter's starting value depends only on the seed and its stable name (the name it has in the
 exported model), never on the order layers are built in or on which rank holds it. So a tensor-parallel slice,
 an expert on another rank, or a layer built on a pipeline stage (fleet's ``PipelineLayer`` reseeds per layer)
-starts exactly as in the single-device model. Parameters are created with a constant and carry an
-``init_rule``; this module draws them afterwards.
+starts exactly as in the single-device model. Parameters are created with a constant and their record
+(``param_spec``) names a rule; this module draws them afterwards.
 """
 
 from __future__ import annotations
@@ -13,30 +13,24 @@ import zlib
 
 import numpy as np
 
+from .param_spec import describe, full_shape, spec_of
 from .sharding import shard_of
 
 
 def mark_normal(param, std: float):
-    param.init_rule = ("normal", std)
-    return param
+    return describe(param, init=("normal", std))
 
 
 def mark_xavier_uniform(param):
-    param.init_rule = ("xavier_uniform",)
-    return param
+    return describe(param, init=("xavier_uniform",))
 
 
 def mark_default_rules(layer) -> None:
     """Plain Paddle layers (the ViT, the adapter): 2-D weights ``[in, out]`` get Xavier-uniform; vectors keep
     their constant (LayerNorm 1, biases 0)."""
     for param in layer.parameters():
-        if len(param.shape) == 2 and not hasattr(param, "init_rule"):
+        if len(param.shape) == 2 and spec_of(param).init is None:
             mark_xavier_uniform(param)
-
-
-def full_shape(param) -> list[int]:
-    """The shape of the whole tensor a tensor-parallel slice comes from."""
-    return list(getattr(param, "full_shape", param.shape))
 
 
 def draw(rule: tuple, shape: list[int], rng: np.random.Generator) -> np.ndarray:
@@ -51,9 +45,9 @@ def draw(rule: tuple, shape: list[int], rng: np.random.Generator) -> np.ndarray:
 
 
 def init_weights(stable_parameters, seed: int) -> None:
-    """Draw every parameter that has an ``init_rule``; ``stable_parameters`` yields (stable name, parameter)."""
+    """Draw every parameter whose record has a rule; ``stable_parameters`` yields (stable name, parameter)."""
     for name, param in stable_parameters:
-        rule = getattr(param, "init_rule", None)
+        rule = spec_of(param).init
         if rule is None:
             continue
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])

@@ -7,34 +7,40 @@ recompute call that sets it (fleet's ``recompute``, which restores the RNG state
 from __future__ import annotations
 
 import contextlib
+import contextvars
+from typing import NamedTuple
 
 from paddle.distributed.fleet.utils import recompute
 
 
-class _Pass:
-    replaying = False  # a recomputed forward runs again, in the backward pass
-    hooked = False  # fleet's saved-tensor hooks take what autograd saves (a non-reentrant recompute's first pass)
+class Pass(NamedTuple):
+    replaying: bool = False  # a recomputed forward runs again, in the backward pass
+    hooked: bool = False  # fleet's saved-tensor hooks take what autograd saves (a non-reentrant recompute's first pass)
+
+
+# the pass that the innermost recomputed call is in, set by that call for its own duration
+_OUTSIDE = Pass()
+_PASS: contextvars.ContextVar[Pass] = contextvars.ContextVar("recompute_pass", default=_OUTSIDE)
 
 
 def replaying() -> bool:
     """True while a recomputed forward runs again in the backward pass: statistics must not count it twice."""
-    return _Pass.replaying
+    return _PASS.get().replaying
 
 
 def saved_tensors_hooked() -> bool:
     """True during a non-reentrant recompute's first pass, whose hooks take every tensor autograd saves: no
     backward pass of its own can run there."""
-    return _Pass.hooked
+    return _PASS.get().hooked
 
 
 @contextlib.contextmanager
 def _in_pass(replaying: bool, hooked: bool):
-    previous = _Pass.replaying, _Pass.hooked
-    _Pass.replaying, _Pass.hooked = replaying, hooked
+    token = _PASS.set(Pass(replaying, hooked))
     try:
         yield
     finally:
-        _Pass.replaying, _Pass.hooked = previous
+        _PASS.reset(token)
 
 
 def recomputed(function, *args, use_reentrant: bool = True):

@@ -1,8 +1,8 @@
 """How a parameter split over tensor-parallel ranks is made, sliced from the whole tensor, and put back together.
 
-A split parameter carries ``is_distributed``, ``split_axis`` and ``segments`` (the fused pieces, such as q/k/v or
-gate/up, each split evenly), which is how fleet marks them; ``full_shape``, ``tp_rank`` and ``tp_size`` say which
-slice it holds. Initialisation, checkpoints, LoRA and the exporter read them through these functions.
+A split parameter's record (``param_spec.ParamSpec``) holds its :class:`~.param_spec.TensorSplit`: the axis, the
+fused pieces (q/k/v, gate/up) each split evenly, the whole shape and which slice this rank holds.
+Initialisation, checkpoints, LoRA and the exporter read it through these functions.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddle import nn
+
+from .param_spec import TensorSplit, describe, spec_of
 
 
 def shard_index(segments: list[int], rank: int, size: int) -> np.ndarray:
@@ -29,27 +31,26 @@ def sharded_parameter(layer: nn.Layer, shape: list[int], axis: int, segments: li
     local = list(shape)
     local[axis] = shape[axis] // group.nranks
     param = layer.create_parameter(local, default_initializer=nn.initializer.Constant(0.0))
-    param.is_distributed, param.split_axis, param.segments = True, axis, list(segments)
-    param.full_shape, param.tp_rank, param.tp_size = list(shape), group.rank, group.nranks
-    param.init_rule = ("normal", std)
-    return param
+    split = TensorSplit(axis, tuple(segments), tuple(shape), group.rank, group.nranks)
+    return describe(param, split=split, init=("normal", std))
 
 
 def shard_of(param, full: np.ndarray) -> np.ndarray:
     """This rank's slice of ``full`` for ``param`` (``full`` itself for a parameter that is not split)."""
-    if not getattr(param, "is_distributed", False) or list(full.shape) != param.full_shape:
+    split = spec_of(param).split
+    if split is None or tuple(full.shape) != split.full_shape:
         return full
-    return np.take(full, shard_index(param.segments, param.tp_rank, param.tp_size), axis=param.split_axis)
+    return np.take(full, shard_index(list(split.segments), split.rank, split.size), axis=split.axis)
 
 
 def full_tensor(param: paddle.Tensor, group, value: paddle.Tensor | None = None) -> paddle.Tensor:
     """The unsplit tensor of a tensor-parallel parameter, or of ``value`` split like it (an optimizer moment):
     a collective over ``group``."""
-    value = param if value is None else value
-    if not getattr(param, "is_distributed", False) or group is None or value.shape != param.shape:
+    value, split = param if value is None else value, spec_of(param).split
+    if split is None or group is None or value.shape != param.shape:
         return value
     pieces: list[paddle.Tensor] = []
     dist.all_gather(pieces, value.detach(), group=group)
-    axis = param.split_axis
-    chunks = [paddle.split(p, [n // group.nranks for n in param.segments], axis=axis) for p in pieces]
-    return paddle.concat([chunks[r][s] for s in range(len(param.segments)) for r in range(group.nranks)], axis=axis)
+    chunks = [paddle.split(p, [n // group.nranks for n in split.segments], axis=split.axis) for p in pieces]
+    return paddle.concat([chunks[r][s] for s in range(len(split.segments)) for r in range(group.nranks)],
+                         axis=split.axis)

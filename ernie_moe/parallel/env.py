@@ -49,11 +49,6 @@ class DistEnv:
     def pp_world(self) -> int:
         return self.pp_group.nranks if self.pp_group is not None else 1
 
-    @property
-    def pure_data_parallel(self) -> bool:
-        """Every rank holds the whole model and the plain optimizer: fleet's data-parallel wrapper applies."""
-        return self.tp_group is None and self.pp_group is None and self.expert_group is None and not self.sharding
-
     def all_reduce_sum(self, tensor: paddle.Tensor, group) -> paddle.Tensor:
         """Sum over ``group`` (in place); a no-op without a group (one process, or a degree of 1)."""
         if group is not None and group.nranks > 1:
@@ -137,13 +132,12 @@ def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
     if tp > 1:
         env.tp_group = hcg.get_model_parallel_group()
         env.sequence_parallel = p.sequence_parallel
-    if p.moe_group == "mp" and tp > 1:
+    if layout.experts_over_tp:
         env.expert_group = env.tp_group
-        env.expert_replica_group = env.data_group if env.data_world > 1 else None
-    elif layout.ep > 1:
+    elif layout.experts_all_to_all:
         env.expert_group = new_groups(layout.expert_groups())
-        if env.data_world > layout.ep:
-            env.expert_replica_group = new_groups(layout.expert_replica_groups())
-    elif env.data_world > 1:
-        env.expert_replica_group = env.data_group  # every data rank holds every expert
+    if layout.expert_copies == env.data_world > 1:
+        env.expert_replica_group = env.data_group  # every data rank holds this rank's experts
+    elif layout.expert_copies > 1:
+        env.expert_replica_group = new_groups(layout.expert_replica_groups())
     return env

@@ -21,10 +21,11 @@ class Layout:
     moe_group: str = "ep"
 
     @classmethod
-    def of(cls, parallel_cfg, world: int) -> Layout:
+    def of(cls, parallel_cfg, world: int | None = None) -> Layout:
+        """The layout of ``parallel_cfg`` over ``world`` processes (None: one data-parallel replica's ranks)."""
         p = parallel_cfg
-        return cls(world, p.tensor_parallel_degree, p.pipeline_parallel_degree, p.sharding_parallel_degree,
-                   p.expert_parallel_degree, p.moe_group)
+        tp, pp, sharding = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.sharding_parallel_degree
+        return cls(world or tp * pp * sharding, tp, pp, sharding, p.expert_parallel_degree, p.moe_group)
 
     @property
     def model_ranks(self) -> int:
@@ -40,6 +41,26 @@ class Layout:
     def data_world(self) -> int:
         """Ranks that read different shares of the global batch: data-parallel x sharding."""
         return self.dp * self.sharding
+
+    @property
+    def experts_over_tp(self) -> bool:
+        """``moe_group: mp``: the tensor-parallel ranks split the experts (and hold the same tokens)."""
+        return self.moe_group == "mp" and self.tp > 1
+
+    @property
+    def experts_all_to_all(self) -> bool:
+        """``moe_group: ep`` over more than one rank: tokens reach their experts by all-to-all."""
+        return self.moe_group == "ep" and self.ep > 1
+
+    @property
+    def expert_split(self) -> int:
+        """Ranks each modality's experts are split over."""
+        return self.tp if self.experts_over_tp else self.ep if self.experts_all_to_all else 1
+
+    @property
+    def expert_copies(self) -> int:
+        """Ranks of a data group that hold the same experts (their replicas)."""
+        return self.data_world if self.experts_over_tp else self.data_world // self.expert_split
 
     def check(self) -> Layout:
         """Raises ConfigError when the degrees do not fit the processes; returns the layout."""

@@ -16,6 +16,7 @@ import paddle
 from ..model.single_device import SingleDevicePlan
 from ..moe.dispatcher import LocalDispatcher
 from ..nn.layers import RMSNorm
+from ..nn.param_spec import describe
 from . import tensor_parallel as tp
 from .comm import GatherAlong, SplitAlong, SumOverRanks
 from .expert_parallel import ExpertParallelDispatcher, TensorParallelExpertDispatcher, local_expert_ids
@@ -57,7 +58,7 @@ class ParallelPlan(SingleDevicePlan):
     def norm(self, dim, eps):
         norm = RMSNorm(dim, eps)
         # Under sequence parallelism each rank sees part of the tokens: its gradient is partial.
-        norm.weight.sequence_parallel = self.sequence_parallel
+        describe(norm.weight, partial_over_tp=self.sequence_parallel)
         return norm
 
     def split_sequence(self, x):

@@ -1,9 +1,9 @@
 """Tensor-parallel layers (Megatron-style) over a tensor-parallel group, with optional sequence parallelism.
 
 Weights are slices of the tensor a single device would have drawn (``nn.init`` draws by name), so any
-layout starts from the same model. Each split parameter carries ``is_distributed``, ``split_axis`` and
-``segments`` (the fused pieces, such as q/k/v or gate/up, each split evenly; see ``nn.sharding``), which is how
-fleet marks them and how the exporter and gradient clipping put them back together.
+layout starts from the same model. Each split parameter's record (``nn.param_spec``) says how it is split (the
+fused pieces, such as q/k/v or gate/up, each split evenly; see ``nn.sharding``), which is how the exporter and
+gradient clipping put it back together.
 """
 
 from __future__ import annotations

@@ -12,9 +12,11 @@ Each step is a small function; the order is the contract, and each step says why
 5. ``fine_tuning``: what trains (LoRA pairs beside chosen layers, frozen parts), after the base weights are in;
    a LoRA run refers to its base by digest.
 6. ``precision``: the cast to the AMP dtype, after every parameter (LoRA's included) exists.
-7. ``runner``: fleet's wrapper (data parallel or the pipeline schedule), which takes the model as it now is.
-8. ``guard``: the memory guard, which needs to know whether the runner fixes the micro-batch.
-9. ``optimizer``: AdamW and the schedule over the parameters that train, last, once nothing adds any.
+7. ``grad_sync``: who averages which gradients over which ranks (``parallel.grad_sync``), after the cast, since
+   fleet's reducer holds the parameters it syncs and their gradients' dtype, and once the trainable set is fixed.
+8. ``runner``: fleet's pipeline schedule where there is one, which takes the model as it now is.
+9. ``guard``: the memory guard, which needs to know whether the runner fixes the micro-batch.
+10. ``optimizer``: AdamW and the schedule over the parameters that train, last, once nothing adds any.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from ..finetune import prepare_fine_tuning
 from ..finetune.adapter_files import base_reference
 from ..model.recompute import apply_recompute
 from ..moe.experts import use_expert_matmul
+from ..parallel.grad_sync import GradSync
+from ..timing import StepTimes
 from .memory_guard import MemoryGuard
 from .optimizer import build_optimizer, split_experts
 from .precision import Precision
@@ -42,6 +46,7 @@ class Assembled:
     optimizer: object
     scheduler: object
     param_groups: dict  # parameters by gradient-sync group (experts apart)
+    step_times: StepTimes  # where each step's time goes: the run's parts and the collectives' report here
 
 
 def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
@@ -55,10 +60,13 @@ def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
         load_weights(model, t.model_name_or_path)
     fine_tuning, base = fine_tune(model, cfg, env)
     precision = cast(model, t)
-    runner = build_runner(model, env, precision)
+    groups = split_experts(model)
+    timed = cfg.logging.time_breakdown
+    runner = build_runner(model, env, precision, grad_sync(groups, cfg, env, state), timed)
     guard = MemoryGuard(t, env, device_bytes, model, can_halve=not runner.fixed_micro_batches)
     optimizer, scheduler = build_optimizer(model, t, env)
-    return Assembled(model, fine_tuning, base, precision, runner, guard, optimizer, scheduler, split_experts(model))
+    return Assembled(model, fine_tuning, base, precision, runner, guard, optimizer, scheduler, groups,
+                     StepTimes(enabled=timed))
 
 
 def build(cfg, env):
@@ -81,6 +89,12 @@ def fine_tune(model, cfg, env):
     if t.fine_tuning == "lora":  # every rank refers to the base by the digest rank 0 took
         base = env.all_gather_object(base_reference(t.model_name_or_path) if env.is_main else None)[0]
     return fine_tuning, base
+
+
+def grad_sync(groups, cfg, env, state) -> GradSync:
+    """One pass per backward unless a reentrant recompute is on (read each step: the guard may turn it on)."""
+    reentrant = cfg.training.recompute_use_reentrant
+    return GradSync(groups, env, cfg.parallel.overlap_grad_sync, one_pass=lambda: not (state.recompute and reentrant))
 
 
 def cast(model, t) -> Precision:

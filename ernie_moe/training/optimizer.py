@@ -6,7 +6,8 @@ import paddle
 
 from ..checkpoint.checkpoint import adam_parts
 from ..finetune import learning_rate_ratios
-from ..model.ernie_vl import is_expert
+from ..model.parameter_kinds import is_expert
+from ..nn.param_spec import spec_of
 from .offload import OffloadedOptimizer, buckets, state_bytes_per_parameter
 from .schedule import WarmupDecay
 
@@ -153,7 +154,7 @@ def clip_grad_norm(groups: dict[str, list], max_norm: float, reduce: dict | None
 
     Each parameter counts once: ``reduce[group]`` sums a group's squared norm over the ranks that hold
     different parts of it (the expert group for expert weights), ``reduce_split`` sums the squares of
-    tensor-parallel slices (parameters marked ``is_distributed``) over the tensor-parallel ranks,
+    tensor-parallel slices (a record with a ``split``) over the tensor-parallel ranks,
     ``reduce_stages`` over the pipeline stages. ``uncounted`` parameters (a second stage's copy of a tied
     weight) are scaled but not counted. Returns ``grad_norm`` (before clipping) and ``grad_norm_<group>``.
     """
@@ -161,8 +162,8 @@ def clip_grad_norm(groups: dict[str, list], max_norm: float, reduce: dict | None
     squares = {}
     for group, params in groups.items():
         params = [p for p in params if id(p) not in skip]
-        square = _square_sum([p for p in params if not getattr(p, "is_distributed", False)])
-        split = _square_sum([p for p in params if getattr(p, "is_distributed", False)])
+        square = _square_sum([p for p in params if spec_of(p).split is None])
+        split = _square_sum([p for p in params if spec_of(p).split is not None])
         if reduce_split is not None:
             split = reduce_split(split.reshape([1])).reshape([])
         square = square + split

@@ -7,7 +7,6 @@ interleaved) schedule over this rank's stages. Nothing outside this module asks 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -17,10 +16,13 @@ from paddle.distributed import fleet
 
 from ..batch import IGNORE_INDEX
 from ..data import collate
-from ..model.ernie_vl import ErnieMoEForConditionalGeneration, is_expert
+from ..model.ernie_vl import ErnieMoEForConditionalGeneration
+from ..model.parameter_kinds import is_expert
+from ..nn.param_spec import describe
 from ..parallel import build_plan
+from ..parallel.grad_sync import GradSync
 from ..parallel.pipeline import ErniePipeline, stage_inputs, time_schedule_parts
-from ..timing import STEP_TIMES, part
+from ..timing import part
 from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
 
 
@@ -36,13 +38,14 @@ def build_model(model_cfg, env, loss_chunk: int = 0):
     if env.expert_group is not None:
         for name, param in model.named_parameters():
             if is_expert(name):
-                param.no_sync = True
+                describe(param, local_to_rank=True)
     return model
 
 
-def build_runner(model, env, precision) -> PlainRunner | PipelineRunner:
-    """The runner for ``model`` as :func:`build_model` built it for this layout."""
-    return (PipelineRunner if env.pp_group is not None else PlainRunner)(model, env, precision)
+def build_runner(model, env, precision, grad_sync: GradSync, timed: bool) -> PlainRunner | PipelineRunner:
+    """The runner for ``model`` as :func:`build_model` built it for this layout; ``timed``: the step's time is
+    broken down (``logging.time_breakdown``)."""
+    return (PipelineRunner if env.pp_group is not None else PlainRunner)(model, env, precision, grad_sync, timed)
 
 
 class PlainRunner:
@@ -51,28 +54,29 @@ class PlainRunner:
     # whether the micro-batch shape is fixed once the run is built (the memory guard cannot halve it)
     fixed_micro_batches = False
 
-    def __init__(self, model, env, precision):
-        self.model, self.env, self.precision = model, env, precision
-        # fleet refuses to wrap on one rank; layouts other than pure data parallelism sync in parallel.grad_sync
-        self.wrapped = env.world_size > 1 and env.pure_data_parallel
-        self.fleet_model = fleet.distributed_model(model) if self.wrapped else model
+    def __init__(self, model, env, precision, grad_sync: GradSync, timed: bool):
+        self.model, self.env, self.precision, self.grad_sync = model, env, precision, grad_sync
 
     def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:
         """Accumulate gradients of ``loss_sum x data ranks / denominator + router loss / micro-batches``;
         returns this rank's sums of the LM loss and of the router losses over its micro-batches."""
         lm_sum, router_sum = 0.0, 0.0
         for i, batch in enumerate(micro_batches):
-            sync_later = self.wrapped and i < len(micro_batches) - 1
-            with self.fleet_model.no_sync() if sync_later else contextlib.nullcontext():
-                with part("forward"), self.precision.autocast():
-                    out = self.fleet_model(batch)
-                # Shared gradients are averaged over the data ranks afterwards, hence their number as a factor.
-                loss = out.loss_sum * (self.env.data_world / denominator) + out.router_loss / len(micro_batches)
-                with part("backward"):  # with fleet's data-parallel wrapper, its gradient all-reduce too
-                    self.precision.scale(loss).backward()
+            with part("forward"), self.precision.autocast():
+                out = self.model(batch)
+            # Shared gradients are averaged over the data ranks, hence their number as a factor.
+            loss = out.loss_sum * (self.env.data_world / denominator) + out.router_loss / len(micro_batches)
+            if i == len(micro_batches) - 1:  # the backward that ends the step syncs as it goes
+                self.grad_sync.expect_backward([loss])
+            with part("backward"):  # with parallel.overlap_grad_sync, most of the gradient all-reduce too
+                self.precision.scale(loss).backward()
             lm_sum += float(out.loss_sum)
             router_sum += float(out.router_loss)
         return lm_sum, router_sum
+
+    def finish_gradients(self) -> None:
+        """What the backward passes left of the step's gradient synchronisation."""
+        self.grad_sync.finish()
 
     def evaluate(self, batches, training_cfg) -> dict:
         with self.precision.autocast():
@@ -98,10 +102,10 @@ class PipelineRunner(PlainRunner):
 
     fixed_micro_batches = True  # fleet's schedule keeps the tensor shapes of its first step
 
-    def __init__(self, model, env, precision):
-        self.model, self.env, self.precision = model, env, precision
+    def __init__(self, model, env, precision, grad_sync: GradSync, timed: bool):
+        self.model, self.env, self.precision, self.grad_sync = model, env, precision, grad_sync
         self.fleet_model = fleet.distributed_model(model)
-        if STEP_TIMES.enabled:
+        if timed:
             time_schedule_parts(self.fleet_model)
 
     def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:

@@ -32,8 +32,8 @@ from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
 from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
-from ..parallel import init_distributed, sync_gradients
-from ..timing import STEP_TIMES, part
+from ..parallel import init_distributed
+from ..timing import part
 from .assembly import assemble
 from .memory_guard import is_out_of_memory
 from .optimizer import clip_grad_norm, optimizer_state_bytes
@@ -50,7 +50,6 @@ class Trainer:
         self.cfg = cfg
         t = cfg.training
         self.env = init_distributed(cfg.parallel, t)
-        STEP_TIMES.enabled = cfg.logging.time_breakdown
         check_memory(cfg, self.env)  # before the output folder is claimed: a layout that cannot fit writes nothing
         claim_output_dir(t, self.env)
         self.run = Run.begin(self.env)
@@ -62,6 +61,7 @@ class Trainer:
         self.model, self.fine_tuning, self.base = parts.model, parts.fine_tuning, parts.base
         self.precision, self.runner, self.guard = parts.precision, parts.runner, parts.guard
         self.optimizer, self.scheduler, self.param_groups = parts.optimizer, parts.scheduler, parts.param_groups
+        self.step_times = parts.step_times
         if self.env.is_main:
             print(self.fine_tuning.describe(), flush=True)
         self._notes()
@@ -193,11 +193,15 @@ class Trainer:
         return [collate(rows) for rows in self._next_rows()]
 
     def train_step(self, micro_batches=None) -> StepResult:
-        """One optimizer step over ``gradient_accumulation_steps`` micro-batches. An out-of-memory error runs
-        the step again on the memory guard's next rung; a step whose peak passes its limit moves to the next
-        rung for the following steps."""
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches, its parts timed in the run's
+        ``step_times``. An out-of-memory error runs the step again on the memory guard's next rung; a step whose
+        peak passes its limit moves to the next rung for the following steps."""
+        with self.step_times.recording():
+            return self._train_step(micro_batches)
+
+    def _train_step(self, micro_batches) -> StepResult:
         started = time.perf_counter()
-        STEP_TIMES.pop()
+        self.step_times.pop()
         with part("data"):
             rows = None if micro_batches is not None else self._next_rows()
         data_wait = time.perf_counter() - started  # measured whether or not the time breakdown is on
@@ -228,7 +232,7 @@ class Trainer:
             if rung.halved:
                 self._cut_batches()
         result.memory_guard_rungs = len(changes)
-        result.time, result.times = time.perf_counter() - started, STEP_TIMES.pop()
+        result.time, result.times = time.perf_counter() - started, self.step_times.pop()
         result.data_wait = data_wait
         return result
 
@@ -240,7 +244,7 @@ class Trainer:
     def _step(self, micro_batches) -> StepResult:
         result = self.forward_backward(micro_batches)
         with part("gradient_sync"):
-            sync_gradients(self.param_groups, self.env)
+            self.runner.finish_gradients()
         with part("optimizer"):
             self._update(result)
         result.loss_scale = self.precision.loss_scale
