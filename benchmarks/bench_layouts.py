@@ -1,7 +1,7 @@
 """Each valid layout of N processes for a few steps: speed, communication and memory side by side.
 
     python benchmarks/bench_layouts.py --config configs/vl_moe.yaml --nproc 2 [--steps 12] [section.key=value ...]
-        [--versus section.key=value ...]
+        [--versus section.key=value ...] [--repeat 3]
 
 The layouts are those the memory planner's search considers (tensor x pipeline x data, experts over the data
 ranks or not, optimizer sharding over the data ranks), each keeping the config's global batch. Every layout is
@@ -9,7 +9,9 @@ launched with ``paddle.distributed.launch``; the figures are its last logging wi
 step time, the share of rank 0's step spent in communication (``time/communication_share``) and waiting in
 the pipeline's bubble (``time/pipeline_bubble_s``), and the allocator peak of the busiest and the least busy
 rank. ``--versus`` runs each layout a second time with those overrides, the two rows side by side (a before
-and after in one run: ``--versus parallel.overlap_grad_sync=false``).
+and after in one run: ``--versus parallel.overlap_grad_sync=false``); ``--repeat N`` launches each row N times,
+the runs of a layout's rows alternating, and reports the run of median tokens/s (a shared machine's speed
+drifts by more than the differences worth measuring).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,6 +72,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--versus", nargs="+", default=[], help="overrides of a second run of every layout")
+    parser.add_argument("--repeat", type=int, default=1, help="launches per row; the median run is reported")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
@@ -78,9 +82,21 @@ def main() -> None:
     runs = [("", args.overrides)] + ([(" (" + " ".join(args.versus) + ")", args.overrides + args.versus)]
                                      if args.versus else [])
     for candidate in layouts(cfg, args.nproc):
-        for suffix, overrides in runs:
+        measured: list[list[dict]] = [[] for _ in runs]
+        for _ in range(args.repeat):
+            for rows, (_, overrides) in zip(measured, runs):
+                rows.append(measure(candidate, args.config, args.nproc, args.steps, overrides))
+        for rows, (suffix, _) in zip(measured, runs):
             label = f"dp{Layout.of(candidate.parallel, args.nproc).dp}, {describe(candidate)}{suffix}"
-            print(row_of(label, measure(candidate, args.config, args.nproc, args.steps, overrides)), flush=True)
+            print(row_of(label, median_run(rows)), flush=True)
+
+
+def median_run(rows: list[dict]) -> dict:
+    """The run of median tokens/s (none when a launch failed)."""
+    if not all(rows):
+        return {}
+    speed = statistics.median_low([r["tokens_per_sec"] for r in rows])
+    return next(r for r in rows if r["tokens_per_sec"] == speed)
 
 
 def row_of(label: str, row: dict) -> str:

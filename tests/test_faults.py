@@ -504,7 +504,15 @@ def test_garbage_tokenizer_and_model_files_are_clear_errors(tmp_path, capsys):
     (model / "config.json").write_text(json.dumps({"model_type": "ernie4_5", "hidden_size": 64,
                                                    "num_hidden_layers": 2, "num_attention_heads": 4,
                                                    "vocab_size": 128, "intermediate_size": 128}))
-    for content in (b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": garbage", b"x" * 3):
+    def header(**offsets) -> bytes:  # float32 [4] tensors at the given byte ranges, over 24 bytes of data
+        encoded = json.dumps({name: {"dtype": "F32", "shape": [4], "data_offsets": at}
+                              for name, at in offsets.items()}).encode()
+        return struct.pack("<Q", len(encoded)) + encoded + bytes(24)
+
+    garbage = b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": garbage"
+    overlapping, aliased = header(a=[0, 16], b=[8, 24]), header(a=[0, 16], b=[0, 16])
+    past_the_end = header(a=[0, 16], b=[16, 32])
+    for content in (garbage, b"x" * 3, overlapping, aliased, past_the_end):
         (model / "model.safetensors").write_bytes(content)
         assert run_trainer.main(["--config", CONFIG, *SMALL, f"training.output_dir={tmp_path / 'b'}",
                                  f"training.model_name_or_path={model}", "model.moe_num_experts=[]",
@@ -726,13 +734,49 @@ def test_a_resume_with_other_model_settings_or_a_hand_edited_state_is_refused_na
     state = json.loads(state_file.read_text())
     for edited, message in (({k: v for k, v in state.items() if k != "scheduler"}, "'scheduler' must be an object"),
                             ({**state, "consumed_rows": "abc"}, "'consumed_rows' must be a whole number"),
-                            ([state], "not an object")):
-        state_file.write_text(json.dumps(edited))
+                            ([state], "not an object"), (DEEP, "nested too deep")):
+        state_file.write_text(edited if isinstance(edited, str) else json.dumps(edited))
         marker = json.loads((out / "checkpoint-2" / "COMPLETE").read_text())
         marker["files"]["trainer_state.json"] = hashlib.sha256(state_file.read_bytes()).hexdigest()
         (out / "checkpoint-2" / "COMPLETE").write_text(json.dumps(marker))
         with pytest.raises(CheckpointError, match=message):
             Trainer(load_config(CONFIG, [*resume, "training.resume_from_checkpoint=" + str(out / "checkpoint-2")]))
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # deeper than the JSON decoder's recursion
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json", "vocab.json",
+                                  "preprocessor_config.json"])
+@pytest.mark.parametrize("content, why", [(DEEP.encode(), "nested too deep"), (b'{"a": "\xff"}', "not UTF-8"),
+                                          (b'{"a": ', "Expecting value")], ids=["deep", "latin-1", "cut"])
+def test_every_json_file_of_a_model_folder_read_by_generate_is_a_clear_error(tmp_path, capsys, name, content, why):
+    """Each JSON file generate reads from a model folder, nested deeper than the decoder survives, not UTF-8 or
+    cut short: exit 2 and one line naming the file and why, never a traceback."""
+    from ernie_moe.checkpoint import save_model
+    from ernie_moe.generate import main as generate_main
+    from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+
+    cfg = load_config(CONFIG, ["data.image_size=56"])
+    folder = tmp_path / "model"
+    save_model(ErnieMoEForConditionalGeneration(cfg.model), cfg.model, str(folder), build_tokenizer(cfg),
+               hf_layout=True)
+    (folder / name).write_bytes(content)
+    assert generate_main(["--model", str(folder), "--prompt", "a"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert name in err and why in err and len(err.splitlines()) == 1, err
+
+
+def test_a_chat_template_file_too_large_or_not_text_is_refused_before_it_is_read(tmp_path):
+    from ernie_moe.data.tokenizer import MAX_TEMPLATE_BYTES, chat_template_in
+
+    template = tmp_path / "chat_template.jinja"
+    template.write_bytes(b"{{ messages }}")
+    assert chat_template_in(tmp_path) == "{{ messages }}"
+    for content, why in ((b" " * (MAX_TEMPLATE_BYTES + 1), "not a chat template"), (b"\xff{{ x }}", "not UTF-8")):
+        template.write_bytes(content)
+        with pytest.raises(ValueError, match=why):
+            chat_template_in(tmp_path)
 
 
 def test_silent_cases_speak(tmp_path, monkeypatch, capsys):

@@ -30,6 +30,7 @@ from paddle.base import core
 from safetensors import safe_open
 
 from .. import faults
+from ..json_files import UnreadableJSON, read_json
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor, shard_of
@@ -246,9 +247,11 @@ class _Tensors:
         self.directory = directory
         index_file = directory / index_name
         try:
-            self.where = json.loads(index_file.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as err:
-            raise CheckpointError(f"cannot read {index_file}: {err}") from err
+            self.where = read_json(index_file)["weight_map"]
+        except (UnreadableJSON, KeyError, TypeError) as err:
+            raise CheckpointError(f"cannot read {index_file}: {err}") from None
+        if not isinstance(self.where, dict) or not all(isinstance(f, str) for f in self.where.values()):
+            raise CheckpointError(f"{index_file}: weight_map must map each tensor name to a file name.")
         self.files: dict = {}
 
     def get(self, name: str) -> np.ndarray:
@@ -270,10 +273,10 @@ def read_base(folder: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        saved = json.loads(path.read_text())
+        saved = read_json(path)
         if not isinstance(saved.get("path"), str) or not isinstance(saved.get("sha256"), str):
             raise ValueError("it needs a path and a sha256")
-    except (OSError, ValueError, AttributeError) as err:
+    except (ValueError, AttributeError) as err:
         raise CheckpointError(f"cannot read {path}: {err}") from err
     return saved
 
@@ -303,8 +306,8 @@ def _read_state(directory: Path, model_cfg) -> dict:
     model settings of this run that differ from the checkpoint's (they change what the weights compute)."""
     path = directory / "trainer_state.json"
     try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as err:
+        state = read_json(path)
+    except UnreadableJSON as err:
         raise CheckpointError(f"cannot read {path}: {err}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a JSON {type(state).__name__}, not an object")
@@ -359,7 +362,7 @@ def load_checkpoint(parts: TrainingParts, directory: Path, env) -> dict:
     rng_file = directory / f"rng_state-{env.rank:05d}.json"
     if rng_file.is_file():  # absent for a rank that the saving layout did not have
         try:
-            set_rng_state(json.loads(rng_file.read_text()))
-        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as err:
+            set_rng_state(read_json(rng_file))
+        except (ValueError, TypeError, KeyError, RuntimeError) as err:
             raise CheckpointError(f"cannot read {rng_file}: {err}") from err
     return state

@@ -14,7 +14,6 @@ vision router is ``gate.weight_1``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ import paddle
 from safetensors import safe_open
 
 from ..config.transformers_form import from_transformers, is_transformers_form
+from ..json_files import UnreadableJSON, read_json
 from ..model.parameter_kinds import DECODER_LAYER, VIT_BLOCK, is_router, is_vision
 from .errors import CheckpointError
 from .pdparams import load_pdparams
@@ -80,9 +80,9 @@ class SourceCheckpoint:
         if not config_file.is_file():
             raise CheckpointError(f"{self.directory} has no config.json: not a model folder.")
         try:
-            self.config = json.loads(config_file.read_text())
-        except ValueError as err:
-            raise CheckpointError(f"cannot read {config_file}: {err}") from err
+            self.config = read_json(config_file)
+        except UnreadableJSON as err:
+            raise CheckpointError(f"cannot read {config_file}: {err}") from None
         if not isinstance(self.config, dict):
             raise CheckpointError(f"{config_file} holds a JSON {type(self.config).__name__}, not an object.")
         if is_transformers_form(self.config):  # its tensors are in PaddleFormers' Hugging Face layout
@@ -112,9 +112,9 @@ class SourceCheckpoint:
         index = d / "model.safetensors.index.json"
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as err:
-                raise CheckpointError(f"cannot read {index}: {err}") from err
+                weight_map = read_json(index)["weight_map"]
+            except (UnreadableJSON, KeyError, TypeError) as err:
+                raise CheckpointError(f"cannot read {index}: {err}") from None
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise CheckpointError(f"{index}: weight_map must map each tensor name to a file name.")
             return {_normalise(k): (d / f, k) for k, f in weight_map.items()}, None

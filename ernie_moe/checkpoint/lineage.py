@@ -23,6 +23,7 @@ from pathlib import Path
 import paddle.distributed as dist
 
 from ..config.errors import ConfigError
+from ..json_files import UnreadableJSON, read_json
 from .errors import CheckpointError
 from .files import sha256_of
 from .output_lock import lock_output_dir
@@ -70,8 +71,8 @@ def read(path: Path) -> Checkpoint | None:
     if not path.is_dir() or path.name.endswith(".tmp"):
         return None
     try:
-        marker = json.loads((path / MARKER).read_text())
-    except (OSError, ValueError):
+        marker = read_json(path / MARKER)
+    except UnreadableJSON:
         return None
     if isinstance(marker, int):  # the plain step number of earlier releases
         return Checkpoint(path, marker, "", 0.0, None, {})

@@ -16,6 +16,7 @@ import paddle
 
 from ..config.transformers_form import special_ids, to_transformers
 from ..data.processor_config import processor_file
+from ..json_files import UnreadableJSON, read_json
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor
@@ -33,8 +34,8 @@ def folder_config(directory) -> dict:
     if not directory:
         return {}
     try:
-        config = json.loads((Path(directory) / "config.json").read_text())
-    except (OSError, ValueError):
+        config = read_json(Path(directory) / "config.json")
+    except UnreadableJSON:
         return {}
     return config if isinstance(config, dict) and config.get("model_type") in ARCHITECTURES else {}
 

@@ -4,9 +4,9 @@ checkpoint overrides."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ..json_files import UnreadableJSON, read_json
 from .errors import ConfigError
 from .kinds import fits
 from .transformers_form import from_transformers, is_transformers_form
@@ -28,9 +28,9 @@ def model_config_from(directory) -> dict:
     if not config_file.is_file():
         raise ConfigError(f"'{directory}' has no config.json: not a model folder.")
     try:
-        source = json.loads(config_file.read_text())
-    except ValueError as err:
-        raise ConfigError(f"cannot read {config_file}: {err}") from err
+        source = read_json(config_file)
+    except UnreadableJSON as err:
+        raise ConfigError(f"cannot read {config_file}: {err}") from None
     if not isinstance(source, dict):
         raise ConfigError(f"{config_file} holds a JSON {type(source).__name__}, not an object: not a model config.")
     if is_transformers_form(source):

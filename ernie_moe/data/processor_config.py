@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..config import ConfigError, DataConfig
 from ..config.load import build
+from ..json_files import UnreadableJSON, read_json
 from .images import MEAN, STD
 
 FILE = "preprocessor_config.json"
@@ -86,11 +87,9 @@ def read_saved(directory) -> dict | None:
     path = Path(directory) / FILE
     if not path.is_file():
         return None
-    if path.stat().st_size > MAX_BYTES:
-        raise ConfigError(f"{path} is {path.stat().st_size} bytes: not a processor config (at most {MAX_BYTES}).")
     try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
+        saved = read_json(path, max_bytes=MAX_BYTES)
+    except UnreadableJSON as err:
         raise ConfigError(f"cannot read {path}: {err}") from None
     if not isinstance(saved, dict):
         raise ConfigError(f"{path} holds a JSON {type(saved).__name__}, not an object.")

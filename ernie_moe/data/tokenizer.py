@@ -10,6 +10,8 @@ import json
 import re
 from pathlib import Path
 
+from ..json_files import UnreadableJSON, read_json
+
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
 
 
@@ -161,6 +163,7 @@ class SentencePieceTokenizer:
                 (folder / name).write_bytes(source.read_bytes())
 
 
+MAX_TEMPLATE_BYTES = 1 << 20  # a chat template is a few KiB
 SPECIAL_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 
 
@@ -168,11 +171,9 @@ def _json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
+        data = read_json(path)
+    except UnreadableJSON as err:
         raise ValueError(f"cannot read {path}: {err}") from None
-    except RecursionError:  # a RuntimeError: it would pass for the SentencePiece model's own failure
-        raise ValueError(f"cannot read {path}: it is nested too deep") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a JSON object")
     return data
@@ -207,8 +208,15 @@ def special_tokens(folder: Path, sp) -> dict[str, int]:
 
 def chat_template_in(folder: Path) -> str | None:
     """The folder's chat template: ``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``."""
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    path = folder / "chat_template.jinja"
+    if path.is_file():
+        if path.stat().st_size > MAX_TEMPLATE_BYTES:
+            raise ValueError(f"{path} is {path.stat().st_size:,} bytes: not a chat template (at most "
+                             f"{MAX_TEMPLATE_BYTES:,})")
+        try:
+            return path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"cannot read {path}: it is not UTF-8 text") from None
     template = _json(folder / "tokenizer_config.json").get("chat_template")
     return template if isinstance(template, str) else None
 
@@ -224,8 +232,8 @@ def tokenizer_in(directory, image_token_id: int):
             raise ValueError(f"'{folder / 'tokenizer.model'}' is not a SentencePiece model") from err
     if (folder / "vocab.json").is_file():
         try:
-            words = json.loads((folder / "vocab.json").read_text())
-        except (OSError, ValueError) as err:
+            words = read_json(folder / "vocab.json")
+        except UnreadableJSON as err:
             raise ValueError(f"cannot read {folder / 'vocab.json'}: {err}") from None
         if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
             raise ValueError(f"{folder / 'vocab.json'} is not a list of words")
@@ -233,8 +241,8 @@ def tokenizer_in(directory, image_token_id: int):
     config = folder / "tokenizer_config.json"
     if config.is_file():
         try:
-            kind = json.loads(config.read_text()).get("tokenizer_class")
-        except (OSError, ValueError, AttributeError) as err:
+            kind = read_json(config).get("tokenizer_class")
+        except (UnreadableJSON, AttributeError) as err:
             raise ValueError(f"cannot read {config}: {err}") from None
         if kind == "ByteTokenizer":
             return ByteTokenizer()

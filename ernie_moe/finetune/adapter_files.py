@@ -28,6 +28,7 @@ from ..checkpoint.files import sha256_of
 from ..checkpoint.formats import FUSED_PIECES, VL, group_qkv, split_fused, ungroup_qkv
 from ..checkpoint.model_files import folder_config, save_model, trained_names
 from ..config.kinds import fits
+from ..json_files import read_json
 from ..nn.sharding import shard_of
 from .lora import LoRASettings, apply_lora, is_lora, linear_layers
 
@@ -151,8 +152,8 @@ def read_adapter(directory, model_cfg=None) -> tuple[LoRASettings, dict[str, np.
     package's q/k/v column order)."""
     folder = Path(directory)
     try:
-        settings = settings_of(json.loads((folder / CONFIG).read_text()))
-        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        settings = settings_of(read_json(folder / CONFIG))
+        weight_map = read_json(folder / INDEX)["weight_map"]
         tensors = {}
         for file in sorted(set(weight_map.values())):
             with safe_open(str(folder / file), framework="numpy") as f:

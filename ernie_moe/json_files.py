@@ -1,0 +1,38 @@
+"""Reading a JSON file someone else may have written: a model folder's, a checkpoint's, an adapter's or a
+tokenizer's. Its size is judged before it is read, it must be UTF-8 text, and a nesting deeper than the decoder
+survives is a reason like any other. Callers put the reason into their own error, naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# far above any such file this package reads (a large model's index or a tokenizer.json is a few MiB)
+MAX_BYTES = 256 * 1024 * 1024
+
+
+class UnreadableJSON(ValueError):
+    """Why a JSON file cannot be read (the reason alone, without the file's name)."""
+
+
+def read_json(path, max_bytes: int = MAX_BYTES):
+    """The value in the JSON file ``path``; UnreadableJSON saying why not."""
+    path = Path(path)
+    if not path.is_file():  # a FIFO would block the read, a folder fail it
+        raise UnreadableJSON("it is not a regular file" if path.exists() else "it does not exist")
+    try:
+        size = path.stat().st_size
+        data = path.read_bytes() if size <= max_bytes else None
+    except OSError as err:
+        raise UnreadableJSON(str(err)) from None
+    if data is None:
+        raise UnreadableJSON(f"it is {size:,} bytes, more than the {max_bytes:,} such a file may have")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UnreadableJSON("it is not UTF-8 text") from None
+    except RecursionError:
+        raise UnreadableJSON("it is nested too deep") from None
+    except ValueError as err:  # text that is not JSON
+        raise UnreadableJSON(str(err)) from None
