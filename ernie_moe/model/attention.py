@@ -7,6 +7,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ..nn import kernels
+from ..nn.recompute import Recomputable
 
 
 def core_attention(q, k, v, allowed: paddle.Tensor | None) -> paddle.Tensor:
@@ -27,7 +28,7 @@ def causal_document_mask(doc_ids: paddle.Tensor) -> paddle.Tensor:
     return paddle.logical_and(same_doc, causal).unsqueeze(1)
 
 
-class Attention(nn.Layer):
+class Attention(Recomputable, nn.Layer):
     def __init__(self, plan, cfg):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -51,7 +52,7 @@ class Attention(nn.Layer):
         q, k = kernels.rotary(q, angles), kernels.rotary(k, angles)
         if cache is not None:
             k, v = cache.extend(k, v)
-        out = self.core(q, k, v, allowed)
+        out = self.piece("core", q, k, v, allowed)
         return self.o_proj(out.reshape([batch, seq, -1]))
 
     def core(self, q, k, v, allowed):

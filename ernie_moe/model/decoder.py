@@ -7,10 +7,11 @@ from paddle import nn
 
 from ..moe.layer import MoELayer
 from ..nn.layers import SwiGLUMLP
+from ..nn.recompute import Recomputable
 from .attention import Attention
 
 
-class DecoderLayer(nn.Layer):
+class DecoderLayer(Recomputable, nn.Layer):
     def __init__(self, plan, cfg, layer_idx: int, attention_inputs):
         super().__init__()
         self.layer_idx = layer_idx
@@ -25,23 +26,23 @@ class DecoderLayer(nn.Layer):
         self.mlp = (MoELayer(plan.full_sequence(), cfg, modalities, layer_idx) if self.is_moe
                     else SwiGLUMLP(plan, cfg.hidden_size, cfg.intermediate_size))
 
-    # body, attention_block, moe_block: the pieces model.recompute.apply_recompute may recompute
+    # body, attention_block, moe_block: the pieces model.recompute.apply_recompute may recompute (Recomputable)
     def forward(self, inputs):
         """``(hidden, router_loss, token_type_ids, position_ids, doc_ids)`` -> the same tuple with the new
         hidden state and the router loss grown by this layer's (see ``model.blocks``)."""
         x, router_loss, token_type_ids, position_ids, doc_ids = inputs
         angles, allowed = self.attention_inputs(position_ids, doc_ids)
-        x, layer_loss = self.body(x, token_type_ids, angles, allowed)
+        x, layer_loss = self.piece("body", x, token_type_ids, angles, allowed)
         return x, router_loss + layer_loss, token_type_ids, position_ids, doc_ids
 
     def body(self, x, token_type_ids, angles, allowed, cache=None) -> tuple[paddle.Tensor, paddle.Tensor]:
         """The new hidden state and this layer's weighted router loss (0 for a dense layer); ``cache``: the
         layer's keys and values of earlier tokens (generation)."""
-        x = x + self.attention_block(x, angles, allowed, cache)
+        x = x + self.piece("attention_block", x, angles, allowed, cache)
         h = self.post_attention_layernorm(x)
         if not self.is_moe:
             return x + self.mlp(h), paddle.zeros([], dtype="float32")
-        out, router_loss = self.moe_block(h, token_type_ids)
+        out, router_loss = self.piece("moe_block", h, token_type_ids)
         return x + out, router_loss
 
     def attention_block(self, x, angles, allowed, cache=None):

@@ -14,6 +14,7 @@ from paddle import nn
 
 from ..nn import kernels
 from ..nn.layers import RMSNorm
+from ..nn.recompute import Recomputable
 from ..nn.rope import vision_rope_angles
 from .attention import core_attention
 
@@ -84,7 +85,7 @@ class VisionMLP(nn.Layer):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class VisionBlock(nn.Layer):
+class VisionBlock(Recomputable, nn.Layer):
     def __init__(self, cfg):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.embed_dim, epsilon=1e-6)
@@ -93,6 +94,9 @@ class VisionBlock(nn.Layer):
         self.mlp = VisionMLP(cfg)
 
     def forward(self, x, angles, groups):
+        return self.piece("body", x, angles, groups=groups)  # the image groups by keyword: recompute binds them
+
+    def body(self, x, angles, groups):
         x = x + self.attn(self.norm1(x), angles, groups)
         return x + self.mlp(self.norm2(x))
 
@@ -127,7 +131,7 @@ class VisionTransformer(nn.Layer):
                   paddle.to_tensor(np.argsort(order)))
         x = self.patch_embed(patches)
         for block in self.blocks:
-            x = block(x, angles, groups=groups)  # by keyword: a recomputed block binds it (see model.recompute)
+            x = block(x, angles, groups=groups)
         return self.ln(x)
 
 

@@ -1,15 +1,18 @@
-"""Where a forward pass runs under recompute: the state that layers and kernels below the model read, and the
-recompute call that sets it (fleet's ``recompute``, which restores the RNG state for the second run).
+"""Where a forward pass runs under recompute: the state that layers and kernels below the model read, the
+recompute call that sets it (fleet's ``recompute``, which restores the RNG state for the second run), and
+:class:`Recomputable`, the layers whose pieces may run through it.
 
-:func:`ernie_moe.model.recompute.apply_recompute` chooses which blocks of a model run through it.
+:func:`ernie_moe.model.recompute.apply_recompute` chooses which pieces of a model run through it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import NamedTuple
 
+import paddle
 from paddle.distributed.fleet.utils import recompute
 
 
@@ -54,3 +57,42 @@ def recomputed(function, *args, use_reentrant: bool = True):
             return function(*inputs)
 
     return recompute(run, *args, use_reentrant=use_reentrant)
+
+
+class Recomputable:
+    """Mixed into a layer whose methods may be recomputed: the layer calls them through :meth:`piece`, which
+    runs one chosen by :meth:`set_recompute` through :func:`recomputed` while the layer trains, plainly
+    otherwise (evaluation, generation)."""
+
+    def set_recompute(self, method: str, use_reentrant: bool | None) -> None:
+        """Recompute ``method`` with fleet's reentrant form or not; None: run it plainly."""
+        chosen = {**getattr(self, "_recomputed", {}), method: use_reentrant}
+        self._recomputed = {name: how for name, how in chosen.items() if how is not None}
+
+    def recomputes(self, method: str) -> bool:
+        return method in getattr(self, "_recomputed", {})
+
+    def piece(self, method: str, *args, **kwargs):
+        """``self.<method>(*args, **kwargs)``, recomputed if chosen. Keyword arguments are bound, not passed to
+        recompute, which takes tensors and plain values."""
+        plain = getattr(self, method)
+        use_reentrant = getattr(self, "_recomputed", {}).get(method)
+        if use_reentrant is None or not self.training:
+            return plain(*args, **kwargs)
+        return recomputed(functools.partial(plain, **kwargs), *_taking_gradient(args, self),
+                          use_reentrant=use_reentrant)
+
+
+def _taking_gradient(args: tuple, layer) -> tuple:
+    """fleet's recompute gives its outputs a gradient only when an input has one. Where no input needs one
+    (everything before the block frozen, as under LoRA) but the block trains, its first float input takes one."""
+    tensors = [a for a in args if isinstance(a, paddle.Tensor)]
+    if any(not t.stop_gradient for t in tensors) or all(p.stop_gradient for p in layer.parameters()):
+        return args
+    args = list(args)
+    for i, a in enumerate(args):
+        if isinstance(a, paddle.Tensor) and a.dtype in (paddle.float32, paddle.bfloat16, paddle.float16):
+            args[i] = a.detach()
+            args[i].stop_gradient = False
+            break
+    return tuple(args)
