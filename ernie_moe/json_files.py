@@ -36,3 +36,15 @@ def read_json(path, max_bytes: int = MAX_BYTES):
         raise UnreadableJSON("it is nested too deep") from None
     except ValueError as err:  # text that is not JSON
         raise UnreadableJSON(str(err)) from None
+
+
+def read_json_object(path, error: type[Exception], max_bytes: int = MAX_BYTES) -> dict:
+    """The JSON object in ``path``; ``error`` naming the file and why when it cannot be read or holds a value of
+    another kind."""
+    try:
+        value = read_json(path, max_bytes)
+    except UnreadableJSON as err:
+        raise error(f"cannot read {path}: {err}") from None
+    if not isinstance(value, dict):
+        raise error(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value

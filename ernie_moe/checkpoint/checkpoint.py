@@ -30,12 +30,13 @@ from paddle.base import core
 from safetensors import safe_open
 
 from .. import faults
-from ..json_files import UnreadableJSON, read_json
+from ..json_files import read_json, read_json_object
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor, shard_of
 from .errors import CheckpointError
 from .files import WrittenFiles, sha256_of, sync_folder
+from .formats import read_weight_map
 from .lineage import MARKER, Checkpoint, Run, folder_for, marker_text, prune, read
 from .model_files import (
     NUMPY_DTYPES,
@@ -245,13 +246,7 @@ class _Tensors:
 
     def __init__(self, directory: Path, index_name: str):
         self.directory = directory
-        index_file = directory / index_name
-        try:
-            self.where = read_json(index_file)["weight_map"]
-        except (UnreadableJSON, KeyError, TypeError) as err:
-            raise CheckpointError(f"cannot read {index_file}: {err}") from None
-        if not isinstance(self.where, dict) or not all(isinstance(f, str) for f in self.where.values()):
-            raise CheckpointError(f"{index_file}: weight_map must map each tensor name to a file name.")
+        self.where = read_weight_map(directory / index_name)
         self.files: dict = {}
 
     def get(self, name: str) -> np.ndarray:
@@ -305,12 +300,7 @@ def _read_state(directory: Path, model_cfg) -> dict:
     """``trainer_state.json``, its fields of the right kind; CheckpointError naming what is wrong, and naming the
     model settings of this run that differ from the checkpoint's (they change what the weights compute)."""
     path = directory / "trainer_state.json"
-    try:
-        state = read_json(path)
-    except UnreadableJSON as err:
-        raise CheckpointError(f"cannot read {path}: {err}") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(state).__name__}, not an object")
+    state = read_json_object(path, CheckpointError)
     for key, kind in (("step", int), ("consumed_rows", int), ("scheduler", dict)):
         value = state.get(key)
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):

@@ -21,7 +21,7 @@ import paddle
 from safetensors import safe_open
 
 from ..config.transformers_form import from_transformers, is_transformers_form
-from ..json_files import UnreadableJSON, read_json
+from ..json_files import UnreadableJSON, read_json, read_json_object
 from ..model.parameter_kinds import DECODER_LAYER, VIT_BLOCK, is_router, is_vision
 from .errors import CheckpointError
 from .pdparams import load_pdparams
@@ -79,12 +79,7 @@ class SourceCheckpoint:
         config_file = self.directory / "config.json"
         if not config_file.is_file():
             raise CheckpointError(f"{self.directory} has no config.json: not a model folder.")
-        try:
-            self.config = read_json(config_file)
-        except UnreadableJSON as err:
-            raise CheckpointError(f"cannot read {config_file}: {err}") from None
-        if not isinstance(self.config, dict):
-            raise CheckpointError(f"{config_file} holds a JSON {type(self.config).__name__}, not an object.")
+        self.config = read_json_object(config_file, CheckpointError)
         if is_transformers_form(self.config):  # its tensors are in PaddleFormers' Hugging Face layout
             try:
                 self.config = from_transformers(self.config)
@@ -111,13 +106,7 @@ class SourceCheckpoint:
         d = self.directory
         index = d / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = read_json(index)["weight_map"]
-            except (UnreadableJSON, KeyError, TypeError) as err:
-                raise CheckpointError(f"cannot read {index}: {err}") from None
-            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-                raise CheckpointError(f"{index}: weight_map must map each tensor name to a file name.")
-            return {_normalise(k): (d / f, k) for k, f in weight_map.items()}, None
+            return {_normalise(k): (d / f, k) for k, f in read_weight_map(index).items()}, None
         single = d / "model.safetensors"
         if single.is_file():
             try:
@@ -226,3 +215,15 @@ def _normalise(name: str) -> str:
 def transformers_name(name: str) -> str:
     """A Hugging Face-layout tensor name as transformers saves it."""
     return "model." + name if name.startswith("vision_model.") else name
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """A safetensors index's ``weight_map`` (tensor name -> file); CheckpointError naming the index when it cannot
+    be read or maps a name to something other than a file name."""
+    try:
+        weight_map = read_json(index)["weight_map"]
+    except (UnreadableJSON, KeyError, TypeError) as err:
+        raise CheckpointError(f"cannot read {index}: {err}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map each tensor name to a file name.")
+    return weight_map

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..json_files import UnreadableJSON, read_json
+from ..json_files import read_json_object
 from .errors import ConfigError
 from .kinds import fits
 from .transformers_form import from_transformers, is_transformers_form
@@ -27,12 +27,7 @@ def model_config_from(directory) -> dict:
     config_file = Path(directory) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"'{directory}' has no config.json: not a model folder.")
-    try:
-        source = read_json(config_file)
-    except UnreadableJSON as err:
-        raise ConfigError(f"cannot read {config_file}: {err}") from None
-    if not isinstance(source, dict):
-        raise ConfigError(f"{config_file} holds a JSON {type(source).__name__}, not an object: not a model config.")
+    source = read_json_object(config_file, ConfigError)
     if is_transformers_form(source):
         try:
             source = from_transformers(source)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..config import ConfigError, DataConfig
 from ..config.load import build
-from ..json_files import UnreadableJSON, read_json
+from ..json_files import read_json_object
 from .images import MEAN, STD
 
 FILE = "preprocessor_config.json"
@@ -87,13 +87,7 @@ def read_saved(directory) -> dict | None:
     path = Path(directory) / FILE
     if not path.is_file():
         return None
-    try:
-        saved = read_json(path, max_bytes=MAX_BYTES)
-    except UnreadableJSON as err:
-        raise ConfigError(f"cannot read {path}: {err}") from None
-    if not isinstance(saved, dict):
-        raise ConfigError(f"{path} holds a JSON {type(saved).__name__}, not an object.")
-    return saved
+    return read_json_object(path, ConfigError, max_bytes=MAX_BYTES)
 
 
 def _library_budget(saved: dict) -> dict:

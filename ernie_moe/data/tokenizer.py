@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-from ..json_files import UnreadableJSON, read_json
+from ..json_files import UnreadableJSON, read_json, read_json_object
 
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
 
@@ -170,13 +170,7 @@ SPECIAL_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_toke
 def _json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    try:
-        data = read_json(path)
-    except UnreadableJSON as err:
-        raise ValueError(f"cannot read {path}: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} is not a JSON object")
-    return data
+    return read_json_object(path, ValueError)
 
 
 def special_tokens(folder: Path, sp) -> dict[str, int]:

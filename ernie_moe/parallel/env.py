@@ -136,7 +136,7 @@ def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
         env.expert_group = env.tp_group
     elif layout.experts_all_to_all:
         env.expert_group = new_groups(layout.expert_groups())
-    if layout.expert_copies == env.data_world > 1:
+    if env.data_world > 1 and layout.expert_copies == env.data_world:
         env.expert_replica_group = env.data_group  # every data rank holds this rank's experts
     elif layout.expert_copies > 1:
         env.expert_replica_group = new_groups(layout.expert_replica_groups())

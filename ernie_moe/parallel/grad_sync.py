@@ -59,6 +59,8 @@ class GradSync:
         self.reducers: list[_Reducer] = []
         self.overlapped = False  # whether this step's backward synced as it went
         self.expert_scale = 1.0
+        self.partial = [p for p in groups["non_expert"] if spec_of(p).partial_over_tp]  # summed over tp ranks
+        self.in_reducers: set[int] = set()
         if env.world_size == 1:
             return
         replicas = env.expert_replica_group
@@ -72,6 +74,7 @@ class GradSync:
             self.reducers.append(_Reducer(groups["expert"], replicas))
             # the reducer averages over the replicas; the experts' share is 1 / data_world of their sum
             self.expert_scale = replicas.nranks / env.data_world
+        self.in_reducers = {id(p) for reducer in self.reducers for p in reducer.params}
 
     def expect_backward(self, outputs: list) -> None:
         self.overlapped = bool(self.reducers) and self.one_pass()
@@ -84,15 +87,16 @@ class GradSync:
         if env.world_size == 1:
             return
         if env.sequence_parallel:
-            partial = [p for p in groups["non_expert"] if spec_of(p).partial_over_tp]
-            fused_allreduce_gradients_with_group(partial, env.tp_group, scale=1.0)
-        reduced = {id(p) for reducer in self.reducers for p in reducer.params} if self.overlapped else set()
+            fused_allreduce_gradients_with_group(self.partial, env.tp_group, scale=1.0)
+        reduced = self.in_reducers if self.overlapped else set()
         shared = [p for p in groups["non_expert"] if id(p) not in reduced]
         if shared and env.data_world > 1:
             fused_allreduce_gradients_with_group(shared, env.data_group, scale=1.0 / env.data_world)
         experts = [p for p in groups["expert"] if p.grad is not None]
-        for param in [p for p in experts if id(p) in reduced] if self.expert_scale != 1.0 else []:
-            param.grad.scale_(self.expert_scale)
+        if self.expert_scale != 1.0:
+            for param in experts:
+                if id(param) in reduced:
+                    param.grad.scale_(self.expert_scale)
         rest = [p for p in experts if id(p) not in reduced]
         if rest and env.expert_replica_group is not None:
             fused_allreduce_gradients_with_group(rest, env.expert_replica_group, scale=1.0 / env.data_world)

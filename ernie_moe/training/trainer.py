@@ -121,8 +121,7 @@ class Trainer:
                     self.monitor.log_eval(self.step, last_eval)
                 if (t.save_steps and self.step % t.save_steps == 0) or self.step == t.max_steps:
                     self._save()
-                with part("step_reduce"):
-                    reason = stop.agreed()
+                reason = stop.agreed()
                 if reason:
                     self._stop(reason, bar)
         bar.close()
