@@ -18,11 +18,13 @@ def main(argv=None) -> int:
     from ernie_moe.config import ConfigError, load_config
     from ernie_moe.data import DataError
     from ernie_moe.training.precision import NonFiniteGradients
+    from ernie_moe.training.replica_check import ReplicasDiffer
     from ernie_moe.training.stop import EXIT_CODE, StopRequested
 
     # (error, how its one line starts, exit code); OSError: the disk or permissions, the environment
     expected = ((ConfigError, "config error", 2), (DataError, "data error", 2),
                 (CheckpointError, "checkpoint error", 2), (NonFiniteGradients, "training stopped", 3),
+                (ReplicasDiffer, "training stopped", 3),
                 (StopRequested, "stopped", EXIT_CODE), (OSError, "error", 2))
     try:
         cfg = load_config(args.config, args.overrides)

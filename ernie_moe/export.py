@@ -3,11 +3,13 @@ transformers' ``AutoModelForImageTextToText.from_pretrained`` reads it (``--form
 
     python -m ernie_moe.export SOURCE OUTPUT [--model-type ernie4_5_moe_vl|ernie4_5_moe|ernie4_5]
     python -m ernie_moe.export SOURCE OUTPUT --format transformers
+    python -m ernie_moe.export CHECKPOINT OUTPUT --ema [--format transformers]
     python -m ernie_moe.export ADAPTER OUTPUT --merge-lora [--base BASE] [--format transformers]
     python -m ernie_moe.export ADAPTER OUTPUT --adapter --format transformers [--base BASE]
 
 SOURCE is a training checkpoint (``checkpoint-<step>``), a final model, or any folder that
-``training.model_name_or_path`` reads. With ``--merge-lora``, ADAPTER is a LoRA run's final model (its
+``training.model_name_or_path`` reads. With ``--ema``, the checkpoint's EMA of the weights (``training.ema_decay``)
+is written in place of the trained weights. With ``--merge-lora``, ADAPTER is a LoRA run's final model (its
 adapter): the output is the base model it refers to (or ``--base``) with ``A B * scaling`` added to each
 adapted weight; with ``--adapter --format transformers`` the output is the adapter in PEFT's form (routed
 experts excepted: transformers stacks them). Tensors are read and converted one at a time and written in shards of at
@@ -27,6 +29,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
+from .checkpoint.checkpoint import BASE_FILE, EMA, IndexedTensors
 from .checkpoint.formats import (
     FUSED_PIECES,
     MODEL_TYPES,
@@ -67,9 +70,10 @@ def model_names(source_names) -> list[str]:
 
 
 def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 5 * 2 ** 30,
-           adapter_dir=None, form: str = PADDLEFORMERS) -> dict:
+           adapter_dir=None, form: str = PADDLEFORMERS, ema: bool = False) -> dict:
     refuse_writing_into(output_dir, [source_dir, adapter_dir])
     source = SourceCheckpoint(source_dir)
+    averages = ema_of(source_dir) if ema else None
     cfg = build(ModelConfig, model_config_from(source_dir), "model")
     check_model(cfg)
     source.check_depth(cfg)
@@ -107,6 +111,8 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
         names.remove("lm_head.weight")  # a copy of the embedding that a tied model does not read
     for name in names:
         value, _ = source.paddle_tensor(name)
+        if averages is not None and name in averages.where:
+            value = averages.get(name)
         if adapter is not None:
             value = merged_weight(name, value, adapter, cfg)
         for hf_name, array in to_hf(name, value, cfg, model_type):
@@ -131,6 +137,18 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
     return {"tensors": len(weight_map), "shards": len(shards), "bytes": total}
 
 
+def ema_of(checkpoint_dir) -> IndexedTensors:
+    """A full fine-tuning checkpoint's EMA; CheckpointError when it has none."""
+    folder = Path(checkpoint_dir)
+    if (folder / BASE_FILE).is_file():
+        raise CheckpointError(f"{folder} is a LoRA run's checkpoint: with training.save_ema_as_final its final_model "
+                              "is the adapter of the EMA")
+    if not (folder / f"{EMA}.index.json").is_file():
+        raise CheckpointError(f"{folder} holds no EMA of the weights ({EMA}.index.json): a checkpoint of a run with "
+                              "training.ema_decay, saved once the EMA had started, has one")
+    return IndexedTensors(folder, f"{EMA}.index.json")
+
+
 def refuse_writing_into(output_dir, read_dirs) -> None:
     """ValueError, before anything is written, when ``output_dir`` is a folder the command reads or lies inside
     one (an export into its own checkpoint overwrote the files it then failed to read)."""
@@ -151,6 +169,7 @@ def main(argv=None) -> int:
     parser.add_argument("--adapter", action="store_true",
                         help="with --format transformers, SOURCE is a LoRA adapter: write it in PEFT's form")
     parser.add_argument("--base", help="with --merge-lora: the base model folder (default: the one the adapter names)")
+    parser.add_argument("--ema", action="store_true", help="write the checkpoint's EMA of the weights")
     parser.add_argument("--format", default=PADDLEFORMERS, choices=(PADDLEFORMERS, TRANSFORMERS),
                         help="whose config.json to write (the tensors are the same)")
     args = parser.parse_args(argv)
@@ -160,8 +179,11 @@ def main(argv=None) -> int:
         source, adapter = args.source, None
         if args.merge_lora:
             source, adapter = adapter_base(args.source, args.base), args.source
+        if args.ema and args.merge_lora:
+            raise ValueError("--ema writes a full fine-tuning checkpoint's EMA; a LoRA run's EMA is its final_model "
+                             "with training.save_ema_as_final")
         done = export(source, args.output, args.model_type, int(args.max_shard_size_gb * 2 ** 30), adapter,
-                      args.format)
+                      args.format, args.ema)
     except (CheckpointError, ConfigError, ValueError, OSError) as err:
         print(f"export error: {err}", file=sys.stderr)
         return 2

@@ -10,7 +10,9 @@ fail at ``point``:
 - ``sigterm_in_step``: SIGTERM after the step's forward and backward passes (the trainer's hook);
 - ``launcher_killed``: at the same point, SIGKILL to the process that started this one (the launcher);
 - ``kill_worker`` / ``kill_every_worker``: a data worker (``data.num_workers``) asked for sample ``<step>`` kills
-  itself with SIGKILL, the first worker only or every worker that takes the sample.
+  itself with SIGKILL, the first worker only or every worker that takes the sample;
+- ``perturb_weight``: after the optimizer step ``<step>``, the first element of the first replicated parameter
+  moves by 1e-3 (on ``rank`` only, for the replica check to find).
 
 Unset, :func:`hit` is one dictionary look-up.
 """
@@ -24,13 +26,18 @@ import signal
 VARIABLE = "ERNIE_MOE_FAULT"
 
 
-def hit(point: str, step: int, rank: int) -> None:
+def at(point: str, step: int, rank: int) -> bool:
+    """Whether the fault ``point`` strikes ``step`` on ``rank``."""
     spec = os.environ.get(VARIABLE)
     if not spec:
-        return
+        return False
     name, _, where = spec.partition("@")
     at_step, _, at_rank = where.partition("@")
-    if name != point or at_step != str(step) or (at_rank and at_rank != str(rank)):
+    return name == point and at_step == str(step) and (not at_rank or at_rank == str(rank))
+
+
+def hit(point: str, step: int, rank: int) -> None:
+    if not at(point, step, rank):
         return
     if point.startswith("kill"):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -92,8 +92,9 @@ def test_two_data_parallel_ranks_match_one_process_and_log_per_rank(tmp_path):
         np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def load_model(model_dir):
-    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+def load_model(model_dir, index="model.safetensors.index.json"):
+    """The tensors of a safetensors index in ``model_dir`` (a model's, or a checkpoint's optimizer or EMA)."""
+    index = json.loads((model_dir / index).read_text())
     tensors = {}
     for shard in sorted(set(index["weight_map"].values())):
         tensors.update(load_file(str(model_dir / shard)))

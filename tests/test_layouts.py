@@ -2,7 +2,9 @@
 
 Each layout is launched for real (``paddle.distributed.launch``, gloo on CPU) and must reproduce the
 single-process losses of every step, the gradient norms, the evaluation and every final weight (the
-exported model holds full tensors whatever the layout). Capacity is unlimited, so no token is dropped.
+exported model holds full tensors whatever the layout), and the EMA of the weights and its evaluation. The
+replica check runs after every step and must find every replica equal. Capacity is unlimited, so no token is
+dropped.
 """
 
 import json
@@ -21,7 +23,8 @@ STEPS = 5
 # the collectives.
 COMMON = [f"training.max_steps={STEPS}", "logging.logging_steps=1", f"training.eval_steps={STEPS}",
           "training.adam_epsilon=1e-6", "data.num_eval_samples=7", "training.per_device_eval_batch_size=1",
-          "model.global_aux_loss=true", "model.moe_use_aux_free=true", "model.moe_aux_free_update_coef=0.01"]
+          "model.global_aux_loss=true", "model.moe_use_aux_free=true", "model.moe_aux_free_update_coef=0.01",
+          "training.ema_decay=0.5", "training.ema_start_step=2", "training.replica_check_steps=1"]
 ROWS = 4  # rows of each global micro-batch
 # Router statistics are those of one micro-batch: layouts that accumulate micro-batches (every pipeline) are
 # compared with a single process that accumulates the same micro-batches.
@@ -30,6 +33,8 @@ ACCUMULATE = ["training.gradient_accumulation_steps=2"]
 INTERLEAVED = ["training.gradient_accumulation_steps=8", "model.num_hidden_layers=8"]
 TP2, PP2 = "parallel.tensor_parallel_degree=2", "parallel.pipeline_parallel_degree=2"
 RECOMPUTE = "training.recompute=true"
+# the EMA of weights that agree to float32 rounding
+EMA_ATOL = 1e-6
 
 # name: (processes, data ranks, layout overrides, overrides shared with the reference run)
 LAYOUTS = {
@@ -100,6 +105,17 @@ def test_layout_matches_one_process(tmp_path, reference, layout):
     for name in a:
         assert b[name].shape == a[name].shape, name
         np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    # the EMA, split over the replicas that hold each weight, saved whole; evaluated beside the model
+    a, b = (load_model(out / f"checkpoint-{STEPS}", "ema.index.json") for out in (one, many))
+    # every weight that trains (the aux-loss-free bias is set by the trainer's counts, not averaged)
+    untrained = set(load_model(one / f"checkpoint-{STEPS}")) - set(a)
+    assert untrained and all(n.endswith("e_score_correction_bias") for n in untrained) and set(b) == set(a)
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=0, atol=EMA_ATOL, err_msg=name)
+    np.testing.assert_allclose(evals[1]["ema_eval_loss"], evals[0]["ema_eval_loss"], rtol=1e-4)
+    checks = [r for r in records(many) if "replicas/max_abs_diff" in r]
+    assert [r["step"] for r in checks] == (list(range(STEPS + 1)) if data_ranks > 1 else [])
+    assert all(r["replicas/differing_copies"] == 0 for r in checks)
     config = json.loads((many / "final_model" / "config.json").read_text())
     assert config["num_attention_heads"] == 4  # the full model's config, not a rank's slice
     # rank 0's step-time breakdown names the collectives it runs (as the first pipeline stage it holds only the

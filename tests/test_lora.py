@@ -133,6 +133,26 @@ def test_the_adapter_loads_back_and_merges_into_the_lora_models_logits(tmp_path,
                                    atol=1e-5)
 
 
+def test_a_lora_run_averages_its_pairs_and_saves_their_ema_as_the_adapter(tmp_path, base):
+    """The EMA of a LoRA run holds the pairs only (the frozen base is not averaged); with save_ema_as_final the
+    adapter written is the averaged pairs, and the model keeps its trained ones."""
+    tr = lora(tmp_path / "run", base, "training.ema_decay=0.5", "training.save_ema_as_final=true")
+    named = dict(tr.model.stable_named_parameters())
+    assert {n for n, _, _ in tr.ema.owned} == {n for n, p in named.items() if not p.stop_gradient}
+    assert all(is_lora(n) for n, _, _ in tr.ema.owned)
+    for tr.step in range(1, 4):
+        tr.train_step()
+    trained = {n: p.numpy() for n, p in named.items() if is_lora(n)}
+    tr._finish({})
+    _, adapter = read_adapter(tmp_path / "run" / "final_model", tr.cfg.model)
+    averaged = {n: tr.ema.values[id(named[n])].numpy() for n in trained}
+    assert adapter and set(adapter) == set(averaged)
+    for name, value in adapter.items():
+        np.testing.assert_array_equal(value, averaged[name], err_msg=name)
+        np.testing.assert_array_equal(named[name].numpy(), trained[name], err_msg=name)
+    assert any(not np.array_equal(averaged[n], trained[n]) for n in trained)
+
+
 def test_freezing_parts_and_the_vit_learning_rates(tmp_path):
     tr = trainer(tmp_path, "training.freeze=[vision, router]", "training.vit_lr_ratio=0.5", "training.visual_ld=0.8",
                  "training.moe_gate_lr_ratio=2.0", "model.moe_use_aux_free=true")

@@ -50,6 +50,7 @@ from .model_files import (
 BASE_FILE = "base_model.json"
 ADAM_STATES = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
 MASTER = "master_weight"
+EMA = "ema"  # ema-<rank>.safetensors and ema.index.json: the EMA's averages (training.ema_decay)
 
 
 def _barrier(env) -> None:
@@ -77,6 +78,7 @@ class TrainingParts:
     scaler: object  # loss scaling and skipped-step counts (training.precision.Precision)
     state: object  # the run's position, a dataclass of JSON values with ``step`` and ``consumed_rows``
     base: dict | None = None  # a LoRA run's base model (``finetune.adapter_files.base_reference``)
+    ema: object = None  # the EMA of the weights (training.ema.WeightAverage), or None
 
 
 def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent: Checkpoint | None) -> Checkpoint:
@@ -103,11 +105,13 @@ def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent:
     faults.hit("kill_during_save", step, env.rank)
     faults.hit("sigterm_during_save", step, env.rank)
     _save_optimizer(parts, env, tmp, step, written)
+    _save_ema(parts, env, tmp, written)
     written.write(tmp / f"rng_state-{env.rank:05d}.json", json.dumps(rng_state()))
     if env.is_main:
         state = {**dataclasses.asdict(parts.state),
                  "scheduler": parts.scheduler.state_dict(), "schedule": parts.scheduler.plan(),
-                 "loss_scaler": parts.scaler.state_dict(), "config": dataclasses.asdict(cfg)}
+                 "loss_scaler": parts.scaler.state_dict(), "ema_updates": parts.ema.updates if parts.ema else 0,
+                 "config": dataclasses.asdict(cfg)}
         written.write(tmp / "trainer_state.json", json.dumps(state, indent=2))
     outcomes = env.all_gather_object((written.digests, f"{written.error}" if written.error else None))
     error = None
@@ -188,26 +192,46 @@ def _save_optimizer(parts: TrainingParts, env, directory: Path, step: int, writt
             if pname in names:
                 stable, param = names[pname]
                 states.append((stable, MASTER, param, value))
-    specs = [(f"{stable}/{state}", NUMPY_DTYPES[value.dtype], _full_shape(param, value))
-             for stable, state, param, value in states if writes[is_expert(stable)]]
-    filename = f"optimizer-{env.rank:05d}.safetensors"
+    entries = [(f"{stable}/{state}", param, value, writes[is_expert(stable)]) for stable, state, param, value in states]
+    _write_full_tensors(entries, env, directory, "optimizer", written, step)
+
+
+def _save_ema(parts: TrainingParts, env, directory: Path, written: WrittenFiles) -> None:
+    """The EMA's averages, each written by the rank that owns it (tensor-parallel rank 0 unless the experts are
+    split over the tensor ranks)."""
+    if parts.ema is None or not parts.ema.started:
+        return
+    entries = [(name, param, value, env.tp_rank == 0 or (is_expert(name) and env.expert_group is env.tp_group))
+               for name, param, value in parts.ema.saved_states()]
+    _write_full_tensors(entries, env, directory, EMA, written)
+
+
+def _write_full_tensors(entries: list, env, directory: Path, kind: str, written: WrittenFiles,
+                        step: int | None = None) -> None:
+    """``entries``: (tensor name, parameter, this rank's value split like it, whether this rank writes it), the
+    same parameters in the same order on the ranks of a tensor-parallel group. Each rank writes its tensors whole
+    into ``<kind>-<rank>.safetensors``; rank 0 writes ``<kind>.index.json``. ``step``: where the disk-full fault
+    may strike."""
+    specs = [(name, NUMPY_DTYPES[value.dtype], _full_shape(param, value))
+             for name, param, value, writes in entries if writes]
+    filename = f"{kind}-{env.rank:05d}.safetensors"
     file = None
     try:
-        faults.hit("disk_full", step, env.rank)
+        if step is not None:
+            faults.hit("disk_full", step, env.rank)
         file = SafetensorsWriter(directory / filename, specs, {"format": "pd"}) if specs else None
     except OSError as err:
         written.fail(err)
-    for stable, state, param, value in states:
+    for name, param, value, writes in entries:
         value = full_tensor(param, env.tp_group, value)  # a collective: every rank takes part
-        if writes[is_expert(stable)] and file is not None:
-            file.write(f"{stable}/{state}", value.numpy())
+        if writes and file is not None:
+            file.write(name, value.numpy())
     if file is not None:
         file.close(written)
-    parts = [name for name, _, _ in specs]
-    listing = env.all_gather_object((filename, sorted(parts)))
+    listing = env.all_gather_object((filename, sorted(name for name, _, _ in specs)))
     if env.is_main:
         index = {name: file for file, keys in listing for name in keys}
-        written.write(directory / "optimizer.index.json", json.dumps({"weight_map": index}, indent=2))
+        written.write(directory / f"{kind}.index.json", json.dumps({"weight_map": index}, indent=2))
 
 
 def _keeps_master_weights(opt, param) -> bool:
@@ -241,8 +265,9 @@ def _writes_shared(env) -> bool:
     return env.tp_rank == 0 and env.data_rank < sharding
 
 
-class _Tensors:
-    """Lazy access to the tensors of a checkpoint folder through a safetensors index."""
+class IndexedTensors:
+    """Lazy access to the tensors of a checkpoint folder through a safetensors index (its model, optimizer states
+    or EMA)."""
 
     def __init__(self, directory: Path, index_name: str):
         self.directory = directory
@@ -322,7 +347,7 @@ def load_checkpoint(parts: TrainingParts, directory: Path, env) -> dict:
     """Load model weights, optimizer state, schedule and loss scaling into this rank's layout; returns the
     saved ``trainer_state.json`` (the caller restores its state from it)."""
     state = _read_state(directory, parts.model.cfg)
-    weights = _Tensors(directory, "model.safetensors.index.json")
+    weights = IndexedTensors(directory, "model.safetensors.index.json")
     named = parts.model.stable_named_parameters(include_tied_copy=True)
     base = _check_base(directory, parts.base)
     for stable, param in named:
@@ -333,7 +358,7 @@ def load_checkpoint(parts: TrainingParts, directory: Path, env) -> dict:
             raise CheckpointError(f"tensor '{stable}' in {directory} has shape {list(value.shape)}; this model "
                                   f"expects {list(param.shape)}")
         param.set_value(paddle.to_tensor(value).astype(param.dtype))
-    states = _Tensors(directory, "optimizer.index.json")
+    states = IndexedTensors(directory, "optimizer.index.json")
     names = {p.name: (stable, p) for stable, p in named}
     for opt in adam_parts(parts.optimizer):
         loaded = {"LR_Scheduler": dict(state["scheduler"])}
@@ -347,6 +372,7 @@ def load_checkpoint(parts: TrainingParts, directory: Path, env) -> dict:
                 loaded.setdefault("master_weights", {})[param.name] = master
         opt.set_state_dict(loaded)
     parts.scheduler.set_state_dict(state["scheduler"])
+    _load_ema(parts, directory, state)
     if "loss_scaler" in state:
         parts.scaler.load_state_dict(state["loss_scaler"])
     rng_file = directory / f"rng_state-{env.rank:05d}.json"
@@ -356,3 +382,15 @@ def load_checkpoint(parts: TrainingParts, directory: Path, env) -> dict:
         except (ValueError, TypeError, KeyError, RuntimeError) as err:
             raise CheckpointError(f"cannot read {rng_file}: {err}") from err
     return state
+
+
+def _load_ema(parts: TrainingParts, directory: Path, state: dict) -> None:
+    """The EMA where the checkpoint has one; a run that turns the EMA on at a resume starts it afresh."""
+    updates = state.get("ema_updates", 0)
+    if parts.ema is None:
+        return
+    if not isinstance(updates, int) or isinstance(updates, bool) or updates < 0:
+        raise CheckpointError(f"{directory}/trainer_state.json: 'ema_updates' must be a whole number of 0 or more, "
+                              f"not {updates!r}")
+    averages = IndexedTensors(directory, f"{EMA}.index.json") if updates else None
+    parts.ema.load(lambda name, param: shard_of(param, averages.get(name)), updates)

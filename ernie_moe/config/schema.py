@@ -238,6 +238,18 @@ class TrainingConfig:
                                        "0 = the GPU's own, or the machine's RAM on a CPU")
     memory_guard_fraction: float = opt(0.85, "when a step's memory peak passes this fraction of the device, "
                                             "recompute more, then halve the micro-batch; 0 = off")
+    ema_decay: float = opt(0.0, "keep an exponential moving average of the trained weights in float32 "
+                                "(ema = decay x ema + (1 - decay) x weights), split over the data-parallel replicas "
+                                "and evaluated beside the model; 0 = off")
+    ema_start_step: int = opt(0, "the EMA starts as a copy of the weights after the first step at or past this one")
+    ema_update_every: int = opt(1, "update the EMA every N steps after its start")
+    save_ema_as_final: bool = opt(False, "final_model holds the EMA weights instead of the trained ones")
+    replica_check: str = choice("stop", "stop", "warn", "off",
+                                doc="compare the weights every data-parallel (and expert) replica should hold "
+                                    "equal, at the start, after a resume and every replica_check_steps: a mismatch "
+                                    "stops the run or warns")
+    replica_check_steps: int = opt(0, "also check the replicas every N steps; 0 = at the start and after a resume "
+                                      "only")
     recompute: bool = opt(False, "drop activations after the forward pass and recompute them in backward")
     recompute_granularity: str = choice("full", "full", "full_attn", "core_attn", "moe",
                                         doc="what recomputes: the whole decoder layer, the attention block, the "

@@ -168,6 +168,15 @@ def _check_training(cfg: Config) -> None:
     _check_output_dir(t.output_dir)
     _require(not (t.bf16 and t.fp16), "training.bf16 and training.fp16 are both set; choose one.")
     _require(0 <= t.memory_guard_fraction <= 1, "training.memory_guard_fraction must be in [0, 1] (0 = off).")
+    _require(0 <= t.ema_decay < 1, f"training.ema_decay ({t.ema_decay}) must be in [0, 1) (0 = no EMA).")
+    _require(t.ema_start_step >= 0 and t.ema_update_every >= 1 and t.replica_check_steps >= 0,
+             "training.ema_start_step and replica_check_steps cannot be negative, training.ema_update_every must be "
+             "at least 1.")
+    _require(t.ema_decay > 0 or not t.save_ema_as_final,
+             "training.save_ema_as_final needs an EMA: set training.ema_decay (for example 0.999).")
+    _require(not t.save_ema_as_final or t.ema_start_step <= t.max_steps,
+             f"training.save_ema_as_final: the EMA starts at step {t.ema_start_step} (training.ema_start_step), after "
+             f"the run's last step ({t.max_steps}).")
     _require(t.scale_loss >= 1 and t.scale_incr_every >= 1 and t.max_skipped_steps >= 0,
              "training.scale_loss and training.scale_incr_every must be at least 1, training.max_skipped_steps "
              "at least 0.")

@@ -255,6 +255,8 @@ def estimate(cfg, workload: Workload, data_world: int | None = None) -> list[Sta
         if t.offload_optim:  # what visits at once: a bucket, or fleet's sharded share of the shared states whole
             shared_share = states_per_param * trainable[0] / sharding if p.sharding else 0.0
             optimizer = max(shared_share, min(optimizer - shared_share, OFFLOAD_BUCKET_BYTES))
+        elif t.ema_decay:  # the EMA's float32 averages, split over the replicas of each weight (host when offloaded)
+            optimizer += 4 * (trainable[0] / data_world + trainable[1] / max(layout.expert_copies, 1))
         per_layer = [_layer_activations(m, p, t, layer, workload) for layer in layers]
         if stage == 0:
             per_layer = _first_stage_activations(m, t, workload) + per_layer

@@ -107,6 +107,10 @@ class TrainingMonitor:
         out[f"memory/min_rank_{names[peak]}"] = float(table[:, peak].min())
         return out
 
+    def log_check(self, step: int, metrics: dict) -> None:
+        """Figures of a check made between logging windows (their names carry their group)."""
+        self.logger.log(step, metrics)
+
     def log_eval(self, step: int, metrics: dict) -> None:
         self.logger.log(step, metrics, prefix="eval")
 

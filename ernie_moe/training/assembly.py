@@ -16,7 +16,9 @@ Each step is a small function; the order is the contract, and each step says why
    fleet's reducer holds the parameters it syncs and their gradients' dtype, and once the trainable set is fixed.
 8. ``runner``: fleet's pipeline schedule where there is one, which takes the model as it now is.
 9. ``guard``: the memory guard, which needs to know whether the runner fixes the micro-batch.
-10. ``optimizer``: AdamW and the schedule over the parameters that train, last, once nothing adds any.
+10. ``optimizer``: AdamW and the schedule over the parameters that train, once nothing adds any.
+11. ``ema``: the moving average of what trains (``training.ema_decay``), last: it copies the weights as they
+    now are, cast and final, and shares them out over the replicas the way the layout holds them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..model.recompute import apply_recompute
 from ..moe.experts import use_expert_matmul
 from ..parallel.grad_sync import GradSync
 from ..timing import StepTimes
+from .ema import WeightAverage
 from .memory_guard import MemoryGuard
 from .optimizer import build_optimizer, split_experts
 from .precision import Precision
@@ -47,6 +50,7 @@ class Assembled:
     scheduler: object
     param_groups: dict  # parameters by gradient-sync group (experts apart)
     step_times: StepTimes  # where each step's time goes: the run's parts and the collectives' report here
+    ema: WeightAverage | None  # the moving average of the weights, when the run keeps one
 
 
 def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
@@ -65,8 +69,9 @@ def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
     runner = build_runner(model, env, precision, grad_sync(groups, cfg, env, state), timed)
     guard = MemoryGuard(t, env, device_bytes, model, can_halve=not runner.fixed_micro_batches)
     optimizer, scheduler = build_optimizer(model, t, env)
+    ema = WeightAverage(t, env, model) if t.ema_decay else None
     return Assembled(model, fine_tuning, base, precision, runner, guard, optimizer, scheduler, groups,
-                     StepTimes(enabled=timed))
+                     StepTimes(enabled=timed), ema)
 
 
 def build(cfg, env):

@@ -8,6 +8,7 @@ from ..checkpoint.checkpoint import adam_parts
 from ..finetune import learning_rate_ratios
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import spec_of
+from ..parallel.replicas import ReplicaSet, broadcast_owned, owners
 from .offload import OffloadedOptimizer, buckets, state_bytes_per_parameter
 from .schedule import WarmupDecay
 
@@ -79,12 +80,7 @@ class ShardedExpertAdamW:
 
     def __init__(self, make_adamw, params: list, group):
         self.params, self.group = params, group
-        loads = [0] * group.nranks
-        self.owner = []
-        for param in params:
-            owner = loads.index(min(loads))
-            self.owner.append(owner)
-            loads[owner] += param.size
+        self.owner = owners(ReplicaSet(group, params), [p.size for p in params])
         mine = [p for p, o in zip(params, self.owner) if o == group.rank]
         self._inner_opt = make_adamw(mine) if mine else None  # ``_inner_opt``: where the checkpoint finds states
 
@@ -92,15 +88,7 @@ class ShardedExpertAdamW:
     def step(self) -> None:
         if self._inner_opt is not None:
             self._inner_opt.step()
-        for owner in range(self.group.nranks):  # one broadcast per owner: its weights flattened into one buffer
-            owned = [p for p, o in zip(self.params, self.owner) if o == owner]
-            if not owned:
-                continue
-            flat = paddle.concat([p.reshape([-1]) for p in owned])
-            paddle.distributed.broadcast(flat, src=self.group.ranks[owner], group=self.group)
-            if owner != self.group.rank:
-                for param, piece in zip(owned, paddle.split(flat, [p.size for p in owned])):
-                    param.set_value(piece.reshape(param.shape))
+        broadcast_owned(self.params, self.owner, self.group)
 
     def clear_grad(self) -> None:
         for param in self.params:

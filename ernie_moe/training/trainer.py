@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -38,6 +39,7 @@ from .assembly import assemble
 from .memory_guard import is_out_of_memory
 from .optimizer import clip_grad_norm, optimizer_state_bytes
 from .precision import NonFiniteGradients
+from .replica_check import ReplicaCheck, ReplicasDiffer
 from .state import StepResult, TrainingState
 from .stop import StopRequested, StopWatch
 
@@ -61,7 +63,8 @@ class Trainer:
         self.model, self.fine_tuning, self.base = parts.model, parts.fine_tuning, parts.base
         self.precision, self.runner, self.guard = parts.precision, parts.runner, parts.guard
         self.optimizer, self.scheduler, self.param_groups = parts.optimizer, parts.scheduler, parts.param_groups
-        self.step_times = parts.step_times
+        self.step_times, self.ema = parts.step_times, parts.ema
+        self.replicas = ReplicaCheck(t, self.env, self.model)
         if self.env.is_main:
             print(self.fine_tuning.describe(), flush=True)
         self._notes()
@@ -88,7 +91,8 @@ class Trainer:
 
     @property
     def parts(self) -> TrainingParts:
-        return TrainingParts(self.model, self.optimizer, self.scheduler, self.precision, self.state, self.base)
+        return TrainingParts(self.model, self.optimizer, self.scheduler, self.precision, self.state, self.base,
+                             self.ema)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -101,6 +105,7 @@ class Trainer:
     def _train(self) -> dict:
         t, log_every = self.cfg.training, self.cfg.logging.logging_steps
         self._write_run_config()
+        self._check_replicas(f"after the resume at step {self.step}" if self.step else "at the start")
         self.monitor.start()
         bar = tqdm(total=t.max_steps, initial=self.step, mininterval=2.0, dynamic_ncols=True, desc="train",
                    disable=not (self.env.is_main and self.cfg.logging.progress_bar))
@@ -116,6 +121,8 @@ class Trainer:
                     for line in self.monitor.warnings if self.env.is_main else []:
                         bar.write(f"WARNING {line}")
                     window = []
+                if self.replicas.due(self.step):  # before the EMA's evaluation, which rewrites the replicas
+                    self._check_replicas(f"after step {self.step}")
                 if (t.eval_steps and self.step % t.eval_steps == 0) or self.step == t.max_steps:
                     last_eval = self.evaluate()
                     self.monitor.log_eval(self.step, last_eval)
@@ -235,6 +242,21 @@ class Trainer:
         result.data_wait = data_wait
         return result
 
+    def _check_replicas(self, when: str) -> None:
+        """The replica check (every rank): its figures logged, a mismatch stopping the run or warning."""
+        if not self.replicas.enabled:
+            return
+        metrics, mismatch = self.replicas.run(when)
+        self.monitor.log_check(self.step, metrics)
+        if mismatch is None:
+            return
+        if self.cfg.training.replica_check == "stop":
+            self._write_summary({"status": "failed", "steps": self.step, "reason": mismatch})
+            self.monitor.close()
+            raise ReplicasDiffer(mismatch)
+        if self.env.is_main:
+            print(f"WARNING {mismatch}", flush=True)
+
     def _announce(self, change: str) -> None:
         if self.env.is_main:
             print(f"memory guard: {change}", flush=True)
@@ -246,6 +268,10 @@ class Trainer:
             self.runner.finish_gradients()
         with part("optimizer"):
             self._update(result)
+            if self.ema is not None:
+                self.ema.update(self.step)
+        if faults.at("perturb_weight", self.step, self.env.rank):
+            self.replicas.perturb()
         result.loss_scale = self.precision.loss_scale
         result.rows = self.global_rows * len(micro_batches)
         result.flops = self.monitor.step_flops(micro_batches)
@@ -289,6 +315,15 @@ class Trainer:
                           tokens=tokens)
 
     def evaluate(self) -> dict:
+        """The held-out figures (``eval_*``), and the EMA's beside them (``ema_eval_*``) once it has started."""
+        result = self._evaluate()
+        if result and self.ema is not None and self.ema.started:
+            with self.ema.swapped_in():
+                averaged = self._evaluate(warn=False)
+            result.update({f"ema_{k}": v for k, v in averaged.items() if not k.startswith("eval_skipped")})
+        return result
+
+    def _evaluate(self, warn: bool = True) -> dict:
         if self.eval_set is None:
             return {}
         skipped = Counter()
@@ -296,7 +331,7 @@ class Trainer:
         global_rows = self.runner.eval_rows_per_device(self.cfg.training) * self.env.data_world
         batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
         result = self.runner.evaluate(batches, self.cfg.training)
-        if not result and self.env.is_main:
+        if not result and warn and self.env.is_main:
             print(f"WARNING the held-out data gave nothing to evaluate (skipped samples: {dict(skipped) or 'none'})",
                   flush=True)
         # held-out samples skipped are reported with the figures they are missing from
@@ -373,13 +408,15 @@ class Trainer:
         t = self.cfg.training
         final = Path(t.output_dir) / "final_model"
         files = inference_files(self.cfg, self.tokenizer, t.final_model_format)
-        if self.base is not None:  # the adapter alone, as PaddleFormers' LoRAModel reads it
-            save_adapter(self.model, self.cfg.model, LoRASettings.of(t), final, self.tokenizer, self.env, self.base,
-                         files)
-        else:
-            save_model(self.model, self.cfg.model, str(final), self.tokenizer, self.env, hf_layout=True,
-                       source=folder_config(t.model_name_or_path), extra=files, form=t.final_model_format)
-        summary.update(status="done", model_dir=str(final))
+        averaged = t.save_ema_as_final and self.ema.started
+        with self.ema.swapped_in() if averaged else contextlib.nullcontext():
+            if self.base is not None:  # the adapter alone, as PaddleFormers' LoRAModel reads it
+                save_adapter(self.model, self.cfg.model, LoRASettings.of(t), final, self.tokenizer, self.env,
+                             self.base, files)
+            else:
+                save_model(self.model, self.cfg.model, str(final), self.tokenizer, self.env, hf_layout=True,
+                           source=folder_config(t.model_name_or_path), extra=files, form=t.final_model_format)
+        summary.update(status="done", model_dir=str(final), final_model_weights="ema" if averaged else "trained")
         self._write_summary(summary)
         self.monitor.close()
 
