@@ -106,8 +106,9 @@ EMA_MARGIN = 0.01
     ("training.save_ema_as_final=true", "needs an EMA"),
     ("training.save_ema_as_final=true training.ema_decay=0.9 training.ema_start_step=1001", "after the run's last"),
     ("training.replica_check=sometimes", "replica_check"),
+    ("training.memory_guard_capacity=-1", "memory_guard_capacity"),
 ])
-def test_bad_ema_and_replica_settings_are_config_errors(override, words):
+def test_bad_ema_replica_and_capacity_settings_are_config_errors(override, words):
     with pytest.raises(ConfigError, match=words):
         load_config(str(ROOT / "configs" / "vl_moe.yaml"), override.split())
 

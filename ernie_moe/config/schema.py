@@ -237,7 +237,13 @@ class TrainingConfig:
     device_memory_gb: float = opt(0.0, "device memory the layout is checked against at start-up (memory planner); "
                                        "0 = the GPU's own, or the machine's RAM on a CPU")
     memory_guard_fraction: float = opt(0.85, "when a step's memory peak passes this fraction of the device, "
-                                            "recompute more, then halve the micro-batch; 0 = off")
+                                            "tighten the experts' capacity (memory_guard_capacity), recompute "
+                                            "more, then halve the micro-batch; 0 = off")
+    memory_guard_capacity: float = opt(0.0, "the guard's first rung: the routed experts' training capacity factor "
+                                            "for memory_guard_capacity_steps steps (tokens over it are dropped "
+                                            "and counted); 0 = no such rung")
+    memory_guard_capacity_steps: int = opt(20, "steps the capacity rung holds before the configured capacity "
+                                               "returns")
     ema_decay: float = opt(0.0, "keep an exponential moving average of the trained weights in float32 "
                                 "(ema = decay x ema + (1 - decay) x weights), split over the data-parallel replicas "
                                 "and evaluated beside the model; 0 = off")

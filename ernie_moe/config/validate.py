@@ -168,6 +168,9 @@ def _check_training(cfg: Config) -> None:
     _check_output_dir(t.output_dir)
     _require(not (t.bf16 and t.fp16), "training.bf16 and training.fp16 are both set; choose one.")
     _require(0 <= t.memory_guard_fraction <= 1, "training.memory_guard_fraction must be in [0, 1] (0 = off).")
+    _require(t.memory_guard_capacity >= 0 and t.memory_guard_capacity_steps >= 1,
+             "training.memory_guard_capacity cannot be negative (0 = no capacity rung) and "
+             "training.memory_guard_capacity_steps must be at least 1.")
     _require(0 <= t.ema_decay < 1, f"training.ema_decay ({t.ema_decay}) must be in [0, 1) (0 = no EMA).")
     _require(t.ema_start_step >= 0 and t.ema_update_every >= 1 and t.replica_check_steps >= 0,
              "training.ema_start_step and replica_check_steps cannot be negative, training.ema_update_every must be "

@@ -119,8 +119,23 @@ def uses_grouped_matmul(training) -> bool:
     return training.moe_expert_matmul == "grouped" or uses_flash_attention(training)
 
 
-def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[float, float]:
-    """(bytes kept, bytes of the recomputed block) of one decoder layer for one micro-batch."""
+def kept_copies(m, routed: list[tuple[int, int, int]], capacity: float | None, total_tokens: int) -> list[float]:
+    """Routed copies each expert group keeps (``routed``: its tokens, experts and width). Dropless, every token's
+    k choices; under a capacity factor (``moe.layer``'s rule), each expert keeps at most ``int(factor x tokens /
+    experts)``: a batch with image tokens counts every token over every expert, otherwise each group its own."""
+    if not capacity:
+        return [float(n * m.moe_k) for n, _, _ in routed]
+    mixed = len(routed) == 2 and routed[1][0] > 0
+    experts = sum(e for _, e, _ in routed)
+    per_expert = [int(capacity * total_tokens // experts) if mixed else int(capacity * n // e) if e else 0
+                  for n, e, _ in routed]
+    return [float(min(n * m.moe_k, e * cap)) for (n, e, _), cap in zip(routed, per_expert)]
+
+
+def _layer_activations(m, parallel, training, layer: int, w: Workload,
+                       capacity: float | None = None) -> tuple[float, float]:
+    """(bytes kept, bytes of the recomputed block) of one decoder layer for one micro-batch; ``capacity``: the
+    experts' training capacity factor (None: dropless)."""
     tp = parallel.tensor_parallel_degree
     sp = tp if parallel.sequence_parallel else 1
     t, h, hd = w.tokens, m.hidden_size, m.head_dim
@@ -148,8 +163,9 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload) -> tuple[
         routed = [r for i, r in enumerate(routed) if not hard or i in modalities]
         layout = Layout.of(parallel)
         # over the tensor-parallel ranks each holds the same tokens and a share of the experts: a share of the copies
-        copies = sum(n * m.moe_k for n, _, _ in routed) / (layout.expert_split if layout.experts_over_tp else 1)
-        width = sum(n * m.moe_k * wd for n, _, wd in routed) / max(sum(n * m.moe_k for n, _, _ in routed), 1)
+        kept_by_group = kept_copies(m, routed, capacity, t)
+        copies = sum(kept_by_group) / (layout.expert_split if layout.experts_over_tp else 1)
+        width = sum(c * wd for c, (_, _, wd) in zip(kept_by_group, routed)) / max(sum(kept_by_group), 1)
         router = 3.4 * sum(n * e for n, e, _ in routed)
         exchange = 2 * copies * h if layout.experts_all_to_all else 0
         shared = 4 * t * widths[0] * m.moe_num_shared_experts / tp
@@ -224,10 +240,13 @@ def in_flight(parallel, training, stage: int) -> float:
     return chunks / vpp
 
 
-def estimate(cfg, workload: Workload, data_world: int | None = None) -> list[StageMemory]:
+def estimate(cfg, workload: Workload, data_world: int | None = None,
+             capacity: float | None = None) -> list[StageMemory]:
     """Bytes on one rank of each pipeline stage for ``cfg``'s layout, model and training settings;
-    ``data_world``: the data-parallel x sharding ranks (default: the sharding ranks alone)."""
+    ``data_world``: the data-parallel x sharding ranks (default: the sharding ranks alone); ``capacity``: the
+    experts' training capacity factor (default: the configured one, ``model.moe_capacity``)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    capacity = capacity or (m.moe_capacity[0] if m.moe_capacity else None)
     low = t.bf16 or t.fp16
     o2 = low and t.fp16_opt_level == "O2"
     param_bytes = 2 if o2 else 4
@@ -257,7 +276,7 @@ def estimate(cfg, workload: Workload, data_world: int | None = None) -> list[Sta
             optimizer = max(shared_share, min(optimizer - shared_share, OFFLOAD_BUCKET_BYTES))
         elif t.ema_decay:  # the EMA's float32 averages, split over the replicas of each weight (host when offloaded)
             optimizer += 4 * (trainable[0] / data_world + trainable[1] / max(layout.expert_copies, 1))
-        per_layer = [_layer_activations(m, p, t, layer, workload) for layer in layers]
+        per_layer = [_layer_activations(m, p, t, layer, workload, capacity) for layer in layers]
         if stage == 0:
             per_layer = _first_stage_activations(m, t, workload) + per_layer
         kept = sum(k for k, _ in per_layer)

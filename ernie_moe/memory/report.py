@@ -81,6 +81,12 @@ def report(cfg, world: int, device_gb: float, run_search: bool, image_fraction: 
              f"{workload.patches} patches ({source})",
              table(stages, device)]
     ok = fits(stages, device)
+    rung = cfg.training.memory_guard_capacity
+    if rung:
+        tighter = max(s.total for s in estimate(cfg, workload, data_world, capacity=rung))
+        busiest = max(s.total for s in stages)
+        lines.append(f"the memory guard's capacity rung (factor {rung:g}): busiest stage {size(tighter)}, "
+                     f"{size(max(busiest - tighter, 0.0))} less")
     if run_search or not ok:
         found = search(cfg, workload_for, world, device, limit=10 if run_search else 5)
         lines.append(f"layouts that fit {world} ranks of {size(device)}, fastest first (relative estimate):"

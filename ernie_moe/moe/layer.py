@@ -51,6 +51,7 @@ class MoELayer(nn.Layer):
         self.num_experts = sum(counts)
         self.expert_widths = [w for n, w in zip(counts, widths) for _ in range(n)]  # by global expert id
         self.capacity_factors = list(cfg.moe_capacity)
+        self.training_capacity: float | None = None  # a training capacity factor set for a while (memory guard)
         self.loss_weights = [
             {name: cfg.loss_weight(f"moe_{name}_lambda", self._weight_modality(g))
              for name in ("aux_loss", "z_loss", "orthogonal_loss")}
@@ -128,7 +129,7 @@ class MoELayer(nn.Layer):
         """Each expert's capacity for this batch ([experts]), or None when dropless. PaddleFormers' rule: a batch
         with image or video tokens gives every expert ``int(factor * all tokens // all experts)``; otherwise each
         group's experts share its own tokens."""
-        if not self.capacity_factors:
+        if not self.capacity_factors and not (self.training and self.training_capacity):
             return None
         if self.group_modality == [TEXT, VISION] and tokens[1].shape[0]:
             total = sum(t.shape[0] for t in tokens)
@@ -148,9 +149,9 @@ class MoELayer(nn.Layer):
 
     def _capacity(self, num_tokens: int, num_experts: int) -> int:
         """``int(factor * tokens // experts)``, factor by mode: [train, eval, eval with fewer tokens than experts]."""
-        if not self.capacity_factors:
-            return 0
-        if self.training:
+        if self.training and self.training_capacity:
+            factor = self.training_capacity
+        elif self.training:
             factor = self.capacity_factors[0]
         else:
             factor = self.capacity_factors[2] if num_tokens < num_experts else self.capacity_factors[1]

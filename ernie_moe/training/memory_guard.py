@@ -1,8 +1,12 @@
 """Stepping down when memory runs short, without losing what was trained.
 
-The ladder: recompute at the next granularity (none -> moe -> core_attn -> full_attn -> full), then halve the
-micro-batch while doubling gradient accumulation (the global batch and, with token-count normalisation, the
-loss stay the same; not under pipeline parallelism, whose schedule fixes its micro-batches). A rung is taken
+The ladder: first, with ``training.memory_guard_capacity``, the cheapest lever an MoE has: a tighter training
+capacity factor for the routed experts, for ``memory_guard_capacity_steps`` steps (the tokens over it are
+dropped, and counted in the expert-balance metrics; the configured capacity returns afterwards, and the rung
+can be taken again). Then recompute at the next granularity (none -> moe -> core_attn -> full_attn -> full),
+then halve the micro-batch while doubling gradient accumulation (the global batch and, with token-count
+normalisation, the loss stay the same; not under pipeline parallelism, whose schedule fixes its
+micro-batches). A rung is taken
 when a step's allocator peak passes ``training.memory_guard_fraction`` of the device on any rank, or when a
 step fails with an out-of-memory error: the step then runs again on the next rung (its gradients are
 dropped first; no optimizer step has happened).
@@ -37,6 +41,8 @@ class MemoryGuard:
         self.limit = training_cfg.memory_guard_fraction * device_bytes
         self.use_reentrant = training_cfg.recompute_use_reentrant
         self.can_halve = can_halve
+        self.capacity = training_cfg.memory_guard_capacity
+        self.capacity_steps = training_cfg.memory_guard_capacity_steps
         self.taken: list[str] = []
 
     @property
@@ -53,10 +59,14 @@ class MemoryGuard:
         return float(peak) > self.limit
 
     def step_down(self, state, reason: str) -> Rung | None:
-        """Take the next rung, changing the training ``state`` (and the model's recompute); None when none is
-        left."""
+        """Take the next rung, changing the training ``state`` (and the model's capacity or recompute); None
+        when none is left. The capacity rung, taken in step ``state.step``, holds through the steps after it."""
         level = LADDER.index(state.recompute)
-        if level + 1 < len(LADDER):
+        if self.capacity and state.capacity_until is None:
+            state.capacity_until = state.step + self.capacity_steps
+            set_training_capacity(self.model, self.capacity)
+            change, halved = f"expert capacity {self.capacity:g} until step {state.capacity_until}", False
+        elif level + 1 < len(LADDER):
             state.recompute, state.recompute_layers = LADDER[level + 1], 0
             apply_recompute(self.model, state.recompute, state.recompute_layers, self.use_reentrant)
             change, halved = f"recompute {state.recompute}", False
@@ -68,3 +78,17 @@ class MemoryGuard:
             return None
         self.taken.append(f"{reason}: {change}")
         return Rung(self.taken[-1], halved)
+
+    def release(self, state) -> str | None:
+        """Before step ``state.step``: the configured capacity returns once the capacity rung's steps are over
+        (what changed, or None)."""
+        if state.capacity_until is None or state.step <= state.capacity_until:
+            return None
+        state.capacity_until = None
+        set_training_capacity(self.model, None)
+        return "the configured expert capacity is back"
+
+
+def set_training_capacity(model, factor: float | None) -> None:
+    for moe in model.moe_layers():
+        moe.training_capacity = factor

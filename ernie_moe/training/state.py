@@ -17,6 +17,7 @@ class TrainingState:
     accumulation_steps: int = 1  # micro-batches per optimizer step
     recompute: str | None = None  # the recompute granularity in force (None: nothing is recomputed)
     recompute_layers: int | list[int] = 0  # which decoder layers recompute (see ``model.recompute``)
+    capacity_until: int | None = None  # the memory guard's capacity rung holds through this step (None: not taken)
 
     @classmethod
     def start(cls, training_cfg) -> TrainingState:

@@ -208,6 +208,9 @@ class Trainer:
     def _train_step(self, micro_batches) -> StepResult:
         started = time.perf_counter()
         self.step_times.pop()
+        released = self.guard.release(self.state)
+        if released:
+            self._announce(released)
         with part("data"):
             rows = None if micro_batches is not None else self._next_rows()
         data_wait = time.perf_counter() - started  # measured whether or not the time breakdown is on
