@@ -10,18 +10,24 @@ import ernie_moe.doctor.kernels as kernels
 from ernie_moe.doctor.__main__ import main
 from ernie_moe.model.attention import core_attention
 from ernie_moe.moe.expert_matmul import expert_loop
+from ernie_moe.nn import quant
 from ernie_moe.nn.layers import RMSNorm
 
 
 def test_every_computation_matches_its_reference_here(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
-    assert "11 of 11 checks passed" in out and "FAIL" not in out
+    assert "13 of 13 checks passed" in out and "FAIL" not in out
 
 
-@pytest.mark.parametrize("broken", ["attention", "rms_norm", "routed experts one by one, with gradients"])
+@pytest.mark.parametrize("broken", ["attention", "rms_norm", "routed experts one by one, with gradients",
+                                    "int4 base weight matmul"])
 def test_a_broken_computation_fails_the_doctor(monkeypatch, capsys, broken):
-    if broken == "attention":  # the packed-document mask ignored
+    if broken == "int4 base weight matmul":  # the two four-bit halves of each byte read the wrong way round
+        real = quant.unpack_int4
+        monkeypatch.setattr(quant, "unpack_int4", lambda packed: real(packed).reshape([-1, 2, packed.shape[1]])
+                            .flip(axis=[1]).reshape([-1, packed.shape[1]]))
+    elif broken == "attention":  # the packed-document mask ignored
         monkeypatch.setattr(kernels, "core_attention", lambda q, k, v, allowed: core_attention(q, k, v, None))
     elif broken == "rms_norm":  # an epsilon far too large
         monkeypatch.setattr(kernels, "RMSNorm", lambda dim, eps: RMSNorm(dim, eps * 1e5))

@@ -1,7 +1,8 @@
 """LoRA runs in every kind of layout against one process, resumed, resumed into another layout, merged.
 
 The base model is a one-step run of the default config (a complete model folder with its tokenizer); each
-LoRA run trains the default targets on it for 5 steps in float32.
+LoRA run trains the default targets on it for 5 steps in float32, on the base as loaded or held in 8 or 4 bits
+(``training.quantize_base``, against one process holding it so).
 """
 
 import json
@@ -23,16 +24,24 @@ COMMON = [f"training.max_steps={STEPS}", "logging.logging_steps=1", "training.ev
           "training.adam_epsilon=1e-6", "data.num_eval_samples=4", "model.global_aux_loss=true",
           "training.fine_tuning=lora", "training.learning_rate=1e-2"]
 SP = "parallel.sequence_parallel=true"
+EP2 = "parallel.expert_parallel_degree=2"
+# the base held in 8 or 4 bits (groups of 16 input rows: inside every row-parallel slice of the default model)
+WINT8, WINT4 = ["training.quantize_base=wint8"], ["training.quantize_base=wint4", "training.quantize_group_size=16"]
 LAYOUTS = {
     "dp2": (2, 2, [], []),
     "tp2": (2, 1, [TP2], []),
     "tp2_moe_mp": (2, 1, [TP2, "parallel.moe_group=mp"], []),
-    "ep2": (2, 2, ["parallel.expert_parallel_degree=2"], []),
+    "ep2": (2, 2, [EP2], []),
     "pp2": (2, 1, [PP2], ACCUMULATE),
     "tp2_pp2": (4, 1, [TP2, PP2], ACCUMULATE),
     # the layout configs/ernie45_vl_28b_a3b_lora.yaml uses: sequence parallelism, optimizer sharding
     "sharding2_tp2_sp": (4, 2, [TP2, SP, "parallel.moe_group=mp", "parallel.sharding_parallel_degree=2",
                                 "parallel.sharding=stage1"], []),
+    **{f"{name}_{mode}": (nproc, data, layout, shared + bits)
+       for mode, bits in (("wint8", WINT8), ("wint4", WINT4))
+       for name, nproc, data, layout, shared in (("tp2", 2, 1, [TP2], []), ("ep2", 2, 2, [EP2], []),
+                                                 ("pp2", 2, 1, [PP2], ACCUMULATE),
+                                                 ("tp2_pp2", 4, 1, [TP2, PP2], ACCUMULATE))},
 }
 
 

@@ -174,19 +174,27 @@ def test_a_layout_that_does_not_fit_stops_at_start_up_with_layouts_that_do(tmp_p
 
 @pytest.mark.slow
 def test_the_real_scale_configs_are_planned(tmp_path):
-    # ERNIEKit's published minimums: VL-28B full on 8 and LoRA on 4, VL-424B LoRA on 16 GPUs of 80 GB
+    # ERNIEKit's published minimums: VL-28B full on 8 and LoRA on 4, VL-424B LoRA on 16 GPUs of 80 GB, and on 8
+    # with its base in 4-bit weights at 8K and 32K tokens
     for name, world, fits in (("ernie45_vl_28b_a3b.yaml", 8, True), ("ernie45_vl_424b_a47b.yaml", 96, True),
-                              ("ernie45_vl_28b_a3b_lora.yaml", 4, True), ("ernie45_vl_424b_a47b_lora.yaml", 16, True)):
+                              ("ernie45_vl_28b_a3b_lora.yaml", 4, True), ("ernie45_vl_424b_a47b_lora.yaml", 16, True),
+                              ("ernie45_vl_424b_a47b_wint4_lora.yaml", 8, True),
+                              ("ernie45_vl_424b_a47b_wint4_lora_32k.yaml", 8, True)):
         cfg = load_config(ROOT / "configs" / name, check_paths=False)  # the weights are not here
         text, ok = report(cfg, world, 80.0, run_search=False)
         p = cfg.parallel
         assert text.count("\n") >= 3 + p.pipeline_parallel_degree
         assert "assumed: images of" in text
         assert ok == fits, (name, text)
-    for offload, fewest in (("true", 96), ("false", 144)):  # VL-424B full fine-tuning, 80 GB GPUs
+    for offload, fewest in (("true", 24), ("false", 144)):  # VL-424B full fine-tuning, 80 GB GPUs
         done = subprocess.run([sys.executable, "-m", "ernie_moe.memory", "--config",
                                "configs/ernie45_vl_424b_a47b.yaml", "--smallest", f"training.offload_optim={offload}"],
                               cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0 and f"fewest GPUs of 80 GB: {fewest}," in done.stdout, done.stdout + done.stderr
+    for quantized, fewest in (("wint4", 8), ("wint8", 8), ("''", 16)):  # VL-424B LoRA: the base's bytes decide
+        done = subprocess.run([sys.executable, "-m", "ernie_moe.memory", "--config",
+                               "configs/ernie45_vl_424b_a47b_lora.yaml", "--smallest",
+                               f"training.quantize_base={quantized}"], cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0 and f"fewest GPUs of 80 GB: {fewest}," in done.stdout, done.stdout + done.stderr
     done = subprocess.run([sys.executable, "-m", "ernie_moe.memory", "--config", "configs/vl_moe.yaml", "--search"],
                           cwd=ROOT, capture_output=True, text=True)

@@ -275,6 +275,12 @@ class TrainingConfig:
                                   "(model.layers.1.self_attn.qkv_proj)")
     freeze: list[str] = opt([], "parts that do not train: vision, adapter, lm, embedding, head, router "
                                 "(ERNIEKit's freeze_vision = [vision])")
+    quantize_base: str = choice("", "", "wint8", "wint4",
+                                doc="LoRA: hold the frozen base linears of the language model (attention, dense MLP, "
+                                    "shared and routed experts) in int8, or int4 packed two to a byte, with scales "
+                                    "per output column (ERNIEKit's compute_type wint8 / wint4); empty = as loaded")
+    quantize_group_size: int = opt(0, "wint4: one scale per output column and group of this many input rows; 0 = "
+                                      "one per output column")
     vit_lr_ratio: float = opt(1.0, "ViT learning rate = learning_rate x this")
     visual_ld: float = opt(1.0, "layer-wise decay of the ViT learning rate: block i of D gets visual_ld^(D-i)")
     model_name_or_path: str = opt("", "start from this ERNIE 4.5 checkpoint folder (PaddleFormers, ERNIE Paddle or "

@@ -207,6 +207,12 @@ def _check_training(cfg: Config) -> None:
 
 
 def _check_fine_tuning(t) -> None:
+    _require(not t.quantize_base or t.fine_tuning == "lora",
+             f"training.quantize_base: {t.quantize_base} holds a frozen base in low precision: it needs "
+             "training.fine_tuning: lora (a base that trains cannot be held quantised).")
+    _require(t.quantize_group_size >= 0 and t.quantize_group_size % 2 == 0,
+             f"training.quantize_group_size ({t.quantize_group_size}) must be an even number of input rows, or 0 "
+             "(one scale per output column).")
     unknown = [p for p in t.freeze if p not in FREEZE_PARTS]
     _require(not unknown, f"training.freeze names unknown parts {unknown}; choose from {', '.join(FREEZE_PARTS)}.")
     _require(t.vit_lr_ratio > 0 and 0 < t.visual_ld <= 1,

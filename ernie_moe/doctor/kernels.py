@@ -14,7 +14,7 @@ from ..model.attention import causal_document_mask, core_attention
 from ..model.single_device import SingleDevicePlan
 from ..moe.dispatcher import LocalDispatcher
 from ..moe.expert_matmul import expert_loop, grouped_gemm_swiglu, grouped_swiglu
-from ..nn import kernels
+from ..nn import kernels, quant
 from ..nn.init import init_layer
 from ..nn.kernels import TOLERANCE
 from ..nn.layers import RMSNorm, SwiGLUMLP
@@ -175,11 +175,25 @@ def loss(rng, dtype):
     return ours, -np.take_along_axis(log_probs, np.where(kept, labels, 0)[..., None], -1)[..., 0][kept].sum()
 
 
+def quantized_matmul(rng, dtype, mode: str):
+    """A base linear held in 8 or 4 bits (training.quantize_base): ``x @ dequantised W`` against W quantised
+    in NumPy (per output column; int4 in groups of 8 input rows), in float64."""
+    x, w = rng.standard_normal([3, 4, 16]), rng.standard_normal([16, 6])
+    levels, per = (127, 16) if mode == "wint8" else (7, 8)
+    blocks = w.reshape(16 // per, per, 6)
+    scale = np.abs(blocks).max(axis=1, keepdims=True).astype(np.float32).astype(np.float64) / levels
+    weight = (np.clip(np.round(blocks / scale), -levels, levels) * scale).reshape(16, 6)
+    q, scales = quant.quantize(paddle.to_tensor(w.astype(np.float32)), mode, 0 if mode == "wint8" else 8)
+    return quant.quantized_matmul(_tensor(x, dtype), q, scales, mode), x @ weight
+
+
 CHECKS = {"attention": attention, "attention without a mask": functools.partial(attention, masked=False),
           "rms_norm": rms_norm, "swiglu": swiglu, "rotary embedding": rotary, "vision rotary embedding": vision_rotary,
           "expert dispatch and combine": dispatch_and_combine, "moe combine with gradients": combine,
           "routed experts one by one, with gradients": routed_experts,
-          "routed experts grouped, with gradients": functools.partial(routed_experts, grouped=True), "loss": loss}
+          "routed experts grouped, with gradients": functools.partial(routed_experts, grouped=True), "loss": loss,
+          "int8 base weight matmul": functools.partial(quantized_matmul, mode="wint8"),
+          "int4 base weight matmul": functools.partial(quantized_matmul, mode="wint4")}
 # Paddle's GPU-only kernels, each against the reference its plain path meets above
 FUSED_CHECKS = {f"{name}, fused kernel": functools.partial(CHECKS[name], fused=True)
                 for name in ("rms_norm", "rotary embedding", "vision rotary embedding", "moe combine with gradients",

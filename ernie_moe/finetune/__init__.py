@@ -21,11 +21,15 @@ class FineTuning:
     trainable: int
     total: int
     lora_layers: dict[str, int]
+    quantized: tuple[str, int] | None = None  # (wint8 | wint4, this rank's base linears held so)
 
     def describe(self) -> str:
         share = 100.0 * self.trainable / max(self.total, 1)
         what = f"LoRA on {sum(self.lora_layers.values())} linear layers" if self.mode == "lora" else "full fine-tuning"
-        return f"{what}: {self.trainable:,} of this rank's {self.total:,} parameters train ({share:.2f}%)"
+        line = f"{what}: {self.trainable:,} of this rank's {self.total:,} parameters train ({share:.2f}%)"
+        if self.quantized:
+            line += f"; the base's {self.quantized[1]} language-model linears on this rank held in {self.quantized[0]}"
+        return line
 
 
 def frozen(name: str, training_cfg) -> bool:

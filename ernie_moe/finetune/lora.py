@@ -104,15 +104,30 @@ _LINEARS = (nn.Linear, tp.ColumnParallelLinear, tp.RowParallelLinear, LoRALinear
 
 
 def linear_layers(model) -> list[tuple[str, nn.Layer, str, nn.Layer]]:
-    """(stable name, parent, attribute, layer) of every linear layer of ``model`` (this rank's part)."""
+    """(stable name, parent, attribute, layer) of every linear layer of ``model`` (this rank's part), a base layer
+    held quantised (``finetune.quantize``) included."""
     stable = {id(p): n for n, p in model.stable_named_parameters()}
     found, seen = [], set()
     for parent in model.sublayers(include_self=True):
+        if isinstance(parent, LoRALinear):  # its quantised base (finetune.quantize) is the LoRA layer's
+            continue
         for attr, child in parent._sub_layers.items():
-            if isinstance(child, _LINEARS) and id(child.weight) in stable and (id(parent), attr) not in seen:
+            name = _layer_name(child, stable)
+            if name is not None and (id(parent), attr) not in seen:
                 seen.add((id(parent), attr))
-                found.append((stable[id(child.weight)][: -len(".weight")], parent, attr, child))
+                found.append((name, parent, attr, child))
     return found
+
+
+def _layer_name(layer: nn.Layer, stable: dict) -> str | None:
+    """A linear layer's stable name (by its weight, or its pair's where the base weight is held quantised)."""
+    if isinstance(layer, LoRALinear):
+        name = stable.get(id(layer.lora_A))
+        return name[: -len(".lora_A")] if name else None
+    if isinstance(layer, _LINEARS):
+        name = stable.get(id(layer.weight))
+        return name[: -len(".weight")] if name else None
+    return getattr(layer, "stable_name", None)
 
 
 def target_matcher(targets: list[str], vision_expert_start: int | None):

@@ -22,7 +22,7 @@ import numpy as np
 from ..config.schema import OFFLOAD_BUCKET_BYTES
 from ..model.recompute import selected_layers
 from ..parallel.layout import Layout
-from .params import frozen_parts, stage_layers, stage_lora_params, stage_params
+from .params import frozen_parts, stage_layers, stage_lora_params, stage_params, stage_quantized
 
 PIXEL_CHANNELS_BYTES = 4  # flattened patches arrive as float32
 INT_FIELDS = 7  # int64 per token: input ids, labels, token types, doc ids, 3 position axes
@@ -261,10 +261,13 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         m.vision_config.in_channels * m.vision_config.patch_size ** 2 * PIXEL_CHANNELS_BYTES)
     out = []
     layers_of = stage_layers(m, p.pipeline_parallel_degree, max(p.virtual_pp_degree, 1))
+    quantized_stages = stage_quantized(m, p, t)
     for stage, (params, lora, layers) in enumerate(zip(stage_params(m, p, t), stage_lora_params(m, p, t),
                                                        layers_of)):
         # frozen weights: no gradient, no moments, no master copy (under O2 they stay in low precision only)
         parameters = param_bytes * (params.total + lora.total - params.float32) + 4 * params.float32
+        quantized_elements, quantized = quantized_stages[stage]  # base linears held as integers and scales
+        parameters += quantized - param_bytes * quantized_elements
         trainable = params.trainable_shared + lora.shared, params.trainable_experts + lora.experts
         gradients = grad_bytes * sum(trainable) / (sharding if p.sharding == "stage2" else 1)
         states_per_param = 8 + (4 if o2 else 0)  # two AdamW moments, a float32 master copy under O2

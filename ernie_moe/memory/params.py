@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..nn.quant import quantized_bytes
 from ..parallel.layout import Layout
 
 
@@ -167,3 +168,39 @@ def _vision_lora(cfg, targets: set[str], r: int) -> int:
     if "adapter" in targets:
         count += r * (4 * merged + (merged * cfg.temporal_conv_size + merged) + 2 * merged + merged + cfg.hidden_size)
     return count
+
+
+def stage_quantized(cfg, parallel, training) -> list[tuple[int, int]]:
+    """(weight elements, bytes held) of the base linears one rank of each pipeline stage holds quantised
+    (``training.quantize_base``): each linear's integers and scales (``nn.quant.quantized_bytes``), split as its
+    weight is (column-parallel: its output columns; row-parallel: its input rows)."""
+    pp = parallel.pipeline_parallel_degree
+    if training is None or not training.quantize_base:
+        return [(0, 0)] * pp
+    mode, group = training.quantize_base, training.quantize_group_size
+    tp, h = parallel.tensor_parallel_degree, cfg.hidden_size
+    expert_split = Layout.of(parallel).expert_split
+    heads, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+
+    def linears(layer: int) -> list[tuple[int, int, int]]:
+        """(rows, columns, how many) of one rank's base linears in a decoder layer."""
+        out = [(h, (heads + 2 * kv) // tp, 1), (heads // tp, h, 1)]
+        modalities = cfg.moe_modalities_at(layer)
+        if not modalities:
+            return out + [(h, 2 * cfg.intermediate_size // tp, 1), (cfg.intermediate_size // tp, h, 1)]
+        counts, widths = cfg.moe_num_experts, cfg.moe_intermediate_size
+        if cfg.moe_num_shared_experts:
+            shared = widths[0] * cfg.moe_num_shared_experts
+            out += [(h, 2 * shared // tp, 1), (shared // tp, h, 1)]
+        hard_gate = cfg.moe_use_hard_gate and len(counts) == 2
+        groups = [(counts[m], widths[m]) for m in modalities] if hard_gate else list(zip(counts, widths))
+        for n, width in groups:  # routed experts are whole on the ranks that hold them
+            out += [(h, 2 * width, n // expert_split), (width, h, n // expert_split)]
+        return out
+
+    stages = []
+    for layers in stage_layers(cfg, pp, max(parallel.virtual_pp_degree, 1)):
+        pieces = [piece for layer in layers for piece in linears(layer)]
+        stages.append((sum(r * c * n for r, c, n in pieces),
+                       sum(quantized_bytes(r, c, mode, group) * n for r, c, n in pieces)))
+    return stages

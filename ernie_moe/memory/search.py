@@ -29,8 +29,7 @@ def with_layout(cfg, tp, pp, vpp, sharding, ep, recompute, micro_batch, world, m
     """``cfg`` with another layout, the global batch unchanged; None when the layout is invalid."""
     t = cfg.training
     data = Layout(world, tp, pp).data_world
-    global_rows = t.per_device_train_batch_size * t.gradient_accumulation_steps * Layout.of(cfg.parallel,
-                                                                                             world).data_world
+    global_rows = t.per_device_train_batch_size * t.gradient_accumulation_steps * configured_data_world(cfg, world)
     if global_rows % (micro_batch * data):
         return None
     parallel = dataclasses.replace(
@@ -49,6 +48,13 @@ def with_layout(cfg, tp, pp, vpp, sharding, ep, recompute, micro_batch, world, m
     except ConfigError:
         return None
     return candidate
+
+
+def configured_data_world(cfg, world: int) -> int:
+    """The data ranks of the config's own layout: over ``world`` where it divides them, otherwise over one
+    replica's ranks (the global batch a search keeps is the one the config gives its layout)."""
+    configured = Layout.of(cfg.parallel, world)
+    return configured.data_world if world % configured.model_ranks == 0 else Layout.of(cfg.parallel).data_world
 
 
 def relative_time(cfg, world: int, largest_micro_batch: int) -> float:

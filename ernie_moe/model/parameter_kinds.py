@@ -82,3 +82,8 @@ LORA_TARGETS = {
     "vit": re.escape(VISION) + ".*",
     "adapter": re.escape(ADAPTER) + ".*",
 }
+
+# The linear layers ``training.quantize_base`` holds in low precision: the language model's attention, dense MLP,
+# shared and routed experts (the ViT, adapter, routers, embedding and head stay as they are)
+BASE_LINEAR = re.compile(_LM + r"(self_attn\.(qkv_proj|o_proj)|mlp\.(shared_experts\.|experts\.\d+\.)?"
+                               r"(up_gate_proj|down_proj))")

@@ -11,13 +11,15 @@ Each step is a small function; the order is the contract, and each step says why
    wrappers around them (the stable names are the base's either way).
 5. ``fine_tuning``: what trains (LoRA pairs beside chosen layers, frozen parts), after the base weights are in;
    a LoRA run refers to its base by digest.
-6. ``precision``: the cast to the AMP dtype, after every parameter (LoRA's included) exists.
-7. ``grad_sync``: who averages which gradients over which ranks (``parallel.grad_sync``), after the cast, since
+6. ``quantize``: a LoRA run's frozen base linears to integers and scales (``training.quantize_base``), after
+   the pairs, which wrap the layers by their weights, and before the cast, which would cast those weights.
+7. ``precision``: the cast to the AMP dtype, after every parameter (LoRA's included) exists.
+8. ``grad_sync``: who averages which gradients over which ranks (``parallel.grad_sync``), after the cast, since
    fleet's reducer holds the parameters it syncs and their gradients' dtype, and once the trainable set is fixed.
-8. ``runner``: fleet's pipeline schedule where there is one, which takes the model as it now is.
-9. ``guard``: the memory guard, which needs to know whether the runner fixes the micro-batch.
-10. ``optimizer``: AdamW and the schedule over the parameters that train, once nothing adds any.
-11. ``ema``: the moving average of what trains (``training.ema_decay``), last: it copies the weights as they
+9. ``runner``: fleet's pipeline schedule where there is one, which takes the model as it now is.
+10. ``guard``: the memory guard, which needs to know whether the runner fixes the micro-batch.
+11. ``optimizer``: AdamW and the schedule over the parameters that train, once nothing adds any.
+12. ``ema``: the moving average of what trains (``training.ema_decay``), last: it copies the weights as they
     now are, cast and final, and shares them out over the replicas the way the layout holds them.
 """
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 from ..finetune import prepare_fine_tuning
 from ..finetune.adapter_files import base_reference
+from ..finetune.quantize import quantize_base, refuse_a_quantized_base
 from ..model.recompute import apply_recompute
 from ..moe.experts import use_expert_matmul
 from ..parallel.grad_sync import GradSync
@@ -63,6 +66,7 @@ def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
     if t.model_name_or_path:
         load_weights(model, t.model_name_or_path)
     fine_tuning, base = fine_tune(model, cfg, env)
+    quantize(model, t, fine_tuning)
     precision = cast(model, t)
     groups = split_experts(model)
     timed = cfg.logging.time_breakdown
@@ -94,6 +98,12 @@ def fine_tune(model, cfg, env):
     if t.fine_tuning == "lora":  # every rank refers to the base by the digest rank 0 took
         base = env.all_gather_object(base_reference(t.model_name_or_path) if env.is_main else None)[0]
     return fine_tuning, base
+
+
+def quantize(model, t, fine_tuning) -> None:
+    if t.quantize_base:
+        refuse_a_quantized_base(t.model_name_or_path)
+        fine_tuning.quantized = (t.quantize_base, quantize_base(model, t.quantize_base, t.quantize_group_size))
 
 
 def grad_sync(groups, cfg, env, state) -> GradSync:
