@@ -42,13 +42,13 @@ def main(argv=None) -> int:
 
 
 def format_summary(summary: dict) -> str:
-    if not summary["trained_steps"]:
+    if not summary["run_steps"]:
         parts = [f"done: nothing trained (resumed at step {summary['steps']}, which training.max_steps does not "
                  "exceed)"]
     else:
         parts = [f"done: {summary['steps']} steps in {summary['train_time_s']:.0f}s"]
     if summary["skipped_steps"]:
-        parts.append(f"{summary['skipped_steps']} of {summary['trained_steps']} steps skipped for non-finite gradients")
+        parts.append(f"{summary['skipped_steps']} of {summary['run_steps']} steps skipped for non-finite gradients")
     for key in ("eval_loss", "eval_caption_accuracy", "eval_token_accuracy"):
         if key in summary:
             parts.append(f"{key} {summary[key]:.4f}")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections import Counter
 from pathlib import Path
 
+from . import json_files
 from .checkpoint.errors import CheckpointError
 from .cli import at_least_one, bounded
 from .config import ConfigError
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     print(" | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
     if args.out:
         try:
-            Path(args.out).write_text(json.dumps(result, indent=2))
+            Path(args.out).write_text(json_files.dumps(result, indent=2))
         except OSError as err:
             print(f"evaluate error: cannot write --out: {err}", file=sys.stderr)
             return 2

@@ -1,11 +1,16 @@
 """Reading a JSON file someone else may have written: a model folder's, a checkpoint's, an adapter's or a
 tokenizer's. Its size is judged before it is read, it must be UTF-8 text, and a nesting deeper than the decoder
 survives is a reason like any other. Callers put the reason into their own error, naming the file.
+
+And writing what a run reports (``metrics.jsonl``, ``summary.json``) as strict JSON: ``NaN`` and ``Infinity`` are
+not JSON, so strict readers (``jq``, a browser) refuse them; :func:`strict_json` writes ``null`` instead, with the
+reason beside it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 # far above any such file this package reads (a large model's index or a tokenizer.json is a few MiB)
@@ -48,3 +53,25 @@ def read_json_object(path, error: type[Exception], max_bytes: int = MAX_BYTES) -
     if not isinstance(value, dict):
         raise error(f"{path} holds a JSON {type(value).__name__}, not an object")
     return value
+
+
+def strict_json(value):
+    """``value`` with every non-finite float as None; in an object, ``<key>_nonfinite`` (``"nan"``, ``"inf"`` or
+    ``"-inf"``) beside such a key."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            out[key] = strict_json(item)
+            if isinstance(item, float) and not math.isfinite(item):
+                out[f"{key}_nonfinite"] = "nan" if math.isnan(item) else "inf" if item > 0 else "-inf"
+        return out
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
+def dumps(value, **kwargs) -> str:
+    """Strict JSON text of ``value`` (see :func:`strict_json`)."""
+    return json.dumps(strict_json(value), allow_nan=False, **kwargs)

@@ -424,7 +424,8 @@ def test_a_streak_of_skipped_steps_saves_nothing_and_names_the_checkpoint_before
 
 @pytest.mark.slow
 def test_a_run_whose_every_step_is_non_finite_fails(tmp_path):
-    """A model folder with a nan weight: every step is skipped, the log says nan, the run exits 3."""
+    """A model folder with a nan weight: every step is skipped, the log says so (null and the reason: strict
+    JSON), the run exits 3."""
     source = tmp_path / "source"
     train(source, "training.max_steps=1")
     shard = source / "final_model" / "model-00001-of-00001.safetensors"
@@ -437,10 +438,15 @@ def test_a_run_whose_every_step_is_non_finite_fails(tmp_path):
                    f"training.model_name_or_path={source / 'final_model'}", check=False)
     assert result.returncode == 3, result.stderr[-2000:]
     assert "3 of the 3 steps of this run were skipped" in result.stderr and "done:" not in result.stdout
-    logged = [r for r in records(out) if "loss" in r]
-    assert all(np.isnan(r["loss"]) and np.isnan(r["grad_norm"]) and r["skipped_steps"] == 1 for r in logged)
-    summary = json.loads((out / "summary.json").read_text())
+    # strict JSON (NaN is not JSON): null, the reason beside it
+    strict = {"parse_constant": lambda word: pytest.fail(f"{word} in a file that must be strict JSON")}
+    logged = [json.loads(line, **strict) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in logged if "loss" in r]
+    assert logged and all(r["loss"] is None and r["loss_nonfinite"] == "nan" and r["grad_norm"] is None
+                          and r["skipped_steps"] == 1 for r in logged)
+    summary = json.loads((out / "summary.json").read_text(), **strict)
     assert summary["status"] == "failed" and summary["skipped_steps"] == 3
+    assert summary["run_steps"] == 3 and summary["trained_steps"] == 0  # a skipped step trains nothing
     assert not (out / "final_model").exists()
 
 

@@ -85,8 +85,11 @@ def module_of(hf_name: str) -> str:
 def test_lora_layout_matches_one_process(tmp_path, base, reference, layout):
     nproc, data_ranks, overrides, shared = LAYOUTS[layout]
     one = reference(shared)
-    many, _ = launch(tmp_path, nproc, *COMMON, f"training.model_name_or_path={base}", *shared, *overrides,
-                     f"training.per_device_train_batch_size={ROWS // data_ranks}", name=layout)
+    many, log = launch(tmp_path, nproc, *COMMON, f"training.model_name_or_path={base}", *shared, *overrides,
+                       f"training.per_device_train_batch_size={ROWS // data_ranks}", name=layout)
+    # the whole model's adapted layers, however many ranks hold each: 2 x attention (2), the dense MLP (2), the
+    # shared expert (2) and 8 routed experts (2 each)
+    assert "LoRA on 24 linear layers" in log
     train = [[r for r in records(out) if "loss" in r] for out in (one, many)]
     assert len(train[1]) == STEPS
     for key in ("loss", "aux_loss", "grad_norm"):

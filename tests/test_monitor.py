@@ -6,9 +6,11 @@ import pytest
 from conftest import ROOT
 
 from ernie_moe.config import load_config
+from ernie_moe.json_files import dumps
 from ernie_moe.moe.layer import MoELayer
 from ernie_moe.monitor.alerts import Alerts
 from ernie_moe.monitor.expert_balance import heat_map, load_figures, summarize
+from ernie_moe.monitor.metrics import MetricsLogger
 from ernie_moe.nn.init import init_layer
 from ernie_moe.parallel import SingleDevicePlan
 
@@ -252,3 +254,15 @@ def test_flops_follow_the_6nd_formula(tiny_cfg):
     expected = 6 * tokens * (2 * attention + dense + shared) + 6 * (30 * routed[0] + 9 * routed[1])
     expected += 3 * 2 * 2 * 2 * (48 / 2) * q * hd * tokens + 6 * vit * 36 + 6 * adapter * 9
     assert FlopsCounter(model, m).batch_flops(batch) == pytest.approx(expected, rel=1e-9)
+
+
+def test_metrics_and_summaries_are_strict_json_with_the_reason_beside_a_non_finite_value(tmp_path):
+    logger = MetricsLogger(str(tmp_path), visualdl=False, enabled=True)
+    logger.log(3, {"loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3, "scale": -float("inf")})
+    logger.close()
+    line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
+    record = json.loads(line, parse_constant=lambda word: pytest.fail(f"{word} is not JSON"))
+    assert record == {"step": 3, "loss": None, "loss_nonfinite": "nan", "grad_norm": None,
+                      "grad_norm_nonfinite": "inf", "lr": 1e-3, "scale": None, "scale_nonfinite": "-inf"}
+    assert json.loads(dumps({"eval": [1.0, float("nan")], "nested": {"x": float("nan")}})) == \
+        {"eval": [1.0, None], "nested": {"x": None, "x_nonfinite": "nan"}}

@@ -20,12 +20,13 @@ class FineTuning:
     mode: str
     trainable: int
     total: int
-    lora_layers: dict[str, int]
+    lora_layers: dict[str, int]  # layers each target adapted in the whole model (a layer on several ranks once)
+    adapted: int = 0  # layers with a LoRA pair in the whole model
     quantized: tuple[str, int] | None = None  # (wint8 | wint4, this rank's base linears held so)
 
     def describe(self) -> str:
         share = 100.0 * self.trainable / max(self.total, 1)
-        what = f"LoRA on {sum(self.lora_layers.values())} linear layers" if self.mode == "lora" else "full fine-tuning"
+        what = f"LoRA on {self.adapted} linear layers" if self.mode == "lora" else "full fine-tuning"
         line = f"{what}: {self.trainable:,} of this rank's {self.total:,} parameters train ({share:.2f}%)"
         if self.quantized:
             line += f"; the base's {self.quantized[1]} language-model linears on this rank held in {self.quantized[0]}"
@@ -44,10 +45,15 @@ def prepare_fine_tuning(model, training_cfg, model_cfg, env) -> FineTuning:
     Every rank calls it (a target is checked against the layers of every pipeline stage)."""
     t = training_cfg
     counts: dict[str, int] = {}
+    adapted = 0
     if t.fine_tuning == "lora":
         vision_start = model_cfg.moe_num_experts[0] if len(model_cfg.moe_num_experts) == 2 else None
         local = apply_lora(model, LoRASettings.of(t), vision_start)
-        counts = {k: sum(c[k] for c in env.all_gather_object(local)) for k in local}
+        # a layer replicated over data or tensor ranks is one layer: count names, not ranks
+        every = env.all_gather_object(local)
+        names = {k: {n for rank in every for n in rank[k]} for k in local}
+        counts = {k: len(v) for k, v in names.items()}
+        adapted = len(set().union(*names.values()))
         # a group the model lacks (experts of a dense model) is no error; a pattern that matches nothing is
         missing = [k for k, n in counts.items() if n == 0 and (k not in LORA_TARGETS or not any(counts.values()))]
         if missing:
@@ -66,7 +72,7 @@ def prepare_fine_tuning(model, training_cfg, model_cfg, env) -> FineTuning:
     trainable, total = sum(p.size for p in own if not p.stop_gradient), sum(p.size for p in own)
     if not any(env.all_gather_object(trainable > 0)):
         raise ConfigError(f"nothing trains: training.freeze {list(t.freeze)} covers every part of the model")
-    return FineTuning(t.fine_tuning, int(trainable), int(total), counts)
+    return FineTuning(t.fine_tuning, int(trainable), int(total), counts, adapted)
 
 
 def learning_rate_ratios(model, training_cfg) -> dict[int, float]:

@@ -148,19 +148,19 @@ def target_matcher(targets: list[str], vision_expert_start: int | None):
     return matches
 
 
-def apply_lora(model, settings: LoRASettings, vision_expert_start: int | None) -> dict[str, int]:
+def apply_lora(model, settings: LoRASettings, vision_expert_start: int | None) -> dict[str, list[str]]:
     """Put a LoRA pair beside every linear layer a target matches; draws A by name from ``settings.seed``.
-    Returns the layers each target matched on this rank."""
+    Returns the layers (stable names) each target matched on this rank."""
     matches = target_matcher(list(settings.targets), vision_expert_start)
-    counts = dict.fromkeys(settings.targets, 0)
+    matched: dict[str, list[str]] = {target: [] for target in settings.targets}
     for name, parent, attr, layer in linear_layers(model):
         hits = [] if isinstance(layer, LoRALinear) else matches(name)
         for target in hits:
-            counts[target] += 1
+            matched[target].append(name)
         if hits:
             setattr(parent, attr, LoRALinear(layer, settings))
     init_weights([(n, p) for n, p in model.stable_named_parameters() if is_lora(n)], settings.seed)
-    return counts
+    return matched
 
 
 def is_lora(name: str) -> bool:

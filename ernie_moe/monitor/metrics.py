@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from .. import json_files
+
 
 class MetricsLogger:
     def __init__(self, output_dir: str, visualdl: bool, enabled: bool, resumed_at: int = 0):
@@ -33,7 +35,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json_files.dumps(record) + "\n")
         self.file.flush()
         if self.writer is not None:
             for key, value in record.items():

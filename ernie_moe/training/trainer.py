@@ -13,7 +13,7 @@ import paddle
 import yaml
 from tqdm import tqdm
 
-from .. import faults
+from .. import faults, json_files
 from ..batch import IGNORE_INDEX
 from ..checkpoint import (
     Run,
@@ -133,15 +133,17 @@ class Trainer:
                     self._stop(reason, bar)
         bar.close()
         self.stream.close()
-        trained, skipped = max(t.max_steps - first + 1, 0), self.precision.skipped - skipped_before
-        summary = {"steps": max(self.step, first - 1), "trained_steps": trained, "skipped_steps": skipped,
+        ran, skipped = max(t.max_steps - first + 1, 0), self.precision.skipped - skipped_before
+        # trained: the steps that updated the weights (a step skipped for inf/nan gradients did not)
+        summary = {"steps": max(self.step, first - 1), "run_steps": ran, "trained_steps": ran - skipped,
+                   "skipped_steps": skipped,
                    "train_time_s": time.time() - started, **last_eval,
                    **{f"data/{k}": v for k, v in sorted(self.data_stats.items())}}
-        if skipped > trained * MAX_SKIPPED_FRACTION:
+        if skipped > ran * MAX_SKIPPED_FRACTION:
             self._write_summary({**summary, "status": "failed"})
             self.monitor.close()
             raise NonFiniteGradients(
-                f"{skipped} of the {trained} steps of this run were skipped for non-finite gradients (inf/nan), so "
+                f"{skipped} of the {ran} steps of this run were skipped for non-finite gradients (inf/nan), so "
                 "the model hardly trained; no final model was written. Check the config (rope_theta, rms_norm_eps, "
                 "learning rate) and the data.")
         self._finish(summary)
@@ -425,7 +427,7 @@ class Trainer:
 
     def _write_summary(self, summary: dict) -> None:
         if self.env.is_main:
-            (Path(self.cfg.training.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+            (Path(self.cfg.training.output_dir) / "summary.json").write_text(json_files.dumps(summary, indent=2))
 
 
 def device_bytes(training_cfg) -> float:
