@@ -63,10 +63,14 @@ def test_imbalance_and_memory_alerts():
     assert alerts.check(1, {tag: 2.0}, 1.0) == []
     lines = alerts.check(2, {tag: 2.0}, 1.0)
     assert len(lines) == 1 and "layer1_text" in lines[0] and "2.00x" in lines[0]
-    assert alerts.check(3, {tag: 1.2}, 1.0) == []  # the streak ends
-    assert alerts.check(4, {tag: 2.0}, 1.0) == []
-    memory = alerts.check(5, {}, 9.5)
+    assert [alerts.check(step, {tag: 2.0}, 1.0) for step in range(3, 9)] == [[]] * 6  # said once while it lasts
+    ended = alerts.check(9, {tag: 1.2}, 1.0)  # the streak ends: said once
+    assert len(ended) == 1 and "layer1_text is balanced again" in ended[0] and "after 8 windows" in ended[0]
+    assert alerts.check(10, {tag: 2.0}, 1.0) == []  # a new streak, not long enough yet
+    assert alerts.check(11, {tag: 1.0}, 1.0) == []  # a short streak ending says nothing
+    memory = alerts.check(12, {}, 9.5)
     assert len(memory) == 1 and "9.5 GB" in memory[0] and "90%" in memory[0]
+    assert alerts.check(13, {}, 9.6) == [] and "below 90%" in alerts.check(14, {}, 5.0)[0]
 
 
 def read_scalars(logdir, tag):

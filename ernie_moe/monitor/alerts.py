@@ -1,4 +1,8 @@
-"""Warnings a person should see in the log: lasting expert imbalance, memory close to the device's size."""
+"""Warnings a person should see in the log: lasting expert imbalance, memory close to the device's size.
+
+Each condition is said once when it begins and once when it ends, not every window while it lasts: a long run
+with one imbalanced layer gets two lines about it, not one per window.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +14,32 @@ class Alerts:
         self.memory_fraction = logging_cfg.memory_warn_fraction
         self.device_total_gb = device_total_gb
         self.streaks: dict[str, int] = {}
+        self.memory_high = False
 
     def check(self, step: int, scalars: dict, peak_memory_gb: float) -> list[str]:
-        """Warning lines for this window (empty when all is well)."""
+        """Warning lines for this window: conditions that began or ended in it (empty when nothing changed)."""
         lines = []
         for key, value in scalars.items():
             if not key.endswith("/max_mean_load"):
                 continue
-            streak = self.streaks.get(key, 0) + 1 if value > self.ratio else 0
+            layer = key[len("moe/"): -len("/max_mean_load")]
+            before = self.streaks.get(key, 0)
+            streak = before + 1 if value > self.ratio else 0
             self.streaks[key] = streak
-            if streak and streak % self.windows == 0:
-                layer = key[len("moe/"): -len("/max_mean_load")]
+            if streak == self.windows:
                 lines.append(f"step {step}: expert imbalance in {layer}: the busiest expert has {value:.2f}x the mean "
-                             f"load for {streak} logging windows (threshold {self.ratio:.2f})")
-        if self.device_total_gb and peak_memory_gb > self.memory_fraction * self.device_total_gb:
+                             f"load for {streak} logging windows (threshold {self.ratio:.2f}); said again when it "
+                             "ends")
+            elif before >= self.windows and not streak:
+                lines.append(f"step {step}: {layer} is balanced again (the busiest expert at {value:.2f}x the mean "
+                             f"load, after {before} windows above {self.ratio:.2f})")
+        limit = self.memory_fraction * self.device_total_gb
+        high = bool(self.device_total_gb) and peak_memory_gb > limit
+        if high and not self.memory_high:
             lines.append(f"step {step}: memory {peak_memory_gb:.1f} GB is above {self.memory_fraction:.0%} of the "
-                         f"device's {self.device_total_gb:.1f} GB")
+                         f"device's {self.device_total_gb:.1f} GB; said again when it falls below")
+        elif self.memory_high and not high:
+            lines.append(f"step {step}: memory {peak_memory_gb:.1f} GB is below {self.memory_fraction:.0%} of the "
+                         "device's again")
+        self.memory_high = high
         return lines
