@@ -3,7 +3,8 @@
 With images and no prompt the model continues from the images (a captioning model captions them); with
 ``--prompt`` the text goes in as a user turn of the chat format the trainer writes (``User: ... Assistant: ``);
 ``--messages FILE.jsonl`` takes one conversation per line, in the training JSONL shape, image paths relative to
-the file. Images and videos are encoded as the folder's training encoded them (its ``preprocessor_config.json``;
+the file, and prints one JSON line per answer naming its record (``line``, and ``id`` where the record has
+one). Images and videos are encoded as the folder's training encoded them (its ``preprocessor_config.json``;
 ``--config FILE``: a training config whose data section overrides it). Decoding is greedy unless
 ``--temperature`` is above 0, one forward per new token over a key/value cache, and stops at the end-of-sentence
 token. One process.
@@ -31,13 +32,25 @@ class UsageError(ValueError):
     """A request that cannot be answered; the message says why."""
 
 
+# a --messages file is read whole: far above any hand-written set of prompts
+MAX_MESSAGES_BYTES = 64 * 1024 * 1024
+
+
 def prompts_from(args, data: DataConfig) -> list[Sample]:
     """The samples to continue, their images and videos read as ``data`` reads a training record's."""
+    return [sample for _, sample in keyed_prompts(args, data)]
+
+
+def keyed_prompts(args, data: DataConfig) -> list[tuple[dict | None, Sample]]:
+    """(which record, sample) of each prompt: for ``--messages`` the record's line and its ``id`` if it has one,
+    so each answer names its prompt; None otherwise."""
     max_pixels = data.max_image_pixels
     if args.messages:
         path = Path(args.messages)
         if not path.is_file():
             raise UsageError(f"--messages file '{path}' does not exist")
+        if path.stat().st_size > MAX_MESSAGES_BYTES:
+            raise UsageError(f"--messages file '{path}' is over {MAX_MESSAGES_BYTES // 2 ** 20} MiB")
         samples = []
         for number, line in enumerate(path.read_bytes().splitlines(), start=1):
             if not line.strip():
@@ -46,9 +59,11 @@ def prompts_from(args, data: DataConfig) -> list[Sample]:
             conversation, images, videos = parse_messages(record.get("messages"),
                                                           images_of(record, f"{path} line {number}"),
                                                           record.get("videos", []))
-            samples.append(Sample([load_image(path.parent / str(p), max_pixels) for p in images],
-                                  videos=[load_video(path.parent, v, max_pixels, data.video_reading) for v in videos],
-                                  conversation=conversation))
+            key = {"line": number, **({"id": record["id"]} if isinstance(record.get("id"), (str, int)) else {})}
+            samples.append((key, Sample([load_image(path.parent / str(p), max_pixels) for p in images],
+                                        videos=[load_video(path.parent, v, max_pixels, data.video_reading)
+                                                for v in videos],
+                                        conversation=conversation)))
         if not samples:
             raise UsageError(f"--messages file '{path}' holds no conversation")
         return samples
@@ -58,10 +73,10 @@ def prompts_from(args, data: DataConfig) -> list[Sample]:
         if not args.prompt.strip():
             raise UsageError("--prompt is empty")
         conversation, _, _ = parse_messages([{"role": "user", "content": args.prompt}], args.image, [])
-        return [Sample(images, conversation=conversation)]
+        return [(None, Sample(images, conversation=conversation))]
     if not images:
         raise UsageError("nothing to continue: give --image, --prompt or --messages")
-    return [Sample(images, chunks)]
+    return [(None, Sample(images, chunks))]
 
 
 def prompt_encoder(tokenizer, model_cfg, data: DataConfig) -> Encoder:
@@ -85,7 +100,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         data = folder_run_config(args.model, args.config).data
-        samples = prompts_from(args, data)
+        keyed = keyed_prompts(args, data)
+        keys, samples = [key for key, _ in keyed], [sample for _, sample in keyed]
         loaded = load_model_folder(args.model)
         model, tokenizer, cfg = loaded.model, loaded.tokenizer, loaded.cfg
         if not loaded.sees_images and any(sample.images for sample in samples):
@@ -99,12 +115,12 @@ def main(argv=None) -> int:
             print(f"generate error: the prompt takes {int(prompt.position_ids.max()) + 1} positions; the model has "
                   f"{cfg.max_position_embeddings} (max_position_embeddings), leaving none to generate", file=sys.stderr)
             return 2
-    for prompt in prompts:
+    for key, prompt in zip(keys, prompts):
         out = generate(model, prompt, args.max_new_tokens, tokenizer.eos_id, args.temperature, args.top_p, args.seed,
                        never=(cfg.im_patch_id,) if loaded.sees_images else (), tokens=tokenizer.vocab_size)
         text = tokenizer.decode(out.ids)
-        print(json.dumps({"text": text, "tokens": len(out.ids), "stop": out.stop}) if args.messages else text,
-              flush=True)
+        answer = {**key, "text": text, "tokens": len(out.ids), "stop": out.stop} if key is not None else None
+        print(json.dumps(answer, ensure_ascii=False) if answer is not None else text, flush=True)
     return 0
 
 

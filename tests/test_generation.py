@@ -133,11 +133,13 @@ def test_the_command_line_captions_an_image_and_reports_bad_input(model_dir, tmp
     again = run("--model", tmp_path / "paddle_layout", "--image", tmp_path / "00000.png", "--max-new-tokens", 6)
     assert again.returncode == 0 and again.stdout == done.stdout, again.stderr
     conversation = tmp_path / "chat.jsonl"
-    conversation.write_text(json.dumps({"images": ["00000.png"], "messages": [{"role": "user", "content": "<image>"}]})
-                            + "\n")
+    turn = [{"role": "user", "content": "<image>"}]
+    conversation.write_text(json.dumps({"images": ["00000.png"], "messages": turn}) + "\n\n"
+                            + json.dumps({"id": "second", "images": ["00000.png"], "messages": turn}) + "\n")
     done = run("--model", out, "--messages", conversation, "--max-new-tokens", 3)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["tokens"] == 3
+    answers = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(a.get("id"), a["line"], a["tokens"]) for a in answers] == [(None, 1, 3), ("second", 3, 3)]
     (tmp_path / "other").mkdir()
     other = load_config(ROOT / "configs" / "vl_moe.yaml", ["model.hidden_size=32"]).model
     (tmp_path / "other" / "config.json").write_text((out / "config.json").read_text().replace(
