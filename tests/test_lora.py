@@ -153,6 +153,23 @@ def test_a_lora_run_averages_its_pairs_and_saves_their_ema_as_the_adapter(tmp_pa
     assert any(not np.array_equal(averaged[n], trained[n]) for n in trained)
 
 
+def test_the_bases_generation_settings_reach_the_final_model(tmp_path, base):
+    """The base folder's generation_config.json (its sampling settings) is carried into what the run writes, the
+    special ids those of the run's tokenizer; a LoRA run's adapter and a full run's model alike."""
+    folder = tmp_path / "base"
+    folder.mkdir()
+    for f in base.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    (folder / "generation_config.json").write_text(json.dumps({"top_p": 0.8, "temperature": 0.2, "do_sample": True,
+                                                               "eos_token_id": 999}))
+    for mode, tr in (("lora", lora(tmp_path / "lora", folder)),
+                     ("full", trainer(tmp_path / "full", f"training.model_name_or_path={folder}"))):
+        tr._finish({})
+        written = json.loads((tmp_path / mode / "final_model" / "generation_config.json").read_text())
+        assert written["top_p"] == 0.8 and written["temperature"] == 0.2 and written["do_sample"] is True, mode
+        assert written["eos_token_id"] == tr.tokenizer.eos_id != 999 and written["use_cache"] is True, mode
+
+
 def test_freezing_parts_and_the_vit_learning_rates(tmp_path):
     tr = trainer(tmp_path, "training.freeze=[vision, router]", "training.vit_lr_ratio=0.5", "training.visual_ld=0.8",
                  "training.moe_gate_lr_ratio=2.0", "model.moe_use_aux_free=true")

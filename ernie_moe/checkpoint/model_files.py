@@ -255,10 +255,25 @@ def written_config(model_cfg, hf_layout: bool, source: dict | None, tokenizer, f
 
 def inference_files(cfg, tokenizer, form: str = PADDLEFORMERS) -> dict[str, str]:
     """What a folder needs beside its weights to be used as the run used it: the processor settings (how inputs
-    were encoded, for the library of ``form``) and PaddleFormers' / transformers' ``generation_config.json``."""
+    were encoded, for the library of ``form``) and PaddleFormers' / transformers' ``generation_config.json``: the
+    base model's (its sampling settings) where the run started from a folder that has one, with the special ids
+    of the tokenizer the run used."""
     files = processor_file(cfg.data, cfg.model, cfg.training.seed, form == TRANSFORMERS)
     if tokenizer is not None:
-        generation = {"bos_token_id": int(tokenizer.bos_id), "eos_token_id": int(tokenizer.eos_id),
-                      "pad_token_id": int(tokenizer.pad_id), "do_sample": False, "use_cache": True}
+        generation = {"do_sample": False, "use_cache": True, **base_generation_config(cfg.training.model_name_or_path),
+                      "bos_token_id": int(tokenizer.bos_id), "eos_token_id": int(tokenizer.eos_id),
+                      "pad_token_id": int(tokenizer.pad_id)}
         files["generation_config.json"] = json.dumps(generation, indent=2)
     return files
+
+
+def base_generation_config(folder: str) -> dict:
+    """The ``generation_config.json`` of the folder a run started from ({} for none, or one that cannot be read:
+    the defaults then stand)."""
+    if not folder or not (Path(folder) / "generation_config.json").exists():
+        return {}
+    try:
+        config = read_json(Path(folder) / "generation_config.json", max_bytes=1024 * 1024)
+    except UnreadableJSON:
+        return {}
+    return config if isinstance(config, dict) else {}
