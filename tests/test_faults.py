@@ -397,6 +397,26 @@ def test_a_changed_schedule_continues_from_the_rate_it_had(tmp_path):
     assert all(a > b for a, b in zip(list(lr.values()), list(lr.values())[1:]))
 
 
+@pytest.mark.slow
+def test_a_warm_restart_starts_the_schedule_afresh_from_a_finished_runs_weights(tmp_path):
+    """A 6-step run ends at min_lr; resumed from its last checkpoint with max_steps 12 and
+    reset_schedule_on_resume, steps 7-12 follow a fresh 6-step schedule (warmup, then cosine), from the finished
+    run's weights; resumed again after step 9 (a preemption), the restarted schedule goes on, not again."""
+    args = ["training.warmup_steps=2", "training.save_steps=3"]
+    out, longer = tmp_path / "run", tmp_path / "longer"
+    train(out, *args, "training.max_steps=6")
+    fresh = {r["step"]: r["lr"] for r in records(out) if "lr" in r}
+    restart = ["training.reset_schedule_on_resume=true", "training.max_steps=12"]
+    first = train(longer, *args, *restart, f"training.resume_from_checkpoint={out / 'checkpoint-6'}",
+                  fault="sigterm_in_step@9", check=False)
+    assert first.returncode == 4, first.stderr[-2000:]
+    assert "a fresh learning-rate schedule from step 6" in first.stdout
+    again = train(longer, *args, *restart, "training.resume_from_checkpoint=auto")
+    assert "fresh learning-rate schedule" not in again.stdout
+    lr = {r["step"]: r["lr"] for r in records(longer) if "lr" in r}
+    assert [lr[s] for s in range(7, 13)] == pytest.approx([fresh[s] for s in range(1, 7)], abs=1e-8)
+
+
 # ------------------------------------------------------------------------------------------ non-finite steps
 
 def trainer(tmp_path, *overrides):

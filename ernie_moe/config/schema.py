@@ -222,6 +222,9 @@ class TrainingConfig:
                                          "ERNIE-4.5-VL (same tensors; full fine-tuning only)")
     resume_from_checkpoint: str = opt("", "'auto' (the newest intact checkpoint of the newest run in output_dir, "
                                           "if any) or a checkpoint folder; empty = start fresh")
+    reset_schedule_on_resume: bool = opt(False, "a warm restart: the resumed run takes the checkpoint's weights and "
+                                                "optimizer states and starts the learning-rate schedule afresh "
+                                                "(warmup, then the decay to max_steps) at the resumed step")
     overwrite_output_dir: bool = opt(False, "let a fresh run remove the checkpoints an earlier run left in "
                                             "output_dir (without it, such a run stops)")
     max_eval_batches: int = opt(0, "cap on evaluation batches; 0 = the whole held-out set")

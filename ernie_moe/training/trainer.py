@@ -359,7 +359,7 @@ class Trainer:
         self.last_checkpoint = checkpoint
         step = self.state.step
         say(f"resumed from {checkpoint.path} at step {step}", flush=True)
-        change = self.scheduler.continue_plan(saved.get("schedule"), step)
+        change = self.scheduler.resume(saved.get("schedule"), step, t.reset_schedule_on_resume)
         if change:
             say(change, flush=True)
         if step >= t.max_steps:
