@@ -2,6 +2,7 @@
 LoRA classes."""
 
 import json
+import os
 from argparse import Namespace
 from collections import Counter
 
@@ -212,3 +213,35 @@ def test_generate_and_evaluate_check_a_folders_config_as_a_run_does(tmp_path, ca
     assert message in capsys.readouterr().err
     assert export_main([str(tmp_path / "model"), str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_smoke_config_trains_evaluates_and_generates(published, tmp_path):
+    """configs/finetune_ernie45_vl_smoke.yaml, as the README's fine-tuning section starts with it: the PaddleFormers
+    model on the 12 conversations (held out too), through launch, then generate on what it wrote."""
+    import subprocess
+    import sys
+    import time
+
+    folder, base = published
+    data = folder / "data.jsonl"
+    started = time.time()
+    done = subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--log_dir", str(tmp_path / "log"),
+                           "run_trainer.py", "--config", "configs/finetune_ernie45_vl_smoke.yaml",
+                           f"training.model_name_or_path={base}", f"data.train_path={data}", f"data.eval_path={data}",
+                           f"data.tokenizer_path={folder / 'tokenizer'}", f"training.output_dir={tmp_path / 'run'}",
+                           "logging.progress_bar=false"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "done" and summary["trained_steps"] == 8 and np.isfinite(summary["eval_loss"])
+    print(f"smoke config: {time.time() - started:.0f} s from launch to final model")
+    prompt = tmp_path / "prompt.jsonl"
+    prompt.write_text(json.dumps({"id": "q", "messages": [{"role": "user", "content": "What is this?"}]}) + "\n")
+    final = tmp_path / "run" / "final_model"
+    answer = subprocess.run([sys.executable, "-m", "ernie_moe.generate", "--model", str(final), "--messages",
+                             str(prompt), "--max-new-tokens", "4"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert answer.returncode == 0, answer.stderr[-2000:]
+    assert json.loads(answer.stdout)["id"] == "q"
