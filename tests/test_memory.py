@@ -188,18 +188,24 @@ def test_the_real_scale_configs_are_planned(tmp_path):
         assert ok == fits, (name, text)
     for offload, fewest in (("true", 24), ("false", 144)):  # VL-424B full fine-tuning, 80 GB GPUs
         done = subprocess.run([sys.executable, "-m", "ernie_moe.memory", "--config",
-                               "configs/ernie45_vl_424b_a47b.yaml", "--smallest", f"training.offload_optim={offload}"],
+                               "configs/ernie45_vl_424b_a47b.yaml", "--smallest", "--device-memory-gb", "80",
+                               f"training.offload_optim={offload}"],
                               cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0 and f"fewest GPUs of 80 GB: {fewest}," in done.stdout, done.stdout + done.stderr
     for quantized, fewest in (("wint4", 8), ("wint8", 8), ("''", 16)):  # VL-424B LoRA: the base's bytes decide
         done = subprocess.run([sys.executable, "-m", "ernie_moe.memory", "--config",
-                               "configs/ernie45_vl_424b_a47b_lora.yaml", "--smallest",
+                               "configs/ernie45_vl_424b_a47b_lora.yaml", "--smallest", "--device-memory-gb", "80",
                                f"training.quantize_base={quantized}"], cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0 and f"fewest GPUs of 80 GB: {fewest}," in done.stdout, done.stdout + done.stderr
     done = subprocess.run([sys.executable, "-m", "ernie_moe.memory", "--config", "configs/vl_moe.yaml", "--search"],
                           cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and "busiest: stage 0" in done.stdout and ": fits" in done.stdout
     assert "layouts that fit 1 ranks" in done.stdout
+    # without --device-memory-gb the device is the one the trainer checks against: on a CPU, this machine's RAM
+    from ernie_moe.memory.report import size
+    from ernie_moe.monitor.memory import MemoryMonitor
+
+    assert f" of {size(MemoryMonitor().device_total_gb() * 2 ** 30)} (" in done.stdout, done.stdout
 
 
 def test_a_micro_batch_too_large_to_build_is_judged_from_the_config(tmp_path):

@@ -3,6 +3,9 @@
     python -m ernie_moe.memory --config FILE [section.key=value ...] [--world-size N] [--device-memory-gb 80]
                              [--search] [--smallest] [--image-fraction 0.5]
 
+The device's size is ``--device-memory-gb``, else the config's ``training.device_memory_gb``, else this machine's
+(its GPU's memory, or its RAM on a CPU): the size the trainer checks a run against at start-up.
+
 Prints, for one rank of each pipeline stage, the bytes of parameters, gradients, optimizer states, input
 batches, activations and the backward-pass transient, and whether the busiest stage fits the device. With
 ``--search`` it lists the layouts (tensor, pipeline, virtual stages, sharding, expert degree, recompute,
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from ..cli import at_least_one, bounded
 from ..config import ConfigError, load_config
+from ..monitor.memory import MemoryMonitor
 from ..parallel.layout import Layout
 from .estimate import Workload, estimate, sample_workload
 from .search import FIT_FRACTION, describe, fits, overrides, search, smallest_world
@@ -103,7 +107,9 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     parser.add_argument("--world-size", type=at_least_one, help="ranks (default: the product of the degrees)")
-    parser.add_argument("--device-memory-gb", type=bounded(float, 0, low_included=False), default=80.0)
+    parser.add_argument("--device-memory-gb", type=bounded(float, 0, low_included=False),
+                        help="GB per device (default: training.device_memory_gb, else this machine's GPU, or its RAM "
+                             "on a CPU)")
     parser.add_argument("--search", action="store_true", help="list the layouts that fit")
     parser.add_argument("--smallest", action="store_true", help="the fewest GPUs (a multiple of 8) that fit")
     parser.add_argument("--image-fraction", type=bounded(float, 0, 1), default=0.5)
@@ -113,19 +119,20 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    device_gb = args.device_memory_gb or cfg.training.device_memory_gb or MemoryMonitor().device_total_gb()
     p = cfg.parallel
     world = args.world_size or (p.tensor_parallel_degree * p.pipeline_parallel_degree
                                 * max(p.sharding_parallel_degree, 1))
     if args.smallest:
         workload_for, source = workload_source(cfg, 1, args.image_fraction)
-        found = smallest_world(cfg, workload_for, args.device_memory_gb * GIB)
+        found = smallest_world(cfg, workload_for, device_gb * GIB)
         if found is None:
-            print(f"no layout of up to 1024 GPUs of {args.device_memory_gb:g} GB fits")
+            print(f"no layout of up to 1024 GPUs of {device_gb:g} GB fits")
             return 1
         world, _, candidate, peak = found
-        print(f"fewest GPUs of {args.device_memory_gb:g} GB: {world}, busiest GPU {size(peak)}, {describe(candidate)} "
+        print(f"fewest GPUs of {device_gb:g} GB: {world}, busiest GPU {size(peak)}, {describe(candidate)} "
               f"({source})\n  {overrides(candidate, cfg) or '(the configured layout)'}")
         return 0
-    text, ok = report(cfg, world, args.device_memory_gb, args.search, args.image_fraction)
+    text, ok = report(cfg, world, device_gb, args.search, args.image_fraction)
     print(text)
     return 0 if ok else 1
