@@ -25,6 +25,12 @@ def test_overrides_follow_yaml_types():
     assert cfg.training.learning_rate == pytest.approx(1e-3)
     assert cfg.model.moe_capacity == [1.5, 2.0, 2.0]
     assert cfg.model.vision_config.depth == 1 and cfg.logging.visualdl is False
+    # ``key=`` empties a string key, as ``key=''`` does
+    emptied = load_config(ROOT / "configs" / "vl_moe.yaml", ["parallel.sharding=stage1", "parallel.sharding=",
+                                                             "training.resume_from_checkpoint= "])
+    assert emptied.parallel.sharding == "" and emptied.training.resume_from_checkpoint == ""
+    with pytest.raises(ConfigError, match="max_steps"):  # a number is never empty
+        load_config(ROOT / "configs" / "vl_moe.yaml", ["training.max_steps="])
 
 
 @pytest.mark.parametrize("override, words", [

@@ -129,6 +129,9 @@ def _apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override '{item}': '{part}' is a value, not a section.")
+    if not value.strip():  # ``key=`` empties a string key (YAML would read nothing as null)
+        node[parts[-1]] = ""
+        return
     try:
         node[parts[-1]] = _plain_yaml(value, f"override '{item}'")
     except yaml.YAMLError:

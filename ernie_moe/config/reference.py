@@ -14,7 +14,8 @@ Written by `python -m ernie_moe.config.reference > docs/config.md` from the fiel
 `ernie_moe/config/schema.py`; a test fails when this file is not that command's output.
 
 `run_trainer.py --config FILE section.key=value ...` loads the YAML, applies the overrides (YAML types:
-`training.max_steps=20`, `model.moe_capacity=[2,2,2]`, `model.vision_config.depth=4`) and validates the result.
+`training.max_steps=20`, `model.moe_capacity=[2,2,2]`, `model.vision_config.depth=4`; `parallel.sharding=` empties
+a string key) and validates the result.
 An unknown key (with the closest valid name), a wrong type, a missing file or values that cannot work together
 (heads not divisible by KV heads, `moe_k` above a modality's expert count, a layer range outside the model, ...)
 stop it with one paragraph and exit code 2. The defaults below are the dataclass defaults; `configs/vl_moe.yaml`
