@@ -36,14 +36,10 @@ class UsageError(ValueError):
 MAX_MESSAGES_BYTES = 64 * 1024 * 1024
 
 
-def prompts_from(args, data: DataConfig) -> list[Sample]:
-    """The samples to continue, their images and videos read as ``data`` reads a training record's."""
-    return [sample for _, sample in keyed_prompts(args, data)]
-
-
 def keyed_prompts(args, data: DataConfig) -> list[tuple[dict | None, Sample]]:
-    """(which record, sample) of each prompt: for ``--messages`` the record's line and its ``id`` if it has one,
-    so each answer names its prompt; None otherwise."""
+    """(which record, sample) of each prompt, its images and videos read as ``data`` reads a training record's:
+    for ``--messages`` the record's line and its ``id`` if it has one, so each answer names its prompt; None
+    otherwise."""
     max_pixels = data.max_image_pixels
     if args.messages:
         path = Path(args.messages)

@@ -92,17 +92,17 @@ def test_a_messages_file_names_its_images_as_training_records_do(tmp_path):
     from argparse import Namespace
 
     from ernie_moe.data.sample import BadSample
-    from ernie_moe.generate import prompts_from
+    from ernie_moe.generate import keyed_prompts
 
     Image.fromarray(np.zeros((28, 28, 3), np.uint8)).save(tmp_path / "a.png")
     chat = tmp_path / "chat.jsonl"
     turn = [{"role": "user", "content": "<image> what?"}]
     chat.write_text(json.dumps({"images": "a.png", "messages": turn}) + "\n")  # one path, not a list
-    (sample,) = prompts_from(Namespace(messages=str(chat), image=[], prompt=None), DataConfig())
+    ((_, sample),) = keyed_prompts(Namespace(messages=str(chat), image=[], prompt=None), DataConfig())
     assert len(sample.images) == 1 and sample.images[0].shape == (28, 28, 3)
     chat.write_text(json.dumps({"images": 7, "messages": turn}) + "\n")
     with pytest.raises(BadSample, match="chat.jsonl line 1: images must be a path or a list of paths, not 7"):
-        prompts_from(Namespace(messages=str(chat), image=[], prompt=None), DataConfig())
+        keyed_prompts(Namespace(messages=str(chat), image=[], prompt=None), DataConfig())
 
 
 def run(*args):

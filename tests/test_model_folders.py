@@ -20,7 +20,7 @@ from ernie_moe.data.loader import build_tokenizer
 from ernie_moe.data.packing import Encoder
 from ernie_moe.evaluate import main as evaluate_main
 from ernie_moe.finetune.adapter_files import read_adapter
-from ernie_moe.generate import prompt_encoder, prompts_from
+from ernie_moe.generate import keyed_prompts, prompt_encoder
 from ernie_moe.generation.model_folder import folder_run_config, load_model_folder
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.training import Trainer
@@ -138,7 +138,7 @@ def test_generate_encodes_a_prompt_as_the_training_did(run_on_images):
     chat = root / "prompts.jsonl"
     chat.write_text("".join(json.dumps({"images": [f"{i}.png"], "messages": [
         {"role": "user", "content": "<image>what is this?"}]}) + "\n" for i in range(len(IMAGE_SIZES))))
-    samples = prompts_from(Namespace(messages=str(chat), image=[], prompt=None), settings)
+    samples = [s for _, s in keyed_prompts(Namespace(messages=str(chat), image=[], prompt=None), settings)]
     ours = prompt_encoder(loaded.tokenizer, loaded.cfg, settings)
     training = Encoder(loaded.tokenizer, cfg.model, 1024, "skip", cfg.data.max_image_side, Counter(),
                        cfg.data.pixel_budget, cfg.data.video_budget)

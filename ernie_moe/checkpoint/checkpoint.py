@@ -197,12 +197,12 @@ def _save_optimizer(parts: TrainingParts, env, directory: Path, step: int, writt
 
 
 def _save_ema(parts: TrainingParts, env, directory: Path, written: WrittenFiles) -> None:
-    """The EMA's averages, each written by the rank that owns it (tensor-parallel rank 0 unless the experts are
-    split over the tensor ranks)."""
+    """The EMA's averages, each written by the rank that owns it (tensor-parallel rank 0, or for the experts the
+    rule of expert states sharded over their replicas)."""
     if parts.ema is None or not parts.ema.started:
         return
-    entries = [(name, param, value, env.tp_rank == 0 or (is_expert(name) and env.expert_group is env.tp_group))
-               for name, param, value in parts.ema.saved_states()]
+    writes = {True: _writes_experts(env, sharded=True), False: env.tp_rank == 0}
+    entries = [(name, param, value, writes[is_expert(name)]) for name, param, value in parts.ema.saved_states()]
     _write_full_tensors(entries, env, directory, EMA, written)
 
 

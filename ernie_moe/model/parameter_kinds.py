@@ -84,6 +84,7 @@ LORA_TARGETS = {
 }
 
 # The linear layers ``training.quantize_base`` holds in low precision: the language model's attention, dense MLP,
-# shared and routed experts (the ViT, adapter, routers, embedding and head stay as they are)
-BASE_LINEAR = re.compile(_LM + r"(self_attn\.(qkv_proj|o_proj)|mlp\.(shared_experts\.|experts\.\d+\.)?"
-                               r"(up_gate_proj|down_proj))")
+# shared and routed experts (the ViT, adapter, routers, embedding and head stay as they are); the LoRA groups'
+# patterns, of which text_experts covers the vision experts too (the groups differ by expert number only)
+BASE_LINEAR = re.compile("|".join(f"(?:{LORA_TARGETS[group]})"
+                                  for group in ("attention", "mlp", "shared_experts", "text_experts")))

@@ -45,10 +45,10 @@ def replica_sets(named: list, env) -> list[ReplicaSet]:
     return sets
 
 
-def owners(replica: ReplicaSet, sizes: list[int]) -> list[int]:
-    """Which rank of the group (its index) owns each parameter of the set: the least loaded so far, by
+def owners(ranks: int, sizes: list[int]) -> list[int]:
+    """Which of ``ranks`` ranks (its index in their group) owns each parameter: the least loaded so far, by
     ``sizes`` (the parameters' whole sizes, the same on every rank), in order."""
-    loads = [0] * replica.group.nranks
+    loads = [0] * ranks
     owner = []
     for size in sizes:
         owner.append(loads.index(min(loads)))

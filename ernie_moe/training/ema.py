@@ -34,7 +34,7 @@ class WeightAverage:
         self.owned = []  # (exported name, parameter, saved): this rank's; ``saved`` is False for a tied copy
         for replica in replica_sets(named, env):
             params = [p for _, p in replica.named]
-            owner = owners(replica, [math.prod(full_shape(p)) for p in params])
+            owner = owners(replica.group.nranks, [math.prod(full_shape(p)) for p in params])
             self.sets.append((params, owner, replica.group))
             shared |= {id(p) for p in params}
             self.owned += [(n, p, id(p) not in tied_copies) for (n, p), o in zip(replica.named, owner)

@@ -8,7 +8,7 @@ from ..checkpoint.checkpoint import adam_parts
 from ..finetune import learning_rate_ratios
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import spec_of
-from ..parallel.replicas import ReplicaSet, broadcast_owned, owners
+from ..parallel.replicas import broadcast_owned, owners
 from .offload import OffloadedOptimizer, buckets, state_bytes_per_parameter
 from .schedule import WarmupDecay
 
@@ -80,7 +80,7 @@ class ShardedExpertAdamW:
 
     def __init__(self, make_adamw, params: list, group):
         self.params, self.group = params, group
-        self.owner = owners(ReplicaSet(group, params), [p.size for p in params])
+        self.owner = owners(group.nranks, [p.size for p in params])
         mine = [p for p, o in zip(params, self.owner) if o == group.rank]
         self._inner_opt = make_adamw(mine) if mine else None  # ``_inner_opt``: where the checkpoint finds states
 

@@ -21,7 +21,7 @@ class ReplicaCheck:
         named = model.stable_named_parameters(include_tied_copy=True)
         self.sets = replica_sets(named, env) if self.action != "off" else []
         # every rank must agree on whether there is anything to compare: the comparison is a collective
-        self.enabled = bool(env.all_gather_object(bool(self.sets)).count(True)) if env.world_size > 1 else False
+        self.enabled = any(env.all_gather_object(bool(self.sets)))
 
     def due(self, step: int) -> bool:
         return self.enabled and self.every > 0 and step % self.every == 0
