@@ -5,7 +5,7 @@
 Runs alternate (on, off, on, off, ...) so that drift in machine load hits both; the fastest run of each
 setting is compared. On a shared machine that ratio moves by a few percent from run to run, so the script
 also times the monitoring calls themselves inside one training process: the per-step work (expert
-counters, FLOPs, memory sample) and the per-window report (reductions, summaries, histograms, heat maps).
+counters, FLOPs, memory sample) and the per-window report (reductions, summaries, heat maps and bar charts).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +12,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from ernie_moe.parallel import cpu_fallbacks  # noqa: E402
 
 cpu_fallbacks.use_avx2_math_on_amd()  # the trainer's math path, here and in every process a test launches
+
+SMALL = ["data.image_size=56", "data.max_seq_len=48", "data.num_eval_samples=32", "logging.progress_bar=false"]
+
+
+def launch(tmp_path, nproc, *overrides, name="run"):
+    """``run_trainer.py`` on the default config under ``paddle.distributed.launch``: (output folder, log)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
+           "--log_dir", str(tmp_path / f"{name}_log"), str(ROOT / "run_trainer.py"),
+           "--config", str(ROOT / "configs" / "vl_moe.yaml"), f"training.output_dir={out}", *SMALL, *overrides]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    log = (tmp_path / f"{name}_log" / "workerlog.0").read_text() if (tmp_path / f"{name}_log").exists() else ""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:] + log[-3000:]
+    return out, result.stdout + log
 
 
 @pytest.fixture

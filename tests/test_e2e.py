@@ -1,32 +1,16 @@
 """End to end: the trainer launched the way users launch it, and what it leaves in the output folder."""
 
 import json
-import os
 import subprocess
 import sys
 from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, launch
 from safetensors.numpy import load_file
 
 pytestmark = pytest.mark.slow  # starts processes
-
-SMALL = ["data.image_size=56", "data.max_seq_len=48", "data.num_eval_samples=32", "logging.progress_bar=false"]
-
-
-def launch(tmp_path, nproc, *overrides, name="run"):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    out = tmp_path / name
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
-           "--log_dir", str(tmp_path / f"{name}_log"), str(ROOT / "run_trainer.py"),
-           "--config", str(ROOT / "configs" / "vl_moe.yaml"), f"training.output_dir={out}", *SMALL, *overrides]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
-    log = (tmp_path / f"{name}_log" / "workerlog.0").read_text() if (tmp_path / f"{name}_log").exists() else ""
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:] + log[-3000:]
-    return out, result.stdout + log
-
 
 def records(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -1,16 +1,22 @@
+import contextlib
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
+from conftest import ROOT, launch
 
 from ernie_moe.config import load_config
 from ernie_moe.json_files import dumps
 from ernie_moe.moe.layer import MoELayer
 from ernie_moe.monitor.alerts import Alerts
-from ernie_moe.monitor.expert_balance import heat_map, load_figures, summarize
-from ernie_moe.monitor.metrics import MetricsLogger
+from ernie_moe.monitor.charts import LABEL_W, TITLE_H, bar_chart, heat_map, load_colours
+from ernie_moe.monitor.expert_balance import load_figures, summarize
+from ernie_moe.monitor.metrics import MetricsLogger, config_line
 from ernie_moe.nn.init import init_layer
 from ernie_moe.parallel import SingleDevicePlan
 
@@ -39,21 +45,75 @@ def test_counts_sum_to_tokens_times_k_minus_dropped():
     for _ in range(3):
         layer(paddle.randn([1, 36, 16]), types)
     window = layer.stats.routed.numpy().copy(), layer.stats.kept.numpy().copy()
-    scalars, histograms, images = summarize([layer])
+    scalars, images = summarize([layer])
     text, vision = scalars["moe/layer3_text/routed_tokens"], scalars["moe/layer3_vision/routed_tokens"]
     assert (text, vision) == (3 * 20 * 2, 3 * 12 * 2)
     kept_text = text * (1 - scalars["moe/layer3_text/dropped_frac"])
     assert kept_text == pytest.approx(window[1][:4].sum())
-    np.testing.assert_array_equal(histograms["moe/layer3_text/tokens_per_expert"], window[0][:4])
-    assert images["moe/load_heat_map_text"].shape == (16, 4 * 16, 3)
+    # the balance group: one layer, so its headline numbers are that layer's
+    assert scalars["balance/text_max_mean_load"] == scalars["moe/layer3_text/max_mean_load"]
+    assert scalars["balance/vision_dropped_frac"] == pytest.approx(scalars["moe/layer3_vision/dropped_frac"])
+    assert scalars["balance/worst_max_mean_load"] == max(scalars["moe/layer3_text/max_mean_load"],
+                                                         scalars["moe/layer3_vision/max_mean_load"])
+    np.testing.assert_array_equal(images["balance/tokens_per_expert_text"],
+                                  bar_chart([window[0][:4]], [3], "text experts: tokens per expert"))
+    np.testing.assert_array_equal(images["balance/load_heat_map_vision"],
+                                  heat_map([window[0][4:]], [3], "vision experts: load / mean load"))
     assert layer.stats.routed.numpy().sum() == 0  # the window was reset
 
 
-def test_heat_map_colours():
-    image = heat_map([np.array([1.0, 1.0]), np.array([3.0, 0.0])], cell=1)
-    assert image[0, 0].tolist() == [255, 255, 255]  # at the mean: white
-    assert image[1, 0].tolist() == [255, 0, 0]  # 1.5x the mean and above 2x saturate to red
-    assert image[1, 1].tolist() == [0, 0, 255]  # idle: blue
+def test_balance_headlines_over_layers_against_numpy():
+    def window(routed, kept):
+        return {"layer_idx": len(routed), "router_counts": [len(routed)], "group_modality": [0], "bias": None,
+                "window": {"routed": np.array(routed), "kept": np.array(kept), "loss_counts": [0],
+                           "loss_sums": [None]}}
+
+    a, b = window([10, 30, 20], [10, 25, 20]), window([5, 5, 5, 25], [5, 5, 5, 10])
+    scalars, images = summarize([b, a])
+    assert scalars["balance/text_max_mean_load"] == pytest.approx(25 / 10)
+    assert scalars["balance/text_dropped_frac"] == pytest.approx((5 + 15) / (60 + 40))
+    share = np.array([5, 5, 5, 25]) / 40
+    assert scalars["balance/text_routing_entropy"] == pytest.approx(-(share * np.log(share)).sum() / np.log(4))
+    assert set(images) == {"balance/load_heat_map_text", "balance/tokens_per_expert_text"}
+
+
+def test_heat_map_cells_legend_and_labels():
+    cell = 40
+    image = heat_map([np.array([1.0, 1.0, 1.0]), np.array([3.0, 0.0, 0.0])], [1, 2], "t", cell=cell)
+    top = TITLE_H + 22
+
+    def cell_colour(row, col):  # a cell's corner, clear of the number written in it
+        return image[top + row * cell + 3, LABEL_W + col * cell + 3].tolist()
+
+    assert cell_colour(0, 0) == [255, 255, 255]  # at the mean: white
+    assert cell_colour(1, 0) == [255, 0, 0]  # 3x the mean saturates to red
+    assert cell_colour(1, 1) == [0, 0, 255]  # idle: blue
+    ink = (image.sum(axis=-1) < 200)
+    for row in range(2):  # "layer i" left of each row, the ratio written in each cell
+        band = slice(top + row * cell, top + (row + 1) * cell)
+        assert ink[band, :LABEL_W].sum() > 20
+        assert all(ink[band, LABEL_W + c * cell: LABEL_W + (c + 1) * cell].sum() > 10 for c in range(3))
+    assert ink[top + 2 * cell: top + 2 * cell + 40, LABEL_W: LABEL_W + 3 * cell].sum() > 30  # expert ids, "expert"
+    # the legend: a colour bar from red (2 and above) at the top through white (1) to blue (0)
+    legend = image[top + 4: top + 4 + 112, LABEL_W + 3 * cell + 28]  # the bar: 112 px from top + 4
+    assert legend[0].tolist() == legend[-1].tolist() == [20, 20, 20]  # its outline
+    np.testing.assert_allclose(legend[1], [255, 0, 0], atol=6)  # the row below the outline: 1.98
+    np.testing.assert_allclose(legend[-2], [0, 0, 255], atol=6)
+    middle = legend[len(legend) // 2].astype(int)
+    assert (np.abs(middle - 255) <= 6).all()  # 1: white
+    np.testing.assert_array_equal(load_colours(np.array([0.0, 0.5, 1.0, 2.5])),
+                                  [[0, 0, 255], [128, 128, 255], [255, 255, 255], [255, 0, 0]])
+
+
+def test_bar_chart_bars_follow_the_counts():
+    image = bar_chart([np.array([10.0, 40.0, 30.0, 0.0])], [1], "t", bar=30)
+    base = TITLE_H + 14 + 64
+    column = image[:base, LABEL_W + 30 * np.arange(4) + 15]  # one pixel column through each bar
+    heights = [(np.abs(column[:, e].astype(int) - load_colours(r)).max(axis=-1) == 0).sum()
+               for e, r in enumerate(np.array([10, 40, 30, 0]) / 20)]
+    # bar heights in pixels: 64 for the largest count, the others in proportion (less the outline)
+    assert heights[1] == pytest.approx(64, abs=2) and heights[0] == pytest.approx(16, abs=2)
+    assert heights[2] == pytest.approx(48, abs=2) and heights[3] == 0
 
 
 def test_imbalance_and_memory_alerts():
@@ -98,7 +158,8 @@ def test_router_forced_to_one_expert_shows_max_mean_equal_to_experts(tmp_path):
     assert [v for _, v in read_scalars(logdir, "moe/layer1_text/max_mean_load")] == [4.0, 4.0]
     assert [v for _, v in read_scalars(logdir, "moe/layer1_text/idle_expert_frac")] == [0.75, 0.75]
     assert [v for _, v in read_scalars(logdir, "moe/layer1_text/routing_entropy")] == [0.0, 0.0]
-    assert read_scalars(logdir, "moe/worst_max_mean_load")[-1][1] == 4.0
+    assert read_scalars(logdir, "balance/worst_max_mean_load")[-1][1] == 4.0
+    assert read_scalars(logdir, "balance/text_max_mean_load")[-1][1] == 4.0
     assert read_scalars(logdir, "moe/layer1_text/bias_range")[-1][1] == pytest.approx(100.0)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
@@ -114,8 +175,13 @@ def test_router_forced_to_one_expert_shows_max_mean_equal_to_experts(tmp_path):
 
     (log,) = list(logdir.glob("vdlrecords.*.log"))
     reader = LogReader(file_path=str(log))
-    assert "moe/layer1_text/tokens_per_expert" in reader.get_tags().get("histogram", [])
-    assert "moe/load_heat_map_text" in reader.get_tags().get("image", [])
+    assert {"balance/tokens_per_expert_text", "balance/load_heat_map_text"} <= set(reader.get_tags()["image"])
+    # this rank's memory is its own run, under the tags every rank shares
+    (rank_log,) = list((logdir / "rank0").glob("vdlrecords.*.log"))
+    rank_reader = LogReader(file_path=str(rank_log))
+    assert [r.value for r in rank_reader.get_data("scalar", "memory/max_rss_gb")] == pytest.approx(
+        [r["memory/rank0/max_rss_gb"] for r in train], rel=1e-6)
+    assert not any(tag.startswith("memory/rank") for tag in reader.get_tags()["scalar"])
 
 
 def test_monitor_off_keeps_the_essentials(tmp_path):
@@ -140,97 +206,147 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def dashboard(tmp_path_factory):
-    """A short training run served by a real VisualDL server on a free local port."""
-    import subprocess
-    import sys
+@contextlib.contextmanager
+def visualdl_server(*logdirs):
+    """A real VisualDL server on a free local port over ``logdirs``: yields its base URL."""
     import time
     import urllib.request
 
-    from ernie_moe.training import Trainer
-
-    out = tmp_path_factory.mktemp("dashboard")
-    cfg = load_config(ROOT / "configs" / "vl_moe.yaml", [
-        f"training.output_dir={out}", "training.max_steps=30", "logging.logging_steps=5", "training.eval_steps=15",
-        "logging.progress_bar=false", "data.num_eval_samples=32",
-    ])
-    Trainer(cfg).train()
     port = free_port()
     # the `visualdl` command's own entry point, run by this interpreter (its script may not be on PATH)
     entry = "import sys; from visualdl.server.app import main; sys.argv[0] = 'visualdl'; sys.exit(main())"
-    server = subprocess.Popen([sys.executable, "-c", entry, "--logdir", str(out / "visualdl"),
+    server = subprocess.Popen([sys.executable, "-c", entry, "--logdir", *map(str, logdirs),
                                "--host", "127.0.0.1", "--port", str(port), "-L", "en"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(120):
+        for _ in range(240):  # the server answers once it has read the logs
             try:
-                urllib.request.urlopen(f"{base}/app/api/runs", timeout=2)
+                urllib.request.urlopen(f"{base}/app/api/runs", timeout=5)
                 break
             except OSError:
                 time.sleep(0.5)
         else:
-            pytest.fail("the VisualDL server did not answer within 60 s")
-        yield base, out
+            pytest.fail("the VisualDL server did not answer within 2 minutes")
+        yield base
     finally:
         server.terminate()
         server.wait(timeout=30)
 
 
-def get_json(url):
+@pytest.fixture(scope="module")
+def dashboard(tmp_path_factory):
+    """A 2-process training run, served twice: the whole dashboard, and its per-rank runs alone."""
+    tmp = tmp_path_factory.mktemp("dashboard")
+    out, _ = launch(tmp, 2, "training.max_steps=30", "logging.logging_steps=5", "training.eval_steps=15")
+    logdir = out / "visualdl"
+    with visualdl_server(logdir) as base, visualdl_server(logdir / "rank0", logdir / "rank1") as ranks:
+        yield base, ranks, out
+
+
+def get(url):
     import urllib.request
 
     with urllib.request.urlopen(url, timeout=30) as response:
-        body = json.loads(response.read())
+        return response.read()
+
+
+def get_json(url):
+    body = json.loads(get(url))
     assert body["status"] == 0, body
     return body["data"]
 
 
-@pytest.mark.slow
-def test_visualdl_server_serves_the_scalars_and_histograms(dashboard):
-    from urllib.parse import quote
-
-    base, out = dashboard
-    (run,) = get_json(f"{base}/app/api/runs")
-    tags = get_json(f"{base}/app/api/scalar/tags")["tags"][0]
-    for tag in ("train/loss", "train/grad_norm", "moe/layer1_text/max_mean_load", "moe/worst_max_mean_load",
-                "memory/rank0/max_rss_gb", "eval/eval_caption_accuracy", "train/mfu"):
-        assert tag in tags, tag
-    points = get_json(f"{base}/app/api/scalar/list?run={quote(run)}&tag=train/loss")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    expected = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    assert [p[1] for p in points] == [s for s, _ in expected]
-    np.testing.assert_allclose([p[2] for p in points], [v for _, v in expected], rtol=1e-5)
-    assert "moe/layer1_vision/tokens_per_expert" in get_json(f"{base}/app/api/histogram/tags")["tags"][0]
-    histogram = get_json(f"{base}/app/api/histogram/list?run={quote(run)}&tag=moe/layer1_text/tokens_per_expert")
-    assert len(histogram) == 6 and sum(bucket[2] for bucket in histogram[-1][2]) == 4  # 4 text experts per step
+def launched_records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_scalars_page_renders_in_a_real_browser(dashboard, tmp_path):
-    import shutil
-    import subprocess
+def test_visualdl_server_serves_the_dashboard(dashboard):
+    import io
 
+    import yaml
     from PIL import Image
+
+    base, _, out = dashboard
+    assert set(get_json(f"{base}/app/api/runs")) == {"run", "rank0", "rank1"}
+    tags = get_json(f"{base}/app/api/scalar/tags")
+    by_run = dict(zip(tags["runs"], tags["tags"]))
+    for tag in ("train/loss", "train/grad_norm", "moe/layer1_text/max_mean_load", "balance/worst_max_mean_load",
+                "balance/text_max_mean_load", "balance/vision_dropped_frac", "balance/text_routing_entropy",
+                "memory/max_rank_max_allocated_gb", "eval/eval_caption_accuracy", "train/mfu"):
+        assert tag in by_run["run"], tag
+    train = [r for r in launched_records(out) if "loss" in r]
+    points = get_json(f"{base}/app/api/scalar/list?run=run&tag=train/loss")
+    assert [p[1] for p in points] == [r["step"] for r in train]
+    np.testing.assert_allclose([p[2] for p in points], [r["loss"] for r in train], rtol=1e-5)
+    # memory: every rank a run of its own under the same tags, so VisualDL draws a line per rank in one chart
+    for rank in (0, 1):
+        assert {"memory/max_rss_gb", "memory/max_allocated_gb", "memory/allocated_gb"} <= set(by_run[f"rank{rank}"])
+        curve = get_json(f"{base}/app/api/scalar/list?run=rank{rank}&tag=memory/max_rss_gb")
+        np.testing.assert_allclose([p[2] for p in curve], [r[f"memory/rank{rank}/max_rss_gb"] for r in train],
+                                   rtol=1e-5)
+    assert not any(tag.startswith("memory/rank") for tag in by_run["run"])
+    # the images: a heat map and a bar chart per modality; the heat map's reddest cell is the logged load ratio
+    images = get_json(f"{base}/app/api/image/tags")["tags"][0]
+    assert set(images) == {f"balance/{kind}_{m}" for kind in ("load_heat_map", "tokens_per_expert")
+                           for m in ("text", "vision")}
+    steps = get_json(f"{base}/app/api/image/list?run=run&tag=balance/load_heat_map_text")
+    assert [s["step"] for s in steps] == [r["step"] for r in train]
+    png = get(f"{base}/app/api/image/image?run=run&tag=balance/load_heat_map_text&index={len(steps) - 1}")
+    picture = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    cells = picture[TITLE_H + 22 + 3, LABEL_W + 3: LABEL_W + 4 * 56: 56]  # 4 experts, 56 px cells, one layer
+    assert np.abs(cells.astype(int) - load_colours(train[-1]["moe/layer1_text/max_mean_load"])).max(axis=-1).min() <= 1
+    # the config: one text entry per section, equal to run_config.yaml's section
+    config = yaml.safe_load((out / "run_config.yaml").read_text())
+    assert set(get_json(f"{base}/app/api/text/tags")["tags"][0]) == {f"config/{name}" for name in config}
+    text = get(f"{base}/app/api/text/text?run=run&tag=config/training&index=0").decode()
+    assert text == config_line(config["training"]) and yaml.safe_load(text) == config["training"]
+
+
+def screenshot(url, path, height=900):
+    import shutil
 
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         pytest.skip("Chromium is not installed (apt-get install chromium); .ci/run installs it")
-    base, _ = dashboard
-    shot = tmp_path / "scalars.png"
     subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                     "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,900",
-                    "--virtual-time-budget=15000", f"--screenshot={shot}", f"{base}/app/scalar"],
+                    f"--user-data-dir={path.parent / (path.stem + '_profile')}", f"--window-size=1400,{height}",
+                    "--virtual-time-budget=15000", f"--screenshot={path}", url],
                    capture_output=True, timeout=180, check=True)
-    pixels = np.asarray(Image.open(shot).convert("RGB")).astype(int)
-    assert pixels.shape[:2] == (900, 1400)
+    keep = os.environ.get("ERNIE_MOE_SCREENSHOTS")  # a folder to keep them in: the docs' pictures
+    if keep:
+        shutil.copy(path, Path(keep) / f"dashboard_{path.name}")
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(path).convert("RGB")).astype(int)
+    assert pixels.shape[:2] == (height, 1400)
     assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 100 and pixels.std() > 20  # not a blank page
-    # VisualDL draws curves in #2932E1 across each chart's width; its "no data" page has that blue only in a
-    # few links (85 columns measured), two rows of charts fill hundreds of columns
-    curve = np.abs(pixels[150:, :1080] - np.array([41, 50, 225])).max(axis=-1) < 40
-    assert curve.any(axis=0).sum() > 250
+    return pixels
+
+
+def columns_in(pixels, colour, tolerance=40):
+    """How many pixel columns of the page hold ``colour``: a curve drawn across a chart fills hundreds."""
+    return (np.abs(pixels - np.array(colour)).max(axis=-1) < tolerance).any(axis=0).sum()
+
+
+@pytest.mark.slow
+def test_dashboard_pages_render_in_a_real_browser(dashboard, tmp_path):
+    base, ranks, _ = dashboard
+    # VisualDL draws the first run's curves in #2932E1 across each chart's width; its "no data" page has that
+    # blue only in a few links (85 columns measured), two rows of charts fill hundreds of columns
+    scalars = screenshot(f"{base}/app/scalar", tmp_path / "scalars.png")
+    assert columns_in(scalars[150:, :1080], (41, 50, 225)) > 250
+    # the per-rank runs alone: the memory charts, a line per rank in the runs' two colours
+    memory = screenshot(f"{ranks}/app/scalar", tmp_path / "memory.png")
+    chart = memory[200:, :1080]
+    assert columns_in(chart, (41, 50, 225), 20) > 250 and columns_in(chart, (0, 204, 136), 20) > 250
+    # the images page: the heat maps' colour legends run from red to blue, colours VisualDL's page does not use
+    # (the browser's scaling keeps the red, shifts the blue by up to 20)
+    images = screenshot(f"{base}/app/sample/image", tmp_path / "heat_maps.png", height=1100)
+    content = images[120:, :1100]
+    assert columns_in(content, (255, 0, 0), 8) >= 10 and columns_in(content, (0, 0, 255), 25) >= 10
 
 
 def test_flops_follow_the_6nd_formula(tiny_cfg):

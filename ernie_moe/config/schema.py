@@ -314,7 +314,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     logging_steps: int = opt(10, "log every N optimizer steps")
-    visualdl: bool = opt(True, "write VisualDL scalars, histograms and images under output_dir/visualdl")
+    visualdl: bool = opt(True, "VisualDL scalars, images, text in output_dir/visualdl (a run per rank for memory)")
     progress_bar: bool = opt(True, "tqdm progress bar on rank 0")
     monitor: bool = opt(True, "expert-balance, memory and FLOPs metrics (off: losses, lr, speed only)")
     time_breakdown: bool = opt(True, "time/... metrics: where each step's time goes (data, forward, backward, "

@@ -9,6 +9,11 @@ Per MoE layer and modality (``moe/layer{i}_{text|vision}/...``):
 - ``dropped_frac``: routed copies dropped by capacity; ``idle_expert_frac``: experts that got no token;
 - ``bias_range``: max - min of the aux-loss-free correction bias (when enabled);
 - ``router/layer{i}_{modality}/{aux_loss,z_loss,orthogonal_loss}``: unweighted router losses.
+
+The ``balance`` group holds the headline numbers per modality, the layer detail stays under ``moe``:
+``balance/{modality}_max_mean_load`` (the worst layer), ``balance/{modality}_dropped_frac`` (over all layers),
+``balance/{modality}_routing_entropy`` (the lowest layer) and ``balance/worst_max_mean_load``; and two images per
+modality, ``balance/load_heat_map_{modality}`` and ``balance/tokens_per_expert_{modality}``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..moe.stats import LOSS_NAMES
+from .charts import bar_chart, heat_map
 
 GROUP_NAMES = {0: "text", 1: "vision", None: "all"}
 
@@ -37,22 +43,6 @@ def load_figures(routed: np.ndarray, kept: np.ndarray) -> dict[str, float]:
     }
 
 
-def heat_map(rows: list[np.ndarray], cell: int = 16) -> np.ndarray:
-    """Layers x experts image of load / mean load: blue below 1, white at 1, red at 2 and above."""
-    width = max(len(r) for r in rows)
-    grid = np.full((len(rows), width), np.nan)
-    for i, r in enumerate(rows):
-        grid[i, : len(r)] = r / max(r.mean(), 1e-9)
-    t = np.clip(np.nan_to_num(grid, nan=1.0) - 1.0, -1.0, 1.0)
-    image = np.empty(grid.shape + (3,), np.float64)
-    image[..., 0] = np.where(t < 0, 1 + t, 1.0)
-    image[..., 1] = 1 - np.abs(t)
-    image[..., 2] = np.where(t > 0, 1 - t, 1.0)
-    image[np.isnan(grid)] = 0.5
-    image = (image * 255).astype(np.uint8)
-    return image.repeat(cell, axis=0).repeat(cell, axis=1)
-
-
 def layer_windows(layers) -> list[dict]:
     """Each MoE layer's window as plain data (resets its counters), so pipeline stages can send theirs."""
     return [{"layer_idx": moe.layer_idx, "router_counts": list(moe.router_counts),
@@ -62,15 +52,14 @@ def layer_windows(layers) -> list[dict]:
 
 
 def summarize(layers):
-    """(scalars, histograms, images) for the window; resets each layer's counters.
+    """(scalars, images) for the window; resets each layer's counters.
 
     ``layers``: the model's MoE layers, their counters already summed over the ranks that saw different
     tokens, or their :func:`layer_windows` (gathered from every pipeline stage).
     """
     windows = [w if isinstance(w, dict) else layer_windows([w])[0] for w in layers]
     scalars: dict[str, float] = {}
-    histograms: dict[str, np.ndarray] = {}
-    maps: dict[str, list[np.ndarray]] = {}
+    loads: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}  # modality -> (layer, routed, kept)
     loss_totals, loss_terms = np.zeros(len(LOSS_NAMES)), 0
     for layer in sorted(windows, key=lambda w: w["layer_idx"]):
         window = layer["window"]
@@ -93,12 +82,26 @@ def summarize(layers):
             if layer["bias"] is not None:
                 bias = layer["bias"][g, :size]
                 scalars[f"{tag}/bias_range"] = float(bias.max() - bias.min())
-            histograms[f"{tag}/tokens_per_expert"] = routed
-            maps.setdefault(name, []).append(routed)
-    worst = [v for k, v in scalars.items() if k.endswith("/max_mean_load")]
-    if worst:
-        scalars["moe/worst_max_mean_load"] = max(worst)
+            loads.setdefault(name, []).append((layer["layer_idx"], routed, kept))
     if loss_terms:  # averages over MoE layers and modalities
         scalars.update({name: float(total / loss_terms) for name, total in zip(LOSS_NAMES, loss_totals)})
-    images = {f"moe/load_heat_map_{name}": heat_map(rows) for name, rows in maps.items()}
-    return scalars, histograms, images
+    images = {}
+    for name, entries in loads.items():
+        scalars.update(headline(name, entries))
+        ids, rows = [i for i, _, _ in entries], [r for _, r, _ in entries]
+        images[f"balance/load_heat_map_{name}"] = heat_map(rows, ids, f"{name} experts: load / mean load")
+        images[f"balance/tokens_per_expert_{name}"] = bar_chart(rows, ids, f"{name} experts: tokens per expert")
+    worst = [v for k, v in scalars.items() if k.startswith("balance/") and k.endswith("_max_mean_load")]
+    if worst:
+        scalars["balance/worst_max_mean_load"] = max(worst)
+    return scalars, images
+
+
+def headline(name: str, entries) -> dict[str, float]:
+    """One modality's balance over its layers: the worst layer's load ratio and entropy, the drops of all."""
+    figures = [load_figures(routed, kept) for _, routed, kept in entries]
+    routed = sum(float(r.sum()) for _, r, _ in entries)
+    kept = sum(float(k.sum()) for _, _, k in entries)
+    return {f"balance/{name}_max_mean_load": max(f["max_mean_load"] for f in figures),
+            f"balance/{name}_dropped_frac": 1.0 - kept / routed,
+            f"balance/{name}_routing_entropy": min(f["routing_entropy"] for f in figures)}

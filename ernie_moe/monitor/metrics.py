@@ -1,12 +1,22 @@
-"""Where metrics go: ``metrics.jsonl`` (one object per logging step) and VisualDL scalars, rank 0 only."""
+"""Where metrics go: ``metrics.jsonl`` (one object per logging step) and VisualDL, rank 0 only.
+
+VisualDL draws the runs that share a tag in one chart, so each rank's figures (``memory/rank{r}/<name>`` in
+``metrics.jsonl``) go to a run of their own, ``visualdl/rank{r}``, under the tag ``memory/<name>``: one chart per
+quantity with a line per rank, on one y axis. Everything else is the run ``run`` in ``visualdl/`` itself.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
+import yaml
+
 from .. import json_files
+
+PER_RANK = re.compile(r"memory/rank(\d+)/(.+)")
 
 
 class MetricsLogger:
@@ -14,6 +24,7 @@ class MetricsLogger:
         """``resumed_at``: the step a resumed run continues from; the records up to it are kept."""
         self.enabled = enabled
         self.writer = None
+        self.rank_writers: dict[int, object] = {}
         self.file = None
         if not enabled:
             return
@@ -23,13 +34,11 @@ class MetricsLogger:
         self.file = open(path, "w")
         self.file.writelines(line + "\n" for line in kept)
         if visualdl:
-            from visualdl import LogWriter
-
-            logdir = Path(output_dir) / "visualdl"
-            if not resumed_at:
-                for stale in logdir.glob("vdlrecords.*.log"):  # an earlier run's curves would mix with this one's
+            self.logdir = Path(output_dir) / "visualdl"
+            if not resumed_at:  # an earlier run's curves would mix with this one's
+                for stale in [*self.logdir.glob("vdlrecords.*.log"), *self.logdir.glob("rank*/vdlrecords.*.log")]:
                     stale.unlink()
-            self.writer = LogWriter(logdir=str(logdir))
+            self.writer = _writer(self.logdir, "run")
 
     def log(self, step: int, metrics: dict, prefix: str = "train") -> None:
         if not self.enabled:
@@ -40,26 +49,49 @@ class MetricsLogger:
         if self.writer is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    tag = key if "/" in key else f"{prefix}/{key}"
-                    self.writer.add_scalar(tag=tag, value=value, step=step)
+                    writer, tag = self._route(key, prefix)
+                    writer.add_scalar(tag=tag, value=value, step=step)
 
-    def histogram(self, tag: str, values, step: int) -> None:
-        if self.writer is not None:
-            self.writer.add_histogram(tag=tag, values=values, step=step, buckets=min(len(values), 10))
+    def _route(self, key: str, prefix: str):
+        per_rank = PER_RANK.fullmatch(key)
+        if per_rank is None:
+            return self.writer, key if "/" in key else f"{prefix}/{key}"
+        rank = int(per_rank.group(1))
+        if rank not in self.rank_writers:
+            self.rank_writers[rank] = _writer(self.logdir / f"rank{rank}", f"rank{rank}")
+        return self.rank_writers[rank], f"memory/{per_rank.group(2)}"
 
     def image(self, tag: str, image, step: int) -> None:
         if self.writer is not None:
             self.writer.add_image(tag=tag, img=image, step=step)
 
-    def text(self, tag: str, text: str) -> None:
+    def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:
-            self.writer.add_text(tag=tag, text_string=text, step=0)
+            self.writer.add_text(tag=tag, text_string=text, step=step)
+
+    def config(self, sections: dict) -> None:
+        """The run's config, one text entry per section (``config/model``, ``config/training``, ...) in YAML's
+        one-line form: VisualDL's text page joins lines, so block YAML would read as one run-on paragraph."""
+        for name, section in sections.items():
+            self.text(f"config/{name}", config_line(section), 0)
 
     def close(self) -> None:
         if self.file:
             self.file.close()
-        if self.writer is not None:
-            self.writer.close()
+        for writer in [self.writer, *self.rank_writers.values()]:
+            if writer is not None:
+                writer.close()
+
+
+def config_line(section) -> str:
+    return yaml.safe_dump(section, default_flow_style=True, sort_keys=False, width=float("inf")).strip()
+
+
+def _writer(logdir: Path, name: str):
+    """``name``: the run's name on the dashboard (VisualDL would show the folder's path)."""
+    from visualdl import LogWriter
+
+    return LogWriter(logdir=str(logdir), display_name=name)
 
 
 def _plain(value):

@@ -74,7 +74,7 @@ class TrainingMonitor:
             moe.stats.all_reduce(lambda t: self.env.all_reduce_sum(t, self.env.data_group))
         # every stage's layers reach rank 0
         windows = [w for stage in self.gather_stages(layer_windows(self.model.moe_layers())) for w in stage]
-        scalars, histograms, images = summarize(windows)
+        scalars, images = summarize(windows)
         metrics.update(scalars)
         if self.enabled:
             tflops = total("flops") / elapsed / 1e12
@@ -87,8 +87,6 @@ class TrainingMonitor:
             self.warnings = self.alerts.check(step, scalars, peak)
         metrics.update({f"data/skipped_{k}": v for k, v in data_stats.items()})
         self.logger.log(step, metrics)
-        for tag, values in histograms.items():
-            self.logger.histogram(tag, values, step)
         for tag, image in images.items():
             self.logger.image(tag, image, step)
         return metrics
@@ -114,8 +112,11 @@ class TrainingMonitor:
     def log_eval(self, step: int, metrics: dict) -> None:
         self.logger.log(step, metrics, prefix="eval")
 
-    def text(self, tag: str, text: str) -> None:
-        self.logger.text(tag, text)
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.logger.text(tag, text, step)
+
+    def config(self, sections: dict) -> None:
+        self.logger.config(sections)
 
     def close(self) -> None:
         self.logger.close()

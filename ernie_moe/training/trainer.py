@@ -265,7 +265,7 @@ class Trainer:
     def _announce(self, change: str) -> None:
         if self.env.is_main:
             print(f"memory guard: {change}", flush=True)
-        self.monitor.text("memory_guard", change)
+        self.monitor.text("memory_guard", change, self.step)
 
     def _step(self, micro_batches) -> StepResult:
         result = self.forward_backward(micro_batches)
@@ -385,9 +385,9 @@ class Trainer:
             return
         out = Path(self.cfg.training.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        text = yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False)
-        (out / "run_config.yaml").write_text(text)
-        self.monitor.text("config", f"```yaml\n{text}```")
+        sections = dataclasses.asdict(self.cfg)
+        (out / "run_config.yaml").write_text(yaml.safe_dump(sections, sort_keys=False))
+        self.monitor.config(sections)
 
     def _initialise_from(self, model, directory: str) -> None:
         report = load_pretrained(model, directory, self.env)
