@@ -39,6 +39,27 @@ def test_a_broken_computation_fails_the_doctor(monkeypatch, capsys, broken):
     assert len(failed) == 1 and failed[0].startswith(f"| {broken} |")
 
 
+def test_the_doctor_checks_a_users_config_at_its_shapes_and_layout(capsys, tmp_path):
+    args = ["--config", str(ROOT / "configs" / "ernie45_vl_28b_a3b.yaml"), "--world-size", "8"]
+    assert main([*args, "--device-memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "18 of 18 checks passed" in out
+    for row in ("| attention, 20 heads / 4 kv of 128 |", "| rms_norm, hidden 2560 |",
+                "| routed experts, 2560 x 512 |", "| routed experts, 2560 x 1536 |",
+                "| memory plan of the layout on 8 ranks (share of the device) | - | 8.60e-01 | 9e-01 | pass |"):
+        assert row in out, row
+    assert "busiest rank 68.81 GiB of 80 GB predicted" in out
+    # the same layout on 40 GB devices does not fit: that row fails, and the run's exit code says so
+    assert main([*args, "--device-memory-gb", "40"]) == 1
+    failed = [line for line in capsys.readouterr().out.splitlines() if "FAIL" in line]
+    assert len(failed) == 1 and failed[0].startswith("| memory plan of the layout")
+    # a config that does not load: one line and exit code 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hidden_size: 64\n  num_attention_heads: 3\n")
+    assert main(["--config", str(bad)]) == 2
+    assert "config error" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_layout_checks_pass_here(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ernie_moe.doctor", "--layouts", "--workdir", str(tmp_path)],

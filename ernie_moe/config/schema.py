@@ -228,6 +228,19 @@ class TrainingConfig:
     overwrite_output_dir: bool = opt(False, "let a fresh run remove the checkpoints an earlier run left in "
                                             "output_dir (without it, such a run stops)")
     max_eval_batches: int = opt(0, "cap on evaluation batches; 0 = the whole held-out set")
+    eval_generate: bool = opt(False, "at every evaluation also answer the held-out samples greedily (each sample's "
+                                     "last trained span is the answer, what precedes it the prompt) and score the "
+                                     "answers: eval_generate_exact_match, eval_generate_token_f1 and, on data that "
+                                     "scores caption words, eval_generate_caption_accuracy")
+    eval_generate_samples: int = opt(0, "held-out samples answered at each evaluation; 0 = all of them")
+    eval_generate_max_new_tokens: int = opt(64, "the longest answer generated")
+    save_best_metric: str = opt("", "an evaluation figure (eval_loss, eval_caption_accuracy, "
+                                    "eval_generate_exact_match, ema_eval_loss, ...): each evaluation that improves it "
+                                    "writes output_dir/best_model (lower is better for a name ending in 'loss', "
+                                    "higher otherwise); empty = off")
+    early_stopping_patience: int = opt(0, "stop the run after this many evaluations in a row without an improvement "
+                                          "of save_best_metric (the final model is written as at the end); 0 = "
+                                          "never")
     bf16: bool = opt(False, "mixed precision in bfloat16")
     fp16: bool = opt(False, "mixed precision in float16, with dynamic loss scaling")
     fp16_opt_level: str = choice("O2", "O1", "O2", doc="O1: float32 weights, low-precision matmuls under autocast; "

@@ -203,6 +203,21 @@ def _check_training(cfg: Config) -> None:
              "training.weight_decay, max_grad_norm and moe_gate_lr_ratio cannot be negative.")
     _require(t.eval_steps >= 0 and t.max_eval_batches >= 0 and t.token_balance_seqlen >= 0,
              "training.eval_steps, max_eval_batches and token_balance_seqlen cannot be negative.")
+    _require(t.eval_generate_samples >= 0 and t.eval_generate_max_new_tokens >= 1 and t.early_stopping_patience >= 0,
+             "training.eval_generate_samples and early_stopping_patience cannot be negative, "
+             "training.eval_generate_max_new_tokens must be at least 1.")
+    _require(not t.save_best_metric or t.save_best_metric.startswith(("eval_", "ema_eval_")),
+             f"training.save_best_metric {t.save_best_metric!r} is not an evaluation figure: name one of the eval_* "
+             "(or ema_eval_*) figures in metrics.jsonl, for example eval_loss.")
+    _require(not t.early_stopping_patience or t.save_best_metric,
+             "training.early_stopping_patience counts evaluations without an improvement of training.save_best_metric:"
+             " set it too (for example eval_loss).")
+    p = cfg.parallel
+    _require(not t.eval_generate or (p.tensor_parallel_degree == 1 and p.pipeline_parallel_degree == 1
+                                     and p.expert_parallel_degree == 1),
+             "training.eval_generate decodes on each data-parallel rank with the whole model; it does not run with "
+             "tensor, pipeline or expert parallelism (their ranks would have to decode in step): evaluate "
+             "final_model with python -m ernie_moe.generate instead.")
     _check_fine_tuning(t)
 
 

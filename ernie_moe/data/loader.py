@@ -93,6 +93,12 @@ def sample_order(seed: int, epoch: int, size: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(size)
 
 
+def training_encoder(tokenizer, cfg, stats: Counter) -> Encoder:
+    """Samples encoded as the run's ``data`` section says; skipped samples counted in ``stats``."""
+    return Encoder(tokenizer, cfg.model, cfg.data.max_seq_len, cfg.data.overlong, cfg.data.max_image_side, stats,
+                   cfg.data.pixel_budget, cfg.data.video_budget)
+
+
 class RowStream:
     """Packed rows of a dataset, in an order that does not depend on how many processes read it. A sample
     found unusable is counted once and passed over without being read again in later epochs. With
@@ -103,8 +109,7 @@ class RowStream:
         self.unusable: set[int] = set()
         self.seed = cfg.training.seed
         self.max_seq_len = cfg.data.max_seq_len
-        self.encoder = Encoder(tokenizer, cfg.model, cfg.data.max_seq_len, cfg.data.overlong,
-                               cfg.data.max_image_side, stats, cfg.data.pixel_budget, cfg.data.video_budget)
+        self.encoder = training_encoder(tokenizer, cfg, stats)
         self.workers = SampleWorkers(dataset, self.encoder, workers) if workers else None
 
     def _encoded(self, indices):

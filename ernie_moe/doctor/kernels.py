@@ -41,26 +41,27 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
-def attention(rng, dtype, masked: bool = True):
+def attention(rng, dtype, masked: bool = True, heads: int = 4, kv_heads: int = 2, head_dim: int = 8):
     """Packed documents under a causal mask (the decoder), or every key (the ViT's per-image attention)."""
-    q, k, v = (rng.standard_normal(shape) for shape in ([2, 6, 4, 8], [2, 6, 2, 8], [2, 6, 2, 8]))
+    q, k, v = (rng.standard_normal(shape) for shape in ([2, 6, heads, head_dim], [2, 6, kv_heads, head_dim],
+                                                         [2, 6, kv_heads, head_dim]))
     docs = np.array([[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 1]])
     allowed = causal_document_mask(paddle.to_tensor(docs)) if masked else None
     ours = core_attention(*(_tensor(a, dtype) for a in (q, k, v)), allowed)
-    kk, vv = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)
-    scores = np.einsum("bqhd,bkhd->bhqk", q, kk) / math.sqrt(8)
+    kk, vv = np.repeat(k, heads // kv_heads, axis=2), np.repeat(v, heads // kv_heads, axis=2)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, kk) / math.sqrt(head_dim)
     scores = np.where(allowed.numpy(), scores, -np.inf) if masked else scores
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     return ours, np.einsum("bhqk,bkhd->bqhd", probs, vv)
 
 
-def rms_norm(rng, dtype, fused: bool = False):
-    x, w = rng.standard_normal([3, 5, 16]), rng.standard_normal(16)
+def rms_norm(rng, dtype, fused: bool = False, hidden: int = 16):
+    x, w = rng.standard_normal([3, 5, hidden]), rng.standard_normal(hidden)
     reference = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6) * w
     if fused:
         return kernels.fused_rms_norm(_tensor(x, dtype), _tensor(w, "float32"), 1e-6), reference
-    norm = RMSNorm(16, 1e-6)
+    norm = RMSNorm(hidden, 1e-6)
     norm.weight.set_value(_tensor(w, "float32"))
     return norm(_tensor(x, dtype)), reference
 
@@ -117,11 +118,11 @@ def dispatch_and_combine(rng, dtype):
     return ours, x * ((experts + 1) * weights).sum(axis=1, keepdims=True)
 
 
-def routed_experts(rng, dtype, grouped: bool = False, fused: bool = False):
+def routed_experts(rng, dtype, grouped: bool = False, fused: bool = False, hidden: int = 8, width: int = 6):
     """Four SwiGLU experts over expert-sorted rows (one without rows), as the MoE layer runs them on this device
     (``fused``: Paddle's grouped GEMM itself), then the gradients of ``sum(out * probe)``: [out, row gradients,
     weight gradients]."""
-    counts, hidden, width = [3, 0, 5, 2], 8, 6
+    counts = [3, 0, 5, 2]
     rows, probe = rng.standard_normal([sum(counts), hidden]), rng.standard_normal([sum(counts), hidden])
     up_gate = [rng.standard_normal([hidden, 2 * width]) * 0.4 for _ in counts]
     down = [rng.standard_normal([width, hidden]) * 0.4 for _ in counts]
@@ -215,12 +216,34 @@ def device_dtypes() -> list[str]:
     return dtypes
 
 
-def run_checks(dtypes: list[str], seed: int = 0) -> list[Check]:
+def run_checks(dtypes: list[str], seed: int = 0, checks_to_run: dict | None = None) -> list[Check]:
+    """``checks_to_run``: {name: make(rng, dtype)}; the built-in ones (and on a GPU the fused ones) by default."""
     checks = []
-    for name, make in {**CHECKS, **(FUSED_CHECKS if _on_gpu() else {})}.items():
+    for name, make in (checks_to_run or {**CHECKS, **(FUSED_CHECKS if _on_gpu() else {})}).items():
         for dtype in dtypes:
             ours, reference = make(np.random.default_rng(seed), dtype)
             ours = ours.astype("float32").numpy().astype(np.float64)
             tolerance = TOLERANCE["float32 (TF32 matmuls)" if dtype == "float32" and _on_gpu() else dtype]
             checks.append(Check(name, dtype, kernels.relative_difference(ours, reference), tolerance))
     return checks
+
+
+def model_checks(model_cfg) -> dict:
+    """The decoder's attention, norm and routed experts at a model's own widths (the fused kernels too, on a GPU):
+    the shapes a config's training runs, which the built-in checks' small ones may not reach."""
+    m = model_cfg
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    widths = sorted(set(m.moe_intermediate_size)) if m.moe_num_experts else []
+    makers = {f"attention, {m.num_attention_heads} heads / {m.num_key_value_heads} kv of {head_dim}": functools.partial(
+                  attention, heads=m.num_attention_heads, kv_heads=m.num_key_value_heads, head_dim=head_dim),
+              f"rms_norm, hidden {m.hidden_size}": functools.partial(rms_norm, hidden=m.hidden_size)}
+    for width in widths:
+        makers[f"routed experts, {m.hidden_size} x {width}"] = functools.partial(
+            routed_experts, grouped=_on_gpu(), hidden=m.hidden_size, width=width)
+        if _on_gpu():
+            makers[f"routed experts, {m.hidden_size} x {width}, fused kernel"] = functools.partial(
+                routed_experts, grouped=True, fused=True, hidden=m.hidden_size, width=width)
+    if _on_gpu():
+        makers[f"rms_norm, hidden {m.hidden_size}, fused kernel"] = functools.partial(
+            rms_norm, fused=True, hidden=m.hidden_size)
+    return makers

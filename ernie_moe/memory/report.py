@@ -72,14 +72,26 @@ def table(stages, device_bytes: float) -> str:
     return "\n".join(lines)
 
 
-def report(cfg, world: int, device_gb: float, run_search: bool, image_fraction: float = 0.5) -> tuple[str, bool]:
-    """The printed plan and whether the configured layout fits."""
-    p = cfg.parallel
-    data_world = Layout.of(p, world).data_world
+def planned(cfg, world: int, image_fraction: float = 0.5):
+    """(per-stage estimates, the micro-batch's workload, where it comes from, its workload function) of the
+    configured layout on ``world`` ranks."""
+    data_world = Layout.of(cfg.parallel, world).data_world
     workload_for, source = workload_source(cfg, data_world, image_fraction)
     workload = workload_for(cfg.training.per_device_train_batch_size)
+    return estimate(cfg, workload, data_world), workload, source, workload_for
+
+
+def default_world(cfg) -> int:
+    """The fewest ranks the configured degrees take."""
+    p = cfg.parallel
+    return p.tensor_parallel_degree * p.pipeline_parallel_degree * max(p.sharding_parallel_degree, 1)
+
+
+def report(cfg, world: int, device_gb: float, run_search: bool, image_fraction: float = 0.5) -> tuple[str, bool]:
+    """The printed plan and whether the configured layout fits."""
+    data_world = Layout.of(cfg.parallel, world).data_world
+    stages, workload, source, workload_for = planned(cfg, world, image_fraction)
     device = device_gb * GIB
-    stages = estimate(cfg, workload, data_world)
     lines = [f"layout: {world} ranks, {describe(cfg)}",
              f"micro-batch: {workload.rows} x {workload.seq} tokens, {workload.image_tokens} image tokens, "
              f"{workload.patches} patches ({source})",
@@ -120,9 +132,7 @@ def main(argv=None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     device_gb = args.device_memory_gb or cfg.training.device_memory_gb or MemoryMonitor().device_total_gb()
-    p = cfg.parallel
-    world = args.world_size or (p.tensor_parallel_degree * p.pipeline_parallel_degree
-                                * max(p.sharding_parallel_degree, 1))
+    world = args.world_size or default_world(cfg)
     if args.smallest:
         workload_for, source = workload_source(cfg, 1, args.image_fraction)
         found = smallest_world(cfg, workload_for, device_gb * GIB)

@@ -29,6 +29,7 @@ from ..checkpoint.output_lock import release_output_dir
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
+from ..data.loader import training_encoder
 from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
 from ..monitor.memory import MemoryMonitor
@@ -36,6 +37,8 @@ from ..monitor.monitor import TrainingMonitor
 from ..parallel import init_distributed
 from ..timing import part
 from .assembly import assemble
+from .best_model import BestModel
+from .generation_eval import evaluate_by_generation
 from .memory_guard import is_out_of_memory
 from .optimizer import clip_grad_norm, optimizer_state_bytes
 from .precision import NonFiniteGradients
@@ -78,6 +81,7 @@ class Trainer:
         self.last_checkpoint = None  # the newest checkpoint of this run's lineage: a resume's source, then its saves
         if t.resume_from_checkpoint:
             self._resume()
+        self.best = BestModel(t, resumed=self.step > 0)
         self.monitor = TrainingMonitor(cfg, self.env, self.model, self.runner.gather_stages, resumed_at=self.step,
                                        optimizer_bytes=lambda: optimizer_state_bytes(self.optimizer))
 
@@ -123,21 +127,28 @@ class Trainer:
                     window = []
                 if self.replicas.due(self.step):  # before the EMA's evaluation, which rewrites the replicas
                     self._check_replicas(f"after step {self.step}")
+                stopping_early = False
                 if (t.eval_steps and self.step % t.eval_steps == 0) or self.step == t.max_steps:
                     last_eval = self.evaluate()
                     self.monitor.log_eval(self.step, last_eval)
-                if (t.save_steps and self.step % t.save_steps == 0) or self.step == t.max_steps:
+                    stopping_early = self._keep_best(last_eval)
+                if (t.save_steps and self.step % t.save_steps == 0) or self.step == t.max_steps or stopping_early:
                     self._save()
+                if stopping_early:
+                    break
                 reason = stop.agreed()
                 if reason:
                     self._stop(reason, bar)
         bar.close()
         self.stream.close()
-        ran, skipped = max(t.max_steps - first + 1, 0), self.precision.skipped - skipped_before
+        last = max(self.step, first - 1)
+        ran, skipped = last - first + 1, self.precision.skipped - skipped_before
         # trained: the steps that updated the weights (a step skipped for inf/nan gradients did not)
-        summary = {"steps": max(self.step, first - 1), "run_steps": ran, "trained_steps": ran - skipped,
+        summary = {"steps": last, "run_steps": ran, "trained_steps": ran - skipped,
                    "skipped_steps": skipped,
-                   "train_time_s": time.time() - started, **last_eval,
+                   "train_time_s": time.time() - started, **last_eval, **self.best.summary(),
+                   **({"stopped_early": f"no improvement of {t.save_best_metric} in {self.best.since} evaluations "
+                                        f"(training.early_stopping_patience)"} if self.best.patience_spent else {}),
                    **{f"data/{k}": v for k, v in sorted(self.data_stats.items())}}
         if skipped > ran * MAX_SKIPPED_FRACTION:
             self._write_summary({**summary, "status": "failed"})
@@ -328,6 +339,18 @@ class Trainer:
             result.update({f"ema_{k}": v for k, v in averaged.items() if not k.startswith("eval_skipped")})
         return result
 
+    def _keep_best(self, metrics: dict) -> bool:
+        """Write best_model when this evaluation is the best so far; whether the run stops early here."""
+        if self.best.update(self.step, metrics):
+            self._export(self.best.folder)
+        if self.best.metric and self.best.step is not None and self.env.is_main:
+            self.best.write_record()
+        if self.best.patience_spent and self.env.is_main:
+            print(f"stopping early at step {self.step}: {self.best.metric} has not improved on {self.best.value:.4f} "
+                  f"(step {self.best.step}) in {self.best.since} evaluations; the best model is in "
+                  f"{self.best.folder}", flush=True)
+        return self.best.patience_spent and self.step < self.cfg.training.max_steps
+
     def _evaluate(self, warn: bool = True) -> dict:
         if self.eval_set is None:
             return {}
@@ -336,6 +359,13 @@ class Trainer:
         global_rows = self.runner.eval_rows_per_device(self.cfg.training) * self.env.data_world
         batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
         result = self.runner.evaluate(batches, self.cfg.training)
+        t = self.cfg.training
+        if t.eval_generate:
+            with self.precision.autocast():
+                result.update(evaluate_by_generation(self.model, self.eval_set,
+                                                     training_encoder(self.tokenizer, self.cfg, Counter()),
+                                                     self.tokenizer, self.env, t.eval_generate_samples,
+                                                     t.eval_generate_max_new_tokens))
         if not result and warn and self.env.is_main:
             print(f"WARNING the held-out data gave nothing to evaluate (skipped samples: {dict(skipped) or 'none'})",
                   flush=True)
@@ -410,20 +440,25 @@ class Trainer:
                   "is where they already are, so it saves nothing here (the same moves run)", flush=True)
 
     def _finish(self, summary: dict) -> None:
+        final = Path(self.cfg.training.output_dir) / "final_model"
+        averaged = self._export(final)
+        summary.update(status="done", model_dir=str(final), final_model_weights="ema" if averaged else "trained")
+        self._write_summary(summary)
+        self.monitor.close()
+
+    def _export(self, folder: Path) -> bool:
+        """The model folder (or, for LoRA, the adapter) of the weights now; whether they were the EMA's."""
         t = self.cfg.training
-        final = Path(t.output_dir) / "final_model"
         files = inference_files(self.cfg, self.tokenizer, t.final_model_format)
         averaged = t.save_ema_as_final and self.ema.started
         with self.ema.swapped_in() if averaged else contextlib.nullcontext():
             if self.base is not None:  # the adapter alone, as PaddleFormers' LoRAModel reads it
-                save_adapter(self.model, self.cfg.model, LoRASettings.of(t), final, self.tokenizer, self.env,
+                save_adapter(self.model, self.cfg.model, LoRASettings.of(t), folder, self.tokenizer, self.env,
                              self.base, files)
             else:
-                save_model(self.model, self.cfg.model, str(final), self.tokenizer, self.env, hf_layout=True,
+                save_model(self.model, self.cfg.model, str(folder), self.tokenizer, self.env, hf_layout=True,
                            source=folder_config(t.model_name_or_path), extra=files, form=t.final_model_format)
-        summary.update(status="done", model_dir=str(final), final_model_weights="ema" if averaged else "trained")
-        self._write_summary(summary)
-        self.monitor.close()
+        return averaged
 
     def _write_summary(self, summary: dict) -> None:
         if self.env.is_main:

@@ -1,0 +1,76 @@
+"""The best evaluation so far (``training.save_best_metric``) and early stopping (``early_stopping_patience``).
+
+An evaluation that improves the metric writes ``output_dir/best_model`` (a model folder like ``final_model``,
+with ``best.json``: the metric, its value and the step). A resumed run reads ``best.json`` back, so the best
+and the evaluations since it carry over.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..config import ConfigError
+from ..json_files import UnreadableJSON, dumps, read_json
+
+BEST_DIR, BEST_FILE = "best_model", "best.json"
+
+
+class BestModel:
+    def __init__(self, training_cfg, resumed: bool):
+        t = training_cfg
+        self.metric, self.patience = t.save_best_metric, t.early_stopping_patience
+        self.lower_is_better = self.metric.endswith("loss")
+        self.folder = Path(t.output_dir) / BEST_DIR
+        self.value: float | None = None
+        self.step: int | None = None
+        self.since = 0  # evaluations since the best
+        if self.metric and resumed:
+            self._read()
+
+    def update(self, step: int, metrics: dict) -> bool:
+        """Whether this evaluation is the new best (its model is then to be written)."""
+        if not self.metric or not metrics:
+            return False
+        if self.metric not in metrics:
+            known = ", ".join(sorted(k for k in metrics if not k.startswith("eval_skipped")))
+            raise ConfigError(f"training.save_best_metric {self.metric!r} is not among this run's evaluation "
+                              f"figures ({known})")
+        value = float(metrics[self.metric])
+        better = math.isfinite(value) and (self.value is None or (
+            value < self.value if self.lower_is_better else value > self.value))
+        if better:
+            self.value, self.step, self.since = value, step, 0
+        else:
+            self.since += 1
+        return better
+
+    @property
+    def patience_spent(self) -> bool:
+        return bool(self.patience) and self.since >= self.patience
+
+    def record(self) -> dict:
+        return {"metric": self.metric, "value": self.value, "step": self.step, "evaluations_since": self.since}
+
+    def write_record(self) -> None:
+        (self.folder / BEST_FILE).write_text(dumps(self.record(), indent=2))
+
+    def summary(self) -> dict:
+        if not self.metric or self.step is None:
+            return {}
+        return {"best_metric": self.metric, "best_value": self.value, "best_step": self.step,
+                "best_model_dir": str(self.folder)}
+
+    def _read(self) -> None:
+        path = self.folder / BEST_FILE
+        if not path.is_file():
+            return
+        try:
+            record = read_json(path, max_bytes=1 << 16)
+        except UnreadableJSON as err:
+            raise ConfigError(f"{path}: {err}; remove best_model to start the best over") from None
+        if not isinstance(record, dict) or record.get("metric") != self.metric:
+            return  # another metric's best: this run's starts afresh
+        value, step, since = record.get("value"), record.get("step"), record.get("evaluations_since", 0)
+        if isinstance(value, (int, float)) and isinstance(step, int) and isinstance(since, int):
+            self.value, self.step, self.since = float(value), step, since

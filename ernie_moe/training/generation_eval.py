@@ -1,0 +1,110 @@
+"""Held-out evaluation by generation (``training.eval_generate``): each sample's last trained span is the answer,
+what precedes it the prompt; the greedy answer is scored against it.
+
+- ``eval_generate_exact_match``: answers whose text equals the reference's (whitespace normalised);
+- ``eval_generate_token_f1``: the mean F1 of the answer's words against the reference's (SQuAD's measure);
+- ``eval_generate_caption_accuracy[_<word type>]``: on data that scores caption words (the synthetic task), the
+  scored reference tokens the answer has at the same place, so it reads beside the teacher-forced
+  ``eval_caption_accuracy``.
+
+Every data-parallel rank answers its share of the samples with the whole model; the sums are all-reduced.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import paddle
+
+from ..data.packing import SCORE_CATEGORIES, BadSample, Encoded
+from ..generation import generate
+from .evaluate import CATEGORIES
+
+SUMS = 3 + 2 * CATEGORIES  # answered, exact matches, F1 sum, then (scored, right) per category
+
+
+def split_answer(encoded: Encoded) -> tuple[Encoded, np.ndarray, np.ndarray] | None:
+    """(prompt, answer ids, their categories) of a training encoding: the answer is its last run of trained
+    tokens without the closing end-of-sentence token; None when an image or video follows the answer's start."""
+    trained = np.flatnonzero(encoded.target)
+    end = int(trained[-1]) + 1
+    start = end
+    while start > 0 and encoded.target[start - 1]:
+        start -= 1
+    if (encoded.token_type_ids[start:] != 0).any():
+        return None
+    e = encoded
+    prompt = Encoded(e.input_ids[:start], e.target[:start], e.scored[:start], e.token_type_ids[:start],
+                     e.position_ids[:start], e.patches, e.grids)
+    return prompt, e.input_ids[start:end], e.scored[start:end]
+
+
+def token_f1(answer: str, reference: str) -> float:
+    """F1 of the answer's words against the reference's, counted with multiplicity."""
+    a, r = answer.split(), reference.split()
+    if not a or not r:
+        return float(a == r)
+    common = sum((Counter(a) & Counter(r)).values())
+    if not common:
+        return 0.0
+    precision, recall = common / len(a), common / len(r)
+    return 2 * precision * recall / (precision + recall)
+
+
+def answer_sums(generated: list[int], reference: np.ndarray, scored: np.ndarray, decode, eos_id: int) -> np.ndarray:
+    """One sample's contribution to :data:`SUMS`."""
+    if len(reference) and reference[-1] == eos_id:
+        reference, scored = reference[:-1], scored[:-1]
+    answer, expected = " ".join(decode(generated).split()), " ".join(decode(reference.tolist()).split())
+    sums = np.zeros(SUMS)
+    sums[:3] = 1.0, float(answer == expected), token_f1(answer, expected)
+    placed = np.full(len(reference), -1)
+    placed[: min(len(generated), len(reference))] = generated[: len(reference)]
+    sums[3: 3 + CATEGORIES] = np.bincount(scored, minlength=CATEGORIES)
+    sums[3 + CATEGORIES:] = np.bincount(scored[placed == reference], minlength=CATEGORIES)
+    return sums
+
+
+def generation_metrics(sums: np.ndarray) -> dict:
+    answered = sums[0]
+    if not answered:
+        return {}
+    result = {"eval_generate_exact_match": sums[1] / answered, "eval_generate_token_f1": sums[2] / answered,
+              "eval_generate_answers": answered}
+    seen, right = sums[3: 3 + CATEGORIES], sums[3 + CATEGORIES:]
+    if seen[1:].sum():
+        result["eval_generate_caption_accuracy"] = right[1:].sum() / seen[1:].sum()
+        for k, name in enumerate(SCORE_CATEGORIES, start=1):
+            if seen[k]:
+                result[f"eval_generate_caption_accuracy_{name}"] = right[k] / seen[k]
+    return result
+
+
+@paddle.no_grad()
+def evaluate_by_generation(model, dataset, encoder, tokenizer, env, count: int, max_new_tokens: int) -> dict:
+    """Greedy answers to the first ``count`` samples of ``dataset`` (0 = all), this rank's share of them."""
+    was_training = model.training
+    model.eval()
+    sums = np.zeros(SUMS)
+    skipped = Counter()
+    never = (model.cfg.im_patch_id,)  # images come from the prompt
+    for index in range(env.data_rank, count or len(dataset), env.data_world):
+        try:
+            parts = split_answer(encoder(dataset[index]))
+        except BadSample as bad:
+            skipped[bad.reason] += 1
+            continue
+        if parts is None:
+            skipped["visual_after_answer"] += 1
+            continue
+        prompt, reference, scored = parts
+        out = generate(model, prompt, max_new_tokens, tokenizer.eos_id, never=never, tokens=tokenizer.vocab_size)
+        sums += answer_sums(out.ids, reference, scored, tokenizer.decode, tokenizer.eos_id)
+    if was_training:
+        model.train()
+    totals = env.all_reduce_sum(paddle.to_tensor(np.append(sums, sum(skipped.values()))), env.data_group).numpy()
+    result = generation_metrics(totals[:-1])
+    if totals[-1]:
+        result["eval_generate_skipped"] = totals[-1]
+    return result
