@@ -47,10 +47,16 @@ def eval_metrics(values: np.ndarray) -> dict:
     seen, right = values[3: 3 + CATEGORIES], values[3 + CATEGORIES:]
     if not tokens:
         return {}
-    result = {"eval_loss": loss_sum / tokens, "eval_token_accuracy": correct / tokens}
-    if seen[1:].sum():
-        result["eval_caption_accuracy"] = right[1:].sum() / seen[1:].sum()
-        for k, name in enumerate(SCORE_CATEGORIES, start=1):
-            if seen[k]:
-                result[f"eval_caption_accuracy_{name}"] = right[k] / seen[k]
+    return {"eval_loss": loss_sum / tokens, "eval_token_accuracy": correct / tokens,
+            **caption_accuracy(seen, right, "eval_caption_accuracy")}
+
+
+def caption_accuracy(seen: np.ndarray, right: np.ndarray, name: str) -> dict:
+    """``name`` (all scored words) and ``name_<word type>`` from the scored and right counts per category."""
+    if not seen[1:].sum():
+        return {}
+    result = {name: right[1:].sum() / seen[1:].sum()}
+    for k, category in enumerate(SCORE_CATEGORIES, start=1):
+        if seen[k]:
+            result[f"{name}_{category}"] = right[k] / seen[k]
     return result

@@ -17,9 +17,9 @@ from collections import Counter
 import numpy as np
 import paddle
 
-from ..data.packing import SCORE_CATEGORIES, BadSample, Encoded
+from ..data.packing import BadSample, Encoded
 from ..generation import generate
-from .evaluate import CATEGORIES
+from .evaluate import CATEGORIES, caption_accuracy
 
 SUMS = 3 + 2 * CATEGORIES  # answered, exact matches, F1 sum, then (scored, right) per category
 
@@ -72,13 +72,8 @@ def generation_metrics(sums: np.ndarray) -> dict:
         return {}
     result = {"eval_generate_exact_match": sums[1] / answered, "eval_generate_token_f1": sums[2] / answered,
               "eval_generate_answers": answered}
-    seen, right = sums[3: 3 + CATEGORIES], sums[3 + CATEGORIES:]
-    if seen[1:].sum():
-        result["eval_generate_caption_accuracy"] = right[1:].sum() / seen[1:].sum()
-        for k, name in enumerate(SCORE_CATEGORIES, start=1):
-            if seen[k]:
-                result[f"eval_generate_caption_accuracy_{name}"] = right[k] / seen[k]
-    return result
+    return {**result, **caption_accuracy(sums[3: 3 + CATEGORIES], sums[3 + CATEGORIES:],
+                                         "eval_generate_caption_accuracy")}
 
 
 @paddle.no_grad()
