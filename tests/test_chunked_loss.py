@@ -4,8 +4,8 @@ whole logits never held."""
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
-from test_e2e import launch, load_model, records
+from conftest import ROOT, launch
+from test_e2e import load_model, records
 
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.training import Trainer

@@ -11,7 +11,8 @@ import json
 
 import numpy as np
 import pytest
-from test_e2e import launch, load_model, records
+from conftest import launch
+from test_e2e import load_model, records
 
 pytestmark = pytest.mark.slow  # starts processes
 

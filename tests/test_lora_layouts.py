@@ -12,9 +12,9 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, launch
 from safetensors.numpy import load_file
-from test_e2e import launch, load_model, records
+from test_e2e import load_model, records
 from test_layouts import ACCUMULATE, PP2, TP2
 
 pytestmark = pytest.mark.slow  # starts processes

@@ -6,8 +6,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT
-from test_e2e import SMALL, launch, records
+from conftest import ROOT, SMALL, launch
+from test_e2e import records
 
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.config.schema import LORA_TARGET_GROUPS

@@ -5,8 +5,8 @@ import re
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
-from test_e2e import launch, records
+from conftest import ROOT, launch
+from test_e2e import records
 from test_moe import make_layer
 
 from ernie_moe.config import load_config
