@@ -18,6 +18,7 @@ from pathlib import Path
 
 import paddle
 
+from ..cli import at_least_one, bounded
 from ..config import ConfigError, load_config
 from ..memory.report import GIB, default_world, planned
 from ..memory.search import FIT_FRACTION, describe
@@ -50,8 +51,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", help="where the layout runs write (default: a temporary folder)")
     parser.add_argument("--config", help="also check this training config's model shapes and layout")
     parser.add_argument("overrides", nargs="*", help="section.key=value, applied to --config")
-    parser.add_argument("--world-size", type=int, help="ranks of the run (default: the product of the degrees)")
-    parser.add_argument("--device-memory-gb", type=float,
+    parser.add_argument("--world-size", type=at_least_one, help="ranks of the run (default: the product of the "
+                                                                  "degrees)")
+    parser.add_argument("--device-memory-gb", type=bounded(float, 0, low_included=False),
                         help="GB per device (default: training.device_memory_gb, else this machine's)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="No ccache found")

@@ -59,7 +59,7 @@ def summarize(layers):
     """
     windows = [w if isinstance(w, dict) else layer_windows([w])[0] for w in layers]
     scalars: dict[str, float] = {}
-    loads: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}  # modality -> (layer, routed, kept)
+    loads: dict[str, list[tuple[int, np.ndarray, np.ndarray, dict]]] = {}  # modality -> (layer, routed, kept, figures)
     loss_totals, loss_terms = np.zeros(len(LOSS_NAMES)), 0
     for layer in sorted(windows, key=lambda w: w["layer_idx"]):
         window = layer["window"]
@@ -78,17 +78,18 @@ def summarize(layers):
             if routed.sum() == 0:
                 continue
             tag = f"moe/layer{layer['layer_idx']}_{name}"
-            scalars.update({f"{tag}/{key}": value for key, value in load_figures(routed, kept).items()})
+            figures = load_figures(routed, kept)
+            scalars.update({f"{tag}/{key}": value for key, value in figures.items()})
             if layer["bias"] is not None:
                 bias = layer["bias"][g, :size]
                 scalars[f"{tag}/bias_range"] = float(bias.max() - bias.min())
-            loads.setdefault(name, []).append((layer["layer_idx"], routed, kept))
+            loads.setdefault(name, []).append((layer["layer_idx"], routed, kept, figures))
     if loss_terms:  # averages over MoE layers and modalities
         scalars.update({name: float(total / loss_terms) for name, total in zip(LOSS_NAMES, loss_totals)})
     images = {}
     for name, entries in loads.items():
         scalars.update(headline(name, entries))
-        ids, rows = [i for i, _, _ in entries], [r for _, r, _ in entries]
+        ids, rows = [entry[0] for entry in entries], [entry[1] for entry in entries]
         images[f"balance/load_heat_map_{name}"] = heat_map(rows, ids, f"{name} experts: load / mean load")
         images[f"balance/tokens_per_expert_{name}"] = bar_chart(rows, ids, f"{name} experts: tokens per expert")
     worst = [v for k, v in scalars.items() if k.startswith("balance/") and k.endswith("_max_mean_load")]
@@ -99,9 +100,9 @@ def summarize(layers):
 
 def headline(name: str, entries) -> dict[str, float]:
     """One modality's balance over its layers: the worst layer's load ratio and entropy, the drops of all."""
-    figures = [load_figures(routed, kept) for _, routed, kept in entries]
-    routed = sum(float(r.sum()) for _, r, _ in entries)
-    kept = sum(float(k.sum()) for _, _, k in entries)
+    figures = [f for _, _, _, f in entries]  # each layer's, as summarize computed them
+    routed = sum(float(r.sum()) for _, r, _, _ in entries)
+    kept = sum(float(k.sum()) for _, _, k, _ in entries)
     return {f"balance/{name}_max_mean_load": max(f["max_mean_load"] for f in figures),
             f"balance/{name}_dropped_frac": 1.0 - kept / routed,
             f"balance/{name}_routing_entropy": min(f["routing_entropy"] for f in figures)}
