@@ -15,7 +15,7 @@ setup(
         "safetensors>=0.4",
         "sentencepiece>=0.2.3",
         "jinja2>=3.1",
-        "pillow>=10",
+        "pillow>=10.1",  # ImageFont.load_default(size=...): the dashboard's heat maps and bar charts
         "tqdm>=4.60",
         "protobuf>=3.20",
         "psutil>=5.9",
