@@ -119,6 +119,11 @@ def test_early_stopping_ends_the_run_after_patience_evaluations_without_improvem
     assert "no improvement of eval_caption_accuracy in 2 evaluations" in summary["stopped_early"]
     assert (out / "checkpoint-6" / "COMPLETE").is_file() and (out / "final_model" / "config.json").is_file()
     assert json.loads((out / "summary.json").read_text())["status"] == "done"
+    # patience that runs out at the last step ends the run as planned: nothing stopped early
+    summary = run(tmp_path / "to_the_end", "training.max_steps=6", "training.eval_steps=2",
+                  "training.learning_rate=1e-12", "training.min_lr=0", "training.warmup_steps=0",
+                  "training.save_best_metric=eval_caption_accuracy", "training.early_stopping_patience=2")
+    assert summary["steps"] == 6 and "stopped_early" not in summary
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
-"""The memory planner against Paddle's allocator: parameter counts exactly, whole-step peaks within 15%."""
+"""The memory planner against Paddle's allocator: parameter counts exactly, whole-step peaks within 10%."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -8,11 +9,12 @@ import numpy as np
 import pytest
 from conftest import ROOT, SMALL, launch
 from test_e2e import records
+from test_model_folders import conversations, published  # noqa: F401 (fixtures)
 
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.config.schema import LORA_TARGET_GROUPS
 from ernie_moe.finetune import prepare_fine_tuning
-from ernie_moe.memory.estimate import estimate, sample_workload
+from ernie_moe.memory.estimate import estimate, sample_workload, sample_workloads
 from ernie_moe.memory.params import stage_lora_params, stage_params
 from ernie_moe.memory.report import report
 from ernie_moe.parallel.env import DistEnv
@@ -116,11 +118,11 @@ def measured(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.slow
-def test_predicted_peak_is_within_15_percent_of_the_allocator(measured, layout):
+def test_predicted_peak_is_within_10_percent_of_the_allocator(measured, layout):
     predicted, actual, states, measured_states = measured[layout]
-    assert abs(predicted / actual - 1) <= 0.15, (predicted, actual)
+    assert abs(predicted / actual - 1) <= 0.10, (predicted, actual)
     # the busiest rank's optimizer states: sharding divides them (the experts' over their replicas too)
-    assert abs(states / measured_states - 1) <= 0.15, (states, measured_states)
+    assert abs(states / measured_states - 1) <= 0.01, (states, measured_states)
 
 
 @pytest.mark.slow
@@ -130,6 +132,31 @@ def test_lora_and_freezing_lower_the_peak_as_predicted(measured):
         predicted, actual = measured[name][:2]
         assert actual < full[1], name
         print(f"{name}: measured {actual / full[1]:.2f} x full fine-tuning, predicted {predicted / full[0]:.2f} x")
+
+
+@pytest.mark.slow
+def test_a_lora_fine_tune_of_a_paddleformers_model_is_predicted_within_10_percent(published, tmp_path):  # noqa: F811
+    """The smoke config's LoRA run of a tiny ERNIE-4.5-VL saved by PaddleFormers, on its conversations (one has
+    a 6-frame video, which the frozen ViT's attention makes the peak): the peaks of steps 2 and 3 (step 1's
+    window also holds the loading of the base) against the planner's for the same micro-batches."""
+    folder, base = published
+    overrides = [f"training.model_name_or_path={base}", f"data.train_path={folder / 'data.jsonl'}",
+                 f"data.tokenizer_path={folder / 'tokenizer'}", "training.fine_tuning=lora", "training.max_steps=3",
+                 "training.eval_steps=0", "data.eval_path=", "logging.progress_bar=false"]
+    smoke = ROOT / "configs" / "finetune_ernie45_vl_smoke.yaml"
+    done = subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--log_dir", str(tmp_path / "log"),
+                           "run_trainer.py", "--config", str(smoke), f"training.output_dir={tmp_path / 'run'}",
+                           *overrides], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [r for r in records(tmp_path / "run") if r.get("step") in (2, 3) and "loss" in r]
+    cfg = load_config(smoke, overrides)
+    for record, workload in zip(steps, sample_workloads(cfg, 1, 3)[1:], strict=True):
+        measured = record["memory/max_rank_max_allocated_gb"] * 1024
+        predicted = estimate(cfg, workload, 1)[0].total / MIB
+        print(f"LoRA of the PaddleFormers model, step {record['step']} ({workload.patches} patches): predicted "
+              f"{predicted:.2f} MiB, measured {measured:.2f} MiB, {predicted / measured - 1:+.1%}")
+        assert abs(predicted / measured - 1) <= 0.10, (record["step"], predicted, measured)
 
 
 @pytest.mark.parametrize("freeze, targets", [

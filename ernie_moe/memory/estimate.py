@@ -1,10 +1,11 @@
 """Predicted peak memory of one rank of each pipeline stage during a training step.
 
-Persistent: parameters, gradients (kept allocated between steps), AdamW moments and master weights (optimizer
-sharding splits the states of the non-expert weights, stage 2 their gradients too). Per step: the step's
-input batches, the activations the forward pass keeps for the backward pass of the micro-batches in flight,
-and the backward pass's transient (a recomputed block run again while the later layers' activations are
-already freed).
+Persistent: parameters, gradients (kept allocated between steps; with ``parallel.overlap_grad_sync`` over
+several data ranks, fleet's reducer keeps its buckets, a fused copy of the gradients it averages), AdamW moments
+and master weights (optimizer sharding splits the states of the non-expert weights, stage 2 their gradients
+too). Per step: the step's input batches, the activations the forward pass keeps for the backward pass of the
+micro-batches in flight, and the backward pass's transient (a recomputed block run again while the later
+layers' activations are already freed).
 
 Activation terms count what this package's layers keep (float32 elements unless noted). The coefficients were
 read off the allocator, block by block, while varying one dimension at a time (batch, sequence, widths,
@@ -35,8 +36,9 @@ class Workload:
     rows: int
     seq: int
     image_tokens: int
-    # patches of an image -> how many images have that many (counts, not a list: an assumed micro-batch of a
-    # huge config would list billions)
+    # patches of one frame (a still image is one frame) -> how many frames have that many: the ViT attends
+    # within each frame, the frames of one size at once (counts, not a list: an assumed micro-batch of a huge
+    # config would list billions)
     image_sizes: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -49,13 +51,20 @@ class Workload:
 
     @property
     def squared_patches(self) -> int:
-        """Sum over images of patches squared (the ViT's attention scores)."""
+        """Sum over frames of patches squared (the ViT's attention scores)."""
         return sum(size * size * count for size, count in self.image_sizes.items())
+
+    @property
+    def largest_attention(self) -> int:
+        """The attention scores of the frames of one size, the most of any size (one ViT attention call)."""
+        return max((size * size * count for size, count in self.image_sizes.items()), default=0)
 
     @classmethod
     def from_batch(cls, batch) -> Workload:
         types = batch.token_type_ids.numpy()
-        sizes = Counter(int(np.prod(g)) for g in np.asarray(batch.grid_thw).reshape(-1, 3))
+        sizes = Counter()
+        for frames, rows, cols in np.asarray(batch.grid_thw).reshape(-1, 3).tolist():
+            sizes[int(rows * cols)] += int(frames)
         return cls(rows=types.shape[0], seq=types.shape[1], image_tokens=int((types > 0).sum()),
                    image_sizes=dict(sizes))
 
@@ -74,14 +83,19 @@ class Workload:
         return cls(rows=rows, seq=seq, image_tokens=images * per_image, image_sizes={patches: images} if images else {})
 
 
-def sample_workload(cfg, data_world: int) -> Workload:
-    """The first micro-batch data rank 0 trains on, built by the data pipeline itself."""
+def sample_workloads(cfg, data_world: int, count: int) -> list[Workload]:
+    """The first ``count`` micro-batches data rank 0 trains on, built by the data pipeline itself."""
     from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 
     train, _ = build_datasets(cfg)
     rows = RowStream(train, build_tokenizer(cfg), cfg, Counter(), shuffle=True)
-    global_rows = cfg.training.per_device_train_batch_size * data_world
-    return Workload.from_batch(collate(next(rank_batches(rows, global_rows, 0, data_world))))
+    batches = rank_batches(rows, cfg.training.per_device_train_batch_size * data_world, 0, data_world)
+    return [Workload.from_batch(collate(next(batches))) for _ in range(count)]
+
+
+def sample_workload(cfg, data_world: int) -> Workload:
+    """The first micro-batch data rank 0 trains on."""
+    return sample_workloads(cfg, data_world, 1)[0]
 
 
 @dataclass
@@ -153,7 +167,7 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
     modalities = m.moe_modalities_at(layer)
     stacking = 0.0
     if not modalities:
-        mlp = 4 * (norm_residual + 4 * t * m.intermediate_size / tp)
+        mlp = 4 * (norm_residual + 3 * t * m.intermediate_size / tp)  # F.swiglu keeps its input and output
     else:
         counts, widths = m.moe_num_experts, m.moe_intermediate_size
         hard = m.moe_use_hard_gate and len(counts) == 2
@@ -168,7 +182,7 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
         width = sum(c * wd for c, (_, _, wd) in zip(kept_by_group, routed)) / max(sum(kept_by_group), 1)
         router = 3.4 * sum(n * e for n, e, _ in routed)
         exchange = 2 * copies * h if layout.experts_all_to_all else 0
-        shared = 4 * t * widths[0] * m.moe_num_shared_experts / tp
+        shared = 3 * t * widths[0] * m.moe_num_shared_experts / tp
         mlp = 4 * (norm_residual + router + t * h + copies * (1.8 * h + 3.2 * width) + exchange + shared)
         # batched matmuls stack one projection's weights of this rank's experts of one width while it runs, in
         # forward and again in backward (then their stacked gradient): the largest up/gate projection's at most
@@ -216,6 +230,17 @@ def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, fl
     return [(text_side + 4 * 2.2 * p * d, 0.0), *blocks, (adapter, 0.0)]
 
 
+def _frozen_vit_forward(cfg, training, w: Workload) -> float:
+    """What a ViT that keeps nothing (frozen, no LoRA in it) holds at once in its forward pass: a block's
+    projections of every patch and, in the plain attention, one call's scores and probabilities."""
+    v = cfg.vision_config
+    lora = set(training.lora_targets) if training.fine_tuning == "lora" else set()
+    if not w.image_sizes or "vision" not in frozen_parts(training) or "vit" in lora:
+        return 0.0
+    scores = 0 if uses_flash_attention(training) else 2 * 4 * v.num_heads * w.largest_attention
+    return 4 * 10 * w.patches * v.embed_dim + scores
+
+
 def _last_stage_activations(cfg, parallel, training, w: Workload) -> tuple[float, float]:
     """(kept, re-run in backward) of the final norm, head and loss. The float32 logits are kept for the
     backward pass, whose gradient of them is as large again; over sequence chunks
@@ -257,6 +282,7 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
     data_world = data_world or p.sharding_parallel_degree
     layout = Layout.of(p, data_world * p.tensor_parallel_degree * p.pipeline_parallel_degree)
     expert_replicas = layout.expert_copies if p.sharding else 1
+    reducer = p.overlap_grad_sync and p.pipeline_parallel_degree == 1 and data_world > 1  # parallel.grad_sync
     data_inputs = workload.tokens * 8 * INT_FIELDS + workload.patches * (
         m.vision_config.in_channels * m.vision_config.patch_size ** 2 * PIXEL_CHANNELS_BYTES)
     out = []
@@ -270,6 +296,8 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         parameters += quantized - param_bytes * quantized_elements
         trainable = params.trainable_shared + lora.shared, params.trainable_experts + lora.experts
         gradients = grad_bytes * sum(trainable) / (sharding if p.sharding == "stage2" else 1)
+        if reducer:  # its buckets: a fused copy of the gradients it averages (experts' where they have replicas)
+            gradients += grad_bytes * (trainable[0] + (trainable[1] if layout.expert_copies > 1 else 0))
         states_per_param = 8 + (4 if o2 else 0)  # two AdamW moments, a float32 master copy under O2
         optimizer = states_per_param * (trainable[0] / sharding + trainable[1] / max(expert_replicas, 1))
         trainable_float32 = params.float32 - params.frozen_float32
@@ -283,8 +311,10 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         if stage == 0:
             per_layer = _first_stage_activations(m, t, workload) + per_layer
         kept = sum(k for k, _ in per_layer)
+        # a frozen ViT runs when only the text side is kept (the first piece): its forward may be the peak
+        transient = max(_frozen_vit_forward(m, t, workload) + per_layer[0][0] - kept, 0.0) if stage == 0 else 0.0
         # backward runs the layers last to first: when layer j re-runs its block, the later layers are freed
-        later, transient = 0.0, 0.0
+        later = 0.0
         for layer_kept, rerun in reversed(per_layer):
             transient = max(transient, rerun - later)
             later += layer_kept

@@ -142,13 +142,14 @@ class Trainer:
         bar.close()
         self.stream.close()
         last = max(self.step, first - 1)
+        stopped_early = self.best.patience_spent and last < t.max_steps
         ran, skipped = last - first + 1, self.precision.skipped - skipped_before
         # trained: the steps that updated the weights (a step skipped for inf/nan gradients did not)
         summary = {"steps": last, "run_steps": ran, "trained_steps": ran - skipped,
                    "skipped_steps": skipped,
                    "train_time_s": time.time() - started, **last_eval, **self.best.summary(),
                    **({"stopped_early": f"no improvement of {t.save_best_metric} in {self.best.since} evaluations "
-                                        f"(training.early_stopping_patience)"} if self.best.patience_spent else {}),
+                                        f"(training.early_stopping_patience)"} if stopped_early else {}),
                    **{f"data/{k}": v for k, v in sorted(self.data_stats.items())}}
         if skipped > ran * MAX_SKIPPED_FRACTION:
             self._write_summary({**summary, "status": "failed"})
@@ -345,11 +346,12 @@ class Trainer:
             self._export(self.best.folder)
         if self.best.metric and self.best.step is not None and self.env.is_main:
             self.best.write_record()
-        if self.best.patience_spent and self.env.is_main:
+        stops = self.best.patience_spent and self.step < self.cfg.training.max_steps
+        if stops and self.env.is_main:
             print(f"stopping early at step {self.step}: {self.best.metric} has not improved on {self.best.value:.4f} "
                   f"(step {self.best.step}) in {self.best.since} evaluations; the best model is in "
                   f"{self.best.folder}", flush=True)
-        return self.best.patience_spent and self.step < self.cfg.training.max_steps
+        return stops
 
     def _evaluate(self, warn: bool = True) -> dict:
         if self.eval_set is None:
