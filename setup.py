@@ -7,6 +7,7 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ernie_moe", "ernie_moe.*"]),
+    package_data={"ernie_moe.serving": ["page.html"]},  # the chat page the server answers at /
     python_requires=">=3.10",
     install_requires=[
         "numpy>=1.24,<2",
@@ -27,8 +28,8 @@ setup(
         "video": ["av>=12"],
         # PaddleFormers makes the ERNIE 4.5 checkpoints the interop tests load (pyarrow pinned: see README), and
         # brings transformers, whose ERNIE-4.5-VL (with PEFT for adapters) runs on torch's CPU build in the tests'
-        # own processes
+        # own processes; the openai client talks to the server in its tests
         "test": ["pytest>=7", "ruff>=0.5", "paddleformers==1.2.0", "pyarrow==25.0.1", "av>=12", "torch==2.13.0",
-                 "peft==0.21.2"],
+                 "peft==0.21.2", "openai>=1.40"],
     },
 )

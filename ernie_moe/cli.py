@@ -27,3 +27,12 @@ def bounded(kind: type, low: float, high: float = math.inf, low_included: bool =
 
 
 at_least_one = bounded(int, 1)
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """What every command that answers prompts takes: how to decode, and the config of how to encode."""
+    parser.add_argument("--max-new-tokens", type=at_least_one, default=max_new_tokens)
+    parser.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=bounded(float, 0, 1, low_included=False), default=1.0)
+    parser.add_argument("--seed", type=bounded(int, 0), default=0)
+    parser.add_argument("--config", help="a training config whose data section overrides the folder's settings")

@@ -15,22 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
-from .cli import at_least_one, bounded
+from .cli import add_decoding_arguments
 from .config import ConfigError
 from .config.schema import DataConfig
 from .data.jsonl import images_of, load_image, load_video, parse_messages, parse_record
-from .data.packing import BadSample, Encoder
+from .data.packing import BadSample
 from .data.sample import Chunk, Sample
-from .generation import folder_run_config, generate, load_model_folder
-
-
-class UsageError(ValueError):
-    """A request that cannot be answered; the message says why."""
-
+from .generation import UsageError, folder_run_config, generate, load_model_folder, prompt_encoder
 
 # a --messages file is read whole: far above any hand-written set of prompts
 MAX_MESSAGES_BYTES = 64 * 1024 * 1024
@@ -75,12 +69,6 @@ def keyed_prompts(args, data: DataConfig) -> list[tuple[dict | None, Sample]]:
     return [(None, Sample(images, chunks))]
 
 
-def prompt_encoder(tokenizer, model_cfg, data: DataConfig) -> Encoder:
-    """The training encoder of ``data``, any prompt length the model's positions allow."""
-    return Encoder(tokenizer, model_cfg, model_cfg.max_position_embeddings, "skip", data.max_image_side, Counter(),
-                   data.pixel_budget, data.video_budget)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="final model, checkpoint or PaddleFormers ERNIE 4.5 folder")
@@ -88,11 +76,7 @@ def main(argv=None) -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="a user turn")
     source.add_argument("--messages", help="JSONL: one {'images': [...], 'messages': [...]} conversation per line")
-    parser.add_argument("--max-new-tokens", type=at_least_one, default=64)
-    parser.add_argument("--temperature", type=bounded(float, 0), default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=bounded(float, 0, 1, low_included=False), default=1.0)
-    parser.add_argument("--seed", type=bounded(int, 0), default=0)
-    parser.add_argument("--config", help="a training config whose data section overrides the folder's settings")
+    add_decoding_arguments(parser, max_new_tokens=64)
     args = parser.parse_args(argv)
     try:
         data = folder_run_config(args.model, args.config).data

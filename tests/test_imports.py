@@ -18,8 +18,8 @@ FLOORS = [
     {"checkpoint", "memory"},
     {"finetune"},
     {"generation"},
-    {"training"},
-    {"doctor", "generate", "evaluate", "export", "__init__"},
+    {"training", "serving"},
+    {"doctor", "generate", "evaluate", "export", "serve", "chat", "__init__"},
 ]
 FLOOR = {part: level for level, parts in enumerate(FLOORS) for part in parts}
 

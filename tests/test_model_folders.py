@@ -20,7 +20,8 @@ from ernie_moe.data.loader import build_tokenizer
 from ernie_moe.data.packing import Encoder
 from ernie_moe.evaluate import main as evaluate_main
 from ernie_moe.finetune.adapter_files import read_adapter
-from ernie_moe.generate import keyed_prompts, prompt_encoder
+from ernie_moe.generate import keyed_prompts
+from ernie_moe.generation import prompt_encoder
 from ernie_moe.generation.model_folder import folder_run_config, load_model_folder
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.training import Trainer

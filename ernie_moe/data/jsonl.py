@@ -120,17 +120,26 @@ def load_image(path: Path, max_pixels: int) -> np.ndarray:
         raise BadSample("missing_image", f"image '{str(path)[:200]}...' cannot be looked up: {err.strerror}") from None
     if not found:
         raise BadSample("missing_image", f"image '{path}' does not exist")
+    return decode_image(path, str(path), max_pixels)
+
+
+def decode_image(source, name: str, max_pixels: int) -> np.ndarray:
+    """An image file or file object (``name`` in messages) as RGB ``uint8 [H, W, 3]``; BadSample when it is
+    too large or undecodable."""
     try:
-        with Image.open(path) as image:  # reads the header only: the size is known before decoding
+        with Image.open(source) as image:  # reads the header only: the size is known before decoding
             width, height = image.size
             if width * height > max_pixels:
-                raise BadSample("image_too_large", f"image '{path}' has {width} x {height} pixels, more than "
+                raise BadSample("image_too_large", f"image '{name}' has {width} x {height} pixels, more than "
                                                    f"data.max_image_pixels ({max_pixels})")
             return np.asarray(image.convert("RGB"))
     except Image.DecompressionBombError as err:  # Pillow's own cap, met before ours in the header
-        raise BadSample("image_too_large", f"image '{path}': {err}") from None
-    except (UnidentifiedImageError, OSError, ValueError) as err:
-        raise BadSample("corrupt_image", f"image '{path}' cannot be decoded: {err}") from None
+        raise BadSample("image_too_large", f"image '{name}': {err}") from None
+    except UnidentifiedImageError:
+        raise BadSample("corrupt_image", f"image '{name}' cannot be decoded: not an image format Pillow reads") \
+            from None
+    except (OSError, ValueError) as err:
+        raise BadSample("corrupt_image", f"image '{name}' cannot be decoded: {err}") from None
 
 
 def load_video(root: Path, source, max_pixels: int, reading: VideoReading = ERNIE_VIDEO_READING) -> np.ndarray:

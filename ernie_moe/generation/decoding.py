@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,7 @@ from .kv_cache import KVCache, forward_cached
 @dataclass
 class Generated:
     ids: list[int]  # the new tokens, without the end-of-sentence token
-    stop: str  # "eos", "length" (max_new_tokens) or "positions" (the model's max_position_embeddings)
+    stop: str  # "eos", "length" (max_new_tokens), "positions" (max_position_embeddings) or "caller" (on_token)
 
 
 def prompt_inputs(prompt: Encoded, channels: int) -> tuple:
@@ -47,12 +48,13 @@ def choose(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
 @paddle.no_grad()
 def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, use_cache: bool = True, never: tuple[int, ...] = (),
-             tokens: int | None = None) -> Generated:
+             tokens: int | None = None, on_token: Callable[[list[int]], bool] | None = None) -> Generated:
     """Continue ``prompt`` (``data.packing.Encoder.prompt``) until the end-of-sentence token,
     ``max_new_tokens`` or the model's last position, never choosing the ids in ``never`` (the image
     placeholder of a model that sees images: images come from the prompt) nor ids from ``tokens`` on (a
     vocabulary larger than the tokenizer's: ids it cannot decode). ``use_cache=False`` runs the whole sequence
-    again for every token (the reference the cache is checked against)."""
+    again for every token (the reference the cache is checked against). ``on_token`` sees the new tokens so
+    far after each one (a stream); returning True stops there (a stop string)."""
     channels = model.cfg.vision_config.in_channels * model.cfg.vision_config.patch_size ** 2
     rng = np.random.default_rng(seed)
     limit = model.cfg.max_position_embeddings
@@ -69,6 +71,8 @@ def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperatu
         if token == eos_id:
             return Generated(new, "eos")
         new.append(token)
+        if on_token is not None and on_token(new):
+            return Generated(new, "caller")
         if len(new) >= max_new_tokens:
             return Generated(new, "length")
         if position >= limit:

@@ -1,0 +1,19 @@
+"""What every command that answers prompts shares: the encoder of a model folder's prompts, and the error of a
+request that cannot be answered."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..config.schema import DataConfig
+from ..data.packing import Encoder
+
+
+class UsageError(ValueError):
+    """A request that cannot be answered; the message says why."""
+
+
+def prompt_encoder(tokenizer, model_cfg, data: DataConfig) -> Encoder:
+    """The training encoder of ``data``, any prompt length the model's positions allow."""
+    return Encoder(tokenizer, model_cfg, model_cfg.max_position_embeddings, "skip", data.max_image_side, Counter(),
+                   data.pixel_budget, data.video_budget)

@@ -1,0 +1,69 @@
+"""An OpenAI-compatible server for a trained model: ``python -m ernie_moe.serve --model DIR [--host 127.0.0.1]
+[--port 8000]``.
+
+``POST /v1/chat/completions`` takes the API's chat requests (``messages`` with text and ``image_url`` parts: a
+``data:image/...;base64,`` URL, or a local path under ``--image-root``; ``stream``, ``temperature``, ``top_p``,
+``max_tokens``, ``stop``, ``seed``) and answers whole or as server-sent events; ``GET /v1/models`` names the one
+model this process serves (``--served-name``, else the folder's name); ``/`` is a chat page. Images are encoded
+as the folder's training encoded them; one request is answered at a time, the others queue. Any OpenAI client
+works: ``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .checkpoint.errors import CheckpointError
+from .cli import at_least_one, bounded
+from .config import ConfigError
+from .serving.chat_model import ChatModel
+from .serving.openai_api import Limits
+from .serving.server import ChatServer
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="final model, checkpoint, PaddleFormers folder or adapter")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="0: any free port")
+    parser.add_argument("--served-name", help="the model name clients send (default: the folder's name)")
+    parser.add_argument("--image-root", help="a folder local image paths are read from (default: none are read)")
+    parser.add_argument("--config", help="a training config whose data section overrides the folder's settings")
+    parser.add_argument("--max-request-mb", type=bounded(float, 0, low_included=False), default=20.0)
+    parser.add_argument("--max-images", type=bounded(int, 0), default=Limits.max_images, help="per request")
+    parser.add_argument("--max-tokens", type=at_least_one, default=Limits.max_tokens,
+                        help="the most new tokens a request may ask for, and the default")
+    parser.add_argument("--max-queue", type=bounded(int, 0), default=Limits.max_queue,
+                        help="requests waiting for the model beyond the one it answers; more get 503")
+    args = parser.parse_args(argv)
+    image_root = Path(args.image_root).resolve() if args.image_root else None
+    if image_root is not None and not image_root.is_dir():
+        print(f"serve error: --image-root '{args.image_root}' is not a folder", file=sys.stderr)
+        return 2
+    try:
+        chat = ChatModel(args.model, args.config)
+    except (CheckpointError, ConfigError, OSError, ValueError) as err:
+        print(f"serve error: {err}", file=sys.stderr)
+        return 2
+    limits = Limits(int(args.max_request_mb * 2 ** 20), args.max_images, args.max_tokens, args.max_queue)
+    served = args.served_name or Path(args.model).resolve().name
+    try:
+        server = ChatServer((args.host, args.port), chat, served, limits, image_root)
+    except OSError as err:
+        print(f"serve error: cannot listen on {args.host}:{args.port}: {err.strerror}", file=sys.stderr)
+        return 2
+    host, port = server.server_address[:2]
+    print(f"serving '{served}' on http://{host}:{port} (OpenAI API under /v1, chat page at /)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The OpenAI chat-completions request and response shapes: a request checked and turned into a conversation,
+its images and sampling; the answers (whole, or as server-sent chunks); errors in the API's own shape."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..data.chat import Conversation
+from ..data.jsonl import decode_image, load_image, parse_messages
+from ..data.packing import BadSample
+from .chat_model import Reply, Sampling
+
+MAX_STOP_STRINGS = 4  # as the API
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_request_bytes: int = 20 * 2 ** 20
+    max_images: int = 8  # per request
+    max_tokens: int = 1024  # the most a request may ask for (its max_tokens); also the default
+    max_queue: int = 16  # requests waiting for the model; more are answered 503
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    conversation: Conversation
+    images: list[np.ndarray]  # the image parts' pixels, in order
+    sampling: Sampling
+    stream: bool
+
+
+def _number(body: dict, key: str, default: float, low: float, high: float, low_included: bool = True) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not (
+            (value >= low if low_included else value > low) and value <= high):
+        raise ApiError(400, f"{key} must be a number {'from' if low_included else 'above'} {low:g} "
+                            f"{'to' if low_included else 'and at most'} {high:g}, not {value!r}", key)
+    return value
+
+
+def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ApiError(400, f"{key} must be a whole number from {low} to {high}, not {value!r}", key)
+    return value
+
+
+def read_image(source: str, image_root: Path | None, max_pixels: int) -> np.ndarray:
+    """A ``data:image/...;base64,`` URL (as large as the request's size limit lets it be), or a local path
+    (plain or ``file://``) under ``image_root``; the pixels bounded by ``max_pixels`` before decoding."""
+    if source.startswith("data:"):
+        header, _, payload = source.partition(",")
+        if not header.endswith(";base64") or not header[5:].startswith("image/"):
+            raise ApiError(400, "an image data URL must be data:image/<type>;base64,<data>", "messages",
+                           "invalid_image")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, "an image data URL holds no valid base64", "messages", "invalid_image") from None
+        return decode_image(io.BytesIO(data), "data URL", max_pixels)
+    if "://" in source and not source.startswith("file://"):
+        raise ApiError(400, f"image '{source[:200]}': only data URLs and local paths are read (no downloads)",
+                       "messages", "invalid_image")
+    if image_root is None:
+        raise ApiError(400, "local image paths are not read by this server (start it with --image-root)",
+                       "messages", "invalid_image")
+    path = (image_root / source.removeprefix("file://")).resolve()
+    if not path.is_relative_to(image_root):
+        raise ApiError(400, f"image '{source[:200]}' is outside the server's --image-root", "messages",
+                       "invalid_image")
+    return load_image(path, max_pixels)
+
+
+def parse_request(body, served: str, limits: Limits, image_root: Path | None, max_pixels: int) -> ChatRequest:
+    """Raises ApiError for anything the API answers as an error."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "model is required", "model")
+    if model != served:
+        raise ApiError(404, f"The model '{model[:200]}' does not exist (this server has '{served}')", "model",
+                       "model_not_found")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    for message in messages:
+        if message.get("role") not in ("system", "user", "assistant"):
+            raise ApiError(400, f"unknown role {str(message.get('role'))[:50]!r} (system, user or assistant)",
+                           "messages")
+    if _int(body, "n", 1, 1, 1) != 1:
+        raise ApiError(400, "n must be 1", "n")
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP_STRINGS or not all(
+            isinstance(s, str) and s for s in stop):
+        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings",
+                       "stop")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    sampling = Sampling(max_new_tokens=_int(body, key, limits.max_tokens, 1, limits.max_tokens),
+                        temperature=_number(body, "temperature", 0.0, 0, 2),
+                        top_p=_number(body, "top_p", 1.0, 0, 1, low_included=False),
+                        seed=_int(body, "seed", 0, 0, 2 ** 32 - 1), stop=tuple(stop))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", "stream")
+    try:  # image parts: {"type": "image_url", "image_url": {"url": ...}}
+        conversation, sources, videos = parse_messages(messages, [], [])
+    except BadSample as err:
+        raise ApiError(400, str(err), "messages") from None
+    if len(sources) > limits.max_images:
+        raise ApiError(400, f"{len(sources)} images: at most {limits.max_images} per request", "messages",
+                       "too_many_images")
+    if videos:
+        raise ApiError(400, "video parts are not taken: send a video's frames as images", "messages")
+    decoded = {}
+    for source in sources:
+        try:
+            if source not in decoded:
+                decoded[source] = read_image(source, image_root, max_pixels)
+        except BadSample as err:
+            raise ApiError(400, str(err), "messages", "invalid_image") from None
+    return ChatRequest(model, conversation, [decoded[s] for s in sources], sampling, stream)
+
+
+class Completion:
+    """One answer's identity, and its shapes: whole (``chat.completion``) or streamed (``chat.completion.chunk``)."""
+
+    def __init__(self, model: str):
+        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
+
+    def whole(self, reply: Reply) -> dict:
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text},
+                             "finish_reason": reply.finish_reason, "logprobs": None}],
+                "usage": usage(reply)}
+
+    def chunk(self, delta: dict, finish_reason: str | None = None, reply: Reply | None = None) -> dict:
+        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+        return {**out, "usage": usage(reply)} if reply is not None else out
+
+
+def usage(reply: Reply) -> dict:
+    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+
+
+def models_list(served: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": served, "object": "model", "created": created, "owned_by": "ernie_moe"}]}

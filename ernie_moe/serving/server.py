@@ -1,0 +1,137 @@
+"""The HTTP side of ``python -m ernie_moe.serve``: ``POST /v1/chat/completions`` (whole or streamed as server-sent
+events), ``GET /v1/models`` and the chat page at ``/``. Each connection has a thread; the model answers one
+request at a time, the rest wait (up to ``Limits.max_queue``, then 503). Every failure is answered in the API's
+error shape; none stops the server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from pathlib import Path
+
+from ..data.packing import BadSample
+from ..generation import UsageError
+from .chat_model import ChatModel, ContextTooLong
+from .openai_api import ApiError, Completion, Limits, models_list, parse_request
+
+PAGE = resources.files(__package__).joinpath("page.html").read_bytes()
+
+
+class ChatServer(ThreadingHTTPServer):
+    daemon_threads = True  # a client that hangs up mid-answer does not keep the process alive
+
+    def __init__(self, address, chat: ChatModel, served: str, limits: Limits, image_root: Path | None,
+                 log_requests: bool = True):
+        super().__init__(address, Handler)
+        self.chat, self.served, self.limits, self.image_root = chat, served, limits, image_root
+        self.log_requests = log_requests
+        self.created = int(time.time())
+        self.waiting = 0  # requests holding or waiting for the model
+        self.count_lock = threading.Lock()
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: ChatServer
+    server_version = "ernie_moe"
+
+    def log_message(self, format, *args):  # one line per request on stderr, as http.server does
+        if self.server.log_requests:
+            super().log_message(format, *args)
+
+    def do_GET(self):
+        if self.path in ("/", "/index.html"):
+            self._send(200, PAGE, "text/html; charset=utf-8")
+        elif self.path == "/v1/models":
+            self._json(200, models_list(self.server.served, self.server.created))
+        else:
+            self._error(ApiError(404, f"no route GET {self.path[:200]}", code="not_found"))
+
+    def do_POST(self):
+        self.streaming = False  # once the stream's headers are out, an error can only end the connection
+        if self.path != "/v1/chat/completions":
+            self._error(ApiError(404, f"no route POST {self.path[:200]}", code="not_found"))
+            return
+        try:
+            self._chat()
+        except ApiError as err:
+            self._error(err)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client went away: nothing to answer
+        except Exception:  # a bug must not take the server down: answer 500 (if nothing was sent yet), log it
+            traceback.print_exc()
+            if not self.streaming:
+                self._error(ApiError(500, "the server failed on this request (see its log)", kind="server_error"))
+            self.close_connection = True
+
+    def _chat(self):
+        s = self.server
+        body = self._read_body()
+        request = parse_request(body, s.served, s.limits, s.image_root, s.chat.data.max_image_pixels)
+        try:
+            prompt = s.chat.encode(request.conversation, request.images)
+        except ContextTooLong as err:
+            raise ApiError(400, str(err), "messages", "context_length_exceeded") from None
+        except (UsageError, BadSample) as err:
+            raise ApiError(400, str(err), "messages") from None
+        with s.count_lock:
+            if s.waiting >= s.limits.max_queue + 1:
+                raise ApiError(503, f"{s.waiting} requests are in the queue; try again", kind="server_error",
+                               code="queue_full")
+            s.waiting += 1
+        try:
+            completion = Completion(request.model)
+            if request.stream:
+                self._stream(completion, prompt, request)
+            else:
+                self._json(200, completion.whole(s.chat.reply(prompt, request.sampling)))
+        finally:
+            with s.count_lock:
+                s.waiting -= 1
+
+    def _stream(self, completion: Completion, prompt, request) -> None:
+        self.streaming = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+
+        def event(data: dict | str) -> None:
+            text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+            self.wfile.write(f"data: {text}\n\n".encode())
+            self.wfile.flush()
+
+        event(completion.chunk({"role": "assistant", "content": ""}))
+        reply = self.server.chat.reply(prompt, request.sampling, on_text=lambda piece: event(
+            completion.chunk({"content": piece})))
+        event(completion.chunk({}, reply.finish_reason, reply))
+        event("[DONE]")
+
+    def _read_body(self):
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise ApiError(411, "the request needs a Content-Length")
+        if int(length) > self.server.limits.max_request_bytes:
+            self.close_connection = True  # the body is not read
+            raise ApiError(413, f"the request is {int(length)} bytes, over the server's limit of "
+                                f"{self.server.limits.max_request_bytes} (--max-request-mb)", code="request_too_large")
+        try:
+            return json.loads(self.rfile.read(int(length)))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ApiError(400, f"the request body is not JSON: {err}") from None
+
+    def _error(self, err: ApiError) -> None:
+        self._json(err.status, err.body())
+
+    def _json(self, status: int, body: dict) -> None:
+        self._send(status, json.dumps(body, ensure_ascii=False).encode(), "application/json")
+
+    def _send(self, status: int, data: bytes, kind: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)

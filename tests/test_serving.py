@@ -1,0 +1,338 @@
+"""The OpenAI-compatible server, its chat page and the terminal chat, each used as people use them: the real
+``openai`` client on the loopback address, Chromium typing into the page, a pseudo-terminal for the chat."""
+
+import base64
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, launch
+from PIL import Image
+from test_model_folders import conversations, published  # noqa: F401 (fixtures)
+
+from ernie_moe.generate import main as generate_main
+
+PROMPT = "What is in the picture?"
+
+
+def square_png(colour=(220, 30, 30)) -> bytes:
+    image = np.full((56, 56, 3), 255, np.uint8)
+    image[14:42, 14:42] = colour
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, "PNG")
+    return out.getvalue()
+
+
+def start(argv, cwd, marker: str):
+    """A command that prints ``marker``'s line once it is ready: (process, that line's match)."""
+    process = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        found = re.search(marker, line)
+        if found:
+            threading.Thread(target=process.stdout.read, daemon=True).start()  # keep its pipe drained
+            return process, found
+    raise AssertionError("the command ended before it was ready:\n" + "".join(seen[-40:]))
+
+
+class PieceTokenizer:
+    """Decodes ids as indices into a list of text pieces."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def stream_of(pieces, stop):
+    from ernie_moe.serving.chat_model import TextStream
+
+    sent = []
+    stream = TextStream(PieceTokenizer(pieces), stop, sent.append)
+    stopped_at = next((n for n in range(1, len(pieces) + 1) if stream(list(range(n)))), None)
+    return stream.finish(), sent, stopped_at
+
+
+def test_the_text_stream_holds_back_what_may_start_a_stop_string_and_cuts_before_it():
+    text, sent, stopped_at = stream_of(["Hello", " wor", "ld", "\n", "Us", "er", ": more"], ("\nUser",))
+    assert (text, stopped_at) == ("Hello world", 6) and sent == ["Hello", " wor", "ld"]
+    # a held-back start that does not become the stop string goes out with what follows it
+    text, sent, stopped_at = stream_of(["a", "\n", "Us", "ed"], ("\nUser",))
+    assert (text, stopped_at, sent) == ("a\nUsed", None, ["a", "\nUsed"])
+    # a character still incomplete (U+FFFD) waits for its last byte
+    text, sent, _ = stream_of(["ab", "\ufffd", "\u00e9"], ())
+    assert sent == ["ab", "\ufffd\u00e9"] and "".join(sent) == text
+
+
+def test_requests_are_checked_field_by_field():
+    from ernie_moe.serving.openai_api import ApiError, Limits, parse_request
+
+    def parse(**fields):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+        return parse_request(body, "m", Limits(max_tokens=64), None, 10 ** 6)
+
+    request = parse(max_completion_tokens=5, stop="\n", temperature=0.5, top_p=0.9, seed=3)
+    assert request.sampling.max_new_tokens == 5 and request.sampling.stop == ("\n",) and not request.stream
+    assert (request.sampling.temperature, request.sampling.top_p, request.sampling.seed) == (0.5, 0.9, 3)
+    assert parse().sampling.max_new_tokens == 64  # the server's --max-tokens is the default
+    bad = [({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"), ({"stream": "yes"}, "stream"),
+           ({"max_tokens": 65}, "max_tokens"), ({"seed": -1}, "seed"), ({"stop": [""]}, "stop"),
+           ({"messages": [{"role": "tool", "content": "x"}]}, "messages"), ({"messages": []}, "messages"),
+           ({"model": None}, "model")]
+    for fields, param in bad:
+        with pytest.raises(ApiError) as err:
+            parse(**fields)
+        assert err.value.status == 400 and err.value.param == param, fields
+    with pytest.raises(ApiError) as err:  # no --image-root: local paths are not read
+        parse(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/hosts"}}]}])
+    assert "--image-root" in str(err.value)
+    with pytest.raises(ApiError) as err:
+        parse(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
+    assert "no downloads" in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(the model folder, the server's base URL, the image folder): a captioning model trained for 40 steps,
+    served on a free port with local images read from one folder."""
+    root = tmp_path_factory.mktemp("served")
+    out, _ = launch(root, 1, "training.max_steps=40", "training.eval_steps=0", "data.num_eval_samples=0")
+    images = root / "images"
+    images.mkdir()
+    (images / "square.png").write_bytes(square_png())
+    process, found = start([sys.executable, "-m", "ernie_moe.serve", "--model", str(out / "final_model"), "--port",
+                            "0", "--served-name", "tiny", "--image-root", str(images), "--max-request-mb", "1",
+                            "--max-images", "2", "--max-tokens", "32"], root, r"on (http://\S+) ")
+    yield out / "final_model", found[1], images
+    process.terminate()
+    process.wait(timeout=60)
+
+
+@pytest.fixture
+def client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{served[1]}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def generated(capsys, folder, *args) -> str:
+    assert generate_main(["--model", str(folder), "--max-new-tokens", "12", *args]) == 0
+    return capsys.readouterr().out.rstrip("\n")
+
+
+def ask(client, content, max_tokens=12, **options):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                          max_tokens=max_tokens, **options)
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.mark.slow
+def test_answers_equal_generates_greedy_answers_for_text_and_an_image(served, client, capsys):
+    folder, _, images = served
+    text = ask(client, PROMPT)
+    assert text.choices[0].message.content == generated(capsys, folder, "--prompt", PROMPT)
+    assert text.usage.completion_tokens > 0 and text.usage.prompt_tokens > 0
+    # the image as a data URL and as a path under --image-root: the answer generate gives for that image
+    expected = generated(capsys, folder, "--prompt", PROMPT, "--image", str(images / "square.png"))
+    for source in (data_url(square_png()), "square.png"):
+        answer = ask(client, [{"type": "image_url", "image_url": {"url": source}}, {"type": "text", "text": PROMPT}])
+        assert answer.choices[0].message.content == expected, source
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+@pytest.mark.slow
+def test_streamed_chunks_join_to_the_whole_answer(client):
+    whole = ask(client, PROMPT)
+    chunks = list(ask(client, PROMPT, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert len(chunks) > 3  # piece by piece, not one block
+    # a stop string cuts the answer before it, streamed or not
+    cut = whole.choices[0].message.content.split(" ")[1]
+    stopped = ask(client, PROMPT, stop=[" " + cut])
+    assert stopped.choices[0].message.content == whole.choices[0].message.content.split(" " + cut)[0]
+    assert stopped.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in ask(client, PROMPT, stop=[" " + cut], stream=True))
+    assert streamed == stopped.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_bad_requests_get_the_apis_errors_and_the_server_goes_on(served, client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 404 and err.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}])
+    assert err.value.code == "invalid_image" and "cannot be decoded" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, [{"type": "image_url", "image_url": {"url": "../../etc/passwd"}}])
+    assert "outside the server's --image-root" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:  # 4096 positions: this prompt takes more
+        ask(client, "square " * 5000)
+    assert err.value.code == "context_length_exceeded" and "4096" in err.value.message
+    with pytest.raises(openai.APIStatusError) as err:  # over --max-request-mb 1
+        ask(client, "x" * (2 * 2 ** 20))
+    assert err.value.status_code == 413
+    with pytest.raises(openai.BadRequestError) as err:  # --max-images 2
+        ask(client, [{"type": "image_url", "image_url": {"url": "square.png"}}] * 3 + [{"type": "text", "text": "a"}])
+    assert err.value.code == "too_many_images"
+    for bad in ({"temperature": 3}, {"max_tokens": 33}, {"n": 2}, {"stop": ["a", "b", "c", "d", "e"]}):
+        with pytest.raises(openai.BadRequestError):
+            ask(client, PROMPT, **bad)
+    assert ask(client, PROMPT).choices[0].message.content  # still answering
+
+
+@pytest.mark.slow
+def test_two_concurrent_clients_are_both_answered_as_if_alone(served, client):
+    from openai import OpenAI
+
+    alone = [ask(client, p).choices[0].message.content for p in (PROMPT, "Describe it.")]
+    answers = [None, None]
+
+    def one(i, prompt):
+        other = OpenAI(base_url=f"{served[1]}/v1", api_key="unused", max_retries=0, timeout=300)
+        answers[i] = "".join(c.choices[0].delta.content or "" for c in ask(other, prompt, stream=True))
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate((PROMPT, "Describe it."))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == alone
+
+
+@pytest.mark.slow
+def test_the_chat_page_sends_typed_questions_with_an_uploaded_image_and_renders_the_streamed_answers(
+        served, client, tmp_path):
+    """Two turns typed into the page (Enter sends), the second with an image picked in its file input: the
+    answers the API gives for the same conversation."""
+    from devtools import Browser
+
+    images = served[2]
+    first = ask(client, PROMPT).choices[0].message.content
+    with_image = [{"type": "image_url", "image_url": {"url": data_url((images / "square.png").read_bytes())}},
+                  {"type": "text", "text": "And this one?"}]
+    second = client.chat.completions.create(model="tiny", messages=[
+        {"role": "user", "content": PROMPT}, {"role": "assistant", "content": first},
+        {"role": "user", "content": with_image}]).choices[0].message.content
+    browser = Browser(served[1] + "/", tmp_path / "profile", width=1100, height=700)
+    try:
+        browser.wait_for("document.getElementById('model')?.textContent === 'tiny'")
+        for turn, text in enumerate((PROMPT, "And this one?")):
+            if turn == 1:
+                browser.choose_file("#image", images / "square.png")
+                browser.wait_for("document.getElementById('picked').textContent === 'square.png'")
+            browser.evaluate("document.getElementById('prompt').focus()")
+            browser.type(text)
+            browser.press_enter()
+            browser.wait_for(f"document.querySelectorAll('.assistant')[{turn}]?.dataset.state === 'done'")
+        turns = browser.evaluate("[...document.querySelectorAll('.turn')].map(t => [t.className, t.textContent, "
+                                 "t.querySelectorAll('img').length])")
+        assert turns == [["turn user", PROMPT, 0], ["turn assistant", first, 0], ["turn user", "And this one?", 1],
+                         ["turn assistant", second, 0]]
+        browser.screenshot(tmp_path / "chat_page.png")
+    finally:
+        browser.close()
+    pixels = np.asarray(Image.open(tmp_path / "chat_page.png").convert("RGB"))
+    assert pixels.shape[:2] == (700, 1100) and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50
+    keep = os.environ.get("ERNIE_MOE_SCREENSHOTS")  # a folder to keep it in: the README's picture
+    if keep:
+        Path(keep, "chat_page.png").write_bytes((tmp_path / "chat_page.png").read_bytes())
+
+
+@pytest.fixture(scope="module")
+def fine_tuned(published, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+    """(the conversations' folder, a final model): two steps of the smoke config from the PaddleFormers model."""
+    folder, base = published
+    out = tmp_path_factory.mktemp("fine_tuned") / "run"
+    run_smoke(out, f"training.model_name_or_path={base}", f"data.train_path={folder / 'data.jsonl'}",
+              f"data.tokenizer_path={folder / 'tokenizer'}", "training.max_steps=2", "training.eval_steps=0",
+              "data.eval_path=")
+    return folder, out / "final_model"
+
+
+def run_smoke(out, *overrides) -> dict:
+    done = subprocess.run([sys.executable, "run_trainer.py", "--config", "configs/finetune_ernie45_vl_smoke.yaml",
+                           f"training.output_dir={out}", "logging.progress_bar=false", *overrides], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+class Terminal:
+    """A command on a pseudo-terminal, read until its prompt comes back."""
+
+    def __init__(self, argv, cwd):
+        import pty
+
+        self.fd, child = pty.openpty()
+        self.process = subprocess.Popen(argv, cwd=cwd, stdin=child, stdout=child, stderr=child,
+                                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+        os.close(child)
+        self.output = ""
+
+    def until(self, prompt: str, count: int) -> str:
+        """Everything written until ``prompt`` has appeared ``count`` times."""
+        import select
+
+        while self.output.count(prompt) < count:
+            ready, _, _ = select.select([self.fd], [], [], 300)
+            assert ready, "the chat stopped answering:\n" + self.output[-2000:]
+            try:
+                self.output += os.read(self.fd, 4096).decode(errors="replace")
+            except OSError:  # the child closed the terminal
+                raise AssertionError("the chat ended:\n" + self.output[-2000:]) from None
+        return self.output
+
+    def send(self, line: str) -> None:
+        os.write(self.fd, (line + "\n").encode())
+
+
+@pytest.mark.slow
+def test_the_terminal_chat_keeps_the_conversation_and_saves_a_record_that_trains(fine_tuned, tmp_path, capsys):
+    """Three turns, an image on the first and a video (its frame files) on the third."""
+    folder, model = fine_tuned
+    (tmp_path / "square.png").write_bytes(square_png())
+    frames = [str(folder / f"clip{i}.png") for i in range(4)]  # a 4-frame video of the conversations' folder
+    chat = Terminal([sys.executable, "-m", "ernie_moe.chat", "--model", str(model), "--max-new-tokens", "6"], tmp_path)
+    chat.until("you> ", 1)
+    lines = ["/image square.png", "What is this?", "And the colour?", "/video " + " ".join(frames), "What happens?",
+             "/save talk.jsonl"]
+    for n, line in enumerate(lines, start=2):
+        chat.send(line)
+        chat.until("you> ", n)
+    chat.send("/quit")
+    assert chat.process.wait(timeout=120) == 0
+    answers = [a.strip() for a in re.findall(r"model> (.*?)\r\n", chat.output)]
+    assert len(answers) == 3 and "(saved 6 messages to" in chat.output
+    record = json.loads((tmp_path / "talk.jsonl").read_text())
+    assert record["images"] == ["square.png"]
+    assert record["videos"] == [[os.path.relpath(f, tmp_path) for f in frames]]
+    assert [(m["role"], m["content"]) for m in record["messages"]] == [
+        ("user", "<image>What is this?"), ("assistant", answers[0]), ("user", "And the colour?"),
+        ("assistant", answers[1]), ("user", "<video>What happens?"), ("assistant", answers[2])]
+    # the first answer is generate's for the same image and question: the chat encodes as training did
+    assert generate_main(["--model", str(model), "--image", str(tmp_path / "square.png"), "--prompt",
+                          "What is this?", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip() == answers[0]
+    # the saved record is training data: a step on it alone, nothing skipped
+    summary = run_smoke(tmp_path / "trained", f"training.model_name_or_path={model}",
+                        f"data.train_path={tmp_path / 'talk.jsonl'}", f"data.tokenizer_path={folder / 'tokenizer'}",
+                        "training.max_steps=1", "training.eval_steps=0", "data.eval_path=")
+    assert summary["trained_steps"] == 1 and not any(k.startswith("data/skipped") for k in summary), summary
