@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -336,3 +337,52 @@ def test_the_terminal_chat_keeps_the_conversation_and_saves_a_record_that_trains
                         f"data.train_path={tmp_path / 'talk.jsonl'}", f"data.tokenizer_path={folder / 'tokenizer'}",
                         "training.max_steps=1", "training.eval_steps=0", "data.eval_path=")
     assert summary["trained_steps"] == 1 and not any(k.startswith("data/skipped") for k in summary), summary
+
+
+@pytest.mark.slow
+def test_a_full_queue_is_answered_503_and_a_client_that_hangs_up_stops_nothing(served):
+    """In this process, so that the test can hold the model itself: with --max-queue 0, a request waiting for the
+    model makes the next one a 503 (queue_full). A streaming client that closes its connection after the first
+    event leaves the server answering the next request."""
+    import socket
+
+    import openai
+    from openai import OpenAI
+
+    from ernie_moe.serving.chat_model import ChatModel
+    from ernie_moe.serving.openai_api import Limits
+    from ernie_moe.serving.server import ChatServer
+
+    server = ChatServer(("127.0.0.1", 0), ChatModel(served[0]), "tiny", Limits(max_tokens=32, max_queue=0), None,
+                        log_requests=False)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+    try:
+        first = []
+        with server.chat.lock:  # the model is busy: the first request waits for it
+            waiting = threading.Thread(target=lambda: first.append(ask(client, PROMPT)))
+            waiting.start()
+            while server.waiting < 1:  # the server counts it before it waits
+                waiting.join(0.05)
+            with pytest.raises(openai.APIStatusError) as err:
+                ask(client, PROMPT)
+            assert err.value.status_code == 503 and err.value.code == "queue_full"
+        waiting.join()
+        assert first[0].choices[0].message.content  # answered once the model was free
+        # a streaming client that reads the first event and hangs up
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "stream": True})
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+            received = b""
+            while b"data: " not in received:  # the headers, then the first event
+                chunk = raw.recv(4096)
+                assert chunk, received
+                received += chunk
+        while server.waiting:  # the abandoned answer ends at its next write (or at its last token)
+            time.sleep(0.05)
+        assert ask(client, PROMPT).choices[0].message.content == first[0].choices[0].message.content
+    finally:
+        server.shutdown()
+        server.server_close()
