@@ -130,6 +130,13 @@ def image(path, out):
     np.savez(out, pixels=np.asarray(result["pixel_values"]).astype(np.float32), grid=result["image_grid_thw"],
              budget=np.array([processor.min_pixels, processor.max_pixels]))
 
+def prepared(out, *paths):
+    """ERNIE-4.5-VL's preparation of each image file (PaddleFormers' ``get_downloadable_image``), as RGB arrays."""
+    from paddleformers.transformers.ernie4_5_moe_vl.vision_process import get_downloadable_image
+
+    np.savez(out, *[np.asarray(get_downloadable_image(path, need_exif_info=False)[0]) for path in paths])
+
+
 def process(tokenizer_dir, conversations, out):
     """ERNIE-4.5-VL's processor on each conversation of a JSON file ({"messages", "images", "videos", "budget"}:
     image paths, videos as lists of frame paths, pixel budgets): the chat template of the tokenizer folder,
@@ -226,6 +233,6 @@ def _vl_logits(model, data, image_processor, mean, std):
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {"make": make, "dump": dump, "logits": logits, "generate": generate, "lora_logits": lora_logits,
-     "lora_dump": lora_dump, "image": image, "process": process,
+     "lora_dump": lora_dump, "image": image, "prepared": prepared, "process": process,
      "frames": frames, "timestamps": timestamps, "vl_logits": vl_logits,
      "vl_lora": lambda base, adapter, out, *cases: vl_logits(base, out, *cases, adapter=adapter)}[command](*args)

@@ -504,3 +504,45 @@ def test_a_tokenizer_file_nested_too_deep_is_named_not_the_sentencepiece_model(t
     (folder / "special_tokens_map.json").write_text('{"bos_token": ' + "[" * 100_000 + "]" * 100_000 + "}")
     with pytest.raises(ValueError, match=r"special_tokens_map\.json: it is nested too deep"):
         tokenizer_in(folder, 4)
+
+
+@pytest.mark.slow
+def test_images_of_every_mode_are_prepared_as_ernies_processor_prepares_them(tmp_path):
+    """Transparent pixels (RGBA, LA, P with a transparent index) pasted on white, 16-bit grey to 8 bits, CMYK
+    and EXIF-rotated JPEGs: the pixels PaddleFormers' ERNIE-4.5-VL preparation gives, element for element."""
+    from ernie_moe.data.jsonl import load_image
+
+    rng = np.random.default_rng(0)
+    colours = rng.integers(0, 256, (40, 56, 3), dtype=np.uint8)
+    alpha = np.full((40, 56), 255, np.uint8)
+    alpha[:, :20], alpha[:, 20:30] = 0, 128  # transparent (hiding red), half transparent, opaque
+    hidden = colours.copy()
+    hidden[:, :20] = (255, 0, 0)
+    def merged(mode, *planes):
+        return Image.merge(mode, [Image.fromarray(p) for p in planes])
+
+    opaque = np.full((40, 56), 255, np.uint8)
+    grey16 = Image.fromarray(np.arange(40 * 56, dtype=np.uint16).reshape(40, 56) * 29)
+    assert grey16.mode == "I;16"
+    made = {"rgba.png": merged("RGBA", *hidden.transpose(2, 0, 1), alpha),
+            "opaque_rgba.png": merged("RGBA", *colours.transpose(2, 0, 1), opaque),
+            "la.png": merged("LA", colours[..., 0], alpha), "grey16.png": grey16,
+            "cmyk.jpg": Image.fromarray(colours).convert("CMYK"), "grey.png": Image.fromarray(colours[..., 1])}
+    palette = Image.fromarray(colours).quantize(16)
+    palette.info["transparency"] = 3
+    made["palette.png"] = palette
+    for name, image in made.items():
+        image.save(tmp_path / name)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees to show
+    Image.fromarray(colours).save(tmp_path / "rotated.jpg", exif=exif)
+    names = [*made, "rotated.jpg"]
+    paddleformers("prepared", tmp_path / "theirs.npz", *[tmp_path / n for n in names], cwd=tmp_path)
+    theirs = np.load(tmp_path / "theirs.npz")
+    for i, name in enumerate(names):
+        ours = load_image(tmp_path / name, 10 ** 6)
+        np.testing.assert_array_equal(ours, theirs[f"arr_{i}"], err_msg=name)
+    rgba = load_image(tmp_path / "rgba.png", 10 ** 6)
+    assert (rgba[:, :20] == 255).all()  # white, not the red the transparent pixels hide
+    assert load_image(tmp_path / "grey16.png", 10 ** 6).max() == (40 * 56 - 1) * 29 // 256
+    assert load_image(tmp_path / "rotated.jpg", 10 ** 6).shape == (40, 56, 3)  # as stored

@@ -123,6 +123,21 @@ def load_image(path: Path, max_pixels: int) -> np.ndarray:
     return decode_image(path, str(path), max_pixels)
 
 
+def as_ernie_rgb(image: Image.Image) -> Image.Image:
+    """RGB as ERNIE-4.5-VL's processor prepares an image: 16-bit grey brought to 8 bits, an image with any
+    transparent pixel pasted on white (``convert("RGB")`` alone keeps whatever colour the transparent pixels
+    hide), the EXIF orientation left as stored (the processor reads it and does not apply it)."""
+    if image.mode == "I;16":
+        image = image.point(lambda i: i * (1 / 256)).convert("L")
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        if rgba.getchannel("A").getextrema()[0] < 255:
+            white = Image.new("RGBA", rgba.size, (255, 255, 255))
+            white.paste(rgba, (0, 0), rgba)
+            image = white
+    return image.convert("RGB")
+
+
 def decode_image(source, name: str, max_pixels: int) -> np.ndarray:
     """An image file or file object (``name`` in messages) as RGB ``uint8 [H, W, 3]``; BadSample when it is
     too large or undecodable."""
@@ -132,7 +147,7 @@ def decode_image(source, name: str, max_pixels: int) -> np.ndarray:
             if width * height > max_pixels:
                 raise BadSample("image_too_large", f"image '{name}' has {width} x {height} pixels, more than "
                                                    f"data.max_image_pixels ({max_pixels})")
-            return np.asarray(image.convert("RGB"))
+            return np.asarray(as_ernie_rgb(image))
     except Image.DecompressionBombError as err:  # Pillow's own cap, met before ours in the header
         raise BadSample("image_too_large", f"image '{name}': {err}") from None
     except UnidentifiedImageError:

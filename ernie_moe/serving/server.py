@@ -37,6 +37,7 @@ class ChatServer(ThreadingHTTPServer):
 class Handler(BaseHTTPRequestHandler):
     server: ChatServer
     server_version = "ernie_moe"
+    timeout = 120  # seconds a client may leave its socket silent (a body that never comes, an unread stream)
 
     def log_message(self, format, *args):  # one line per request on stderr, as http.server does
         if self.server.log_requests:
@@ -59,8 +60,8 @@ class Handler(BaseHTTPRequestHandler):
             self._chat()
         except ApiError as err:
             self._error(err)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client went away: nothing to answer
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            self.close_connection = True  # the client went away or went silent: nothing to answer
         except Exception:  # a bug must not take the server down: answer 500 (if nothing was sent yet), log it
             traceback.print_exc()
             if not self.streaming:
