@@ -24,7 +24,7 @@ from .config.schema import DataConfig
 from .data.jsonl import images_of, load_image, load_video, parse_messages, parse_record
 from .data.packing import BadSample
 from .data.sample import Chunk, Sample
-from .generation import UsageError, folder_run_config, generate, load_model_folder, prompt_encoder
+from .generation import UsageError, check_room, folder_run_config, generate, load_model_folder, prompt_encoder
 
 # a --messages file is read whole: far above any hand-written set of prompts
 MAX_MESSAGES_BYTES = 64 * 1024 * 1024
@@ -87,14 +87,11 @@ def main(argv=None) -> int:
         if not loaded.sees_images and any(sample.images for sample in samples):
             raise UsageError(f"'{args.model}' is a text model (it holds no vision encoder): it cannot take images")
         prompts = [prompt_encoder(tokenizer, cfg, data).prompt(sample) for sample in samples]
+        for prompt in prompts:
+            check_room(prompt, cfg.max_position_embeddings)
     except (BadSample, UsageError, CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"generate error: {err}", file=sys.stderr)
         return 2
-    for prompt in prompts:
-        if prompt.position_ids.max() + 1 >= cfg.max_position_embeddings:
-            print(f"generate error: the prompt takes {int(prompt.position_ids.max()) + 1} positions; the model has "
-                  f"{cfg.max_position_embeddings} (max_position_embeddings), leaving none to generate", file=sys.stderr)
-            return 2
     for key, prompt in zip(keys, prompts):
         out = generate(model, prompt, args.max_new_tokens, tokenizer.eos_id, args.temperature, args.top_p, args.seed,
                        never=(cfg.im_patch_id,) if loaded.sees_images else (), tokens=tokenizer.vocab_size)

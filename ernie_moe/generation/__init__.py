@@ -3,7 +3,7 @@
 from .decoding import Generated, generate
 from .kv_cache import KVCache, forward_cached
 from .model_folder import LoadedModel, folder_run_config, load_model_folder
-from .prompts import UsageError, prompt_encoder
+from .prompts import ContextTooLong, UsageError, check_room, prompt_encoder
 
-__all__ = ["Generated", "KVCache", "LoadedModel", "UsageError", "folder_run_config", "forward_cached", "generate",
-           "load_model_folder", "prompt_encoder"]
+__all__ = ["ContextTooLong", "Generated", "KVCache", "LoadedModel", "UsageError", "check_room", "folder_run_config",
+           "forward_cached", "generate", "load_model_folder", "prompt_encoder"]

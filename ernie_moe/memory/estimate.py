@@ -216,9 +216,8 @@ def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, fl
     if not w.image_sizes:
         return [(text_side, 0.0)]
     lora = set(training.lora_targets) if training.fine_tuning == "lora" else set()
-    frozen = frozen_parts(training)
-    vit_trains = "vision" not in frozen or "vit" in lora
-    adapter_trains = vit_trains or "adapter" not in frozen or "adapter" in lora
+    vit_trains = _vit_trains(training)
+    adapter_trains = vit_trains or "adapter" not in frozen_parts(training) or "adapter" in lora
     p = w.patches
     probabilities = 0 if uses_flash_attention(training) else 4 * v.num_heads * w.squared_patches
     block = 4 * (16.3 * p * d + 30 * p) + probabilities  # per-image attention: every patch, no mask
@@ -230,12 +229,17 @@ def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, fl
     return [(text_side + 4 * 2.2 * p * d, 0.0), *blocks, (adapter, 0.0)]
 
 
+def _vit_trains(training) -> bool:
+    """Whether the ViT has weights that train (not frozen, or LoRA pairs in it)."""
+    lora = set(training.lora_targets) if training.fine_tuning == "lora" else set()
+    return "vision" not in frozen_parts(training) or "vit" in lora
+
+
 def _frozen_vit_forward(cfg, training, w: Workload) -> float:
     """What a ViT that keeps nothing (frozen, no LoRA in it) holds at once in its forward pass: a block's
     projections of every patch and, in the plain attention, one call's scores and probabilities."""
     v = cfg.vision_config
-    lora = set(training.lora_targets) if training.fine_tuning == "lora" else set()
-    if not w.image_sizes or "vision" not in frozen_parts(training) or "vit" in lora:
+    if not w.image_sizes or _vit_trains(training):
         return 0.0
     scores = 0 if uses_flash_attention(training) else 2 * 4 * v.num_heads * w.largest_attention
     return 4 * 10 * w.patches * v.embed_dim + scores

@@ -15,11 +15,7 @@ import numpy as np
 
 from ..data.packing import Encoded
 from ..data.sample import Sample
-from ..generation import UsageError, folder_run_config, generate, load_model_folder, prompt_encoder
-
-
-class ContextTooLong(UsageError):
-    """A prompt that leaves the model no position to answer in."""
+from ..generation import UsageError, check_room, folder_run_config, generate, load_model_folder, prompt_encoder
 
 
 @dataclass
@@ -46,14 +42,14 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: tuple[str, ...], on_text: Callable[[str], None] | None):
         self.tokenizer, self.stop, self.on_text = tokenizer, stop, on_text
-        self.sent, self.text, self.stopped = "", "", False
+        self.sent, self.text = "", ""
 
     def __call__(self, ids: list[int]) -> bool:
         """Called after each new token; True when a stop string has appeared."""
         text = self.tokenizer.decode(ids)
         found = [text.index(s) for s in self.stop if s in text]
         if found:
-            self.text, self.stopped = text[:min(found)], True
+            self.text = text[:min(found)]
             self._send(self.text)
             return True
         self.text = text
@@ -83,7 +79,6 @@ class ChatModel:
         self.model, self.tokenizer, self.cfg = loaded.model, loaded.tokenizer, loaded.cfg
         self.sees_images = loaded.sees_images
         self.encoder = prompt_encoder(self.tokenizer, self.cfg, self.data)
-        self.positions = self.cfg.max_position_embeddings
         self.lock = threading.Lock()  # one generation at a time: the others wait their turn
 
     def encode(self, conversation, images: list[np.ndarray], videos: list[np.ndarray] = ()) -> Encoded:
@@ -94,10 +89,7 @@ class ChatModel:
         if conversation.messages[-1]["role"] != "user":
             raise UsageError("the last message must be the user's")
         prompt = self.encoder.prompt(Sample(list(images), videos=list(videos), conversation=conversation))
-        taken = int(prompt.position_ids.max()) + 1
-        if taken >= self.positions:
-            raise ContextTooLong(f"the prompt takes {taken} positions; the model has {self.positions} "
-                                 "(max_position_embeddings), leaving none to answer")
+        check_room(prompt, self.cfg.max_position_embeddings)
         return prompt
 
     def reply(self, prompt: Encoded, sampling: Sampling,

@@ -14,8 +14,8 @@ from importlib import resources
 from pathlib import Path
 
 from ..data.packing import BadSample
-from ..generation import UsageError
-from .chat_model import ChatModel, ContextTooLong
+from ..generation import ContextTooLong, UsageError
+from .chat_model import ChatModel
 from .openai_api import ApiError, Completion, Limits, models_list, parse_request
 
 PAGE = resources.files(__package__).joinpath("page.html").read_bytes()
