@@ -21,7 +21,7 @@ from .checkpoint.errors import CheckpointError
 from .cli import at_least_one, bounded
 from .config import ConfigError
 from .data import DataError, RowStream, rank_batches
-from .data.jsonl import JsonlDataset
+from .data.loader import jsonl_dataset
 from .data.synthetic import SyntheticShapes
 from .generation import folder_run_config, load_model_folder
 from .parallel import DistEnv
@@ -39,7 +39,7 @@ def scores(model_dir, data: str, base, batch_size: int = 8, max_batches: int = 0
     else:
         if not Path(data).is_file():
             raise DataError(f"--data file '{data}' does not exist")
-        held_out = JsonlDataset(data, base.data.max_image_pixels, base.data.video_reading)
+        held_out = jsonl_dataset(data, base.data)
     cfg = dataclasses.replace(base, model=model_cfg)
     skipped: Counter = Counter()
     rows = RowStream(held_out, tokenizer, cfg, skipped, shuffle=False)

@@ -11,6 +11,8 @@ libraries the rest of the suite uses).
     python paddleformers_side.py lora_dump KIND DIR ADAPTER OUT  # the LoRA tensors LoRAModel.from_pretrained holds
     python paddleformers_side.py image IMAGE OUT  # ERNIE-4.5-VL's image processor on an .npy image
     python paddleformers_side.py process TOKENIZER CONVERSATIONS OUT  # Ernie4_5_VLProcessor on each conversation
+    python paddleformers_side.py pieces TOKENIZER CASES OUT  # the processor fed one piece of text, image or video
+                                                    # at a time (ERNIEKit tokenizes each piece on its own)
     python paddleformers_side.py frames CASES OUT  # the processor's video frame choice for (frames, seconds) pairs
     python paddleformers_side.py timestamps FRAMES TIMES FONT OUT  # the processor's time mark drawn on each frame
     python paddleformers_side.py vl_logits DIR OUT PROCESSED...  # the VL model's logits on `process` outputs,
@@ -164,6 +166,47 @@ def process(tokenizer_dir, conversations, out):
         np.savez(Path(out) / f"{n}.npz", text=np.array(text), **arrays)
 
 
+def _vl_tokenizer(tokenizer_dir):
+    from paddleformers.transformers.ernie4_5_moe_vl.tokenizer import Ernie4_5_VLTokenizer
+
+    folder = Path(tokenizer_dir)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    return Ernie4_5_VLTokenizer(vocab_file=str(folder / "tokenizer.model"),
+                                additional_special_tokens=config["additional_special_tokens"],
+                                chat_template=config.get("chat_template"))
+
+
+def pieces(tokenizer_dir, cases, out):
+    """ERNIE-4.5-VL's processor fed piece by piece: each case {"budget", "pieces"} with pieces ["text", TEXT,
+    TRAINED], ["image", PATH] or ["video", [FRAME PATHS]], through the processor's own text, image and video
+    steps; OUT/<n>.npz: its outputs and which tokens are trained (a trained piece's)."""
+    from paddleformers.transformers.ernie4_5_moe_vl.image_processor import Ernie4_5_VLImageProcessor
+    from paddleformers.transformers.ernie4_5_moe_vl.processor import Ernie4_5_VLProcessor
+    from PIL import Image
+
+    tokenizer = _vl_tokenizer(tokenizer_dir)
+    for n, case in enumerate(json.loads(Path(cases).read_text())):
+        processor = Ernie4_5_VLProcessor(image_processor=Ernie4_5_VLImageProcessor(), tokenizer=tokenizer,
+                                         **case["budget"])
+        outputs = {"input_ids": [], "token_type_ids": [], "position_ids": [], "images": [], "grid_thw": [],
+                   "image_type_ids": [], "cur_position": 0, "pic_cnt": 0, "video_cnt": 0}
+        trained = []
+        for kind, value, *rest in case["pieces"]:
+            before = len(outputs["input_ids"])
+            if kind == "text":
+                processor._add_text(value, outputs)
+            elif kind == "image":
+                processor._add_image(Image.open(value), outputs)
+            else:
+                processor._add_video([Image.open(p) for p in value], outputs)
+            trained += [kind == "text" and bool(rest[0])] * (len(outputs["input_ids"]) - before)
+        for key in ("cur_position", "pic_cnt", "video_cnt"):
+            outputs.pop(key)
+        packed = processor._pack_outputs(outputs)
+        np.savez(Path(out) / f"{n}.npz", trained=np.array(trained, bool),
+                 **{k: np.asarray(v) for k, v in packed.items()})
+
+
 def frames(cases, out):
     """Which frames ERNIE-4.5-VL's processor samples from a video of N frames lasting S seconds, at its defaults
     (2 per second, 16 to 180 frames, the middle of each interval): its own argument rules, then its sampler."""
@@ -234,5 +277,6 @@ if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {"make": make, "dump": dump, "logits": logits, "generate": generate, "lora_logits": lora_logits,
      "lora_dump": lora_dump, "image": image, "prepared": prepared, "process": process,
+     "pieces": pieces,
      "frames": frames, "timestamps": timestamps, "vl_logits": vl_logits,
      "vl_lora": lambda base, adapter, out, *cases: vl_logits(base, out, *cases, adapter=adapter)}[command](*args)

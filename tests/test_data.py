@@ -235,6 +235,25 @@ def test_train_files_without_probabilities_follow_one_another(tmp_path):
     assert [joined[i].chunks[-1].text for i in (0, 29, 30, 39)] == ["a 0", "a 29", "b 0", "b 9"]
 
 
+def test_text_files_mix_in_at_the_modality_ratio(tmp_path):
+    """ERNIEKit's text_dataset_path and modality_ratio: data.text_path files beside data.train_path, drawn 1 to 3
+    (modality_ratio [3, 1]), the text share split over two text files by text_probs [0.5, 0.5]."""
+    a, b = two_sources(tmp_path)
+    c = tmp_path / "c.jsonl"
+    c.write_text("".join(json.dumps({"text": f"c {i}"}) + "\n" for i in range(5)))
+    mixed, _ = build_datasets(load_config(None, ["data.dataset=jsonl", f"data.train_path={a}",
+                                                 f"data.text_path=[{b}, {c}]", "data.text_probs=[0.5, 0.5]",
+                                                 "data.modality_ratio=[3, 1]"]))
+    counts = np.bincount([mixed.source_of(i)[0] for i in range(20_000)], minlength=3) / 20_000
+    np.testing.assert_allclose(counts, [0.75, 0.125, 0.125], atol=0.015)
+    assert {mixed[i].chunks[-1].text.split()[0] for i in range(200)} == {"a", "b", "c"}
+    for bad, message in (("data.modality_ratio=[1]", "two weights"), ("data.modality_ratio=[0, 0]", "not both 0"),
+                         ("data.text_probs=[1, 0]", "one probability"),
+                         (f"data.text_path={tmp_path / 'none.jsonl'}", "does not exist")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, ["data.dataset=jsonl", f"data.train_path={a}", f"data.text_path={b}", bad])
+
+
 @pytest.mark.parametrize("probs, message", [("[1]", "one probability"), ("[1, -1]", "one probability"),
                                             ("[0, 0]", "sum to 1"), ("[0.7, 0.2]", "sum to 1")])
 def test_bad_train_probabilities_are_config_errors(tmp_path, probs, message):

@@ -180,6 +180,18 @@ def test_the_special_tokens_resolve_to_their_ids(tmp_path):
     assert tokenizer.decode(tokenizer.encode("User: a cat<|end_of_sentence|>")) == "User: a cat<|end_of_sentence|>"
 
 
+def assert_same_visuals(ours, ref, where: str) -> None:
+    """Our grids and patches equal the processor's grids and pixels."""
+    if not ours.grids:
+        assert ref["grid_thw"].size == 0, where
+        return
+    np.testing.assert_array_equal(np.stack(ours.grids), ref["grid_thw"], err_msg=where)
+    # the processor leaves rescaling and normalisation to the model: apply them to its uint8 pixels
+    pixels = ref["images"].astype(np.float32).reshape(-1, 3, 14 * 14) / 255.0
+    expected = ((pixels - MEAN[None, :, None]) / STD[None, :, None]).reshape(ref["images"].shape)
+    np.testing.assert_allclose(np.concatenate(ours.patches), expected, atol=1e-5, err_msg=where)
+
+
 @pytest.mark.slow
 def test_encoded_conversations_equal_ernies_processor(ernie_side):
     """12 conversations (text only, one image, images of several sizes with a tall, a wide and one above the pixel
@@ -197,14 +209,7 @@ def test_encoded_conversations_equal_ernies_processor(ernie_side):
         np.testing.assert_array_equal(ours.input_ids, ref["input_ids"][0], err_msg=where)
         np.testing.assert_array_equal(ours.token_type_ids, ref["token_type_ids"][0], err_msg=where)
         np.testing.assert_array_equal(ours.position_ids, ref["position_ids"][0], err_msg=where)
-        if ours.grids:
-            np.testing.assert_array_equal(np.stack(ours.grids), ref["grid_thw"], err_msg=where)
-            # the processor leaves rescaling and normalisation to the model: apply them to its uint8 pixels
-            pixels = ref["images"].astype(np.float32).reshape(-1, 3, 14 * 14) / 255.0
-            expected = ((pixels - MEAN[None, :, None]) / STD[None, :, None]).reshape(ref["images"].shape)
-            np.testing.assert_allclose(np.concatenate(ours.patches), expected, atol=1e-5, err_msg=where)
-        else:
-            assert ref["grid_thw"].size == 0
+        assert_same_visuals(ours, ref, where)
         # the trained tokens, run by run, are the answers, each closed by <|end_of_sentence|>
         runs, run = [], []
         for token, trained in zip(ours.input_ids, ours.target):

@@ -126,7 +126,21 @@ class DataConfig:
     train_path: str | list[str] = opt("", "JSONL training file, or a list of them (dataset: jsonl)")
     train_probs: list[float] = opt([], "with several train_path files: the probability each sample is drawn from "
                                        "each (summing to 1); [] = the files one after another")
+    text_path: str | list[str] = opt("", "text-only JSONL files mixed in beside train_path at modality_ratio "
+                                         "(ERNIEKit's text_dataset_path)")
+    text_probs: list[float] = opt([], "with several text_path files: how their share is split (summing to 1); "
+                                      "[] = evenly")
+    modality_ratio: list[float] = opt([1.0, 1.0], "with text_path: samples drawn from train_path and text_path "
+                                                  "files in this ratio (ERNIEKit's modality_ratio)")
     eval_path: str = opt("", "JSONL held-out file (dataset: jsonl); empty = no evaluation")
+    format: str = choice("auto", "auto", "caption", "messages", "erniekit",
+                         doc="JSONL record shape: each record's own (auto), or only this one (others are skipped "
+                             "as wrong_format); erniekit = ERNIEKit's VL (image_info / text_info) and text (src / "
+                             "tgt) SFT records")
+    enable_thinking: bool = opt(False, "the Thinking model's form: an answer without <think> ... </think> opens "
+                                       "with the empty think block (not trained on; ERNIEKit records: then only "
+                                       "the last answer trains); a record's own enable_thinking wins")
+    report_samples: int = opt(64, "samples the start-up data report encodes (data_report.json); 0 = none")
     tokenizer_path: str = opt("", "directory with tokenizer.model (SentencePiece); empty = built-in")
     max_seq_len: int = opt(64, "tokens per packed row")
     overlong: str = choice("truncate", "truncate", "skip", doc="what happens to a sample longer than max_seq_len")
@@ -172,8 +186,16 @@ class DataConfig:
     @property
     def train_files(self) -> list[str]:
         """``train_path`` as a list of files."""
-        paths = self.train_path
-        return list(paths) if isinstance(paths, list) else ([paths] if paths else [])
+        return _files(self.train_path)
+
+    @property
+    def text_files(self) -> list[str]:
+        """``text_path`` as a list of files."""
+        return _files(self.text_path)
+
+
+def _files(paths: str | list[str]) -> list[str]:
+    return list(paths) if isinstance(paths, list) else ([paths] if paths else [])
 
 
 # training.offload_optim: optimizer states of one visit to the device (the planner counts with it too)

@@ -121,6 +121,8 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
              f"data.video_fps ({d.video_fps}) must be positive and 1 <= data.video_min_frames ({d.video_min_frames}) "
              f"<= data.video_max_frames ({d.video_max_frames}).")
     _require(0 <= d.num_workers <= 64, f"data.num_workers ({d.num_workers}) must be between 0 and 64.")
+    _require(0 <= d.report_samples <= 100_000, f"data.report_samples ({d.report_samples}) must be between 0 and "
+                                               "100000.")
     unit = v.patch_size * v.spatial_merge_size
     if d.dataset == "synthetic":
         _require(d.image_size % unit == 0 and d.image_size >= 2 * unit,
@@ -129,16 +131,22 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
         _require(d.num_train_samples >= 1 and d.num_eval_samples >= 0,
                  "data.num_train_samples must be at least 1 and data.num_eval_samples not negative.")
     else:
-        files = d.train_files
+        files, texts = d.train_files, d.text_files
         _require(bool(files) and all(files), "data.dataset is 'jsonl' but data.train_path is empty.")
-        for name, path in [("train_path", f) for f in files] + [("eval_path", d.eval_path)]:
+        _require(all(texts), "data.text_path holds an empty file name.")
+        for name, path in ([("train_path", f) for f in files] + [("text_path", f) for f in texts]
+                           + [("eval_path", d.eval_path)]):
             _require(not check_paths or not path or Path(path).is_file(), f"data.{name} '{path}' does not exist.")
-        if d.train_probs:
-            _require(len(d.train_probs) == len(files) and all(p >= 0 for p in d.train_probs),
-                     f"data.train_probs ({d.train_probs}) needs one probability (not negative) for each of the "
-                     f"{len(files)} data.train_path files.")
-            _require(abs(sum(d.train_probs) - 1) <= 1e-6, f"data.train_probs ({d.train_probs}) must sum to 1, not "
-                                                         f"{sum(d.train_probs):g}.")
+        for key, probs, paths in (("train", d.train_probs, files), ("text", d.text_probs, texts)):
+            if probs:
+                _require(len(probs) == len(paths) and all(p >= 0 for p in probs),
+                         f"data.{key}_probs ({probs}) needs one probability (not negative) for each of the "
+                         f"{len(paths)} data.{key}_path files.")
+                _require(abs(sum(probs) - 1) <= 1e-6, f"data.{key}_probs ({probs}) must sum to 1, not "
+                                                      f"{sum(probs):g}.")
+        _require(len(d.modality_ratio) == 2 and min(d.modality_ratio) >= 0 and sum(d.modality_ratio) > 0,
+                 f"data.modality_ratio ({d.modality_ratio}) needs two weights (train_path files, text_path files), "
+                 "neither negative, not both 0.")
         _require(d.max_image_side >= unit, f"data.max_image_side must be at least {unit} pixels.")
         _require(d.max_image_pixels >= unit * unit, f"data.max_image_pixels must be at least {unit * unit}.")
     if d.tokenizer_path and check_paths:

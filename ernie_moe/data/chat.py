@@ -8,12 +8,15 @@ over the conversation. Two formats:
   (Jinja, rendered in a sandbox, so a template cannot run code), or :data:`ERNIE_VL_TEMPLATE`, which writes
   ERNIE-4.5-VL's chat format. The rendered text marks each image and video with ERNIE's slot strings, which
   become the image chunks; the assistant's text, and the end-of-sentence token closing each answer, is what the
-  model trains on, found by rendering the conversation one message at a time.
+  model trains on, found by rendering the conversation one message at a time. With thinking on (the
+  ERNIE-4.5-VL-Thinking form), the template gets ``enable_thinking`` and an answer without ``<think>`` ...
+  ``</think>`` is written after the empty think block, which is template and not trained on.
 - :class:`PlainChat`, for the other tokenizers: ``System: `` / ``User: `` / ``Assistant: `` lines.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -21,19 +24,26 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+from .erniekit import EMPTY_THINK, check_think, tool_calls
 from .sample import BadSample, Chunk
 from .tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE
 
 IMAGE_SLOT = "<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>"
 VIDEO_SLOT = "<|VIDEO_START|><|video@placeholder|><|VIDEO_END|>"
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
-# ERNIE-4.5-VL's chat format: <|begin_of_sentence|>, the system text and a newline, each user turn as
+# ERNIE-4.5-VL's chat format: <|begin_of_sentence|> (then ERNIEKit's tool list, with tools), the system text and a
+# newline, each user turn as
 # "User: " + its parts (an image as "Picture N:" + its slot, a video as "Video N:" + its slot) + a newline,
-# each answer as "Assistant: " + text + <|end_of_sentence|>, and "Assistant: " to generate from.
+# each answer as "Assistant: " + text + <|end_of_sentence|>, and "Assistant: " to generate from. With
+# enable_thinking, an answer without a think block gets the empty one; with enable_thinking false (the Thinking
+# model asked not to think), so does the turn opened to generate. Tool calls and outputs are ERNIEKit's: an
+# answer's calls as <tool_call> lines before its text, a run of tool messages as one user turn of <tool_output>s.
 ERNIE_VL_TEMPLATE = (
     "{%- set images = namespace(n=0) -%}{%- set videos = namespace(n=0) -%}"
     "{{- '<|begin_of_sentence|>' -}}"
+    "{%- if tools -%}{{- '\n<tool_list>\n' ~ (tools if tools is string else tools | json) ~ '\n</tool_list>\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}{{- message['content'] ~ '\n' -}}"
     "{%- elif message['role'] == 'user' -%}{{- 'User: ' -}}"
@@ -45,16 +55,31 @@ ERNIE_VL_TEMPLATE = (
     "{{- 'Video ' ~ videos.n ~ ':" + VIDEO_SLOT + "' -}}"
     "{%- else -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}{{- '\n' -}}"
-    "{%- else -%}{{- 'Assistant: ' ~ message['content'] ~ '<|end_of_sentence|>' -}}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.previtem is not defined or loop.previtem['role'] != 'tool' -%}{{- 'User: ' -}}{%- endif -%}"
+    "{{- '\n<tool_output>\n' ~ message['content'] ~ '\n</tool_output>\n' -}}"
+    "{%- if loop.nextitem is not defined or loop.nextitem['role'] != 'tool' -%}{{- '\n' -}}{%- endif -%}"
+    "{%- else -%}{{- 'Assistant: ' -}}"
+    "{%- if enable_thinking is defined and enable_thinking and '</think>' not in message['content'] -%}"
+    "{{- '" + EMPTY_THINK.replace("\n", "\\n") + "' -}}{%- endif -%}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{{- '<tool_call>\n{\"name\": \"' ~ call['function']['name'] ~ '\", \"arguments\": ' ~ "
+    "call['function']['arguments'] ~ '}\n</tool_call>\n' -}}"
+    "{%- endfor -%}"
+    "{{- message['content'] ~ '<|end_of_sentence|>' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- 'Assistant: ' -}}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{- 'Assistant: ' -}}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}"
+    "{{- '" + EMPTY_THINK.replace("\n", "\\n") + "' -}}{%- endif -%}{%- endif -%}"
 )
 
 
 @dataclass
 class Conversation:
-    messages: list[dict]  # {"role", "content": [parts]}
+    messages: list[dict]  # {"role", "content": [parts]}, an answer's "tool_calls" in OpenAI's form
+    enable_thinking: bool = False  # the Thinking model's form: answers open with a think block
+    tools: list | str | None = None  # the tools the conversation may call, as the record gives them
 
     def count(self, kind: str) -> int:
         return sum(part["type"] == kind for m in self.messages for part in m["content"])
@@ -73,6 +98,13 @@ def check_messages(messages) -> Conversation:
             raise BadSample("bad_message", f"the content of message {message!r} is not a list of parts")
         if message["role"] != "user" and any(p["type"] != "text" for p in parts):
             raise BadSample("bad_message", f"only user messages may hold images or videos, not {message['role']}")
+        if message.get("tool_calls") and message["role"] != "assistant":
+            raise BadSample("bad_message", f"only assistant messages make tool calls, not {message['role']}")
+        if message["role"] == "assistant":
+            check_think("".join(p["text"] for p in parts), "an answer")
+            if message.get("tool_calls"):
+                message["tool_calls"] = [{"type": "function", "function": call}
+                                         for call in tool_calls(message["tool_calls"], "an answer")]
     return Conversation(messages)
 
 
@@ -87,7 +119,7 @@ class PlainChat:
     """``User: ...`` lines; the encoder adds the begin and end tokens."""
 
     closed = False  # the chunks hold no begin or end token
-    prefix = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
+    prefix = {"system": "System: ", "user": "User: ", "assistant": "Assistant: ", "tool": "Tool: "}
 
     def chunks(self, conversation: Conversation, open_turn: bool = False) -> list[Chunk]:
         chunks, image, video = [], 0, 0
@@ -103,6 +135,8 @@ class PlainChat:
                     video += 1
                 elif part["text"]:
                     chunks.append(Chunk(text=part["text"], loss=trained))
+            for call in message.get("tool_calls") or []:
+                chunks.append(Chunk(text=" " + json.dumps(call["function"]), loss=True))
         if open_turn:
             return chunks + [Chunk(text="\n" + self.prefix["assistant"])]
         if not any(c.loss and c.text.strip() for c in chunks):
@@ -118,6 +152,10 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """Jinja's sandbox, with '*' and '**' bounded: ``'a' * 2e8`` or ``n ** 1e8`` would run for minutes."""
 
     intercepted_binops = frozenset(["*", "**"])
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.filters["json"] = json.dumps  # Python's JSON text, as ERNIEKit writes a tool list
 
     def call_binop(self, context, operator, left, right):
         if operator == "*":
@@ -142,14 +180,21 @@ class TemplateChat:
         except TemplateError as err:
             raise ValueError(f"the chat template cannot be read: {err}") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool, enable_thinking: bool = False,
+               tools=None) -> str:
         """As chat templates expect it: a message of text alone has a string content, one with images or
-        videos the list of parts."""
-        shown = [{"role": m["role"], "content": _text_only(m["content"])} for m in messages]
+        videos the list of parts. ``enable_thinking`` reaches the template only when on, so a template that
+        tests whether it is defined renders everything else as it would without it."""
+        shown = [{"role": m["role"], "content": _text_only(m["content"]),
+                  **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})} for m in messages]
+        extra = {"enable_thinking": True} if enable_thinking else {}
+        if tools:
+            extra["tools"] = tools
         written, size = [], 0
         try:
             for piece in self.template.generate(messages=shown, add_generation_prompt=add_generation_prompt,
-                                                bos_token=BEGIN_OF_SENTENCE, eos_token=END_OF_SENTENCE):
+                                                bos_token=BEGIN_OF_SENTENCE, eos_token=END_OF_SENTENCE,
+                                                **extra):
                 size += len(piece)
                 if size > MAX_RENDERED:
                     raise SecurityError(f"the template writes more than {MAX_RENDERED} characters")
@@ -160,9 +205,9 @@ class TemplateChat:
         return "".join(written)
 
     def chunks(self, conversation: Conversation, open_turn: bool = False) -> list[Chunk]:
-        messages = conversation.messages
-        text = self.render(messages, add_generation_prompt=open_turn)
-        trained = [] if open_turn else self._answers(messages, text)
+        messages, thinking, tools = conversation.messages, conversation.enable_thinking, conversation.tools
+        text = self.render(messages, add_generation_prompt=open_turn, enable_thinking=thinking, tools=tools)
+        trained = [] if open_turn else self._answers(messages, text, thinking, tools)
         if not open_turn and not trained:
             raise BadSample("empty_text", "no assistant text to train on")
         pieces = re.split(f"({re.escape(IMAGE_SLOT)}|{re.escape(VIDEO_SLOT)})", text)
@@ -188,18 +233,22 @@ class TemplateChat:
             start += size
         return chunks
 
-    def _answers(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
+    def _answers(self, messages: list[dict], text: str, thinking: bool, tools) -> list[tuple[int, int]]:
         """Byte spans of ``text`` that are assistant answers: what rendering each answer adds to the
-        conversation before it with the generation prompt."""
+        conversation before it with the generation prompt, less an empty think block opening it."""
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[: i + 1], add_generation_prompt=False)
+            before = self.render(messages[:i], add_generation_prompt=True, enable_thinking=thinking, tools=tools)
+            through = self.render(messages[: i + 1], add_generation_prompt=False, enable_thinking=thinking,
+                                  tools=tools)
             if not (text.startswith(through) and through.startswith(before)):
                 raise BadSample("chat_template_error", "the chat template does not render a conversation as "
                                                        "the conversation before each answer plus the answer")
+            answer = through[len(before):]
+            if answer.startswith(EMPTY_THINK):
+                before += EMPTY_THINK
             if through[len(before):].strip():
                 spans.append((len(before.encode("utf-8")), len(through.encode("utf-8"))))
         return spans

@@ -1,6 +1,7 @@
 """Real data: one JSON object per line, with image and video paths relative to the file.
 
-Two record shapes are accepted::
+Each record is a caption, a chat ``messages`` list or one of ERNIEKit's SFT shapes (``data.erniekit``),
+recognised by its keys unless ``data.format`` names one::
 
     {"image": "cat.jpg", "text": "a cat on a mat"}                       # caption (or "images": [...])
     {"images": ["a.jpg"], "messages": [{"role": "user", "content": "<image>\\nWhat is this?"},
@@ -25,16 +26,29 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from .chat import check_messages
+from .erniekit import is_erniekit, lay_out
 from .sample import BadSample, Chunk, DataError, Sample
 from .video import ERNIE_VIDEO_READING, VideoReading, read_video, stack_frames
 
 IMAGE_MARK, VIDEO_MARK = "<image>", "<video>"
+FORMATS = ("auto", "caption", "messages", "erniekit")
+
+
+def record_format(record: dict) -> str:
+    """The shape a record is written in, from its keys."""
+    if is_erniekit(record):
+        return "erniekit"
+    return "messages" if "messages" in record else "caption"
 
 
 class JsonlDataset:
-    def __init__(self, path: str, max_pixels: int = 50_000_000, reading: VideoReading = ERNIE_VIDEO_READING):
+    def __init__(self, path: str, max_pixels: int = 50_000_000, reading: VideoReading = ERNIE_VIDEO_READING,
+                 record_shape: str = "auto", enable_thinking: bool = False):
+        """``record_shape``: one of :data:`FORMATS` (a record in another shape is a counted skip);
+        ``enable_thinking``: the Thinking model's conversation form, where a record does not say."""
         self.path = Path(path)
         self.max_pixels, self.video_reading = max_pixels, reading
+        self.record_shape, self.enable_thinking = record_shape, enable_thinking
         self.root = self.path.parent
         self.offsets = []
         with open(self.path, "rb") as f:
@@ -57,10 +71,26 @@ class JsonlDataset:
             return f.readline()
 
     def __getitem__(self, index: int) -> Sample:
-        record = parse_record(self._line(index), f"line {index + 1}")
-        images = images_of(record, f"line {index + 1}")
-        if "messages" in record:
+        where = f"line {index + 1}"
+        record = parse_record(self._line(index), where)
+        shape = record_format(record)
+        if self.record_shape not in ("auto", shape):
+            raise BadSample("wrong_format", f"{where} is a {shape} record, but data.format is {self.record_shape}")
+        if shape == "erniekit":
+            layout = lay_out(record, where, self.enable_thinking)
+            return Sample(images=[self._load_image(p) for p in layout.images],
+                          videos=[self._load_video(v) for v in layout.videos], chunks=layout.chunks, closed=True)
+        images = images_of(record, where)
+        if shape == "messages":
             conversation, images, videos = parse_messages(record["messages"], images, record.get("videos", []))
+            thinking = record.get("enable_thinking", self.enable_thinking)
+            if not isinstance(thinking, bool):
+                raise BadSample("bad_record", f"{where}: enable_thinking must be true or false, not {thinking!r}")
+            conversation.enable_thinking = thinking
+            tools = record.get("tools")
+            if tools is not None and not isinstance(tools, (list, str)):
+                raise BadSample("bad_record", f"{where}: tools must be a list or JSON text, not {tools!r}")
+            conversation.tools = tools or None
             return Sample(images=[self._load_image(p) for p in images],
                           videos=[self._load_video(v) for v in videos], conversation=conversation)
         text = record.get("text", "")
@@ -186,7 +216,8 @@ def parse_messages(messages, images: list[str], videos) -> tuple:
             parts = [_part(p, image_paths, video_frames) for p in content]
         else:
             raise BadSample("bad_message", f"message {message!r} needs a string content or a list of parts")
-        out.append({"role": message.get("role"), "content": parts})
+        calls = message.get("tool_calls")
+        out.append({"role": message.get("role"), "content": parts, **({"tool_calls": calls} if calls else {})})
     marks = [p["type"] for m in out for p in m["content"] if p["type"] != "text"]
     if parts_given and (marks.count("image"), marks.count("video")) != (len(image_paths), len(video_frames)):
         raise BadSample("image_count_mismatch", f"{IMAGE_MARK} or {VIDEO_MARK} markers in a string content beside "

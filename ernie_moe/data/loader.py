@@ -52,9 +52,26 @@ def build_datasets(cfg):
         held_out = synthetic.SyntheticShapes(cfg.training.seed, "eval", d.num_eval_samples, d.image_size,
                                              d.blank_images)
         return train, held_out if d.num_eval_samples else None
-    sources = [JsonlDataset(path, d.max_image_pixels, d.video_reading) for path in d.train_files]
-    train = sources[0] if len(sources) == 1 else MixedDataset(sources, d.train_probs, cfg.training.seed)
-    return train, JsonlDataset(d.eval_path, d.max_image_pixels, d.video_reading) if d.eval_path else None
+    sources = [jsonl_dataset(path, d) for path in d.train_files]
+    texts = [jsonl_dataset(path, d) for path in d.text_files]
+    if texts:  # ERNIEKit's modality_ratio: the train_path files' share beside the text_path files'
+        probs = [d.modality_ratio[0] * p for p in _shares(d.train_probs, len(sources))] + \
+                [d.modality_ratio[1] * p for p in _shares(d.text_probs, len(texts))]
+        train = MixedDataset(sources + texts, probs, cfg.training.seed)
+    else:
+        train = sources[0] if len(sources) == 1 else MixedDataset(sources, d.train_probs, cfg.training.seed)
+    return train, jsonl_dataset(d.eval_path, d) if d.eval_path else None
+
+
+def _shares(probs: list[float], count: int) -> list[float]:
+    """How one group's share is split over its ``count`` files: ``probs``, or evenly."""
+    return list(probs) if probs else [1.0 / count] * count
+
+
+def jsonl_dataset(path: str, data_cfg) -> JsonlDataset:
+    """A JSONL file read as the ``data`` section says."""
+    d = data_cfg
+    return JsonlDataset(path, d.max_image_pixels, d.video_reading, d.format, d.enable_thinking)
 
 
 class MixedDataset:

@@ -16,6 +16,7 @@ from ..batch import IGNORE_INDEX
 from .chat import chat_format
 from .images import patchify, prepare, video_frames
 from .sample import BadSample, Chunk, Sample
+from .tokenizer import END_OF_SENTENCE
 
 PAD_TYPE = -1
 # Caption-accuracy categories a data source may mark its words with.
@@ -85,7 +86,10 @@ class Encoder:
     def _chunks(self, sample: Sample, open_turn: bool) -> tuple[list[Chunk], bool]:
         """The sample's chunks, and whether they hold their own begin and end tokens."""
         if sample.conversation is None:
-            return sample.chunks, False
+            if sample.closed and self.tok.token_id(END_OF_SENTENCE) is None:
+                raise BadSample("needs_ernie_tokenizer", "ERNIEKit records are written with ERNIE's special tokens, "
+                                                         "which this tokenizer does not have")
+            return sample.chunks, sample.closed
         return self.chat.chunks(sample.conversation, open_turn=open_turn), self.chat.closed
 
     def _encode(self, sample: Sample, chunks: list[Chunk], begin: bool) -> Encoded:

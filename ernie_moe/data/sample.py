@@ -35,3 +35,4 @@ class Sample:
     chunks: list[Chunk] = field(default_factory=list)
     videos: list[np.ndarray] = field(default_factory=list)  # TxHxWxC uint8 frames
     conversation: object = None  # data.chat.Conversation: the encoder's chat format makes the chunks
+    closed: bool = False  # the chunks hold the begin and end tokens themselves (ERNIE's special tokens)

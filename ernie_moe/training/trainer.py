@@ -30,6 +30,7 @@ from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ..data.loader import training_encoder
+from ..data.report import data_report, describe
 from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
 from ..monitor.memory import MemoryMonitor
@@ -77,6 +78,8 @@ class Trainer:
         self.stream = RowStream(train_set, self.tokenizer, cfg, self.data_stats, shuffle=True,
                                 workers=cfg.data.num_workers)
         self.rows = iter(self.stream)
+        if self.env.is_main and cfg.data.report_samples:
+            self._report_data(train_set)
         self._cut_batches()
         self.last_checkpoint = None  # the newest checkpoint of this run's lineage: a resume's source, then its saves
         if t.resume_from_checkpoint:
@@ -428,6 +431,14 @@ class Trainer:
             out = Path(self.cfg.training.output_dir)
             out.mkdir(parents=True, exist_ok=True)
             (out / "import_report.json").write_text(json.dumps(report, indent=2))
+
+    def _report_data(self, train_set) -> None:
+        """One encoded sample and the data's figures, printed and written to data_report.json."""
+        d = self.cfg.data
+        report = data_report(train_set, training_encoder(self.tokenizer, self.cfg, Counter()), self.tokenizer,
+                             d.report_samples, self.cfg.training.seed)
+        print(describe(report), flush=True)
+        (Path(self.cfg.training.output_dir) / "data_report.json").write_text(json_files.dumps(report, indent=2))
 
     def _notes(self) -> None:
         """What a setting does not do on this machine, said once by rank 0."""
