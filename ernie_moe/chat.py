@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
-from .cli import add_decoding_arguments
+from .cli import add_decoding_arguments, thinking_of
 from .config import ConfigError
 from .data.jsonl import IMAGE_MARK, VIDEO_MARK, load_image, load_video, parse_messages
 from .data.packing import BadSample
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         elif command.startswith("/"):
             print(f"unknown command {command}: {HELP}")
         else:
-            _answer(chat, talk, line, sampling, args.system)
+            _answer(chat, talk, line, sampling, args.system, thinking_of(args))
 
 
 def _attach(chat: ChatModel, talk: Transcript, paths: str, video: bool) -> None:
@@ -112,12 +112,14 @@ def _attach(chat: ChatModel, talk: Transcript, paths: str, video: bool) -> None:
     print(f"(attached to your next message: {', '.join(files)})")
 
 
-def _answer(chat: ChatModel, talk: Transcript, text: str, sampling: Sampling, system: str | None) -> None:
+def _answer(chat: ChatModel, talk: Transcript, text: str, sampling: Sampling, system: str | None,
+            thinking: bool | None) -> None:
     turn = talk.user_turn(text)
     images, videos = talk.images + talk.pending_images, talk.videos + talk.pending_videos
     messages = ([{"role": "system", "content": system}] if system and not talk.messages else []) + talk.messages
     try:
         conversation, image_paths, video_sources = parse_messages([*messages, turn], images, videos)
+        conversation.enable_thinking = thinking
         prompt = chat.encode(conversation, [load_image(Path(p), chat.data.max_image_pixels) for p in image_paths],
                              [load_video(Path("/"), v, chat.data.max_image_pixels, chat.data.video_reading)
                               for v in video_sources])

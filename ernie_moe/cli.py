@@ -29,6 +29,18 @@ def bounded(kind: type, low: float, high: float = math.inf, low_included: bool =
 at_least_one = bounded(int, 1)
 
 
+def add_thinking_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--thinking", choices=("on", "off"),
+                        help="a Thinking model: reason first (on), or answer at once (off: the answer opens with the "
+                             "empty think block); default: the chat template's own")
+
+
+def thinking_of(args) -> bool | None:
+    """``--thinking`` as the chat template's ``enable_thinking``: True, False, or None (not given)."""
+    thinking = getattr(args, "thinking", None)
+    return None if thinking is None else thinking == "on"
+
+
 def add_decoding_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     """What every command that answers prompts takes: how to decode, and the config of how to encode."""
     parser.add_argument("--max-new-tokens", type=at_least_one, default=max_new_tokens)
@@ -36,3 +48,4 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, max_new_tokens: int)
     parser.add_argument("--top-p", type=bounded(float, 0, 1, low_included=False), default=1.0)
     parser.add_argument("--seed", type=bounded(int, 0), default=0)
     parser.add_argument("--config", help="a training config whose data section overrides the folder's settings")
+    add_thinking_argument(parser)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
-from .cli import add_decoding_arguments
+from .cli import add_decoding_arguments, thinking_of
 from .config import ConfigError
 from .config.schema import DataConfig
 from .data.jsonl import images_of, load_image, load_video, parse_messages, parse_record
@@ -49,6 +49,10 @@ def keyed_prompts(args, data: DataConfig) -> list[tuple[dict | None, Sample]]:
             conversation, images, videos = parse_messages(record.get("messages"),
                                                           images_of(record, f"{path} line {number}"),
                                                           record.get("videos", []))
+            own = record.get("enable_thinking", thinking_of(args))
+            if own is not None and not isinstance(own, bool):
+                raise UsageError(f"{path} line {number}: enable_thinking must be true or false, not {own!r}")
+            conversation.enable_thinking = own
             key = {"line": number, **({"id": record["id"]} if isinstance(record.get("id"), (str, int)) else {})}
             samples.append((key, Sample([load_image(path.parent / str(p), max_pixels) for p in images],
                                         videos=[load_video(path.parent, v, max_pixels, data.video_reading)
@@ -63,6 +67,7 @@ def keyed_prompts(args, data: DataConfig) -> list[tuple[dict | None, Sample]]:
         if not args.prompt.strip():
             raise UsageError("--prompt is empty")
         conversation, _, _ = parse_messages([{"role": "user", "content": args.prompt}], args.image, [])
+        conversation.enable_thinking = thinking_of(args)
         return [(None, Sample(images, conversation=conversation))]
     if not images:
         raise UsageError("nothing to continue: give --image, --prompt or --messages")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
-from .cli import at_least_one, bounded
+from .cli import add_thinking_argument, at_least_one, bounded, thinking_of
 from .config import ConfigError
 from .serving.chat_model import ChatModel
 from .serving.openai_api import Limits
@@ -37,6 +37,7 @@ def main(argv=None) -> int:
                         help="the most new tokens a request may ask for, and the default")
     parser.add_argument("--max-queue", type=bounded(int, 0), default=Limits.max_queue,
                         help="requests waiting for the model beyond the one it answers; more get 503")
+    add_thinking_argument(parser)
     args = parser.parse_args(argv)
     image_root = Path(args.image_root).resolve() if args.image_root else None
     if image_root is not None and not image_root.is_dir():
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
     limits = Limits(int(args.max_request_mb * 2 ** 20), args.max_images, args.max_tokens, args.max_queue)
     served = args.served_name or Path(args.model).resolve().name
     try:
-        server = ChatServer((args.host, args.port), chat, served, limits, image_root)
+        server = ChatServer((args.host, args.port), chat, served, limits, image_root, thinking=thinking_of(args))
     except OSError as err:
         print(f"serve error: cannot listen on {args.host}:{args.port}: {err.strerror}", file=sys.stderr)
         return 2

@@ -479,3 +479,21 @@ def test_tool_calls_in_chat_messages_are_laid_out_as_erniekit_lays_them_out(tmp_
             runs, run = runs + [run], ""
     assert trained_runs(ours, encoder.tok) == runs + ([run] if run else [])
 
+
+
+def test_a_prompt_opens_the_turn_as_the_thinking_model_is_asked(tmp_path):
+    """``--thinking`` / ``chat_template_kwargs``: thinking off opens the turn to generate with the empty think
+    block, on or not given leaves it open; the folder's Thinking template and the built-in one agree."""
+    from ernie_moe.data.chat import Conversation
+    from ernie_moe.data.sample import Sample
+
+    make_ernie_tokenizer(tmp_path / "builtin")
+    make_ernie_tokenizer(tmp_path / "folder", chat_template=None)
+    (tmp_path / "folder" / "chat_template.jinja").write_text(THINKING_JINJA)
+    for name in ("builtin", "folder"):
+        cfg = load_config(None, [f"data.tokenizer_path={tmp_path / name}", "model.vocab_size=400"])
+        encoder = Encoder(build_tokenizer(cfg), cfg.model, 1024, "skip", 448, Counter())
+        for thinking, ending in ((None, "Assistant: "), (True, "Assistant: "), (False, "Assistant: " + EMPTY_THINK)):
+            messages = [{"role": "user", "content": [{"type": "text", "text": "Why?"}]}]
+            prompt = encoder.prompt(Sample(conversation=Conversation(messages, enable_thinking=thinking)))
+            assert encoder.tok.decode(prompt.input_ids) == f"{BOS}User: Why?\n{ending}", (name, thinking)

@@ -86,10 +86,16 @@ def test_requests_are_checked_field_by_field():
     assert request.sampling.max_new_tokens == 5 and request.sampling.stop == ("\n",) and not request.stream
     assert (request.sampling.temperature, request.sampling.top_p, request.sampling.seed) == (0.5, 0.9, 3)
     assert parse().sampling.max_new_tokens == 64  # the server's --max-tokens is the default
+    # the Thinking model's switch, as vLLM takes it; else the server's --thinking
+    assert parse().conversation.enable_thinking is None
+    assert parse(chat_template_kwargs={"enable_thinking": False}).conversation.enable_thinking is False
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_request(body, "m", Limits(), None, 10 ** 6, thinking=True).conversation.enable_thinking is True
     bad = [({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"), ({"stream": "yes"}, "stream"),
            ({"max_tokens": 65}, "max_tokens"), ({"seed": -1}, "seed"), ({"stop": [""]}, "stop"),
            ({"messages": [{"role": "tool", "content": "x"}]}, "messages"), ({"messages": []}, "messages"),
-           ({"model": None}, "model")]
+           ({"model": None}, "model"), ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs"),
+           ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs")]
     for fields, param in bad:
         with pytest.raises(ApiError) as err:
             parse(**fields)

@@ -78,7 +78,9 @@ ERNIE_VL_TEMPLATE = (
 @dataclass
 class Conversation:
     messages: list[dict]  # {"role", "content": [parts]}, an answer's "tool_calls" in OpenAI's form
-    enable_thinking: bool = False  # the Thinking model's form: answers open with a think block
+    # the Thinking model's form: trained answers open with a think block; a prompt passes it on as it is (None: not
+    # at all, False: the turn opened to generate holds the empty block)
+    enable_thinking: bool | None = None
     tools: list | str | None = None  # the tools the conversation may call, as the record gives them
 
     def count(self, kind: str) -> int:
@@ -180,14 +182,14 @@ class TemplateChat:
         except TemplateError as err:
             raise ValueError(f"the chat template cannot be read: {err}") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool, enable_thinking: bool = False,
+    def render(self, messages: list[dict], add_generation_prompt: bool, enable_thinking: bool | None = None,
                tools=None) -> str:
         """As chat templates expect it: a message of text alone has a string content, one with images or
-        videos the list of parts. ``enable_thinking`` reaches the template only when on, so a template that
-        tests whether it is defined renders everything else as it would without it."""
+        videos the list of parts. ``enable_thinking`` reaches the template unless None, so that a template
+        testing whether it is defined renders as it would without it."""
         shown = [{"role": m["role"], "content": _text_only(m["content"]),
                   **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})} for m in messages]
-        extra = {"enable_thinking": True} if enable_thinking else {}
+        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         if tools:
             extra["tools"] = tools
         written, size = [], 0
@@ -205,7 +207,9 @@ class TemplateChat:
         return "".join(written)
 
     def chunks(self, conversation: Conversation, open_turn: bool = False) -> list[Chunk]:
-        messages, thinking, tools = conversation.messages, conversation.enable_thinking, conversation.tools
+        messages, tools = conversation.messages, conversation.tools
+        # training passes thinking on only: its off is the plain form, where no turn opens with the empty block
+        thinking = conversation.enable_thinking if open_turn else (True if conversation.enable_thinking else None)
         text = self.render(messages, add_generation_prompt=open_turn, enable_thinking=thinking, tools=tools)
         trained = [] if open_turn else self._answers(messages, text, thinking, tools)
         if not open_turn and not trained:
@@ -233,7 +237,7 @@ class TemplateChat:
             start += size
         return chunks
 
-    def _answers(self, messages: list[dict], text: str, thinking: bool, tools) -> list[tuple[int, int]]:
+    def _answers(self, messages: list[dict], text: str, thinking: bool | None, tools) -> list[tuple[int, int]]:
         """Byte spans of ``text`` that are assistant answers: what rendering each answer adds to the
         conversation before it with the generation prompt, less an empty think block opening it."""
         spans = []

@@ -97,8 +97,10 @@ def read_image(source: str, image_root: Path | None, max_pixels: int) -> np.ndar
     return load_image(path, max_pixels)
 
 
-def parse_request(body, served: str, limits: Limits, image_root: Path | None, max_pixels: int) -> ChatRequest:
-    """Raises ApiError for anything the API answers as an error."""
+def parse_request(body, served: str, limits: Limits, image_root: Path | None, max_pixels: int,
+                  thinking: bool | None = None) -> ChatRequest:
+    """Raises ApiError for anything the API answers as an error. ``thinking``: the chat template's
+    ``enable_thinking`` unless the request sets it in ``chat_template_kwargs`` (as vLLM takes it)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -130,10 +132,16 @@ def parse_request(body, served: str, limits: Limits, image_root: Path | None, ma
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")
+    template_kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(template_kwargs, dict) or set(template_kwargs) - {"enable_thinking"} or not isinstance(
+            template_kwargs.get("enable_thinking", False), bool):
+        raise ApiError(400, "chat_template_kwargs takes only enable_thinking, true or false", "chat_template_kwargs")
+    thinking = template_kwargs.get("enable_thinking", thinking)
     try:  # image parts: {"type": "image_url", "image_url": {"url": ...}}
         conversation, sources, videos = parse_messages(messages, [], [])
     except BadSample as err:
         raise ApiError(400, str(err), "messages") from None
+    conversation.enable_thinking = thinking
     if len(sources) > limits.max_images:
         raise ApiError(400, f"{len(sources)} images: at most {limits.max_images} per request", "messages",
                        "too_many_images")

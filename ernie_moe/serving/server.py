@@ -25,9 +25,11 @@ class ChatServer(ThreadingHTTPServer):
     daemon_threads = True  # a client that hangs up mid-answer does not keep the process alive
 
     def __init__(self, address, chat: ChatModel, served: str, limits: Limits, image_root: Path | None,
-                 log_requests: bool = True):
+                 log_requests: bool = True, thinking: bool | None = None):
+        """``thinking``: ``enable_thinking`` for requests that do not set it (``chat_template_kwargs``)."""
         super().__init__(address, Handler)
         self.chat, self.served, self.limits, self.image_root = chat, served, limits, image_root
+        self.thinking = thinking
         self.log_requests = log_requests
         self.created = int(time.time())
         self.waiting = 0  # requests holding or waiting for the model
@@ -71,7 +73,7 @@ class Handler(BaseHTTPRequestHandler):
     def _chat(self):
         s = self.server
         body = self._read_body()
-        request = parse_request(body, s.served, s.limits, s.image_root, s.chat.data.max_image_pixels)
+        request = parse_request(body, s.served, s.limits, s.image_root, s.chat.data.max_image_pixels, s.thinking)
         try:
             prompt = s.chat.encode(request.conversation, request.images)
         except ContextTooLong as err:
