@@ -497,3 +497,35 @@ def test_a_prompt_opens_the_turn_as_the_thinking_model_is_asked(tmp_path):
             messages = [{"role": "user", "content": [{"type": "text", "text": "Why?"}]}]
             prompt = encoder.prompt(Sample(conversation=Conversation(messages, enable_thinking=thinking)))
             assert encoder.tok.decode(prompt.input_ids) == f"{BOS}User: Why?\n{ending}", (name, thinking)
+
+
+def test_frame_time_stamps_are_drawn_on_erniekit_frames_given_a_font(tmp_path):
+    """ERNIEKit draws each frame's ``time_stamp`` on it (render_timestamp, the renderer checked against
+    PaddleFormers' in test_ernie_inputs): with data.video_timestamp_font the frames carry their times; without,
+    they stay as read. Frames with and without times in one video, or a time that is not seconds, are skips."""
+    from test_ernie_inputs import a_font
+
+    from ernie_moe.data.video import draw_timestamp
+
+    make_ernie_tokenizer(tmp_path / "tokenizer")
+    frames = [picture(tmp_path, f"f{i}.png", 90, 120, i) for i in range(2)]
+
+    def record(stamps):
+        return {"image_info": [{"image_url": f, "image_type": "video", "video_uid": "v", **s}
+                               for f, s in zip(frames, stamps)],
+                "text_info": [{"text": "Q", "tag": "mask"}, {"text": "A", "tag": "no_mask"}]}
+
+    rows = [record([{"time_stamp": 0.5}, {"time_stamp": 61.25}]), record([{"time_stamp": 1}, {}]),
+            record([{"time_stamp": "1s"}, {"time_stamp": 2}])]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    font = a_font(tmp_path)
+    cfg, _ = encoder_for(tmp_path, f"data.video_timestamp_font={font}")
+    drawn = jsonl_dataset(str(tmp_path / "d.jsonl"), cfg.data)[0].videos[0]
+    plain = jsonl_dataset(str(tmp_path / "d.jsonl"), encoder_for(tmp_path)[0].data)[0].videos[0]
+    np.testing.assert_array_equal(drawn, np.stack([draw_timestamp(f, t, font) for f, t in zip(plain, (0.5, 61.25))]))
+    assert (drawn != plain).any()
+    data = jsonl_dataset(str(tmp_path / "d.jsonl"), cfg.data)
+    for n, reason in ((1, "bad_video"), (2, "bad_images")):
+        with pytest.raises(BadSample) as caught:
+            data[n]
+        assert caught.value.reason == reason, str(caught.value)

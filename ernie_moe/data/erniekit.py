@@ -45,6 +45,7 @@ class Layout:
     chunks: list[Chunk]
     images: list[str] = field(default_factory=list)
     videos: list[list[str]] = field(default_factory=list)
+    video_times: list[list[float] | None] = field(default_factory=list)  # each frame's time_stamp, where given
 
 
 def check_think(text: str, where: str) -> bool:
@@ -111,6 +112,9 @@ def _vl_texts(record: dict, where: str) -> tuple[list[dict], dict[int, list[dict
                                                      f"but text_info has {len(texts)} texts")
         if image.get("image_type", "image") not in ("image", "video"):
             raise BadSample("bad_images", f"{where}: image_info[{i}] has image_type {image.get('image_type')!r}")
+        stamp = image.get("time_stamp", 0.0)
+        if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not 0 <= stamp < float("inf"):
+            raise BadSample("bad_images", f"{where}: image_info[{i}] has time_stamp {stamp!r}, not seconds")
         media.setdefault(index, []).append(image)
     system = []
     if record.get("is_system"):
@@ -225,16 +229,21 @@ def _layout(turns: list[list], tools, system: list[str], where: str) -> Layout:
             if isinstance(part, list):
                 if k + 1 < len(turn) and _is_tool_output(turn[k + 1]):
                     text("\n<tool_output>\n")
-                for kind, files in _visuals(part, where):
+                for kind, files in _visuals(part):
                     if kind == "image":
                         pictures += 1
                         text(f"Picture {pictures}:")
                         out.chunks.append(Chunk(image=len(out.images)))
-                        out.images.append(files[0])
+                        out.images.append(files[0]["image_url"])
                     else:
                         text(f"Video {len(out.videos) + 1}:")
                         out.chunks.append(Chunk(video=len(out.videos)))
-                        out.videos.append(files)
+                        out.videos.append([f["image_url"] for f in files])
+                        times = [f.get("time_stamp") for f in files]
+                        if any(t is not None for t in times) and None in times:
+                            raise BadSample("bad_video", f"{where}: some frames of video {len(out.videos)} have a "
+                                                         "time_stamp and some do not")
+                        out.video_times.append(None if None in times else [float(t) for t in times])
                 continue
             trained = not asks and part["tag"] == "no_mask"
             if not asks:
@@ -263,19 +272,19 @@ def _is_tool_output(part) -> bool:
     return isinstance(part, dict) and part.get("tool_response") is True
 
 
-def _visuals(images: list[dict], where: str) -> list[tuple[str, list[str]]]:
+def _visuals(images: list[dict]) -> list[tuple[str, list[dict]]]:
     """Images one by one, and each run of video frames sharing a ``video_uid`` as one video."""
-    out: list[tuple[str, list[str]]] = []
+    out: list[tuple[str, list[dict]]] = []
     last_uid = None
     for image in images:
         if image.get("image_type", "image") == "image":
-            out.append(("image", [image["image_url"]]))
+            out.append(("image", [image]))
             last_uid = None
             continue
         uid = image.get("video_uid", "")
         if out and out[-1][0] == "video" and uid == last_uid:
-            out[-1][1].append(image["image_url"])
+            out[-1][1].append(image)
         else:
-            out.append(("video", [image["image_url"]]))
+            out.append(("video", [image]))
         last_uid = uid
     return out

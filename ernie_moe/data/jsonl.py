@@ -28,7 +28,7 @@ from PIL import Image, UnidentifiedImageError
 from .chat import check_messages
 from .erniekit import is_erniekit, lay_out
 from .sample import BadSample, Chunk, DataError, Sample
-from .video import ERNIE_VIDEO_READING, VideoReading, read_video, stack_frames
+from .video import ERNIE_VIDEO_READING, VideoReading, draw_timestamp, read_video, stack_frames
 
 IMAGE_MARK, VIDEO_MARK = "<image>", "<video>"
 FORMATS = ("auto", "caption", "messages", "erniekit")
@@ -79,7 +79,8 @@ class JsonlDataset:
         if shape == "erniekit":
             layout = lay_out(record, where, self.enable_thinking)
             return Sample(images=[self._load_image(p) for p in layout.images],
-                          videos=[self._load_video(v) for v in layout.videos], chunks=layout.chunks, closed=True)
+                          videos=[self._load_frames(v, t) for v, t in zip(layout.videos, layout.video_times)],
+                          chunks=layout.chunks, closed=True)
         images = images_of(record, where)
         if shape == "messages":
             conversation, images, videos = parse_messages(record["messages"], images, record.get("videos", []))
@@ -104,6 +105,15 @@ class JsonlDataset:
 
     def _load_video(self, source) -> np.ndarray:
         return load_video(self.root, source, self.max_pixels, self.video_reading)
+
+    def _load_frames(self, frames: list[str], times: list[float] | None) -> np.ndarray:
+        """Frame files as a video, each with its time drawn on it as ERNIE draws it when the frames carry their
+        times and ``data.video_timestamp_font`` names a font."""
+        video = self._load_video(frames)
+        font = self.video_reading.timestamp_font
+        if times is None or not font:
+            return video
+        return np.stack([draw_timestamp(frame, t, font) for frame, t in zip(video, times)])
 
 
 def _identity(stat) -> tuple[int, int]:
