@@ -86,6 +86,36 @@ def test_bad_settings_say_what_is_wrong(overrides, message):
 
 
 @pytest.mark.slow
+def test_a_run_that_dies_while_writing_the_best_leaves_the_old_best_whole(tmp_path):
+    """The new best goes to best_model.tmp and is swapped in: an export that fails half-way leaves best_model as
+    it was; a run that died between the swap's two renames finds its best again when it resumes."""
+    from ernie_moe.parallel.env import DistEnv
+
+    cfg = load_config(None, [f"training.output_dir={tmp_path}", "training.save_best_metric=eval_loss"]).training
+    best, env = BestModel(cfg, resumed=False), DistEnv()
+
+    def export(weights):
+        def write(folder):
+            folder.mkdir()
+            (folder / "model.safetensors").write_text(weights)
+            if weights == "torn":
+                raise OSError("disk full")
+        return write
+
+    best.replace(export("first"), env)
+    with pytest.raises(OSError, match="disk full"):
+        best.replace(export("torn"), env)
+    assert (tmp_path / "best_model" / "model.safetensors").read_text() == "first"
+    best.replace(export("second"), env)
+    assert (tmp_path / "best_model" / "model.safetensors").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best_model"]
+    best.update(4, {"eval_loss": 0.5})
+    best.write_record()
+    (tmp_path / "best_model").rename(tmp_path / "best_model.old")  # as if killed between the renames
+    resumed = BestModel(cfg, resumed=True)
+    assert (resumed.step, resumed.value) == (4, 0.5) and (tmp_path / "best_model" / "best.json").is_file()
+
+
 def test_the_best_evaluation_writes_best_model_from_that_steps_weights(tmp_path):
     out = tmp_path / "run"
     summary = run(out, "training.max_steps=12", "training.eval_steps=3", "training.save_steps=3",

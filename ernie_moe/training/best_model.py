@@ -1,13 +1,16 @@
 """The best evaluation so far (``training.save_best_metric``) and early stopping (``early_stopping_patience``).
 
 An evaluation that improves the metric writes ``output_dir/best_model`` (a model folder like ``final_model``,
-with ``best.json``: the metric, its value and the step). A resumed run reads ``best.json`` back, so the best
-and the evaluations since it carry over.
+with ``best.json``: the metric, its value and the step). The new best is written beside the old one
+(``best_model.tmp``) and swapped in, so a run that dies while writing it leaves the old best whole. A resumed
+run reads ``best.json`` back, so the best and the evaluations since it carry over.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import ConfigError
@@ -25,7 +28,10 @@ class BestModel:
         self.value: float | None = None
         self.step: int | None = None
         self.since = 0  # evaluations since the best
+        self.writing, self.previous = (self.folder.with_name(f"{BEST_DIR}.{end}") for end in ("tmp", "old"))
         if self.metric and resumed:
+            if not self.folder.exists() and self.previous.is_dir():  # died between the swap's two renames
+                self.previous.rename(self.folder)
             self._read()
 
     def update(self, step: int, metrics: dict) -> bool:
@@ -51,6 +57,21 @@ class BestModel:
 
     def record(self) -> dict:
         return {"metric": self.metric, "value": self.value, "step": self.step, "evaluations_since": self.since}
+
+    def replace(self, export: Callable[[Path], object], env) -> None:
+        """The new best written by ``export`` (every rank's part) into ``best_model.tmp``, then swapped in."""
+        if env.is_main:
+            shutil.rmtree(self.writing, ignore_errors=True)
+        env.all_gather_object(None)  # every rank writes into the fresh folder
+        export(self.writing)
+        env.all_gather_object(None)  # ... and has written
+        if env.is_main:
+            shutil.rmtree(self.previous, ignore_errors=True)
+            if self.folder.exists():
+                self.folder.rename(self.previous)
+            self.writing.rename(self.folder)
+            shutil.rmtree(self.previous, ignore_errors=True)
+        env.all_gather_object(None)
 
     def write_record(self) -> None:
         (self.folder / BEST_FILE).write_text(dumps(self.record(), indent=2))

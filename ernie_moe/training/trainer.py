@@ -346,7 +346,7 @@ class Trainer:
     def _keep_best(self, metrics: dict) -> bool:
         """Write best_model when this evaluation is the best so far; whether the run stops early here."""
         if self.best.update(self.step, metrics):
-            self._export(self.best.folder)
+            self.best.replace(self._export, self.env)
         if self.best.metric and self.best.step is not None and self.env.is_main:
             self.best.write_record()
         stops = self.best.patience_spent and self.step < self.cfg.training.max_steps
