@@ -28,8 +28,8 @@ BOS, EOS = "<|begin_of_sentence|>", "<|end_of_sentence|>"  # ERNIE-4.5-VL's cls 
 def erniekit_pieces(record: dict, thinking: bool) -> list:
     """ERNIEKit's encoding of a record as pieces (["text", text, trained], ["image", url], ["video", urls]),
     transliterated from its source. A text record is its VL form with ``is_system``; frames are a video as
-    ERNIEKit's ``is_video`` correction marks them. Two places where this package writes what ERNIEKit means rather
-    than what its code does are marked DIVERGES."""
+    ERNIEKit's ``is_video`` correction marks them. Three places where this package writes what ERNIEKit means
+    rather than what its code does are marked DIVERGES."""
     record = copy.deepcopy(record)
     if "src" in record:
         src, tgt = ([v] if isinstance(v, str) else v for v in (record["src"], record["tgt"]))
@@ -85,6 +85,7 @@ def erniekit_pieces(record: dict, thinking: bool) -> list:
     for item_id, item in enumerate(items):
         if item_id == 0:
             text(BOS, "mask")
+            # DIVERGES: ERNIEKit's prepare_train_data does not pass the record's tools on to the template
             if record.get("tools"):
                 tools = record["tools"]
                 text("\n<tool_list>\n", "mask")

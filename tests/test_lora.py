@@ -190,6 +190,15 @@ def test_freezing_parts_and_the_vit_learning_rates(tmp_path):
     assert optimized == {p.name for n, p in named if not p.stop_gradient}  # frozen parts: no optimizer state
 
 
+def test_lora_pairs_in_a_frozen_part_are_a_config_error(tmp_path, base):
+    """LoRA on the ViT with the ViT frozen (the fine-tune config's ERNIEKit default) would make pairs that never
+    train: refused, naming the way out; the same targets with the ViT free train them."""
+    with pytest.raises(ConfigError, match=r"LoRA pairs in vision, which training.freeze \['vision'\] freezes"):
+        lora(tmp_path / "frozen", base, "training.lora_targets=[attention, vit]", "training.freeze=[vision]")
+    tr = lora(tmp_path / "free", base, "training.lora_targets=[attention, vit]")
+    assert any(n.startswith("vision_model.") and not p.stop_gradient for n, p in tr.model.stable_named_parameters())
+
+
 def test_a_run_where_nothing_trains_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="nothing trains"):
         trainer(tmp_path, "training.freeze=[vision, adapter, lm]")

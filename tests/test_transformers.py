@@ -161,7 +161,7 @@ def test_a_lora_adapter_in_pefts_form_gives_our_logits_over_transformers_base(ma
     adapter merged into a transformers folder; an adapter on routed experts, which transformers stacks, is refused
     with the way out."""
     folder, hf = made
-    adapter = fine_tune(hf, folder, tmp_path / "run", "training.fine_tuning=lora",
+    adapter = fine_tune(hf, folder, tmp_path / "run", "training.fine_tuning=lora", "training.freeze=[]",
                         "training.lora_targets=[attention,mlp,shared_experts,vit,adapter]")
     peft = tmp_path / "peft"
     assert export_main([str(adapter), str(peft), "--adapter", "--format", "transformers"]) == 0
