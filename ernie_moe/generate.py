@@ -21,6 +21,7 @@ from .checkpoint.errors import CheckpointError
 from .cli import add_decoding_arguments, thinking_of
 from .config import ConfigError
 from .config.schema import DataConfig
+from .data.erniekit import record_thinking
 from .data.jsonl import images_of, load_image, load_video, parse_messages, parse_record
 from .data.packing import BadSample
 from .data.sample import Chunk, Sample
@@ -49,10 +50,7 @@ def keyed_prompts(args, data: DataConfig) -> list[tuple[dict | None, Sample]]:
             conversation, images, videos = parse_messages(record.get("messages"),
                                                           images_of(record, f"{path} line {number}"),
                                                           record.get("videos", []))
-            own = record.get("enable_thinking", thinking_of(args))
-            if own is not None and not isinstance(own, bool):
-                raise UsageError(f"{path} line {number}: enable_thinking must be true or false, not {own!r}")
-            conversation.enable_thinking = own
+            conversation.enable_thinking = record_thinking(record, f"{path} line {number}", thinking_of(args))
             key = {"line": number, **({"id": record["id"]} if isinstance(record.get("id"), (str, int)) else {})}
             samples.append((key, Sample([load_image(path.parent / str(p), max_pixels) for p in images],
                                         videos=[load_video(path.parent, v, max_pixels, data.video_reading)

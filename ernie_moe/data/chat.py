@@ -24,13 +24,19 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .erniekit import EMPTY_THINK, check_think, tool_calls
+from .erniekit import CALL, EMPTY_THINK, TOOL_LIST, TOOL_OUTPUT, check_think, tool_calls
 from .sample import BadSample, Chunk
 from .tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE
 
 IMAGE_SLOT = "<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>"
 VIDEO_SLOT = "<|VIDEO_START|><|video@placeholder|><|VIDEO_END|>"
 ROLES = ("system", "user", "assistant", "tool")
+
+
+def _literal(text: str) -> str:
+    """``text`` as a Jinja string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
 
 # ERNIE-4.5-VL's chat format: <|begin_of_sentence|> (then ERNIEKit's tool list, with tools), the system text and a
 # newline, each user turn as
@@ -42,8 +48,8 @@ ROLES = ("system", "user", "assistant", "tool")
 ERNIE_VL_TEMPLATE = (
     "{%- set images = namespace(n=0) -%}{%- set videos = namespace(n=0) -%}"
     "{{- '<|begin_of_sentence|>' -}}"
-    "{%- if tools -%}{{- '\n<tool_list>\n' ~ (tools if tools is string else tools | json) ~ '\n</tool_list>\n' -}}"
-    "{%- endif -%}"
+    "{%- if tools -%}{{- " + _literal(TOOL_LIST[0]) + " ~ (tools if tools is string else tools | json) ~ "
+    + _literal(TOOL_LIST[1]) + " -}}{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}{{- message['content'] ~ '\n' -}}"
     "{%- elif message['role'] == 'user' -%}{{- 'User: ' -}}"
@@ -57,21 +63,21 @@ ERNIE_VL_TEMPLATE = (
     "{%- endfor -%}{%- endif -%}{{- '\n' -}}"
     "{%- elif message['role'] == 'tool' -%}"
     "{%- if loop.previtem is not defined or loop.previtem['role'] != 'tool' -%}{{- 'User: ' -}}{%- endif -%}"
-    "{{- '\n<tool_output>\n' ~ message['content'] ~ '\n</tool_output>\n' -}}"
+    "{{- " + _literal(TOOL_OUTPUT[0]) + " ~ message['content'] ~ " + _literal(TOOL_OUTPUT[1]) + " -}}"
     "{%- if loop.nextitem is not defined or loop.nextitem['role'] != 'tool' -%}{{- '\n' -}}{%- endif -%}"
     "{%- else -%}{{- 'Assistant: ' -}}"
     "{%- if enable_thinking is defined and enable_thinking and '</think>' not in message['content'] -%}"
-    "{{- '" + EMPTY_THINK.replace("\n", "\\n") + "' -}}{%- endif -%}"
+    "{{- " + _literal(EMPTY_THINK) + " -}}{%- endif -%}"
     "{%- for call in message['tool_calls'] or [] -%}"
-    "{{- '<tool_call>\n{\"name\": \"' ~ call['function']['name'] ~ '\", \"arguments\": ' ~ "
-    "call['function']['arguments'] ~ '}\n</tool_call>\n' -}}"
+    "{{- " + _literal(CALL[0]) + " ~ call['function']['name'] ~ " + _literal(CALL[1]) + " ~ "
+    "call['function']['arguments'] ~ " + _literal(CALL[2]) + " -}}"
     "{%- endfor -%}"
     "{{- message['content'] ~ '<|end_of_sentence|>' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- 'Assistant: ' -}}"
     "{%- if enable_thinking is defined and not enable_thinking -%}"
-    "{{- '" + EMPTY_THINK.replace("\n", "\\n") + "' -}}{%- endif -%}{%- endif -%}"
+    "{{- " + _literal(EMPTY_THINK) + " -}}{%- endif -%}{%- endif -%}"
 )
 
 
@@ -208,10 +214,12 @@ class TemplateChat:
 
     def chunks(self, conversation: Conversation, open_turn: bool = False) -> list[Chunk]:
         messages, tools = conversation.messages, conversation.tools
-        # training passes thinking on only: its off is the plain form, where no turn opens with the empty block
+        # the same options for the whole text and for each answer's rendering; training passes thinking on only:
+        # its off is the plain form, where no turn opens with the empty block
         thinking = conversation.enable_thinking if open_turn else (True if conversation.enable_thinking else None)
-        text = self.render(messages, add_generation_prompt=open_turn, enable_thinking=thinking, tools=tools)
-        trained = [] if open_turn else self._answers(messages, text, thinking, tools)
+        options = {"enable_thinking": thinking, "tools": tools}
+        text = self.render(messages, add_generation_prompt=open_turn, **options)
+        trained = [] if open_turn else self._answers(messages, text, options)
         if not open_turn and not trained:
             raise BadSample("empty_text", "no assistant text to train on")
         pieces = re.split(f"({re.escape(IMAGE_SLOT)}|{re.escape(VIDEO_SLOT)})", text)
@@ -237,16 +245,15 @@ class TemplateChat:
             start += size
         return chunks
 
-    def _answers(self, messages: list[dict], text: str, thinking: bool | None, tools) -> list[tuple[int, int]]:
+    def _answers(self, messages: list[dict], text: str, options: dict) -> list[tuple[int, int]]:
         """Byte spans of ``text`` that are assistant answers: what rendering each answer adds to the
         conversation before it with the generation prompt, less an empty think block opening it."""
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True, enable_thinking=thinking, tools=tools)
-            through = self.render(messages[: i + 1], add_generation_prompt=False, enable_thinking=thinking,
-                                  tools=tools)
+            before = self.render(messages[:i], add_generation_prompt=True, **options)
+            through = self.render(messages[: i + 1], add_generation_prompt=False, **options)
             if not (text.startswith(through) and through.startswith(before)):
                 raise BadSample("chat_template_error", "the chat template does not render a conversation as "
                                                        "the conversation before each answer plus the answer")

@@ -32,6 +32,11 @@ from .tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 TAGS = ("mask", "no_mask")
+# ERNIEKit's tool text, which the built-in chat template writes too: the tool list's and an output's brackets,
+# and a call's three pieces around its name and its arguments
+TOOL_LIST = ("\n<tool_list>\n", "\n</tool_list>\n")
+TOOL_OUTPUT = ("\n<tool_output>\n", "\n</tool_output>\n")
+CALL = ('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>\n")
 
 
 def is_erniekit(record: dict) -> bool:
@@ -56,11 +61,18 @@ def check_think(text: str, where: str) -> bool:
     return opened > 0
 
 
+def record_thinking(record: dict, where: str, default: bool | None) -> bool | None:
+    """The record's own ``enable_thinking``, else ``default``; BadSample (``bad_record``) for a value that is not
+    true or false."""
+    thinking = record.get("enable_thinking", default)
+    if thinking is not None and not isinstance(thinking, bool):
+        raise BadSample("bad_record", f"{where}: enable_thinking must be true or false, not {thinking!r}")
+    return thinking
+
+
 def lay_out(record: dict, where: str, enable_thinking: bool) -> Layout:
     """An ERNIEKit record (either shape) as chunks; BadSample for records ERNIEKit would refuse or misread."""
-    thinking = record.get("enable_thinking", enable_thinking)
-    if not isinstance(thinking, bool):
-        raise BadSample("bad_record", f"{where}: enable_thinking must be true or false, not {thinking!r}")
+    thinking = record_thinking(record, where, enable_thinking)
     if "text_info" in record:
         texts, media, system = _vl_texts(record, where)
     else:
@@ -200,8 +212,7 @@ def _call_pieces(calls, where: str) -> list[str]:
     """ERNIEKit's text of each call: ``<tool_call>\\n{"name": "...", "arguments": ...}\\n</tool_call>\\n``, in
     the five pieces it tokenizes one by one."""
     return [piece for call in tool_calls(calls, where)
-            for piece in ('<tool_call>\n{"name": "', call["name"], '", "arguments": ', call["arguments"],
-                          "}\n</tool_call>\n")]
+            for piece in (CALL[0], call["name"], CALL[1], call["arguments"], CALL[2])]
 
 
 def _layout(turns: list[list], tools, system: list[str], where: str) -> Layout:
@@ -212,14 +223,13 @@ def _layout(turns: list[list], tools, system: list[str], where: str) -> Layout:
             out.chunks.append(Chunk(text=value, loss=trained))
 
     if tools:
-        text("\n<tool_list>\n")
+        text(TOOL_LIST[0])
         text(tools if isinstance(tools, str) else json.dumps(tools))
-        text("\n</tool_list>\n")
+        text(TOOL_LIST[1])
     if system:
         for piece in system:
             text(piece)
         text("\n")
-    pictures = 0
     for n, turn in enumerate(turns):
         asks = n % 2 == 0
         if asks:
@@ -228,22 +238,8 @@ def _layout(turns: list[list], tools, system: list[str], where: str) -> Layout:
         for k, part in enumerate(turn):
             if isinstance(part, list):
                 if k + 1 < len(turn) and _is_tool_output(turn[k + 1]):
-                    text("\n<tool_output>\n")
-                for kind, files in _visuals(part):
-                    if kind == "image":
-                        pictures += 1
-                        text(f"Picture {pictures}:")
-                        out.chunks.append(Chunk(image=len(out.images)))
-                        out.images.append(files[0]["image_url"])
-                    else:
-                        text(f"Video {len(out.videos) + 1}:")
-                        out.chunks.append(Chunk(video=len(out.videos)))
-                        out.videos.append([f["image_url"] for f in files])
-                        times = [f.get("time_stamp") for f in files]
-                        if any(t is not None for t in times) and None in times:
-                            raise BadSample("bad_video", f"{where}: some frames of video {len(out.videos)} have a "
-                                                         "time_stamp and some do not")
-                        out.video_times.append(None if None in times else [float(t) for t in times])
+                    text(TOOL_OUTPUT[0])
+                _add_visuals(out, part, where)
                 continue
             trained = not asks and part["tag"] == "no_mask"
             if not asks:
@@ -254,9 +250,9 @@ def _layout(turns: list[list], tools, system: list[str], where: str) -> Layout:
                     text(piece, trained)
             if _is_tool_output(part):
                 if k == 0 or not isinstance(turn[k - 1], list):
-                    text("\n<tool_output>\n")
+                    text(TOOL_OUTPUT[0])
                 text(part["text"], trained)
-                text("\n</tool_output>\n")
+                text(TOOL_OUTPUT[1])
             else:
                 text(part["text"], trained)
         if asks:
@@ -266,6 +262,23 @@ def _layout(turns: list[list], tools, system: list[str], where: str) -> Layout:
     if not any(c.loss for c in out.chunks):
         raise BadSample("empty_text", f"{where}: no answer text to train on")
     return out
+
+
+def _add_visuals(out: Layout, images: list[dict], where: str) -> None:
+    """A run of images and video frames into ``out``: ``Picture N:`` and each image, ``Video N:`` and each
+    video's frames (with their times, where every frame has one)."""
+    for kind, files in _visuals(images):
+        if kind == "image":
+            out.chunks += [Chunk(text=f"Picture {len(out.images) + 1}:"), Chunk(image=len(out.images))]
+            out.images.append(files[0]["image_url"])
+            continue
+        out.chunks += [Chunk(text=f"Video {len(out.videos) + 1}:"), Chunk(video=len(out.videos))]
+        out.videos.append([f["image_url"] for f in files])
+        times = [f.get("time_stamp") for f in files]
+        if any(t is not None for t in times) and None in times:
+            raise BadSample("bad_video", f"{where}: some frames of video {len(out.videos)} have a time_stamp and "
+                                         "some do not")
+        out.video_times.append(None if None in times else [float(t) for t in times])
 
 
 def _is_tool_output(part) -> bool:

@@ -26,12 +26,11 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from .chat import check_messages
-from .erniekit import is_erniekit, lay_out
+from .erniekit import is_erniekit, lay_out, record_thinking
 from .sample import BadSample, Chunk, DataError, Sample
-from .video import ERNIE_VIDEO_READING, VideoReading, draw_timestamp, read_video, stack_frames
+from .video import ERNIE_VIDEO_READING, VideoReading, read_video, stack_frames, stamp_frames
 
 IMAGE_MARK, VIDEO_MARK = "<image>", "<video>"
-FORMATS = ("auto", "caption", "messages", "erniekit")
 
 
 def record_format(record: dict) -> str:
@@ -44,7 +43,7 @@ def record_format(record: dict) -> str:
 class JsonlDataset:
     def __init__(self, path: str, max_pixels: int = 50_000_000, reading: VideoReading = ERNIE_VIDEO_READING,
                  record_shape: str = "auto", enable_thinking: bool = False):
-        """``record_shape``: one of :data:`FORMATS` (a record in another shape is a counted skip);
+        """``record_shape``: ``auto`` or the one shape kept (``data.format``: a record in another is a counted skip);
         ``enable_thinking``: the Thinking model's conversation form, where a record does not say."""
         self.path = Path(path)
         self.max_pixels, self.video_reading = max_pixels, reading
@@ -84,10 +83,7 @@ class JsonlDataset:
         images = images_of(record, where)
         if shape == "messages":
             conversation, images, videos = parse_messages(record["messages"], images, record.get("videos", []))
-            thinking = record.get("enable_thinking", self.enable_thinking)
-            if not isinstance(thinking, bool):
-                raise BadSample("bad_record", f"{where}: enable_thinking must be true or false, not {thinking!r}")
-            conversation.enable_thinking = thinking
+            conversation.enable_thinking = record_thinking(record, where, self.enable_thinking)
             tools = record.get("tools")
             if tools is not None and not isinstance(tools, (list, str)):
                 raise BadSample("bad_record", f"{where}: tools must be a list or JSON text, not {tools!r}")
@@ -111,9 +107,7 @@ class JsonlDataset:
         times and ``data.video_timestamp_font`` names a font."""
         video = self._load_video(frames)
         font = self.video_reading.timestamp_font
-        if times is None or not font:
-            return video
-        return np.stack([draw_timestamp(frame, t, font) for frame, t in zip(video, times)])
+        return video if times is None or not font else stamp_frames(video, times, font)
 
 
 def _identity(stat) -> tuple[int, int]:

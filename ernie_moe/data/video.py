@@ -93,8 +93,13 @@ def read_video(path: Path, reading: VideoReading, max_pixels: int) -> np.ndarray
         raise BadSample("corrupt_video", f"video '{path}': {len(frames)} of the {len(wanted)} sampled frames decode")
     frames = stack_frames(frames, f"'{path}'")
     if reading.timestamp_font:  # every sampled frame decoded, in order
-        frames = np.stack([draw_timestamp(f, i / rate, reading.timestamp_font) for i, f in zip(sorted(wanted), frames)])
+        frames = stamp_frames(frames, [i / rate for i in sorted(wanted)], reading.timestamp_font)
     return frames
+
+
+def stamp_frames(frames: np.ndarray, seconds: list[float], font_path: str) -> np.ndarray:
+    """Each frame with its time drawn on it (:func:`draw_timestamp`)."""
+    return np.stack([draw_timestamp(frame, t, font_path) for frame, t in zip(frames, seconds)])
 
 
 def stack_frames(frames: list[np.ndarray], video: str) -> np.ndarray:
