@@ -18,6 +18,6 @@ class Batch:
     labels: paddle.Tensor  # [batch, seq] int64, next token or IGNORE_INDEX
     token_type_ids: paddle.Tensor  # [batch, seq] int64
     position_ids: paddle.Tensor  # [batch, seq, 3] int64 (t, h, w)
-    doc_ids: paddle.Tensor  # [batch, seq] int64, packed document of each position
+    key_ends: paddle.Tensor  # [batch, seq] int64, the first position that no longer sees each key (model.attention)
     pixel_patches: paddle.Tensor  # [patches, channels * patch * patch] float32
     grid_thw: np.ndarray  # [images, 3] patches per image along t, h, w

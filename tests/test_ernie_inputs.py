@@ -271,7 +271,7 @@ def vl_logits(model, sample, bfloat16_pixels: bool = True) -> np.ndarray:
         pixels = pixels.astype("bfloat16").astype("float32")
     grids = np.stack(sample.grids) if sample.grids else np.zeros([0, 3], np.int64)
     batch = Batch(ids, paddle.full_like(ids, -100), paddle.to_tensor(sample.token_type_ids[None]),
-                  paddle.to_tensor(sample.position_ids[None]), paddle.zeros_like(ids), pixels, grids)
+                  paddle.to_tensor(sample.position_ids[None]), paddle.full_like(ids, ids.shape[1]), pixels, grids)
     with paddle.no_grad():
         return model(batch, return_logits=True).logits.numpy()
 

@@ -10,10 +10,14 @@ from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.model.vision import Adapter, VisionTransformer, image_token_count
 
 
-def first_batch(cfg, rows=2):
+def first_rows(cfg, rows=2):
     tok = build_tokenizer(cfg)
     train, _ = build_datasets(cfg)
-    return collate(next(rank_batches(RowStream(train, tok, cfg, Counter(), True), rows, 0, 1)))
+    return next(rank_batches(RowStream(train, tok, cfg, Counter(), True), rows, 0, 1))
+
+
+def first_batch(cfg, rows=2):
+    return collate(first_rows(cfg, rows))
 
 
 def build(cfg, seed=0):
@@ -78,7 +82,7 @@ def test_vit_batches_images_of_one_size_and_keeps_their_order():
 def test_image_features_reach_only_their_own_document(tiny_cfg):
     model = build(tiny_cfg)
     batch = first_batch(tiny_cfg, rows=1)
-    doc = batch.doc_ids.numpy()[0]
+    doc = first_rows(tiny_cfg, rows=1)[0].doc_ids
     assert doc.max() >= 1, "the test needs a row that packs two documents"
     base = model(batch, return_logits=True).logits.numpy()[0]
     per_image = batch.grid_thw.prod(axis=1)

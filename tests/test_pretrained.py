@@ -65,7 +65,7 @@ def text_batch(ids: np.ndarray) -> Batch:
     positions = np.broadcast_to(np.arange(seq)[None, :, None], [rows, seq, 3]).copy()
     zeros = paddle.zeros([rows, seq], "int64")
     return Batch(paddle.to_tensor(ids), paddle.full([rows, seq], -100, "int64"), zeros, paddle.to_tensor(positions),
-                 zeros, paddle.zeros([0, 588]), np.zeros([0, 3], np.int64))
+                 paddle.full([rows, seq], seq, "int64"), paddle.zeros([0, 588]), np.zeros([0, 3], np.int64))
 
 
 def test_dense_model_gives_paddleformers_logits(sources, tmp_path):

@@ -197,7 +197,7 @@ def collate(rows: list[Row]) -> Batch:
         labels=paddle.to_tensor(np.stack([r.labels for r in rows])),
         token_type_ids=paddle.to_tensor(np.stack([r.token_type_ids for r in rows])),
         position_ids=paddle.to_tensor(np.stack([r.position_ids for r in rows])),
-        doc_ids=paddle.to_tensor(np.stack([r.doc_ids for r in rows])),
+        key_ends=paddle.to_tensor(np.stack([r.key_ends for r in rows])),
         pixel_patches=paddle.to_tensor(np.concatenate(patches) if patches else np.zeros([0, channels], np.float32)),
         grid_thw=np.stack(grids) if grids else np.zeros([0, 3], np.int64),
     )

@@ -166,7 +166,8 @@ class Row:
     scored: np.ndarray
     token_type_ids: np.ndarray
     position_ids: np.ndarray
-    doc_ids: np.ndarray
+    doc_ids: np.ndarray  # the packed document of each position (padding: one more)
+    key_ends: np.ndarray  # the first position that no longer sees each position's key (model.attention.causal_mask)
     patches: list[np.ndarray]
     grids: list[np.ndarray]
 
@@ -206,4 +207,11 @@ def make_row(docs: list[Encoded], length: int, pad_id: int) -> Row:
         start = end
     patches = [p for doc in docs for p in doc.patches]
     grids = [g for doc in docs for g in doc.grids]
-    return Row(ids, labels, scored, types, positions, doc_ids, patches, grids)
+    return Row(ids, labels, scored, types, positions, doc_ids, document_ends(doc_ids), patches, grids)
+
+
+def document_ends(doc_ids: np.ndarray) -> np.ndarray:
+    """Each position's key is seen up to the end of its document (``doc_ids`` runs of one id each)."""
+    starts = np.flatnonzero(np.diff(doc_ids, prepend=doc_ids[0] - 1))
+    ends = np.append(starts[1:], len(doc_ids))
+    return np.repeat(ends, ends - starts).astype(np.int64)

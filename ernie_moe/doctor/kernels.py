@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from ..model.attention import causal_document_mask, core_attention
+from ..data.packing import document_ends
+from ..model.attention import causal_mask, core_attention
 from ..model.single_device import SingleDevicePlan
 from ..moe.dispatcher import LocalDispatcher
 from ..moe.expert_matmul import expert_loop, grouped_gemm_swiglu, grouped_swiglu
@@ -46,7 +47,7 @@ def attention(rng, dtype, masked: bool = True, heads: int = 4, kv_heads: int = 2
     q, k, v = (rng.standard_normal(shape) for shape in ([2, 6, heads, head_dim], [2, 6, kv_heads, head_dim],
                                                          [2, 6, kv_heads, head_dim]))
     docs = np.array([[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 1]])
-    allowed = causal_document_mask(paddle.to_tensor(docs)) if masked else None
+    allowed = causal_mask(paddle.to_tensor(np.stack([document_ends(d) for d in docs]))) if masked else None
     ours = core_attention(*(_tensor(a, dtype) for a in (q, k, v)), allowed)
     kk, vv = np.repeat(k, heads // kv_heads, axis=2), np.repeat(v, heads // kv_heads, axis=2)
     scores = np.einsum("bqhd,bkhd->bhqk", q, kk) / math.sqrt(head_dim)

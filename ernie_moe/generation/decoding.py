@@ -23,14 +23,14 @@ def prompt_inputs(prompt: Encoded, channels: int) -> tuple:
     patches = np.concatenate(prompt.patches) if prompt.patches else np.zeros([0, channels], np.float32)
     grids = np.stack(prompt.grids).reshape([-1, 3]) if prompt.grids else np.zeros([0, 3], np.int64)
     return (paddle.to_tensor(prompt.input_ids[None]), paddle.to_tensor(prompt.token_type_ids[None]),
-            paddle.to_tensor(prompt.position_ids[None]), paddle.zeros([1, len(prompt)], dtype="int64"),
+            paddle.to_tensor(prompt.position_ids[None]), paddle.full([1, len(prompt)], len(prompt), dtype="int64"),
             paddle.to_tensor(patches), paddle.to_tensor(grids))
 
 
 def token_inputs(token: int, position: int, channels: int) -> tuple:
     """The input tuple of one new text token at ``position`` (the same on the t, h and w axes)."""
     return (paddle.to_tensor([[token]]), paddle.zeros([1, 1], dtype="int64"),
-            paddle.full([1, 1, 3], position, dtype="int64"), paddle.zeros([1, 1], dtype="int64"),
+            paddle.full([1, 1, 3], position, dtype="int64"), paddle.ones([1, 1], dtype="int64"),
             paddle.zeros([0, channels], dtype="float32"), paddle.zeros([0, 3], dtype="int64"))
 
 

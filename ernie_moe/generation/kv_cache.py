@@ -37,10 +37,10 @@ def forward_cached(model, inputs: tuple, cache: KVCache) -> paddle.Tensor:
     x = inputs
     for block in model.trunk():
         if isinstance(block, DecoderLayer):
-            hidden, router_loss, token_type_ids, position_ids, doc_ids = x
+            hidden, router_loss, token_type_ids, position_ids, key_ends = x
             angles = block.attention_inputs.angles(position_ids)
             hidden, _ = block.body(hidden, token_type_ids, angles, allowed, cache.layers[block.layer_idx])
-            x = hidden, router_loss, token_type_ids, position_ids, doc_ids
+            x = hidden, router_loss, token_type_ids, position_ids, key_ends
         else:
             x = block(x)
     cache.length += new

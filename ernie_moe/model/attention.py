@@ -20,12 +20,15 @@ def core_attention(q, k, v, allowed: paddle.Tensor | None) -> paddle.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
 
 
-def causal_document_mask(doc_ids: paddle.Tensor) -> paddle.Tensor:
-    """Packed rows: token i sees token j when j <= i and both belong to the same document."""
-    seq = doc_ids.shape[1]
+def causal_mask(key_ends: paddle.Tensor) -> paddle.Tensor:
+    """``[batch, 1, seq, seq]``: token i sees token j when ``j <= i < key_ends[j]``. ``key_ends`` is FlashMask's
+    causal row bound per key column (the first row that no longer sees the key): a packed document's keys end
+    where the document ends; a preference pair's chosen answer ends where its rejected answer begins, so both
+    answers see their shared prompt and neither sees the other (``data.packing.Row.key_ends``)."""
+    seq = key_ends.shape[1]
+    rows = paddle.arange(seq, dtype=key_ends.dtype)
     causal = paddle.tril(paddle.ones([seq, seq], dtype="bool"))
-    same_doc = doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)
-    return paddle.logical_and(same_doc, causal).unsqueeze(1)
+    return paddle.logical_and(causal.unsqueeze(0), rows[None, :, None] < key_ends.unsqueeze(1)).unsqueeze(1)
 
 
 class Attention(Recomputable, nn.Layer):

@@ -7,9 +7,9 @@ One device builds every block and runs them in order (``ernie_vl``); a pipeline 
 fleet, which builds a contiguous run of blocks on each stage and sends the tuple between stages (tensors
 only, hence a tuple and not the Batch)::
 
-    inputs           (input_ids, token_type_ids, position_ids, doc_ids, pixel_patches, grid_thw)
+    inputs           (input_ids, token_type_ids, position_ids, key_ends, pixel_patches, grid_thw)
     TokenEmbedding   (embeddings, *inputs)
-    ImageFeatures    (hidden, router_loss, token_type_ids, position_ids, doc_ids)
+    ImageFeatures    (hidden, router_loss, token_type_ids, position_ids, key_ends)
     DecoderLayer     the same, the router loss grown by the layer's
     FinalNorm        (hidden, router_loss)
     LMHead           (logits, router_loss); with tied embeddings the token embedding's matrix, see tied_head
@@ -26,7 +26,7 @@ from paddle import nn
 from ..batch import Batch
 from ..nn.init import mark_default_rules
 from ..nn.rope import rope_angles
-from .attention import causal_document_mask
+from .attention import causal_mask
 from .decoder import DecoderLayer
 from .vision import Adapter, VisionTransformer
 
@@ -34,7 +34,7 @@ from .vision import Adapter, VisionTransformer
 def block_inputs(batch: Batch) -> tuple:
     """The first block's input tuple."""
     grid = paddle.to_tensor(np.asarray(batch.grid_thw, dtype=np.int64).reshape([-1, 3]))
-    return batch.input_ids, batch.token_type_ids, batch.position_ids, batch.doc_ids, batch.pixel_patches, grid
+    return batch.input_ids, batch.token_type_ids, batch.position_ids, batch.key_ends, batch.pixel_patches, grid
 
 
 class TokenEmbedding(nn.Layer):
@@ -62,11 +62,11 @@ class ImageFeatures(nn.Layer):
         mark_default_rules(self.resampler_model)
 
     def forward(self, inputs):
-        embeddings, input_ids, token_type_ids, position_ids, doc_ids, pixel_patches, grid_thw = inputs
+        embeddings, input_ids, token_type_ids, position_ids, key_ends, pixel_patches, grid_thw = inputs
         hidden = self.with_images(embeddings, input_ids, pixel_patches, grid_thw.numpy())
         router_loss = paddle.zeros([1], dtype="float32")
         router_loss.stop_gradient = False  # a pipeline sends it between stages with its gradient
-        return self.plan.split_sequence(hidden), router_loss, token_type_ids, position_ids, doc_ids
+        return self.plan.split_sequence(hidden), router_loss, token_type_ids, position_ids, key_ends
 
     def with_images(self, embeddings, input_ids, pixel_patches, grid_thw: np.ndarray) -> paddle.Tensor:
         cfg = self.cfg
@@ -100,11 +100,11 @@ class AttentionInputs:
         self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
         self.last: tuple = (None, None, None)
 
-    def __call__(self, position_ids: paddle.Tensor, doc_ids: paddle.Tensor):
-        seen_positions, seen_docs, value = self.last
-        if seen_positions is not position_ids or seen_docs is not doc_ids:
-            value = self.angles(position_ids), causal_document_mask(doc_ids)
-            self.last = (position_ids, doc_ids, value)
+    def __call__(self, position_ids: paddle.Tensor, key_ends: paddle.Tensor):
+        seen_positions, seen_ends, value = self.last
+        if seen_positions is not position_ids or seen_ends is not key_ends:
+            value = self.angles(position_ids), causal_mask(key_ends)
+            self.last = (position_ids, key_ends, value)
         return value
 
     def angles(self, position_ids: paddle.Tensor) -> paddle.Tensor:
