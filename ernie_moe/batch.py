@@ -21,3 +21,8 @@ class Batch:
     key_ends: paddle.Tensor  # [batch, seq] int64, the first position that no longer sees each key (model.attention)
     pixel_patches: paddle.Tensor  # [patches, channels * patch * patch] float32
     grid_thw: np.ndarray  # [images, 3] patches per image along t, h, w
+    # preference pairs (training.stage: dpo): each row one pair, its positions marked 1 (chosen answer), 2
+    # (rejected answer) or 0 (the shared prompt, padding); the reference model's log-probabilities of both
+    # answers [batch, 2], once its pass has run (training.preference)
+    pair_sides: paddle.Tensor | None = None
+    reference_logps: paddle.Tensor | None = None

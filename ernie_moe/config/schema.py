@@ -324,6 +324,19 @@ class TrainingConfig:
     model_name_or_path: str = opt("", "start from this ERNIE 4.5 checkpoint folder (PaddleFormers, ERNIE Paddle or "
                                       "PaddleNLP form); its config.json gives the model, the model section "
                                       "overrides it; empty = random weights")
+    stage: str = choice("sft", "sft", "dpo", doc="what the run learns from: supervised answers, or preference pairs "
+                                                 "(a prompt with a chosen and a rejected answer; see dpo_*)")
+    dpo_loss: str = choice("sigmoid", "sigmoid", "ipo", "simpo", "kto_pair", "dpop",
+                           doc="dpo: the preference loss (DPO's sigmoid, IPO, SimPO, paired KTO, DPO-Positive)")
+    dpo_beta: float = opt(0.1, "dpo: beta, the strength of the tie to the reference model (SimPO: the reward "
+                               "scale)")
+    dpo_label_smoothing: float = opt(0.0, "dpo: the share of pairs assumed mislabelled (cDPO; sigmoid, dpop, simpo)")
+    dpo_simpo_gamma: float = opt(0.5, "dpo: SimPO's target reward margin gamma")
+    dpo_dpop_lambda: float = opt(50.0, "dpo: DPO-Positive's lambda, the weight of its penalty on a chosen answer "
+                                       "that lost probability")
+    dpo_normalize_length: bool = opt(False, "dpo: divide each answer's log-probability by its token count (SimPO "
+                                            "always does)")
+    dpo_sft_weight: float = opt(0.0, "dpo: add this multiple of the chosen answer's mean token cross-entropy")
 
 
 @dataclass(frozen=True)

@@ -227,6 +227,22 @@ def _check_training(cfg: Config) -> None:
              "tensor, pipeline or expert parallelism (their ranks would have to decode in step): evaluate "
              "final_model with python -m ernie_moe.generate instead.")
     _check_fine_tuning(t)
+    _check_preference(cfg)
+
+
+def _check_preference(cfg: Config) -> None:
+    t = cfg.training
+    if t.stage != "dpo":
+        return
+    _require(t.dpo_beta > 0, f"training.dpo_beta must be positive, got {t.dpo_beta}.")
+    _require(0 <= t.dpo_label_smoothing < 0.5, f"training.dpo_label_smoothing must be in [0, 0.5), got "
+                                               f"{t.dpo_label_smoothing}.")
+    _require(t.dpo_dpop_lambda >= 0 and t.dpo_sft_weight >= 0,
+             "training.dpo_dpop_lambda and training.dpo_sft_weight cannot be negative.")
+    _require(not t.eval_generate, "training.eval_generate scores answers to prompts; a preference run evaluates its "
+                                  "held-out pairs (eval_reward_accuracy): set training.eval_generate=false.")
+    _require(not t.token_balance_loss, "training.token_balance_loss divides by tokens; a preference run's loss is "
+                                       "a mean over pairs: set training.token_balance_loss=false.")
 
 
 def _check_fine_tuning(t) -> None:

@@ -71,7 +71,10 @@ class JsonlDataset:
 
     def __getitem__(self, index: int) -> Sample:
         where = f"line {index + 1}"
-        record = parse_record(self._line(index), where)
+        return self.sample_of(parse_record(self._line(index), where), where)
+
+    def sample_of(self, record: dict, where: str) -> Sample:
+        """A parsed record as a sample, its images and videos read."""
         shape = record_format(record)
         if self.record_shape not in ("auto", shape):
             raise BadSample("wrong_format", f"{where} is a {shape} record, but data.format is {self.record_shape}")
@@ -92,7 +95,7 @@ class JsonlDataset:
                           videos=[self._load_video(v) for v in videos], conversation=conversation)
         text = record.get("text", "")
         if not isinstance(text, str) or not text.strip():
-            raise BadSample("empty_text", f"line {index + 1} has no text")
+            raise BadSample("empty_text", f"{where} has no text")
         chunks = [Chunk(image=i) for i in range(len(images))] + [Chunk(text=text.strip(), loss=True)]
         return Sample(images=[self._load_image(p) for p in images], chunks=chunks)
 

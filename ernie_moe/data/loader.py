@@ -14,6 +14,7 @@ from . import synthetic
 from .chat import chat_format
 from .jsonl import JsonlDataset
 from .packing import BadSample, Encoder, Row, pack
+from .preference import PairEncoder, PreferenceJsonl, SyntheticPairs
 from .sample import DataError
 from .tokenizer import ByteTokenizer, SentencePieceTokenizer, WordTokenizer
 from .workers import SampleWorkers
@@ -45,22 +46,27 @@ def build_tokenizer(cfg):
 
 
 def build_datasets(cfg):
+    """(training set, held-out set or None): samples, or preference pairs with ``training.stage: dpo``."""
     d = cfg.data
     if d.dataset == "synthetic":
-        train = synthetic.SyntheticShapes(cfg.training.seed, "train", d.num_train_samples, d.image_size,
-                                          d.blank_images)
-        held_out = synthetic.SyntheticShapes(cfg.training.seed, "eval", d.num_eval_samples, d.image_size,
-                                             d.blank_images)
+        shapes = SyntheticPairs if is_preference(cfg) else synthetic.SyntheticShapes
+        train = shapes(cfg.training.seed, "train", d.num_train_samples, d.image_size, d.blank_images)
+        held_out = shapes(cfg.training.seed, "eval", d.num_eval_samples, d.image_size, d.blank_images)
         return train, held_out if d.num_eval_samples else None
-    sources = [jsonl_dataset(path, d) for path in d.train_files]
-    texts = [jsonl_dataset(path, d) for path in d.text_files]
+    sources = [jsonl_dataset(path, d, is_preference(cfg)) for path in d.train_files]
+    texts = [jsonl_dataset(path, d, is_preference(cfg)) for path in d.text_files]
     if texts:  # ERNIEKit's modality_ratio: the train_path files' share beside the text_path files'
         probs = [d.modality_ratio[0] * p for p in _shares(d.train_probs, len(sources))] + \
                 [d.modality_ratio[1] * p for p in _shares(d.text_probs, len(texts))]
         train = MixedDataset(sources + texts, probs, cfg.training.seed)
     else:
         train = sources[0] if len(sources) == 1 else MixedDataset(sources, d.train_probs, cfg.training.seed)
-    return train, jsonl_dataset(d.eval_path, d) if d.eval_path else None
+    return train, jsonl_dataset(d.eval_path, d, is_preference(cfg)) if d.eval_path else None
+
+
+def is_preference(cfg) -> bool:
+    """Whether the run trains on preference pairs."""
+    return cfg.training.stage == "dpo"
 
 
 def _shares(probs: list[float], count: int) -> list[float]:
@@ -68,10 +74,11 @@ def _shares(probs: list[float], count: int) -> list[float]:
     return list(probs) if probs else [1.0 / count] * count
 
 
-def jsonl_dataset(path: str, data_cfg) -> JsonlDataset:
-    """A JSONL file read as the ``data`` section says."""
+def jsonl_dataset(path: str, data_cfg, pairs: bool = False) -> JsonlDataset:
+    """A JSONL file read as the ``data`` section says; ``pairs``: of preference pairs."""
     d = data_cfg
-    return JsonlDataset(path, d.max_image_pixels, d.video_reading, d.format, d.enable_thinking)
+    return (PreferenceJsonl if pairs else JsonlDataset)(path, d.max_image_pixels, d.video_reading, d.format,
+                                                        d.enable_thinking)
 
 
 class MixedDataset:
@@ -116,6 +123,13 @@ def training_encoder(tokenizer, cfg, stats: Counter) -> Encoder:
                    cfg.data.pixel_budget, cfg.data.video_budget)
 
 
+def sample_encoder(tokenizer, cfg, stats: Counter) -> Encoder | PairEncoder:
+    """What encodes the run's training records: :func:`training_encoder`, or a pair encoder around it (each pair
+    a row of its own)."""
+    encoder = training_encoder(tokenizer, cfg, stats)
+    return PairEncoder(encoder) if is_preference(cfg) else encoder
+
+
 class RowStream:
     """Packed rows of a dataset, in an order that does not depend on how many processes read it. A sample
     found unusable is counted once and passed over without being read again in later epochs. With
@@ -126,7 +140,8 @@ class RowStream:
         self.unusable: set[int] = set()
         self.seed = cfg.training.seed
         self.max_seq_len = cfg.data.max_seq_len
-        self.encoder = training_encoder(tokenizer, cfg, stats)
+        self.encoder = sample_encoder(tokenizer, cfg, stats)
+        self.pairs = is_preference(cfg)  # a row per pair, not packed samples
         self.workers = SampleWorkers(dataset, self.encoder, workers) if workers else None
 
     def _encoded(self, indices):
@@ -160,7 +175,7 @@ class RowStream:
             epoch += 1
 
     def __iter__(self):
-        return pack(self._samples(), self.max_seq_len, self.tokenizer.pad_id)
+        return self._samples() if self.pairs else pack(self._samples(), self.max_seq_len, self.tokenizer.pad_id)
 
     def close(self) -> None:
         if self.workers is not None:
@@ -200,4 +215,6 @@ def collate(rows: list[Row]) -> Batch:
         key_ends=paddle.to_tensor(np.stack([r.key_ends for r in rows])),
         pixel_patches=paddle.to_tensor(np.concatenate(patches) if patches else np.zeros([0, channels], np.float32)),
         grid_thw=np.stack(grids) if grids else np.zeros([0, 3], np.int64),
+        pair_sides=paddle.to_tensor(np.stack([r.pair_sides for r in rows])) if rows[0].pair_sides is not None
+        else None,
     )

@@ -65,7 +65,12 @@ class Encoder:
                          for kind in ("IMAGE", "VIDEO")}
 
     def __call__(self, sample: Sample) -> Encoded:
-        """A training sample: the prompt, its trained tokens and the end-of-sentence token closing them."""
+        """A training sample: the prompt, its trained tokens and the end-of-sentence token closing them, fitted to
+        ``max_seq_len`` as ``data.overlong`` says."""
+        return self._fit(self.whole(sample))
+
+    def whole(self, sample: Sample) -> Encoded:
+        """A training sample, whatever its length."""
         chunks, closed = self._chunks(sample, open_turn=False)
         e = self._encode(sample, chunks, begin=not closed)
         if not e.target.any():
@@ -75,7 +80,7 @@ class Encoder:
             e = Encoded(np.append(e.input_ids, self.tok.eos_id), np.append(e.target, True), np.append(e.scored, 0),
                         np.append(e.token_type_ids, 0), np.vstack([e.position_ids, [[next_position] * 3]]),
                         e.patches, e.grids)
-        return self._fit(e)
+        return e
 
     def prompt(self, sample: Sample) -> Encoded:
         """The sample's tokens from the beginning-of-sentence token on, a conversation ending with the
@@ -170,6 +175,14 @@ class Row:
     key_ends: np.ndarray  # the first position that no longer sees each position's key (model.attention.causal_mask)
     patches: list[np.ndarray]
     grids: list[np.ndarray]
+    pair_sides: np.ndarray | None = None  # a preference pair's row: 1 chosen answer, 2 rejected, 0 prompt (Batch)
+
+    def unpadded(self) -> Encoded:
+        """The row's tokens before its padding as one encoded sample (the trained tokens those with a label)."""
+        n = int((self.token_type_ids != PAD_TYPE).sum())
+        target = np.append(False, self.labels[: n - 1] != IGNORE_INDEX)
+        return Encoded(self.input_ids[:n], target, self.scored[:n], self.token_type_ids[:n], self.position_ids[:n],
+                       self.patches, self.grids)
 
 
 def pack(samples, max_seq_len: int, pad_id: int):

@@ -1,4 +1,5 @@
-"""What the model will see: one training sample as encoded, and the data's figures over the first samples.
+"""What the model will see: one training sample (or preference pair) as encoded, and the data's figures over the
+first samples.
 
 The run prints both at start and writes them to ``data_report.json`` in its output folder. The samples are the
 first ``data.report_samples`` of the first epoch's order, encoded by the run's own encoder.
@@ -11,6 +12,7 @@ from collections import Counter
 import numpy as np
 
 from .loader import sample_order
+from .packing import Row
 from .sample import BadSample
 
 TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"  # marks the tokens a sample trains on in the rendered text
@@ -67,6 +69,8 @@ def data_report(dataset, encoder, tokenizer, count: int, seed: int) -> dict:
         except BadSample as bad:
             skipped[bad.reason] += 1
             continue
+        if isinstance(encoded, Row):  # a preference pair's row
+            encoded = encoded.unpadded()
         lengths.append(len(encoded))
         image_tokens += int((encoded.token_type_ids > 0).sum())
         trained += int(encoded.target.sum())

@@ -62,6 +62,7 @@ class LoRALinear(nn.Layer):
             self.bias = base.bias
         rank = settings.rank
         self.scaling = settings.scaling
+        self.switched_on = True  # off: the base layer alone (a preference run's reference model)
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else None
         self.split = ("column" if isinstance(base, tp.ColumnParallelLinear)
                       else "row" if isinstance(base, tp.RowParallelLinear) else None)
@@ -92,6 +93,8 @@ class LoRALinear(nn.Layer):
         return self._base[0]
 
     def forward(self, x):
+        if not self.switched_on:
+            return self.base(x)
         low = paddle.matmul(self.dropout(x) if self.dropout is not None else x, self.lora_A)
         if self.split == "column":
             low = tp.enter_region(low, self.base.group, self.base.sequence_parallel)

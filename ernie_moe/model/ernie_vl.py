@@ -15,6 +15,7 @@ from paddle import nn
 
 from ..batch import IGNORE_INDEX, Batch
 from ..nn.init import init_weights
+from ..nn.preference import PreferenceLoss
 from ..nn.recompute import recomputed
 from .blocks import ImageFeatures, block_inputs, ordered_blocks, stable_names_of, tied_head
 from .decoder import DecoderLayer
@@ -28,6 +29,7 @@ class ModelOutput(NamedTuple):
     num_label_tokens: int
     router_loss: paddle.Tensor  # weighted router losses of every MoE layer, summed
     logits: paddle.Tensor | None = None
+    pair_figures: paddle.Tensor | None = None  # preference pairs: nn.preference.FIGURES of each row
 
 
 class BlockQueries:
@@ -54,11 +56,12 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
     the exported names (``model.layers.3``, ``vision_model``, ...), so that ``named_parameters`` and
     ``state_dict`` read like PaddleFormers'; the wrapping blocks are kept in order beside them."""
 
-    def __init__(self, cfg, plan=None, loss_chunk: int = 0):
+    def __init__(self, cfg, plan=None, loss_chunk: int = 0, preference: PreferenceLoss | None = None):
         super().__init__()
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # first, so that it does not depend on what gets built
         self.cfg = cfg
         self.loss_chunk = loss_chunk  # tokens per chunk of the head and loss (0: the whole sequence at once)
+        self.preference = preference  # the loss of preference pairs (training.stage: dpo)
         self.plan = plan or SingleDevicePlan(cfg.initializer_range)
         self.tied = tied_head(self.plan) if cfg.tie_word_embeddings else None
         self._ordered = tuple(spec.build() for spec in ordered_blocks(cfg, self.plan) if not spec.tied)
@@ -82,9 +85,13 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         for block in self.trunk():
             x = block(x)
         hidden, router_loss = x
+        if batch.pair_sides is not None:
+            token_losses = self._token_losses(hidden, batch.labels)
+            loss_sum, figures = self.preference(token_losses, batch.labels, batch.pair_sides, batch.reference_logps)
+            return ModelOutput(loss_sum, int(figures[:, 0].sum()), router_loss.sum(), pair_figures=figures)
         num_label_tokens = int((batch.labels != IGNORE_INDEX).sum())
         if self.loss_chunk and not return_logits:
-            loss_sum = self._chunked_loss(hidden, batch.labels)
+            loss_sum = self._token_losses(hidden, batch.labels).sum()
             return ModelOutput(loss_sum, num_label_tokens, router_loss.sum())
         logits = self.head(hidden)
         loss_sum = self.plan.cross_entropy_sum(logits, batch.labels)
@@ -95,18 +102,21 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         logits, _ = self.tied(self._ordered[0], (hidden, None)) if self.tied else self._ordered[-1]((hidden, None))
         return logits
 
-    def _head_loss(self, hidden: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
-        return self.plan.cross_entropy_sum(self.head(hidden), labels)
+    def _head_token_losses(self, hidden: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
+        return self.plan.token_cross_entropy(self.head(hidden), labels)
 
-    def _chunked_loss(self, hidden: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
-        """The summed loss over sequence chunks of ``loss_chunk`` tokens; in training each chunk's logits are
-        dropped after its loss and computed again in the backward pass, so at most one chunk's are held."""
+    def _token_losses(self, hidden: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
+        """Each position's cross-entropy ``[batch, seq]``; with ``loss_chunk``, over sequence chunks whose logits
+        are dropped after their loss in training and computed again in the backward pass, so that at most one
+        chunk's are held."""
+        if not self.loss_chunk:
+            return self._head_token_losses(hidden, labels)
         train = self.training and not hidden.stop_gradient
         parts = []
         for start in range(0, hidden.shape[1], self.loss_chunk):
             piece = hidden[:, start: start + self.loss_chunk], labels[:, start: start + self.loss_chunk]
-            parts.append(recomputed(self._head_loss, *piece) if train else self._head_loss(*piece))
-        return paddle.add_n(parts)
+            parts.append(recomputed(self._head_token_losses, *piece) if train else self._head_token_losses(*piece))
+        return paddle.concat(parts, axis=1)
 
 
 class _Named(nn.Layer):

@@ -82,3 +82,10 @@ class SingleDevicePlan:
                                                   reduction="sum")
         # Paddle's CPU kernel turns nan logits into a finite loss; this keeps a non-finite logit visible in the loss
         return loss + logits.detach().sum() * 0.0
+
+    def token_cross_entropy(self, logits: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
+        """Each position's cross-entropy ``[batch, seq]`` in float32, 0 where the label is IGNORE_INDEX."""
+        logits = logits.astype("float32")
+        loss = paddle.nn.functional.cross_entropy(logits, labels.unsqueeze(-1), ignore_index=IGNORE_INDEX,
+                                                  reduction="none").squeeze(-1)
+        return loss + logits.detach().sum(axis=-1) * 0.0  # a non-finite logit stays visible, as above

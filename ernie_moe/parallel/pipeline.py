@@ -27,25 +27,34 @@ from ..model.blocks import (
 from ..model.decoder import DecoderLayer
 from ..model.ernie_vl import BlockQueries
 from ..nn.init import init_weights
+from ..nn.preference import LOGPS, PreferenceLoss
 from ..timing import part
 
 
 class PipelineLoss(nn.Layer):
     """Last stage: ``lm_loss_sum x scale + router losses`` per micro-batch (fleet divides by the number of
     micro-batches; ``scale`` carries the token-count denominator times that number). Keeps the step's sums
-    for the logs and, in evaluation (labels with caption categories), each batch's predictions."""
+    for the logs and, in evaluation (labels with caption categories), each batch's predictions.
 
-    def __init__(self, plan):
+    With ``preference`` (labels with the pair sides and the reference log-probabilities) the loss is the pairs'
+    and their figures are summed; in the reference pass (``collect_reference``) each batch's log-probabilities are
+    kept for the training pass instead."""
+
+    def __init__(self, plan, preference: PreferenceLoss | None = None):
         super().__init__()
-        self.plan = plan
+        self.plan, self.preference = plan, preference
+        self.collect_reference = False
         self.reset()
 
     def reset(self) -> None:
-        self.lm_sum, self.router_sum, self.evaluated = 0.0, 0.0, []
+        self.lm_sum, self.router_sum, self.evaluated, self.references = 0.0, 0.0, [], []
+        self.pair_totals = None
 
     def forward(self, outputs, labels):
         logits, router_loss = outputs
         label_ids, scale = labels[0], labels[1]
+        if self.preference is not None:
+            return self._pairs(logits, router_loss, *labels)
         lm_sum = self.plan.cross_entropy_sum(logits, label_ids)
         self.lm_sum += float(lm_sum)
         self.router_sum += float(router_loss.sum())
@@ -53,11 +62,24 @@ class PipelineLoss(nn.Layer):
             self.evaluated.append((self.plan.predict(logits), label_ids, labels[2].numpy(), float(lm_sum)))
         return lm_sum * scale.sum() + router_loss.sum()
 
+    def _pairs(self, logits, router_loss, label_ids, scale, sides, reference):
+        token_losses = self.plan.token_cross_entropy(logits, label_ids)
+        loss_sum, figures = self.preference(token_losses, label_ids, sides,
+                                            None if self.collect_reference else reference)
+        if self.collect_reference:
+            self.references.append(figures[:, LOGPS])
+            return loss_sum
+        self.lm_sum += float(loss_sum)
+        self.router_sum += float(router_loss.sum())
+        summed = figures.sum(axis=0).numpy()
+        self.pair_totals = summed if self.pair_totals is None else self.pair_totals + summed
+        return loss_sum * scale.sum() + router_loss.sum()
+
 
 class ErniePipeline(BlockQueries, PipelineLayer):
     """This rank's pipeline stages of the model's blocks."""
 
-    def __init__(self, cfg, plan, env, virtual_stages: int):
+    def __init__(self, cfg, plan, env, virtual_stages: int, preference: PreferenceLoss | None = None):
         self.cfg, self.plan = cfg, plan
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # drawn before fleet reseeds per layer
         descs = []
@@ -67,7 +89,7 @@ class ErniePipeline(BlockQueries, PipelineLayer):
                 descs.append(SharedLayerDesc("embed", TokenEmbedding, head, "weight", **block.kwargs))
             else:
                 descs.append(LayerDesc(block.layer, *block.args, **block.kwargs))
-        super().__init__(layers=descs, topology=env.hcg.topology(), loss_fn=PipelineLoss(plan),
+        super().__init__(layers=descs, topology=env.hcg.topology(), loss_fn=PipelineLoss(plan, preference),
                          seg_method="layer:DecoderLayer",
                          num_virtual_pipeline_stages=virtual_stages if virtual_stages > 1 else None)
         self.first_stage = env.hcg.get_stage_id() == 0
@@ -76,6 +98,10 @@ class ErniePipeline(BlockQueries, PipelineLayer):
     @property
     def loss(self) -> PipelineLoss:
         return self._loss_fn[0]
+
+    @property
+    def preference(self) -> PreferenceLoss | None:
+        return self.loss.preference
 
     def blocks(self) -> list[nn.Layer]:
         return sorted((layer for layer in self.sublayers() if is_block(layer)), key=_order)
@@ -104,9 +130,14 @@ def _order(block) -> tuple:
 
 def stage_inputs(micro_batches, scored=None, scale: float = 1.0) -> list:
     """``[inputs, labels]`` for fleet's schedule: every field a list with one tensor per micro-batch.
-    ``scored``: each evaluation batch's caption categories, kept with its predictions by the loss."""
+    ``scored``: each evaluation batch's caption categories, kept with its predictions by the loss. Pair batches
+    add their sides and reference log-probabilities (zeros before the reference pass has filled them)."""
     inputs = tuple(list(field) for field in zip(*(block_inputs(b) for b in micro_batches)))
     labels = ([b.labels for b in micro_batches], [paddle.full([1], scale, dtype="float32") for _ in micro_batches])
+    if micro_batches[0].pair_sides is not None:
+        references = [b.reference_logps if b.reference_logps is not None
+                      else paddle.zeros([b.labels.shape[0], 2], dtype="float32") for b in micro_batches]
+        return [inputs, labels + ([b.pair_sides for b in micro_batches], references)]
     return [inputs, labels + ((scored,) if scored is not None else ())]
 
 

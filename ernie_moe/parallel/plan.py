@@ -101,6 +101,11 @@ class ParallelPlan(SingleDevicePlan):
             return super().cross_entropy_sum(logits, labels)
         return tp.vocab_parallel_cross_entropy_sum(logits, labels, self.tp_group)
 
+    def token_cross_entropy(self, logits, labels):
+        if self.tp_group is None:
+            return super().token_cross_entropy(logits, labels)
+        return tp.vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+
 
 def build_plan(model_cfg, env) -> SingleDevicePlan:
     """The plan for this process's place in the layout."""

@@ -76,7 +76,12 @@ class VocabParallelEmbedding(nn.Layer):
 
 
 def vocab_parallel_cross_entropy_sum(logits: paddle.Tensor, labels: paddle.Tensor, group) -> paddle.Tensor:
-    """Summed cross-entropy from logits split over the vocabulary; never forms the full logits.
+    """Summed cross-entropy from logits split over the vocabulary; never forms the full logits."""
+    return vocab_parallel_cross_entropy(logits, labels, group).sum()
+
+
+def vocab_parallel_cross_entropy(logits: paddle.Tensor, labels: paddle.Tensor, group) -> paddle.Tensor:
+    """Each position's cross-entropy from logits split over the vocabulary, 0 where the label is IGNORE_INDEX.
 
     ``logits [..., vocab / ranks]`` hold this rank's vocabulary block; label IGNORE_INDEX marks positions without loss.
     """
@@ -92,7 +97,7 @@ def vocab_parallel_cross_entropy_sum(logits: paddle.Tensor, labels: paddle.Tenso
                                     axis=-1).squeeze(-1)
     picked = ReduceFromGroup.apply(picked * inside.astype("float32"), group)
     per_token = paddle.log(sum_exp) - picked
-    return (per_token * (labels != IGNORE_INDEX).astype("float32")).sum()
+    return per_token * (labels != IGNORE_INDEX).astype("float32")
 
 
 @paddle.no_grad()

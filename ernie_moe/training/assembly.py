@@ -3,7 +3,8 @@
 Each step is a small function; the order is the contract, and each step says why it stands where it does.
 
 1. ``build``: the plain model for this rank (the plan's parallel pieces, pipeline stages, expert weights marked
-   to stay out of fleet's broadcasts). Everything after transforms this model in place.
+   to stay out of fleet's broadcasts, the loss of preference pairs). Everything after transforms this model in
+   place.
 2. ``recompute``: which blocks drop their activations. Before the weights and LoRA, which wrap layers inside the
    blocks it routes through fleet's recompute, so the wrappers are part of what is recomputed.
 3. ``expert_matmul``: the experts one by one or grouped; it reads weights only when it runs, so it may come here.
@@ -14,12 +15,14 @@ Each step is a small function; the order is the contract, and each step says why
 6. ``quantize``: a LoRA run's frozen base linears to integers and scales (``training.quantize_base``), after
    the pairs, which wrap the layers by their weights, and before the cast, which would cast those weights.
 7. ``precision``: the cast to the AMP dtype, after every parameter (LoRA's included) exists.
-8. ``grad_sync``: who averages which gradients over which ranks (``parallel.grad_sync``), after the cast, since
+8. ``reference``: a preference run's reference model (``training.preference``), after the cast: it keeps the
+   weights the policy starts from as they will be computed with, and LoRA's adapters, which it switches off.
+9. ``grad_sync``: who averages which gradients over which ranks (``parallel.grad_sync``), after the cast, since
    fleet's reducer holds the parameters it syncs and their gradients' dtype, and once the trainable set is fixed.
-9. ``runner``: fleet's pipeline schedule where there is one, which takes the model as it now is.
-10. ``guard``: the memory guard, which needs to know whether the runner fixes the micro-batch.
-11. ``optimizer``: AdamW and the schedule over the parameters that train, once nothing adds any.
-12. ``ema``: the moving average of what trains (``training.ema_decay``), last: it copies the weights as they
+10. ``runner``: fleet's pipeline schedule where there is one, which takes the model as it now is.
+11. ``guard``: the memory guard, which needs to know whether the runner fixes the micro-batch.
+12. ``optimizer``: AdamW and the schedule over the parameters that train, once nothing adds any.
+13. ``ema``: the moving average of what trains (``training.ema_decay``), last: it copies the weights as they
     now are, cast and final, and shares them out over the replicas the way the layout holds them.
 """
 
@@ -32,12 +35,14 @@ from ..finetune.adapter_files import base_reference
 from ..finetune.quantize import quantize_base, refuse_a_quantized_base
 from ..model.recompute import apply_recompute
 from ..moe.experts import use_expert_matmul
+from ..nn.preference import PreferenceLoss, PreferenceSettings
 from ..parallel.grad_sync import GradSync
 from ..timing import StepTimes
 from .ema import WeightAverage
 from .memory_guard import MemoryGuard
 from .optimizer import build_optimizer, split_experts
 from .precision import Precision
+from .preference import ReferenceModel
 from .runner import build_model, build_runner
 
 
@@ -60,7 +65,7 @@ def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
     """The model, runner and optimizer of a run, built step by step in the order above. ``state``: the training
     state (its recompute settings); ``load_weights(model, folder)`` loads a pretrained folder."""
     t = cfg.training
-    model = build(cfg, env)
+    model = build(cfg, env, preference_loss(t, env))
     recompute(model, t, state)
     expert_matmul(model, t)
     if t.model_name_or_path:
@@ -68,9 +73,10 @@ def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
     fine_tuning, base = fine_tune(model, cfg, env)
     quantize(model, t, fine_tuning)
     precision = cast(model, t)
+    reference = reference_model(model, t)
     groups = split_experts(model)
     timed = cfg.logging.time_breakdown
-    runner = build_runner(model, env, precision, grad_sync(groups, cfg, env, state), timed)
+    runner = build_runner(model, env, precision, grad_sync(groups, cfg, env, state), timed, reference)
     guard = MemoryGuard(t, env, device_bytes, model, can_halve=not runner.fixed_micro_batches)
     optimizer, scheduler = build_optimizer(model, t, env)
     ema = WeightAverage(t, env, model) if t.ema_decay else None
@@ -78,8 +84,22 @@ def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
                      StepTimes(enabled=timed), ema)
 
 
-def build(cfg, env):
-    return build_model(cfg.model, env, cfg.training.loss_subbatch_seqlen)
+def build(cfg, env, preference: PreferenceLoss | None = None):
+    return build_model(cfg.model, env, cfg.training.loss_subbatch_seqlen, preference)
+
+
+def preference_loss(t, env) -> PreferenceLoss | None:
+    """``training.stage: dpo``'s loss; its sums over pairs on other data ranks (kto_pair) over the data group."""
+    if t.stage != "dpo":
+        return None
+    return PreferenceLoss(PreferenceSettings.of(t), lambda x: env.all_reduce_sum(x, env.data_group))
+
+
+def reference_model(model, t) -> ReferenceModel | None:
+    """The reference of a preference loss that has one."""
+    if model.preference is None or not model.preference.settings.needs_reference:
+        return None
+    return ReferenceModel(model, lora=t.fine_tuning == "lora")
 
 
 def recompute(model, t, state) -> None:

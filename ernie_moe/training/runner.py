@@ -19,22 +19,25 @@ from ..data import collate
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import describe
+from ..nn.preference import FIGURES, LOGPS, PreferenceLoss, preference_metrics
 from ..parallel import build_plan
 from ..parallel.grad_sync import GradSync
 from ..parallel.pipeline import ErniePipeline, stage_inputs, time_schedule_parts
 from ..timing import part
 from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
+from .preference import ReferenceModel
 
 
-def build_model(model_cfg, env, loss_chunk: int = 0):
+def build_model(model_cfg, env, loss_chunk: int = 0, preference: PreferenceLoss | None = None):
     """The single-device model, or this rank's pipeline stages; expert weights that differ between ranks
     are marked so that fleet's parameter broadcasts leave them alone. ``loss_chunk``: tokens per chunk of
-    the LM head and loss (``training.loss_subbatch_seqlen``; not with a pipeline)."""
+    the LM head and loss (``training.loss_subbatch_seqlen``; not with a pipeline); ``preference``: the loss of
+    preference pairs (``training.stage: dpo``)."""
     plan = build_plan(model_cfg, env)
     if env.pp_group is not None:
-        model = ErniePipeline(model_cfg, plan, env, env.virtual_stages)
+        model = ErniePipeline(model_cfg, plan, env, env.virtual_stages, preference)
     else:
-        model = ErnieMoEForConditionalGeneration(model_cfg, plan, loss_chunk)
+        model = ErnieMoEForConditionalGeneration(model_cfg, plan, loss_chunk, preference)
     if env.expert_group is not None:
         for name, param in model.named_parameters():
             if is_expert(name):
@@ -42,10 +45,12 @@ def build_model(model_cfg, env, loss_chunk: int = 0):
     return model
 
 
-def build_runner(model, env, precision, grad_sync: GradSync, timed: bool) -> PlainRunner | PipelineRunner:
+def build_runner(model, env, precision, grad_sync: GradSync, timed: bool,
+                 reference: ReferenceModel | None = None) -> PlainRunner | PipelineRunner:
     """The runner for ``model`` as :func:`build_model` built it for this layout; ``timed``: the step's time is
-    broken down (``logging.time_breakdown``)."""
-    return (PipelineRunner if env.pp_group is not None else PlainRunner)(model, env, precision, grad_sync, timed)
+    broken down (``logging.time_breakdown``); ``reference``: a preference run's reference model."""
+    runner = PipelineRunner if env.pp_group is not None else PlainRunner
+    return runner(model, env, precision, grad_sync, timed, reference)
 
 
 class PlainRunner:
@@ -54,13 +59,17 @@ class PlainRunner:
     # whether the micro-batch shape is fixed once the run is built (the memory guard cannot halve it)
     fixed_micro_batches = False
 
-    def __init__(self, model, env, precision, grad_sync: GradSync, timed: bool):
+    def __init__(self, model, env, precision, grad_sync: GradSync, timed: bool, reference=None):
         self.model, self.env, self.precision, self.grad_sync = model, env, precision, grad_sync
+        self.reference = reference
 
-    def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:
+    def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float, np.ndarray | None]:
         """Accumulate gradients of ``loss_sum x data ranks / denominator + router loss / micro-batches``;
-        returns this rank's sums of the LM loss and of the router losses over its micro-batches."""
-        lm_sum, router_sum = 0.0, 0.0
+        returns this rank's sums of the loss and of the router losses over its micro-batches, and of the
+        preference figures (``nn.preference.FIGURES``) of pair batches."""
+        with part("reference"):
+            self.reference_pass(micro_batches)
+        lm_sum, router_sum, pairs = 0.0, 0.0, None
         for i, batch in enumerate(micro_batches):
             with part("forward"), self.precision.autocast():
                 out = self.model(batch)
@@ -72,15 +81,49 @@ class PlainRunner:
                 self.precision.scale(loss).backward()
             lm_sum += float(out.loss_sum)
             router_sum += float(out.router_loss)
-        return lm_sum, router_sum
+            if out.pair_figures is not None:
+                pairs = _summed(pairs, out.pair_figures)
+        return lm_sum, router_sum, pairs
+
+    @paddle.no_grad()
+    def reference_pass(self, micro_batches) -> None:
+        """The reference model's log-probabilities of each pair batch's answers, into the batches (a preference
+        run whose loss has a reference; in evaluation mode, see ``training.preference``)."""
+        if self.reference is None:
+            return
+        self.model.eval()
+        try:
+            with self.reference.active(), self.precision.autocast():
+                for batch in micro_batches:
+                    batch.reference_logps = self.model(batch).pair_figures[:, LOGPS]
+        finally:
+            self.model.train()
 
     def finish_gradients(self) -> None:
         """What the backward passes left of the step's gradient synchronisation."""
         self.grad_sync.finish()
 
     def evaluate(self, batches, training_cfg) -> dict:
+        if self.model.preference is not None:
+            return self.evaluate_pairs(batches, training_cfg)
         with self.precision.autocast():
             return evaluate(self.model, batches, self.env, training_cfg.max_eval_batches)
+
+    @paddle.no_grad()
+    def evaluate_pairs(self, batches, training_cfg) -> dict:
+        """The preference figures of held-out pairs (``eval_loss``, ``eval_reward_accuracy``, ...)."""
+        totals = np.zeros(len(FIGURES))
+        for i, rows in enumerate(batches):
+            if training_cfg.max_eval_batches and i >= training_cfg.max_eval_batches:
+                break
+            batch = collate(rows)
+            self.reference_pass([batch])
+            self.model.eval()
+            with self.precision.autocast():
+                totals += self.model(batch).pair_figures.sum(axis=0).numpy()
+            self.model.train()
+        return preference_metrics(self.env.all_reduce_sum(paddle.to_tensor(totals), self.env.data_group).numpy(),
+                                  "eval_")
 
     def eval_rows_per_device(self, training_cfg) -> int:
         return training_cfg.per_device_eval_batch_size
@@ -102,14 +145,17 @@ class PipelineRunner(PlainRunner):
 
     fixed_micro_batches = True  # fleet's schedule keeps the tensor shapes of its first step
 
-    def __init__(self, model, env, precision, grad_sync: GradSync, timed: bool):
+    def __init__(self, model, env, precision, grad_sync: GradSync, timed: bool, reference=None):
         self.model, self.env, self.precision, self.grad_sync = model, env, precision, grad_sync
+        self.reference = reference
         self.fleet_model = fleet.distributed_model(model)
         if timed:
             time_schedule_parts(self.fleet_model)
 
-    def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float]:
+    def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float, np.ndarray | None]:
         """What fleet's ``train_batch`` runs before its optimizer step; the sums come from the last stage."""
+        with part("reference"):
+            self.reference_pass(micro_batches)
         loss = self.model.loss
         loss.reset()
         # fleet divides each micro-batch's loss by their number: the scale undoes it
@@ -122,10 +168,40 @@ class PipelineRunner(PlainRunner):
             self.fleet_model.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), scaler)
         totals = self.sum_over_stages(paddle.to_tensor([loss.lm_sum, loss.router_sum], dtype="float64"))
         lm_sum, router_sum = totals.numpy().tolist()
-        return lm_sum, router_sum
+        return lm_sum, router_sum, self._pair_totals()
+
+    def _pair_totals(self) -> np.ndarray | None:
+        """The last stage's preference figures, summed over the pairs, on every stage."""
+        if self.model.preference is None:
+            return None
+        mine = self.model.loss.pair_totals
+        return self.sum_over_stages(paddle.to_tensor(np.zeros(len(FIGURES)) if mine is None else mine,
+                                                     dtype="float64")).numpy()
+
+    @paddle.no_grad()
+    def reference_pass(self, micro_batches) -> None:
+        """The reference log-probabilities through fleet's schedule, forward only: the last stage keeps each
+        micro-batch's, which its loss reads back in the training pass (the other stages never read them)."""
+        if self.reference is None:
+            return
+        loss, schedule = self.model.loss, self.fleet_model
+        loss.references, loss.collect_reference = [], True
+        schedule.eval()
+        try:
+            with self.reference.active(), self.precision.autocast():
+                if self.env.virtual_stages > 1:
+                    schedule.set_virtual_pipeline_rank(0)
+                schedule.eval_batch(stage_inputs(micro_batches, scale=1.0), compute_loss=True)
+        finally:
+            schedule.train()
+            loss.collect_reference = False
+        for batch, logps in zip(micro_batches, loss.references or [None] * len(micro_batches)):
+            batch.reference_logps = logps
 
     @paddle.no_grad()
     def evaluate(self, batches, training_cfg) -> dict:
+        if self.model.preference is not None:
+            return self.evaluate_pairs(batches, training_cfg)
         """Forward only through fleet's schedule; the last stage's loss function scores each batch. The
         schedule takes ``gradient_accumulation_steps`` micro-batches of the training shape at a time: short
         batches and the last group are filled with unlabelled copies."""
@@ -151,6 +227,33 @@ class PipelineRunner(PlainRunner):
         totals = paddle.to_tensor(np.sum(scores, axis=0) if scores else np.zeros(SCORE_SIZE))
         totals = self.sum_over_stages(totals)
         return eval_metrics(self.env.all_reduce_sum(totals, self.env.data_group).numpy())
+
+    @paddle.no_grad()
+    def evaluate_pairs(self, batches, training_cfg) -> dict:
+        """Held-out pairs through fleet's schedule, a reference pass and a policy pass per group of micro-batches
+        of the training shape (short groups filled with unlabelled copies, which hold no pair)."""
+        t, schedule, loss = training_cfg, self.fleet_model, self.model.loss
+        groups = [[]]
+        for i, rows in enumerate(batches):
+            if t.max_eval_batches and i >= t.max_eval_batches:
+                break
+            if len(groups[-1]) == t.gradient_accumulation_steps:
+                groups.append([])
+            groups[-1].append(rows)
+        totals = np.zeros(len(FIGURES))
+        for group in groups if groups[0] else []:
+            group += [None] * (t.gradient_accumulation_steps - len(group))
+            micro, _ = _filled(group, t.per_device_train_batch_size)
+            self.reference_pass(micro)
+            loss.reset()
+            schedule.eval()
+            with self.precision.autocast():
+                schedule.eval_batch(stage_inputs(micro, scale=1.0), compute_loss=True)
+            schedule.train()
+            totals += self._pair_totals()
+        loss.reset()
+        return preference_metrics(self.env.all_reduce_sum(paddle.to_tensor(totals), self.env.data_group).numpy(),
+                                  "eval_")
 
     def eval_rows_per_device(self, training_cfg) -> int:
         return training_cfg.per_device_train_batch_size  # the schedule's shape
@@ -182,3 +285,9 @@ def _filled(group: list, rows_per_batch: int) -> tuple[list, list]:
         micro.append(dataclasses.replace(batch, labels=paddle.to_tensor(labels)))
         scored.append(paddle.to_tensor(category))
     return micro, scored
+
+
+def _summed(total: np.ndarray | None, figures: paddle.Tensor) -> np.ndarray:
+    """``total`` plus the figures' sums over their rows."""
+    summed = figures.sum(axis=0).numpy().astype(np.float64)
+    return summed if total is None else total + summed

@@ -46,6 +46,7 @@ class StepResult:
     data_wait: float = 0.0  # seconds of it spent waiting for the step's rows
     times: dict[str, float] = field(default_factory=dict)  # seconds of each timed part (``ernie_moe.timing``)
     memory_guard_rungs: int = 0  # rungs the memory guard took in this step
+    pair_totals: list[float] | None = None  # a preference step's nn.preference.FIGURES, summed over its pairs
 
     @property
     def skipped(self) -> bool:

@@ -29,12 +29,13 @@ from ..checkpoint.output_lock import release_output_dir
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
-from ..data.loader import training_encoder
+from ..data.loader import sample_encoder, training_encoder
 from ..data.report import data_report, describe
 from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
 from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
+from ..nn.preference import pairs_in
 from ..parallel import init_distributed
 from ..timing import part
 from .assembly import assemble
@@ -321,18 +322,19 @@ class Trainer:
     def forward_backward(self, micro_batches) -> StepResult:
         """Accumulate the step's gradients; returns the step's loss sums and token counts over all ranks."""
         env = self.env
-        counts = paddle.to_tensor([[float((b.labels != IGNORE_INDEX).sum()), float((b.token_type_ids >= 0).sum())]
+        counts = paddle.to_tensor([[float(_loss_units(b)), float((b.token_type_ids >= 0).sum())]
                                    for b in micro_batches], dtype="float64").sum(axis=0)
         with part("step_reduce"):
             label_tokens, tokens = env.all_reduce_sum(counts, env.data_group).numpy().tolist()
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.
         denominator = self._loss_denominator(label_tokens)
-        lm_sum, router_sum = self.runner.forward_backward(micro_batches, denominator)
-        totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches)], dtype="float64")
+        lm_sum, router_sum, pairs = self.runner.forward_backward(micro_batches, denominator)
+        totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches), *([] if pairs is None else pairs)],
+                                  dtype="float64")
         with part("step_reduce"):
-            lm_sum, router_mean = env.all_reduce_sum(totals, env.data_group).numpy().tolist()
+            lm_sum, router_mean, *pairs = env.all_reduce_sum(totals, env.data_group).numpy().tolist()
         return StepResult(lm_loss_sum=lm_sum, label_tokens=label_tokens, router_loss=router_mean / env.data_world,
-                          tokens=tokens)
+                          tokens=tokens, pair_totals=pairs or None)
 
     def evaluate(self) -> dict:
         """The held-out figures (``eval_*``), and the EMA's beside them (``ema_eval_*``) once it has started."""
@@ -435,7 +437,7 @@ class Trainer:
     def _report_data(self, train_set) -> None:
         """One encoded sample and the data's figures, printed and written to data_report.json."""
         d = self.cfg.data
-        report = data_report(train_set, training_encoder(self.tokenizer, self.cfg, Counter()), self.tokenizer,
+        report = data_report(train_set, sample_encoder(self.tokenizer, self.cfg, Counter()), self.tokenizer,
                              d.report_samples, self.cfg.training.seed)
         print(describe(report), flush=True)
         (Path(self.cfg.training.output_dir) / "data_report.json").write_text(json_files.dumps(report, indent=2))
@@ -476,6 +478,13 @@ class Trainer:
     def _write_summary(self, summary: dict) -> None:
         if self.env.is_main:
             (Path(self.cfg.training.output_dir) / "summary.json").write_text(json_files.dumps(summary, indent=2))
+
+
+def _loss_units(batch) -> int:
+    """What the loss is a mean over: label tokens, or the pairs of a preference batch."""
+    if batch.pair_sides is not None:
+        return pairs_in(batch.labels, batch.pair_sides)
+    return int((batch.labels != IGNORE_INDEX).sum())
 
 
 def device_bytes(training_cfg) -> float:

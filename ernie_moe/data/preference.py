@@ -1,0 +1,209 @@
+"""Preference pairs (``training.stage: dpo``): one prompt, a chosen and a rejected answer, encoded into one row.
+
+Records, one JSON object per line, recognised by their keys::
+
+    {"images": ["cat.jpg"], "messages": [{"role": "user", "content": "<image>What is this?"}],
+     "chosen": "A cat.", "rejected": "A dog."}                                         # common shape
+    {"src": ["Hi", "And a cat?"], "tgt": ["Hello."], "response": [["It purrs."], ["It barks."]],
+     "sort": [1, 0]}                                                                   # ERNIEKit's DPO shape
+
+``messages`` (or TRL's ``prompt``) is the conversation up to the answer, written as chat records are
+(``data.jsonl``); ``chosen`` and ``rejected`` are each an answer text, an assistant message, or a list holding
+one. In ERNIEKit's shape ``src`` has one question more than ``tgt`` has answers, and the higher ``sort`` marks the
+chosen one of the two ``response`` answers.
+
+Each side is encoded as the trainer encodes a conversation with that answer. The row holds the shared prompt
+once and then each answer behind a copy of the prompt's last token (the one that predicts the answer's first
+token), at the same positions: ``prompt | last, chosen | last, rejected``. The attention bound of each key
+(``Row.key_ends``) lets both answers see the prompt and neither see the other, so the row gives both answers'
+log-probabilities in one forward, the prompt's images through the ViT once. Only the final answer's tokens count.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..batch import IGNORE_INDEX
+from .jsonl import JsonlDataset, parse_record
+from .packing import PAD_TYPE, Encoded, Encoder, Row
+from .sample import BadSample, Chunk, Sample
+from .synthetic import COLORS, COLUMNS, ROWS, SHAPES, SyntheticShapes
+
+CHOSEN, REJECTED = 1, 2  # Row.pair_sides (nn.preference reads them)
+
+
+@dataclass
+class Pair:
+    chosen: Sample
+    rejected: Sample
+
+
+def is_pair_record(record: dict) -> bool:
+    return ("chosen" in record and "rejected" in record) or ("response" in record and "sort" in record)
+
+
+def side_records(record: dict, where: str) -> tuple[dict, dict]:
+    """A pair record as the two SFT records (chosen, rejected) that share its prompt."""
+    if "response" in record:
+        return _erniekit_sides(record, where)
+    if not ("chosen" in record and "rejected" in record):
+        raise BadSample("wrong_format", f"{where} is not a preference pair (chosen / rejected, or ERNIEKit's "
+                                        "src / tgt / response / sort)")
+    prompt = record.get("messages", record.get("prompt"))
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadSample("bad_record", f"{where}: messages (or prompt) must be a non-empty list of messages")
+    rest = {k: v for k, v in record.items() if k not in ("messages", "prompt", "chosen", "rejected")}
+    sides = [_answer(record[key], key, where) for key in ("chosen", "rejected")]
+    return tuple({**rest, "messages": [*prompt, {"role": "assistant", "content": text}]} for text in sides)
+
+
+def _answer(value, key: str, where: str):
+    """An answer's content: a text, an assistant message, or a list holding one message."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
+        value = value[0]
+    if isinstance(value, dict):
+        if value.get("role", "assistant") != "assistant":
+            raise BadSample("bad_record", f"{where}: {key} must be an assistant answer, not a {value.get('role')!r} "
+                                          "message")
+        value = value.get("content")
+    if isinstance(value, str) and not value.strip():
+        raise BadSample("empty_answer", f"{where}: the {key} answer is empty")
+    if not isinstance(value, (str, list)) or not value:
+        raise BadSample("bad_record", f"{where}: {key} must be a text or an assistant message")
+    return value
+
+
+def _erniekit_sides(record: dict, where: str) -> tuple[dict, dict]:
+    src, tgt = ([v] if isinstance(v, str) else v for v in (record.get("src"), record.get("tgt", [])))
+    response, sort = record["response"], record["sort"]
+    if not (isinstance(src, list) and isinstance(tgt, list) and len(src) == len(tgt) + 1):
+        raise BadSample("bad_turns", f"{where}: src must hold one text more than tgt (the question the responses "
+                                     "answer)")
+    if not (isinstance(response, list) and isinstance(sort, list) and len(response) == 2 and len(sort) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in sort)):
+        raise BadSample("bad_record", f"{where}: response must hold two answers and sort their two ranks")
+    if sort[0] == sort[1]:
+        raise BadSample("bad_record", f"{where}: sort ranks both answers {sort[0]}: neither is preferred")
+    texts = []
+    for answer in response:
+        answer = answer[0] if isinstance(answer, list) and len(answer) == 1 else answer
+        if not isinstance(answer, str):
+            raise BadSample("bad_record", f"{where}: each response must be a text (or a list of one text)")
+        if not answer.strip():
+            raise BadSample("empty_answer", f"{where}: a response is empty")
+        texts.append(answer)
+    chosen, rejected = (texts[0], texts[1]) if sort[0] > sort[1] else (texts[1], texts[0])
+    rest = {k: v for k, v in record.items() if k not in ("src", "tgt", "response", "sort", "label")}
+    return tuple({**rest, "src": src, "tgt": [*tgt, text], "label": [0] * len(tgt) + [1]}
+                 for text in (chosen, rejected))
+
+
+class PreferenceJsonl(JsonlDataset):
+    """A JSONL file of preference pairs."""
+
+    def __getitem__(self, index: int) -> Pair:
+        where = f"line {index + 1}"
+        chosen, rejected = side_records(parse_record(self._line(index), where), where)
+        return Pair(self.sample_of(chosen, where), self.sample_of(rejected, where))
+
+
+class SyntheticPairs(SyntheticShapes):
+    """The synthetic shapes as pairs: the image and the caption's first word as the prompt, the true rest of the
+    caption chosen, the same with one of its colour, shape, row or column words changed rejected."""
+
+    WORDS = {"color": tuple(COLORS), "shape": SHAPES, "row": ROWS, "column": COLUMNS}
+
+    def __getitem__(self, index: int) -> Pair:
+        chosen = super().__getitem__(index)
+        chosen.chunks[1].loss = False  # the caption's first word ("a") closes the prompt
+        rng = np.random.default_rng([self.seed, self.split, index, 0x70616972])  # a stream of its own ("pair")
+        changed = [i for i, c in enumerate(chosen.chunks) if c.scored][rng.integers(4)]
+        chunk = chosen.chunks[changed]
+        others = [w for w in self.WORDS[chunk.scored] if w != chunk.text.strip()]
+        wrong = Chunk(text=" " + others[rng.integers(len(others))], loss=True, scored=chunk.scored)
+        rejected = Sample(images=chosen.images, chunks=[*chosen.chunks[:changed], wrong, *chosen.chunks[changed + 1:]])
+        return Pair(chosen, rejected)
+
+
+class PairEncoder:
+    """Pairs -> rows of ``max_seq_len``, one pair each; unusable pairs raise BadSample (counted skips)."""
+
+    def __init__(self, encoder: Encoder):
+        self.encoder = encoder
+        self.image_token_id = encoder.tok.image_token_id
+
+    @property
+    def stats(self) -> Counter:  # the data workers reset and read the counts of each sample
+        return self.encoder.stats
+
+    @stats.setter
+    def stats(self, value: Counter) -> None:
+        self.encoder.stats = value
+
+    def __call__(self, pair: Pair) -> Row:
+        chosen, rejected = self.encoder.whole(pair.chosen), self.encoder.whole(pair.rejected)
+        return pair_row(chosen, rejected, self.encoder.max_seq_len, self.encoder.tok.pad_id, self.image_token_id)
+
+
+def _final_answer_start(e: Encoded) -> int:
+    """The first token of the last run of trained tokens: the answer the pair compares."""
+    trained = np.flatnonzero(e.target)
+    gaps = np.flatnonzero(np.diff(trained) > 1)
+    return int(trained[gaps[-1] + 1] if len(gaps) else trained[0])
+
+
+def _common_prefix(a: Encoded, b: Encoded) -> int:
+    n = min(len(a), len(b))
+    same = (a.input_ids[:n] == b.input_ids[:n]) & (a.token_type_ids[:n] == b.token_type_ids[:n]) & \
+        (a.position_ids[:n] == b.position_ids[:n]).all(axis=1)
+    return int(np.argmin(same)) if not same.all() else n
+
+
+def pair_row(chosen: Encoded, rejected: Encoded, length: int, pad_id: int, image_token_id: int) -> Row:
+    """``prompt | last, chosen | last, rejected`` (see the module's text), padded to ``length``."""
+    if len(chosen) == len(rejected) and (chosen.input_ids == rejected.input_ids).all():
+        raise BadSample("equal_answers", "the chosen and the rejected answer are the same")
+    starts = _final_answer_start(chosen), _final_answer_start(rejected)
+    # the branches start at the token that predicts the first answer token, or earlier where the sides differ
+    branch = min(_common_prefix(chosen, rejected), *starts) - 1
+    if branch < 0:
+        raise BadSample("pair_prompts_differ", "the two sides do not begin with the same prompt")
+    placeholders = [int((e.input_ids == image_token_id).sum()) for e in (chosen, rejected)]
+    if any(int((e.input_ids[:branch] == image_token_id).sum()) != n for e, n in zip((chosen, rejected), placeholders)):
+        raise BadSample("image_in_answer", "an image or video follows the point where the two answers part")
+    used = len(chosen) + len(rejected) - branch
+    if used > length:
+        raise BadSample("pair_over_max_seq_len", f"the prompt and both answers take {used} tokens, more than "
+                                                 f"data.max_seq_len {length}")
+    ids = np.full(length, pad_id, np.int64)
+    labels = np.full(length, IGNORE_INDEX, np.int64)
+    types = np.full(length, PAD_TYPE, np.int64)
+    positions = np.zeros((length, 3), np.int64)
+    sides = np.zeros(length, np.int64)
+    key_ends = np.full(length, length, np.int64)
+    doc_ids = np.ones(length, np.int64)
+    ids[:branch], types[:branch], positions[:branch] = (a[:branch] for a in (chosen.input_ids,
+                                                                               chosen.token_type_ids,
+                                                                               chosen.position_ids))
+    key_ends[:branch], doc_ids[:used] = used, 0
+    at = branch
+    for side, e, answer_start in ((CHOSEN, chosen, starts[0]), (REJECTED, rejected, starts[1])):
+        n = len(e) - branch
+        span = slice(at, at + n)
+        ids[span], types[span], positions[span] = e.input_ids[branch:], e.token_type_ids[branch:], \
+            e.position_ids[branch:]
+        # position i predicts token i + 1: trained when that token is trained and part of the final answer
+        nxt = np.arange(branch + 1, len(e) + 1)
+        trained = np.zeros(n, bool)
+        trained[:-1] = e.target[nxt[:-1]] & (nxt[:-1] >= answer_start)
+        labels[span] = np.where(trained, np.append(e.input_ids[branch + 1:], pad_id), IGNORE_INDEX)
+        sides[span] = side
+        key_ends[span] = at + n if side == CHOSEN else used
+        at += n
+    return Row(ids, labels, np.zeros(length, np.int64), types, positions, doc_ids, key_ends, chosen.patches,
+               chosen.grids, pair_sides=sides)
