@@ -1,0 +1,268 @@
+"""Preference tuning: each loss against its paper's formula in NumPy, the pair row against separate forwards token by
+token, pair records and their counted skips, and the first step of a run (policy = reference)."""
+
+import json
+import math
+from collections import Counter
+
+import numpy as np
+import paddle
+import pytest
+from conftest import ROOT, SMALL
+from test_ernie_inputs import ernie_config, make_ernie_tokenizer, picture
+
+from ernie_moe.batch import IGNORE_INDEX
+from ernie_moe.config import ConfigError, load_config
+from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate
+from ernie_moe.data.loader import sample_encoder
+from ernie_moe.data.packing import make_row
+from ernie_moe.data.preference import PairEncoder, PreferenceJsonl
+from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+from ernie_moe.nn.preference import LOSSES, PreferenceLoss, PreferenceSettings, pair_losses
+from ernie_moe.training.trainer import Trainer
+
+
+def _logsig(x):
+    return -np.logaddexp(0.0, -x)
+
+
+def numpy_losses(s: PreferenceSettings, p, ref, lengths, held=None):
+    """Each loss as its paper writes it, per pair (float64); ``p``, ``ref``, ``lengths`` ``[pairs, 2]`` (chosen,
+    rejected). ``held``: the policy log-probabilities kto_pair's KL estimates are taken from (constants)."""
+    b, e = s.beta, s.label_smoothing
+    held = p if held is None else held
+    if s.normalize_length or s.loss == "simpo":
+        p, held = p / lengths, held / lengths
+        if s.loss != "simpo":
+            ref = ref / lengths
+    (pc, pr), (rc, rr) = p.T, ref.T
+    h = (pc - pr) - (rc - rr)
+    if s.loss == "sigmoid":
+        loss = -(1 - e) * _logsig(b * h) - e * _logsig(-b * h)
+    elif s.loss == "ipo":
+        loss = (h - 1 / (2 * b)) ** 2
+    elif s.loss == "dpop":
+        z = b * (h - s.dpop_lambda * np.maximum(0.0, rc - pc))
+        loss = -(1 - e) * _logsig(z) - e * _logsig(-z)
+    elif s.loss == "kto_pair":
+        def sig(x):
+            return 1 / (1 + np.exp(-x))
+        # the KL estimates: the batch means of the log-ratios, at least 0
+        zc, zr = (max(float(np.mean(held[:, k] - ref[:, k])), 0.0) for k in (0, 1))
+        loss = (1 - sig(b * ((pc - rc) - zr)) + 1 - sig(b * (zc - (pr - rr)))) / 2
+    else:  # simpo
+        g = b * (pc - pr) - s.simpo_gamma
+        loss = -(1 - e) * _logsig(g) - e * _logsig(-g)
+    if s.sft_weight:
+        loss = loss - s.sft_weight * (pc if (s.normalize_length or s.loss == "simpo") else pc / lengths[:, 0])
+    return loss
+
+
+SETTINGS = [PreferenceSettings(loss) for loss in LOSSES] + [
+    PreferenceSettings("sigmoid", beta=0.3, label_smoothing=0.2, sft_weight=0.5),
+    PreferenceSettings("dpop", beta=0.2, dpop_lambda=5.0, label_smoothing=0.1),
+    PreferenceSettings("ipo", beta=0.5, normalize_length=True),
+    PreferenceSettings("simpo", beta=2.0, simpo_gamma=1.0, label_smoothing=0.1, sft_weight=1.0),
+    PreferenceSettings("kto_pair", beta=0.5, normalize_length=True)]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{v}" for v in vars(s).values()))
+def test_each_loss_matches_its_formula_in_values_and_gradients(settings):
+    rng = np.random.default_rng(3)
+    n = 6
+    policy = rng.uniform(-30, -5, (n, 2))
+    reference = policy + rng.normal(0, 2.0, (n, 2))
+    reference[0, 0] = policy[0, 0] - 3  # dpop: a chosen answer that gained probability, and ...
+    reference[1, 0] = policy[1, 0] + 3  # ... one that lost it
+    lengths = rng.integers(3, 12, (n, 2)).astype(np.float64)
+
+    def ours(p):
+        x = paddle.to_tensor(p.astype(np.float32), stop_gradient=False)
+        losses, _ = pair_losses(settings, x, paddle.to_tensor(reference.astype(np.float32)),
+                                paddle.to_tensor(lengths.astype(np.float32)))
+        losses.sum().backward()
+        return losses.numpy(), x.grad.numpy()
+
+    def theirs(p):
+        return numpy_losses(settings, p, reference, lengths, held=policy)
+
+    values, grads = ours(policy)
+    np.testing.assert_allclose(values, theirs(policy), rtol=1e-5, atol=1e-6)
+    # the gradient of the summed loss by central differences of the NumPy formula (kto_pair's KL estimate held)
+    numeric = np.zeros_like(policy)
+    step = 1e-4
+    for i, j in np.ndindex(*policy.shape):
+        up, down = policy.copy(), policy.copy()
+        up[i, j] += step
+        down[i, j] -= step
+        numeric[i, j] = (theirs(up).sum() - theirs(down).sum()) / (2 * step)
+    np.testing.assert_allclose(grads, numeric, rtol=2e-3, atol=2e-5)
+    assert np.abs(grads).max() > 1e-4  # the loss depends on the policy
+
+
+def test_at_the_start_every_reference_loss_is_its_value_at_zero():
+    """Policy = reference: DPO's loss is log 2, IPO's 1 / (4 beta^2), paired KTO's 1/2, every reward 0."""
+    p = paddle.to_tensor([[-10.0, -12.0], [-3.0, -4.0]])
+    lengths = paddle.to_tensor([[4.0, 5.0], [2.0, 2.0]])
+    for loss, expected in (("sigmoid", math.log(2)), ("dpop", math.log(2)), ("ipo", 1 / (4 * 0.1 ** 2)),
+                           ("kto_pair", 0.5)):
+        losses, rewards = pair_losses(PreferenceSettings(loss), p, p, lengths)
+        np.testing.assert_allclose(losses.numpy(), expected, rtol=1e-6)
+        assert not rewards.numpy().any()
+
+
+def dpo_cfg(*overrides):
+    return load_config(ROOT / "configs" / "vl_moe.yaml", [*SMALL, "training.stage=dpo", *overrides])
+
+
+def test_a_pair_row_gives_each_answer_the_log_probabilities_of_its_own_forward(tmp_path):
+    """The shared-prompt row against two plain forwards (prompt + chosen, prompt + rejected, each its own row
+    under the ordinary causal mask): each answer's log-probability equals the sum, token by token, of
+    log softmax(logits)[next token] over that answer's tokens in its own forward, and the prompt adds nothing."""
+    cfg = dpo_cfg("data.max_seq_len=64")
+    tok = build_tokenizer(cfg)
+    train, _ = build_datasets(cfg)
+    paddle.seed(0)
+    model = ErnieMoEForConditionalGeneration(cfg.model, preference=PreferenceLoss(PreferenceSettings()))
+    model.eval()
+    encoder = sample_encoder(tok, cfg, Counter())
+    assert isinstance(encoder, PairEncoder)
+    pairs = [train[i] for i in range(3)]
+    batch = collate([encoder(pair) for pair in pairs])
+    with paddle.no_grad():
+        figures = model(batch).pair_figures.numpy()
+    for row, pair in enumerate(pairs):
+        for column, side in ((2, pair.chosen), (3, pair.rejected)):
+            alone = encoder.encoder.whole(side)
+            answer = np.flatnonzero(alone.target)
+            single = collate([make_row([alone], cfg.data.max_seq_len, tok.pad_id)])
+            single.labels = paddle.full_like(single.labels, IGNORE_INDEX)
+            with paddle.no_grad():
+                logits = model.head(_hidden(model, single)).numpy()[0].astype(np.float64)
+            logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+                - logits.max(-1, keepdims=True)
+            # the answer is the caption after the prompt's "a": token i predicted at position i - 1
+            expected = sum(logp[i - 1, alone.input_ids[i]] for i in answer)
+            np.testing.assert_allclose(figures[row, column], expected, rtol=1e-5, atol=1e-4)
+        assert figures[row, 0] == 1  # one pair in the row
+        chosen_tokens = int(encoder.encoder.whole(pair.chosen).target.sum())
+        assert figures[row, 7] == chosen_tokens  # tokens_chosen: the answer's tokens alone
+
+
+def _hidden(model, batch):
+    from ernie_moe.model.blocks import block_inputs
+
+    x = block_inputs(batch)
+    for block in model.trunk():
+        x = block(x)
+    return x[0]
+
+
+def test_pair_rows_hold_the_prompt_once_and_each_answer_behind_a_copy_of_its_last_token():
+    cfg = dpo_cfg()
+    tok = build_tokenizer(cfg)
+    train, _ = build_datasets(cfg)
+    row = sample_encoder(tok, cfg, Counter())(train[0])
+    words = [tok.decode([int(i)]) for i in row.input_ids]
+    prompt = words.index("a")
+    chosen_end = list(row.pair_sides).index(2)
+    assert words[prompt] == words[chosen_end] == "a" and words[chosen_end - 1] == "</s>"
+    assert (row.position_ids[prompt] == row.position_ids[chosen_end]).all()
+    sides = row.pair_sides
+    # the prompt's keys reach the rejected answer's end, the chosen answer's stop where the rejected begins
+    used = int((sides > 0).sum()) + prompt
+    assert (row.key_ends[:prompt] == used).all() and (row.key_ends[sides == 1] == chosen_end).all()
+    assert (row.key_ends[sides == 2] == used).all()
+    assert (row.labels[:prompt] == IGNORE_INDEX).all() and row.patches  # the image once, in the prompt
+    # the synthetic rejected caption differs from the true one in exactly one of the four scored words
+    chosen, rejected = (" ".join(w for w, s in zip(words, sides) if s == k) for k in (1, 2))
+    assert sum(a != b for a, b in zip(chosen.split(), rejected.split())) == 1
+
+
+def _pairs_file(tmp_path, records):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_pair_records_in_both_shapes_and_bad_pairs_as_counted_skips(tmp_path):
+    make_ernie_tokenizer(tmp_path / "tokenizer")
+    image = picture(tmp_path, "a.png", 56, 56, 0)
+    prompt = [{"role": "user", "content": "<image>what is this?"}]
+    records = [
+        {"images": [image], "messages": prompt, "chosen": "a small animal", "rejected": "a tiny picture"},
+        {"images": [image], "prompt": prompt, "chosen": [{"role": "assistant", "content": "yes"}],
+         "rejected": {"role": "assistant", "content": "ok then"}},
+        {"src": ["hello there", "and the video?"], "tgt": ["yes"], "response": [["tiny"], ["both first"]],
+         "sort": [0, 1]},
+        {"images": [image], "messages": prompt, "chosen": "same object", "rejected": "same object"},
+        {"images": [image], "messages": prompt, "chosen": "", "rejected": "ok"},
+        {"images": [image], "messages": prompt, "chosen": "hello " * 40, "rejected": "ok"},
+        {"src": ["hello"], "tgt": [], "response": [["yes"], ["ok"]], "sort": [1, 1]},
+        {"images": [image], "messages": prompt + [{"role": "assistant", "content": "x"}]},  # an SFT record
+    ]
+    cfg = ernie_config(tmp_path, "training.stage=dpo", "data.dataset=jsonl",
+                       f"data.train_path={_pairs_file(tmp_path, records)}", "data.max_seq_len=96")
+    tok = build_tokenizer(cfg)
+    data = PreferenceJsonl(str(tmp_path / "pairs.jsonl"))
+    stats = Counter()
+    rows = list(RowStream(data, tok, cfg, stats, shuffle=False))
+    assert stats == Counter({"equal_answers": 1, "empty_answer": 1, "pair_over_max_seq_len": 1, "bad_record": 1,
+                             "wrong_format": 1})
+    assert len(rows) == 3
+    decode = lambda row, side: tok.decode(row.labels[(row.pair_sides == side) & (row.labels >= 0)]).strip()  # noqa: E731
+    eos = "<|end_of_sentence|>"
+    assert (decode(rows[0], 1), decode(rows[0], 2)) == ("a small animal" + eos, "a tiny picture" + eos)
+    assert (decode(rows[1], 1), decode(rows[1], 2)) == ("yes" + eos, "ok then" + eos)
+    # ERNIEKit's shape: the higher sort is chosen; the earlier answer (tgt) is prompt, not trained
+    assert (decode(rows[2], 1), decode(rows[2], 2)) == ("both first" + eos, "tiny" + eos)
+    assert "yes" in tok.decode(rows[2].input_ids[rows[2].pair_sides == 0])
+    assert rows[0].patches and not rows[2].patches
+
+
+def test_preference_settings_are_checked():
+    with pytest.raises(ConfigError, match="dpo_beta"):
+        dpo_cfg("training.dpo_beta=0")
+    with pytest.raises(ConfigError, match="eval_generate"):
+        dpo_cfg("training.eval_generate=true")
+    with pytest.raises(ConfigError, match="dpo_loss"):
+        dpo_cfg("training.dpo_loss=orpo")
+
+
+@pytest.mark.parametrize("fine_tuning", ["full", "lora"])
+def test_the_first_step_starts_at_the_reference(tmp_path, fine_tuning):
+    """Before any update the policy is its reference: every pair's loss is log 2 and its rewards 0; after some
+    steps the reference still gives the starting model's log-probabilities (its weights were kept, or its
+    adapters switched off), and the policy's have moved away from them."""
+    overrides = []
+    if fine_tuning == "lora":
+        base = tmp_path / "base"
+        Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [
+            *SMALL, "training.max_steps=2", "training.eval_steps=0", f"training.output_dir={base}"])).train()
+        overrides = [f"training.model_name_or_path={base / 'final_model'}", "training.fine_tuning=lora",
+                     "training.lora_rank=4"]
+    trainer = Trainer(dpo_cfg(f"training.output_dir={tmp_path / 'dpo'}", "training.max_steps=6",
+                              "training.learning_rate=1e-2", "training.warmup_steps=0", *overrides))
+    batches = trainer.next_micro_batches()
+    first = trainer.train_step(batches)
+    assert first.pair_totals[0] == trainer.global_rows
+    np.testing.assert_allclose(first.lm_loss_sum / first.label_tokens, math.log(2), rtol=1e-5)
+    start = [b.reference_logps.numpy() for b in batches]
+    for _ in range(4):
+        trainer.train_step()
+    again = [dataclass_copy(b) for b in batches]
+    trainer.runner.reference_pass(again)
+    for before, after in zip(start, again):
+        np.testing.assert_allclose(after.reference_logps.numpy(), before, rtol=1e-5, atol=1e-4)
+    trainer.runner.model.eval()
+    with paddle.no_grad():
+        moved = trainer.model(again[0]).pair_figures.numpy()
+    trainer.runner.model.train()
+    assert np.abs(moved[:, 2:4] - start[0]).max() > 1e-2
+    trainer.stream.close()
+
+
+def dataclass_copy(batch):
+    import dataclasses
+
+    return dataclasses.replace(batch, reference_logps=None)
