@@ -103,6 +103,18 @@ class ErniePipeline(BlockQueries, PipelineLayer):
     def preference(self) -> PreferenceLoss | None:
         return self.loss.preference
 
+    def forward(self, input, chunk_id=None):
+        output = super().forward(input, chunk_id)
+        if self.loss.collect_reference and isinstance(output, tuple):
+            # fleet sends the shapes of the tensors that carry a gradient once, with the first activation sent,
+            # and checks the training steps against them: the reference pass (without gradients) comes first, so
+            # its floating-point outputs are marked as a training step's are (leaves: no graph is kept)
+            for tensor in output:
+                if isinstance(tensor, paddle.Tensor) and tensor.dtype in (paddle.float32, paddle.float16,
+                                                                           paddle.bfloat16):
+                    tensor.stop_gradient = False
+        return output
+
     def blocks(self) -> list[nn.Layer]:
         return sorted((layer for layer in self.sublayers() if is_block(layer)), key=_order)
 
