@@ -63,7 +63,7 @@ def test_cached_logits_equal_the_whole_sequence_forward(kind):
     from ernie_moe.batch import Batch
 
     batch = Batch(ids, paddle.full_like(ids, -100), paddle.to_tensor(_extended(prompt, new).token_type_ids[None]),
-                  paddle.to_tensor(_extended(prompt, new).position_ids[None]), paddle.zeros_like(ids),
+                  paddle.to_tensor(_extended(prompt, new).position_ids[None]), paddle.full_like(ids, ids.shape[1]),
                   prompt_inputs(prompt, 588)[4], prompt_inputs(prompt, 588)[5].numpy())
     np.testing.assert_allclose(model(batch, return_logits=True).logits.numpy(), full.numpy(), atol=1e-5, rtol=1e-5)
 

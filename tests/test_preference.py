@@ -266,3 +266,47 @@ def dataclass_copy(batch):
     import dataclasses
 
     return dataclasses.replace(batch, reference_logps=None)
+
+
+@pytest.mark.slow
+def test_dpo_learns_to_prefer_the_true_caption_word(tmp_path):
+    """A short supervised run half learns the captions; DPO from it on the synthetic pairs (the true caption
+    against one word wrong) brings held-out reward accuracy from about 0.5 to above 0.9, and greedy captions of
+    held-out images then hold the true word where the pair's answers differ more often than before."""
+    sft = load_config(ROOT / "configs" / "vl_moe.yaml", [*SMALL, "training.max_steps=120", "training.eval_steps=0",
+                                                          f"training.output_dir={tmp_path / 'sft'}"])
+    Trainer(sft).train()
+    dpo = dpo_cfg(f"training.model_name_or_path={tmp_path / 'sft' / 'final_model'}", "training.max_steps=150",
+                  "training.eval_steps=10", "training.learning_rate=1e-3", "training.min_lr=1e-4",
+                  "training.warmup_steps=10", "data.num_eval_samples=64", f"training.output_dir={tmp_path / 'dpo'}")
+    Trainer(dpo).train()
+    curve = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [r["eval_reward_accuracy"] for r in curve if "eval_reward_accuracy" in r]
+    print("held-out reward accuracy every 10 steps:", accuracy)
+    assert accuracy[0] < 0.75 and accuracy[-1] > 0.9
+    before, after = (true_word_share(tmp_path / run / "final_model", dpo) for run in ("sft", "dpo"))
+    print(f"greedy captions with the true word: {before:.3f} before DPO, {after:.3f} after")
+    assert after > before + 0.05
+
+
+def true_word_share(folder, cfg) -> float:
+    """The share of held-out pairs whose greedy caption (from the image and "a") has the chosen word where the
+    chosen and rejected captions differ."""
+    from ernie_moe.data.loader import training_encoder
+    from ernie_moe.data.preference import SyntheticPairs
+    from ernie_moe.generation import generate
+    from ernie_moe.generation.model_folder import load_model_folder
+    from ernie_moe.training.generation_eval import split_answer
+
+    loaded = load_model_folder(folder)
+    encoder = training_encoder(loaded.tokenizer, cfg, Counter())
+    pairs = SyntheticPairs(cfg.training.seed, "eval", 64, cfg.data.image_size)
+    right = 0
+    for pair in (pairs[i] for i in range(len(pairs))):
+        prompt, chosen, _ = split_answer(encoder(pair.chosen))
+        _, rejected, _ = split_answer(encoder(pair.rejected))
+        where = int(np.argmax(chosen != rejected))
+        out = generate(loaded.model, prompt, len(chosen) + 1, loaded.tokenizer.eos_id,
+                       never=(loaded.cfg.im_patch_id,), tokens=loaded.tokenizer.vocab_size)
+        right += len(out.ids) > where and out.ids[where] == chosen[where]
+    return right / len(pairs)
