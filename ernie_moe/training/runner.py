@@ -67,8 +67,9 @@ class PlainRunner:
         """Accumulate gradients of ``loss_sum x data ranks / denominator + router loss / micro-batches``;
         returns this rank's sums of the loss and of the router losses over its micro-batches, and of the
         preference figures (``nn.preference.FIGURES``) of pair batches."""
-        with part("reference"):
-            self.reference_pass(micro_batches)
+        if self.reference is not None:  # a preference run's reference model, before the policy's pass
+            with part("reference"):
+                self.reference_pass(micro_batches)
         lm_sum, router_sum, pairs = 0.0, 0.0, None
         for i, batch in enumerate(micro_batches):
             with part("forward"), self.precision.autocast():
@@ -154,8 +155,9 @@ class PipelineRunner(PlainRunner):
 
     def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float, np.ndarray | None]:
         """What fleet's ``train_batch`` runs before its optimizer step; the sums come from the last stage."""
-        with part("reference"):
-            self.reference_pass(micro_batches)
+        if self.reference is not None:  # a preference run's reference model, before the policy's pass
+            with part("reference"):
+                self.reference_pass(micro_batches)
         loss = self.model.loss
         loss.reset()
         # fleet divides each micro-batch's loss by their number: the scale undoes it
