@@ -267,3 +267,49 @@ def dataclass_copy(batch):
 
     return dataclasses.replace(batch, reference_logps=None)
 
+
+
+@pytest.mark.slow
+def test_dpo_learns_to_prefer_the_true_caption_word(tmp_path):
+    """A 400-step supervised run captions most held-out images right; DPO from it on the synthetic pairs (the true
+    caption against one with a word wrong) brings held-out reward accuracy from 0.67 after 10 steps to above 0.9
+    (the mean of the last five evaluations), and greedy captions of held-out images hold the true word where the
+    pair's answers differ more often than before."""
+    common = ["logging.progress_bar=false", "data.num_eval_samples=64", "training.eval_steps=0"]
+    Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [*common, "training.max_steps=400",
+                                                            f"training.output_dir={tmp_path / 'sft'}"])).train()
+    dpo = load_config(ROOT / "configs" / "vl_moe.yaml", [
+        *common, "training.stage=dpo", f"training.model_name_or_path={tmp_path / 'sft' / 'final_model'}",
+        "training.max_steps=300", "training.eval_steps=10", "training.learning_rate=3e-4", "training.min_lr=3e-5",
+        "training.warmup_steps=10", f"training.output_dir={tmp_path / 'dpo'}"])
+    Trainer(dpo).train()
+    curve = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [r["eval_reward_accuracy"] for r in curve if "eval_reward_accuracy" in r]
+    print("held-out reward accuracy every 10 steps:", [round(a, 3) for a in accuracy])
+    assert accuracy[0] < 0.8 and np.mean(accuracy[-5:]) > 0.9
+    before, after = (true_word_share(tmp_path / run / "final_model", dpo) for run in ("sft", "dpo"))
+    print(f"greedy captions with the true word: {before:.3f} before DPO, {after:.3f} after")
+    assert after > before
+
+
+def true_word_share(folder, cfg) -> float:
+    """The share of held-out pairs whose greedy caption (from the image and "a") has the chosen word where the
+    chosen and rejected captions differ."""
+    from ernie_moe.data.loader import training_encoder
+    from ernie_moe.data.preference import SyntheticPairs
+    from ernie_moe.generation import generate
+    from ernie_moe.generation.model_folder import load_model_folder
+    from ernie_moe.training.generation_eval import split_answer
+
+    loaded = load_model_folder(folder)
+    encoder = training_encoder(loaded.tokenizer, cfg, Counter())
+    pairs = SyntheticPairs(cfg.training.seed, "eval", cfg.data.num_eval_samples, cfg.data.image_size)
+    right = 0
+    for pair in (pairs[i] for i in range(len(pairs))):
+        prompt, chosen, _ = split_answer(encoder(pair.chosen))
+        _, rejected, _ = split_answer(encoder(pair.rejected))
+        where = int(np.argmax(chosen != rejected))
+        out = generate(loaded.model, prompt, len(chosen) + 1, loaded.tokenizer.eos_id,
+                       never=(loaded.cfg.im_patch_id,), tokens=loaded.tokenizer.vocab_size)
+        right += len(out.ids) > where and out.ids[where] == chosen[where]
+    return right / len(pairs)
