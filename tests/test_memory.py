@@ -45,6 +45,9 @@ LAYOUTS = {
     "LoRA on every linear, rank 16": (1, ["training.fine_tuning=lora", "training.model_name_or_path={base}",
                                           "training.lora_rank=16", "training.lora_targets=[" + ",".join(
                                               LORA_TARGET_GROUPS) + "]"]),
+    # preference pairs: full fine-tuning keeps the reference copy of the weights, LoRA's reference is its base
+    "DPO": (1, ["training.stage=dpo"]),
+    "DPO with LoRA": (1, ["training.stage=dpo", "training.fine_tuning=lora", "training.model_name_or_path={base}"]),
     "freeze vision": (1, ["training.freeze=[vision]"]),
     "grouped expert matmuls": (1, ["training.moe_expert_matmul=grouped"]),
 }

@@ -40,6 +40,7 @@ class Workload:
     # within each frame, the frames of one size at once (counts, not a list: an assumed micro-batch of a huge
     # config would list billions)
     image_sizes: dict[int, int] = field(default_factory=dict)
+    padding: int = 0  # positions that hold no token: no router sends them to an expert (a pair row's tail)
 
     @property
     def tokens(self) -> int:
@@ -66,7 +67,7 @@ class Workload:
         for frames, rows, cols in np.asarray(batch.grid_thw).reshape(-1, 3).tolist():
             sizes[int(rows * cols)] += int(frames)
         return cls(rows=types.shape[0], seq=types.shape[1], image_tokens=int((types > 0).sum()),
-                   image_sizes=dict(sizes))
+                   image_sizes=dict(sizes), padding=int((types < 0).sum()))
 
     @classmethod
     def assumed(cls, cfg, image_fraction: float = 0.5) -> Workload:
@@ -110,10 +111,11 @@ class StageMemory:
     activations: float
     transient: float
     offloaded: bool = False  # the optimizer states visit the device for the update only, after the backward pass
+    reference: float = 0.0  # a preference run's reference copy of the weights that train (full fine-tuning)
 
     @property
     def total(self) -> float:
-        steady = self.parameters + self.gradients + self.inputs
+        steady = self.parameters + self.reference + self.gradients + self.inputs
         if self.offloaded:
             return steady + max(self.optimizer, self.activations + self.transient)
         return steady + self.optimizer + self.activations + self.transient
@@ -171,13 +173,13 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
     else:
         counts, widths = m.moe_num_experts, m.moe_intermediate_size
         hard = m.moe_use_hard_gate and len(counts) == 2
-        text = t - w.image_tokens
+        text = t - w.image_tokens - w.padding
         routed = [(text, counts[0], widths[0]), (w.image_tokens, counts[1], widths[1])] if hard else \
-            [(t, sum(counts), widths[0])]
+            [(t - w.padding, sum(counts), widths[0])]
         routed = [r for i, r in enumerate(routed) if not hard or i in modalities]
         layout = Layout.of(parallel)
         # over the tensor-parallel ranks each holds the same tokens and a share of the experts: a share of the copies
-        kept_by_group = kept_copies(m, routed, capacity, t)
+        kept_by_group = kept_copies(m, routed, capacity, t - w.padding)
         copies = sum(kept_by_group) / (layout.expert_split if layout.experts_over_tp else 1)
         width = sum(c * wd for c, (_, _, wd) in zip(kept_by_group, routed)) / max(sum(kept_by_group), 1)
         router = 3.4 * sum(n * e for n, e, _ in routed)
@@ -329,6 +331,8 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         activations = act_scale * kept * in_flight(p, t, stage)
         transient = act_scale * transient
         inputs = data_inputs * t.gradient_accumulation_steps
+        # a full fine-tune's preference reference: the trained weights as they started (LoRA's is its base)
+        reference = param_bytes * sum(trainable) if t.stage == "dpo" and t.fine_tuning != "lora" else 0.0
         out.append(StageMemory(stage, parameters, gradients, optimizer, inputs, activations, transient,
-                               t.offload_optim))
+                               t.offload_optim, reference))
     return out

@@ -6,8 +6,8 @@
 The device's size is ``--device-memory-gb``, else the config's ``training.device_memory_gb``, else this machine's
 (its GPU's memory, or its RAM on a CPU): the size the trainer checks a run against at start-up.
 
-Prints, for one rank of each pipeline stage, the bytes of parameters, gradients, optimizer states, input
-batches, activations and the backward-pass transient, and whether the busiest stage fits the device. With
+Prints, for one rank of each pipeline stage, the bytes of parameters (and a full fine-tune's preference reference
+copy of them), gradients, optimizer states, input batches, activations and the backward-pass transient, and whether the busiest stage fits the device. With
 ``--search`` it lists the layouts (tensor, pipeline, virtual stages, sharding, expert degree, recompute,
 micro-batch) that fit, the fastest first by a rough estimate; with ``--smallest`` the fewest GPUs (a multiple
 of 8) on which one fits, and that layout. The micro-batch's make-up comes from the
@@ -61,7 +61,8 @@ def workload_source(cfg, data_world: int, image_fraction: float):
 
 
 def table(stages, device_bytes: float) -> str:
-    columns = ("parameters", "gradients", "optimizer", "inputs", "activations", "transient", "total")
+    columns = ("parameters", *(("reference",) if any(s.reference for s in stages) else ()), "gradients", "optimizer",
+               "inputs", "activations", "transient", "total")
     lines = ["stage " + " ".join(f"{c:>12}" for c in columns)]
     for s in stages:
         lines.append(f"{s.stage:>5} " + " ".join(f"{size(getattr(s, c)):>12}" for c in columns))

@@ -28,8 +28,7 @@ class ReferenceModel:
     @contextmanager
     def active(self):
         """Inside, the model computes as the reference (every rank of the layout enters together)."""
-        policy = [(p, p.detach().clone()) for p, _ in self.weights]
-        self._write(self.weights)
+        self._swap()
         for layer in self.adapters:
             layer.switched_on = False
         try:
@@ -37,10 +36,13 @@ class ReferenceModel:
         finally:
             for layer in self.adapters:
                 layer.switched_on = True
-            self._write(policy)
+            self._swap()
 
-    @staticmethod
     @paddle.no_grad()
-    def _write(values) -> None:
-        for param, value in values:
-            param.set_value(value)
+    def _swap(self) -> None:
+        """The held weights into the parameters and theirs into the holders, one tensor at a time (no second
+        copy of the model at any moment)."""
+        for param, held in self.weights:
+            theirs = param.detach().clone()
+            param.set_value(held)
+            paddle.assign(theirs, output=held)
