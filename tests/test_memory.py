@@ -16,7 +16,7 @@ from ernie_moe.config.schema import LORA_TARGET_GROUPS
 from ernie_moe.finetune import prepare_fine_tuning
 from ernie_moe.memory.estimate import estimate, sample_workload, sample_workloads
 from ernie_moe.memory.params import stage_lora_params, stage_params
-from ernie_moe.memory.report import report
+from ernie_moe.memory.report import planned, report
 from ernie_moe.parallel.env import DistEnv
 from ernie_moe.training.runner import build_model
 
@@ -216,6 +216,14 @@ def test_the_real_scale_configs_are_planned(tmp_path):
         assert text.count("\n") >= 3 + p.pipeline_parallel_degree
         assert "assumed: images of" in text
         assert ok == fits, (name, text)
+    # DPO-LoRA of VL-28B at 8K on 4 GPUs: the reference is the base, so the plan is the LoRA fine-tune's; full DPO
+    # adds a reference copy of the trained weights on each rank
+    lora = load_config(ROOT / "configs" / "ernie45_vl_28b_a3b_lora.yaml", ["training.stage=dpo"], check_paths=False)
+    assert report(lora, 4, 80.0, run_search=False)[1]
+    full = [load_config(ROOT / "configs" / "ernie45_vl_28b_a3b.yaml", o, check_paths=False)
+            for o in ([], ["training.stage=dpo"])]
+    sft_plan, dpo_plan = (planned(c, 8)[0][0] for c in full)
+    assert dpo_plan.reference > 0 and dpo_plan.total - sft_plan.total == pytest.approx(dpo_plan.reference)
     for offload, fewest in (("true", 24), ("false", 144)):  # VL-424B full fine-tuning, 80 GB GPUs
         done = subprocess.run([sys.executable, "-m", "ernie_moe.memory", "--config",
                                "configs/ernie45_vl_424b_a47b.yaml", "--smallest", "--device-memory-gb", "80",
