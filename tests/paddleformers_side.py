@@ -19,6 +19,8 @@ libraries the rest of the suite uses).
                                                     # OUT/<stem>.npy each, on the CPU (paddleformers_cpu.py)
     python paddleformers_side.py vl_lora DIR ADAPTER OUT PROCESSED...  # the same with LoRAModel.from_pretrained,
                                                     # and the LoRA tensors it holds as OUT/lora_state.npz
+    python paddleformers_side.py dpo DIR PAIRS OUT  # the dense model's logits of each side, laid out as its DPO
+                                                    # data lays a pair out, through its DPOCriterion
 """
 
 import json
@@ -273,10 +275,56 @@ def _vl_logits(model, data, image_processor, mean, std):
     return result.logits.astype("float32").numpy()
 
 
+def dpo(directory, pairs, out):
+    """PaddleFormers' DPO on pairs of token ids (PAIRS .npz: prompt_i, chosen_i, rejected_i, reference [n, 2],
+    beta, loss_type, dpop_lambda): its model's logits of prompt + chosen and of prompt + rejected, laid out as its
+    DPO data is (``prompt | chosen | last prompt token, rejected``: the logits of each position as the plain
+    forward of its side gives them), its labels and response indices (``ignore_eos_token``: the rejected answer
+    starts one after the chosen answer's last position), then ``DPOCriterion`` with the given reference."""
+    from types import SimpleNamespace
+
+    from paddleformers.transformers.dpo_criterion import DPOCriterion
+
+    data = np.load(pairs)
+    _, model_cls, _ = classes("dense")
+    model = model_cls.from_pretrained(directory, convert_from_hf=True)
+    model.eval()
+    rows, chosen_labels, rejected_labels, indices = [], [], [], []
+    count = len(data["reference"])
+    for i in range(count):
+        prompt, chosen, rejected = (data[f"{k}_{i}"] for k in ("prompt", "chosen", "rejected"))
+        with paddle.no_grad():
+            a, b = (model(input_ids=paddle.to_tensor(np.concatenate([prompt, side])[None])).logits[0].numpy()
+                    for side in (chosen, rejected))
+        n, c = len(prompt), len(chosen)
+        rows.append(np.concatenate([a, b[n - 1:]]))
+        labels = np.zeros([2, len(rows[-1])], np.int64)
+        labels[0, n - 1: n + c - 1] = chosen
+        labels[1, n + c: n + c + len(rejected)] = rejected
+        chosen_labels.append(labels[0])
+        rejected_labels.append(labels[1])
+        indices.append([i, n - 1, n + c - 1, n + c + len(rejected)])
+    width = max(len(r) for r in rows)
+    pad = [(0, width - len(r)) for r in rows]
+    logits = paddle.to_tensor(np.stack([np.pad(r, (p, (0, 0))) for r, p in zip(rows, pad)]).astype("float32"))
+    chosen_labels, rejected_labels = (paddle.to_tensor(np.stack([np.pad(v, p) for v, p in zip(labels, pad)]))
+                                      for labels in (chosen_labels, rejected_labels))
+    config = SimpleNamespace(tensor_parallel_output=False, tensor_model_parallel_size=1)
+    dpo_config = SimpleNamespace(loss_type=str(data["loss_type"]), beta=float(data["beta"]), label_smoothing=0.0,
+                                 dpop_lambda=float(data["dpop_lambda"]), pref_loss_ratio=1.0, sft_loss_ratio=0.0,
+                                 normalize_logps=False, simpo_gamma=0.0)
+    criterion = DPOCriterion(config, dpo_config, ignore_eos_token=True)
+    reference = paddle.to_tensor(data["reference"].astype("float32"))
+    chosen, rejected, _, loss, _ = criterion(logits, (chosen_labels, rejected_labels,
+                                                      paddle.to_tensor(np.array(indices, np.int64)),
+                                                      reference[:, 0], reference[:, 1]))
+    np.savez(out, chosen=chosen.numpy(), rejected=rejected.numpy(), loss=float(loss))
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {"make": make, "dump": dump, "logits": logits, "generate": generate, "lora_logits": lora_logits,
      "lora_dump": lora_dump, "image": image, "prepared": prepared, "process": process,
      "pieces": pieces,
-     "frames": frames, "timestamps": timestamps, "vl_logits": vl_logits,
+     "frames": frames, "timestamps": timestamps, "vl_logits": vl_logits, "dpo": dpo,
      "vl_lora": lambda base, adapter, out, *cases: vl_logits(base, out, *cases, adapter=adapter)}[command](*args)

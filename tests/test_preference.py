@@ -313,3 +313,51 @@ def true_word_share(folder, cfg) -> float:
                        never=(loaded.cfg.im_patch_id,), tokens=loaded.tokenizer.vocab_size)
         right += len(out.ids) > where and out.ids[where] == chosen[where]
     return right / len(pairs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["sigmoid", "dpop"])
+def test_the_dpo_loss_of_a_batch_equals_paddleformers(tmp_path, loss):
+    """A dense ERNIE 4.5 made by PaddleFormers, imported here: the shared-prompt rows, this model and this loss
+    against PaddleFormers' model run on each side on its own, its DPO layout and its ``DPOCriterion`` (CPU), on
+    the same reference log-probabilities: each answer's log-probability and the batch's loss within 1e-5."""
+    from test_pretrained import imported, paddleformers
+
+    from ernie_moe.data.preference import pair_row
+
+    paddleformers("make", "dense", tmp_path / "dense", cwd=tmp_path)
+    folder = tmp_path / "dense" / "hf"
+    _, model, _ = imported(folder)
+    model.preference = PreferenceLoss(PreferenceSettings(loss, beta=0.2, dpop_lambda=5.0))
+    model.eval()
+    rng = np.random.default_rng(5)
+    pairs, rows = [], []
+    for n, c, r in ((5, 4, 6), (3, 7, 2), (8, 3, 3)):
+        prompt, chosen, rejected = (rng.integers(1, 96, k) for k in (n, c, r))
+        rejected[0] = (chosen[0] + 1) % 95 + 1  # the answers part at their first token
+        pairs.append((prompt, chosen, rejected))
+        rows.append(pair_row(_text_side(prompt, chosen), _text_side(prompt, rejected), 24, 0, -1))
+    reference = rng.uniform(-40, -20, (3, 2))
+    batch = collate(rows)
+    batch.reference_logps = paddle.to_tensor(reference.astype(np.float32))
+    with paddle.no_grad():
+        out = model(batch)
+    figures = out.pair_figures.numpy()
+    np.savez(tmp_path / "pairs.npz", reference=reference, beta=0.2, loss_type=loss, dpop_lambda=5.0,
+             **{f"{k}_{i}": v for i, pair in enumerate(pairs) for k, v in zip(("prompt", "chosen", "rejected"), pair)})
+    paddleformers("dpo", folder, tmp_path / "pairs.npz", tmp_path / "theirs.npz", cwd=tmp_path)
+    theirs = np.load(tmp_path / "theirs.npz")
+    np.testing.assert_allclose(figures[:, 2], theirs["chosen"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(figures[:, 3], theirs["rejected"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(out.loss_sum) / 3, float(theirs["loss"]), rtol=1e-5, atol=1e-6)
+    assert abs(float(theirs["loss"]) - math.log(2)) > 1e-3  # the reference differs from the policy
+
+
+def _text_side(prompt, answer):
+    """A text sample: the prompt, then the answer's tokens trained; positions along the row."""
+    from ernie_moe.data.packing import Encoded
+
+    ids = np.concatenate([prompt, answer])
+    zeros = np.zeros(len(ids), np.int64)
+    return Encoded(ids, np.arange(len(ids)) >= len(prompt), zeros, zeros,
+                   np.repeat(np.arange(len(ids))[:, None], 3, axis=1), [], [])
