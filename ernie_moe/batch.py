@@ -26,3 +26,4 @@ class Batch:
     # answers [batch, 2], once its pass has run (training.preference)
     pair_sides: paddle.Tensor | None = None
     reference_logps: paddle.Tensor | None = None
+    pair_keys: np.ndarray | None = None  # each row's pair's key (data.packing.Row.pair_key)

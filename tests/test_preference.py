@@ -361,3 +361,31 @@ def _text_side(prompt, answer):
     zeros = np.zeros(len(ids), np.int64)
     return Encoded(ids, np.arange(len(ids)) >= len(prompt), zeros, zeros,
                    np.repeat(np.arange(len(ids))[:, None], 3, axis=1), [], [])
+
+
+def test_precomputed_reference_figures_train_as_the_reference_model_does_and_are_read_back(tmp_path, capsys):
+    """``training.dpo_reference: precomputed``: the pairs' figures computed before the first step give the steps,
+    held-out figures and weights of a run that keeps the reference weights; a second run in that output folder
+    reads them back instead of computing them."""
+    common = ["training.max_steps=4", "training.eval_steps=4", "training.learning_rate=1e-2", "logging.logging_steps=1",
+              "data.num_train_samples=40", "data.num_eval_samples=9"]
+    runs = {}
+    for reference in ("model", "precomputed"):
+        trainer = Trainer(dpo_cfg(*common, f"training.dpo_reference={reference}",
+                                  f"training.output_dir={tmp_path / reference}"))
+        assert (reference == "model") == (trainer.runner.reference.__class__.__name__ == "ReferenceModel")
+        trainer.train()
+        lines = (tmp_path / reference / "metrics.jsonl").read_text().splitlines()
+        runs[reference] = [json.loads(line) for line in lines]
+    table = np.load(tmp_path / "precomputed" / "reference_logps_train.npy")
+    assert table.shape == (40, 2) and np.isfinite(table).all() and (table < 0).all()
+    for a, b in zip(runs["model"], runs["precomputed"]):
+        for key in ("loss", "dpo/rewards_chosen", "dpo/logps_rejected", "eval_loss", "eval_reward_margin"):
+            if key in a:
+                np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert "reference log-probabilities of 49 pairs computed" in capsys.readouterr().out
+    again = Trainer(dpo_cfg(*common, "training.dpo_reference=precomputed", "training.overwrite_output_dir=true",
+                            f"training.output_dir={tmp_path / 'precomputed'}"))
+    assert "reference log-probabilities read from" in capsys.readouterr().out
+    np.testing.assert_array_equal(again.runner.reference.tables["train"], table)
+    again.stream.close()

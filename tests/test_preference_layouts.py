@@ -20,7 +20,8 @@ STEPS, ROWS = 5, 4
 COMMON = [f"training.max_steps={STEPS}", "logging.logging_steps=1", f"training.eval_steps={STEPS}",
           "training.stage=dpo", "training.adam_epsilon=1e-6", "training.learning_rate=1e-2",
           "training.warmup_steps=0", "data.num_eval_samples=7", "training.per_device_eval_batch_size=1",
-          "model.global_aux_loss=true", "model.moe_use_aux_free=true", "model.moe_aux_free_update_coef=0.01"]
+          "model.global_aux_loss=true", "model.moe_use_aux_free=true", "model.moe_aux_free_update_coef=0.01",
+          "data.num_train_samples=64"]
 EP2 = "parallel.expert_parallel_degree=2"
 LORA = ["training.fine_tuning=lora", "training.lora_rank=4"]
 # kto_pair's KL estimate is a mean over the pairs of a global micro-batch, on every data rank: the evaluation
@@ -38,6 +39,9 @@ LAYOUTS = {
     "tp2_pp2": (4, 1, [TP2, PP2], ACCUMULATE),
     "lora_tp2": (2, 1, [TP2], LORA),
     "dp2_kto_pair": (2, 2, ["training.per_device_eval_batch_size=1"], KTO),
+    # every pair's reference figures computed through the pipeline before the first step, against one process that
+    # keeps the reference weights
+    "pp2_precomputed": (2, 1, [PP2, "training.dpo_reference=precomputed"], ACCUMULATE),
 }
 
 

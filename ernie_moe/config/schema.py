@@ -337,6 +337,11 @@ class TrainingConfig:
     dpo_normalize_length: bool = opt(False, "dpo: divide each answer's log-probability by its token count (SimPO "
                                             "always does)")
     dpo_sft_weight: float = opt(0.0, "dpo: add this multiple of the chosen answer's mean token cross-entropy")
+    dpo_reference: str = choice("model", "model", "precomputed",
+                                doc="dpo: the reference's log-probabilities from the starting weights kept beside "
+                                    "the policy (LoRA: the base, its adapters switched off), or computed for every "
+                                    "pair in one pass before the first step and kept in the output folder (no "
+                                    "reference weights held)")
 
 
 @dataclass(frozen=True)

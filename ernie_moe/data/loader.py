@@ -135,8 +135,11 @@ class RowStream:
     found unusable is counted once and passed over without being read again in later epochs. With
     ``workers`` background processes read and encode the samples (``data.num_workers``), in the same order."""
 
-    def __init__(self, dataset, tokenizer, cfg, stats: Counter, shuffle: bool, workers: int = 0):
+    def __init__(self, dataset, tokenizer, cfg, stats: Counter, shuffle: bool, workers: int = 0,
+                 held_out: bool = False):
+        """``held_out``: the rows of a held-out set (a pair's key is then ``-1 - index``)."""
         self.dataset, self.tokenizer, self.stats, self.shuffle = dataset, tokenizer, stats, shuffle
+        self.held_out = held_out
         self.unusable: set[int] = set()
         self.seed = cfg.training.seed
         self.max_seq_len = cfg.data.max_seq_len
@@ -165,6 +168,8 @@ class RowStream:
                     self.stats[reason] += 1
                     self.unusable.add(index)
                     continue
+                if self.pairs:
+                    encoded.pair_key = -1 - index if self.held_out else index
                 yield encoded
                 usable += 1
             if not self.shuffle:
@@ -217,4 +222,5 @@ def collate(rows: list[Row]) -> Batch:
         grid_thw=np.stack(grids) if grids else np.zeros([0, 3], np.int64),
         pair_sides=paddle.to_tensor(np.stack([r.pair_sides for r in rows])) if rows[0].pair_sides is not None
         else None,
+        pair_keys=np.array([r.pair_key for r in rows], np.int64) if rows[0].pair_sides is not None else None,
     )

@@ -176,6 +176,7 @@ class Row:
     patches: list[np.ndarray]
     grids: list[np.ndarray]
     pair_sides: np.ndarray | None = None  # a preference pair's row: 1 chosen answer, 2 rejected, 0 prompt (Batch)
+    pair_key: int = 0  # a pair's sample index in its data set (held out: -1 - index), for precomputed figures
 
     def unpadded(self) -> Encoded:
         """The row's tokens before its padding as one encoded sample (the trained tokens those with a label)."""

@@ -332,7 +332,8 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         transient = act_scale * transient
         inputs = data_inputs * t.gradient_accumulation_steps
         # a full fine-tune's preference reference: the trained weights as they started (LoRA's is its base)
-        reference = param_bytes * sum(trainable) if t.stage == "dpo" and t.fine_tuning != "lora" else 0.0
+        holds = t.stage == "dpo" and t.fine_tuning != "lora" and t.dpo_reference == "model" and t.dpo_loss != "simpo"
+        reference = param_bytes * sum(trainable) if holds else 0.0
         out.append(StageMemory(stage, parameters, gradients, optimizer, inputs, activations, transient,
                                t.offload_optim, reference))
     return out

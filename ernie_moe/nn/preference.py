@@ -150,12 +150,16 @@ class PreferenceLoss:
         return pair_figures(self.settings, policy, lengths, reference, self.reduce_sum)
 
 
-def pairs_in(labels: paddle.Tensor, sides: paddle.Tensor) -> int:
-    """How many rows hold a pair whose two answers both have trained tokens (what a preference loss averages
-    over)."""
+def holds_pair(labels: paddle.Tensor, sides: paddle.Tensor) -> paddle.Tensor:
+    """``[rows]``: whether each row holds a pair whose two answers both have trained tokens (a filler row of a
+    short batch has none)."""
     trained = labels != IGNORE_INDEX
-    has = [paddle.logical_and(trained, sides == side).any(axis=1) for side in (CHOSEN, REJECTED)]
-    return int(paddle.logical_and(*has).sum())
+    return paddle.logical_and(*(paddle.logical_and(trained, sides == side).any(axis=1) for side in (CHOSEN, REJECTED)))
+
+
+def pairs_in(labels: paddle.Tensor, sides: paddle.Tensor) -> int:
+    """How many rows hold a pair (what a preference loss averages over)."""
+    return int(holds_pair(labels, sides).sum())
 
 
 def preference_metrics(totals: np.ndarray, prefix: str) -> dict:

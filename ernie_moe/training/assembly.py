@@ -42,7 +42,7 @@ from .ema import WeightAverage
 from .memory_guard import MemoryGuard
 from .optimizer import build_optimizer, split_experts
 from .precision import Precision
-from .preference import ReferenceModel
+from .preference import PrecomputedReference, ReferenceModel
 from .runner import build_model, build_runner
 
 
@@ -95,10 +95,13 @@ def preference_loss(t, env) -> PreferenceLoss | None:
     return PreferenceLoss(PreferenceSettings.of(t), lambda x: env.all_reduce_sum(x, env.data_group))
 
 
-def reference_model(model, t) -> ReferenceModel | None:
-    """The reference of a preference loss that has one."""
+def reference_model(model, t) -> ReferenceModel | PrecomputedReference | None:
+    """The reference of a preference loss that has one (a precomputed one is filled by the trainer, which has the
+    data)."""
     if model.preference is None or not model.preference.settings.needs_reference:
         return None
+    if t.dpo_reference == "precomputed":
+        return PrecomputedReference()
     return ReferenceModel(model, lora=t.fine_tuning == "lora")
 
 

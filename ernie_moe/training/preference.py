@@ -1,21 +1,31 @@
 """The reference model of a preference run, and its pass over each step's pairs.
 
-The reference is the model the run starts from. A LoRA run has it already: the base with the adapters switched
-off, so nothing is copied. A full fine-tune keeps a frozen copy of the weights that train, on the ranks that hold
-them (the layout's own placement, no gradients, no optimizer states), and swaps it in for the reference pass. The
-routers' correction biases are kept too, so the reference routes as the starting model did however the
-aux-loss-free rule moves the policy's. The reference pass runs in evaluation mode (no router statistics, no
-router losses, no dropout), as the pass of a separate frozen model would.
+The reference is the model the run starts from (``training.dpo_reference: model``). A LoRA run has it already: the
+base with the adapters switched off, so nothing is copied. A full fine-tune keeps a frozen copy of the weights that
+train, on the ranks that hold them (the layout's own placement, no gradients, no optimizer states), and swaps it in
+for the reference pass. The routers' correction biases are kept too, so the reference routes as the starting model
+did however the aux-loss-free rule moves the policy's. The reference pass runs in evaluation mode (no router
+statistics, no router losses, no dropout), as the pass of a separate frozen model would.
+
+With ``training.dpo_reference: precomputed`` the starting model's log-probabilities of every training and held-out
+pair are computed in one pass before the first step, while the weights are still the reference's, and kept in the
+output folder (``reference_logps.json``: what they were computed for; ``reference_logps_{train,eval}.npy``); a
+resume reads them back. No reference weights are held, and a step runs no reference pass.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 
+import numpy as np
 import paddle
 
+from .. import json_files
+from ..data import RowStream, rank_batches
 from ..finetune.lora import LoRALinear
 from ..model.parameter_kinds import is_router_bias
+from ..nn.preference import holds_pair
 
 
 class ReferenceModel:
@@ -24,6 +34,10 @@ class ReferenceModel:
         kept = [p for name, p in model.named_parameters()
                 if is_router_bias(name) or (not lora and not p.stop_gradient)]
         self.weights = [(p, p.detach().clone()) for p in kept]
+
+    def fill(self, runner, micro_batches) -> None:
+        with self.active():
+            runner.logps_pass(micro_batches)
 
     @contextmanager
     def active(self):
@@ -46,3 +60,64 @@ class ReferenceModel:
             theirs = param.detach().clone()
             param.set_value(held)
             paddle.assign(theirs, output=held)
+
+
+class PrecomputedReference:
+    FILES = {"train": "reference_logps_train.npy", "eval": "reference_logps_eval.npy"}
+    RECORD = "reference_logps.json"
+
+    def __init__(self):
+        self.tables: dict[str, np.ndarray] = {}  # split -> [pairs, 2] (nan: a pair that was skipped)
+
+    def fill(self, runner, micro_batches) -> None:
+        for batch in micro_batches:
+            keys = batch.pair_keys
+            values = np.stack([self.tables["eval"][-1 - k] if k < 0 else self.tables["train"][k] for k in keys])
+            batch.reference_logps = paddle.to_tensor(np.nan_to_num(values).astype(np.float32))
+
+    def prepare(self, runner, datasets: dict, tokenizer, cfg, env) -> str:
+        """Read the figures from the output folder when they were computed for this data and start, else compute
+        them with the model as it now is (the starting weights) and write them; says which."""
+        folder = Path(cfg.training.output_dir)
+        record = {"model_name_or_path": cfg.training.model_name_or_path, "seed": cfg.training.seed,
+                  "sizes": {split: len(data) for split, data in datasets.items()},
+                  "data": [cfg.data.dataset, cfg.data.train_path, cfg.data.eval_path, cfg.data.max_seq_len]}
+        if (folder / self.RECORD).is_file() and json_files.read_json(folder / self.RECORD) == record:
+            self.tables = {split: np.load(folder / self.FILES[split], allow_pickle=False) for split in datasets}
+            if all(len(self.tables[s]) == n for s, n in record["sizes"].items()):
+                return f"reference log-probabilities read from {folder / self.RECORD}"
+        self.tables = {split: self._compute(runner, data, split == "eval", tokenizer, cfg, env)
+                       for split, data in datasets.items()}
+        if env.is_main:
+            folder.mkdir(parents=True, exist_ok=True)
+            for split, table in self.tables.items():
+                np.save(folder / self.FILES[split], table, allow_pickle=False)
+            (folder / self.RECORD).write_text(json_files.dumps(record, indent=2))
+        return f"reference log-probabilities of {sum(map(len, self.tables.values()))} pairs computed before the " \
+               f"first step ({folder / self.RECORD})"
+
+    @staticmethod
+    def _compute(runner, dataset, held_out: bool, tokenizer, cfg, env) -> np.ndarray:
+        """Every pair of ``dataset`` through ``runner.logps_pass``, each data rank its share, in the training's
+        micro-batch shape; gathered on every rank."""
+        from collections import Counter
+
+        t = cfg.training
+        rows = RowStream(dataset, tokenizer, cfg, Counter(), shuffle=False, held_out=held_out)
+        batches = rank_batches(rows, t.per_device_train_batch_size * env.data_world, env.data_rank, env.data_world,
+                               drop_last=False)
+        found = {}
+        for group in runner.micro_batch_groups(batches, t):
+            runner.logps_pass(group)
+            for batch in group:
+                if batch.reference_logps is None:  # a pipeline stage before the last
+                    continue
+                held = holds_pair(batch.labels, batch.pair_sides).numpy()
+                for key, value, real in zip(batch.pair_keys, batch.reference_logps.numpy(), held):
+                    if real:
+                        found[int(key)] = value.astype(np.float64).tolist()
+        table = np.full([len(dataset), 2], np.nan)
+        for part in env.all_gather_object(found):
+            for key, value in part.items():
+                table[-1 - key if held_out else key] = value
+        return table

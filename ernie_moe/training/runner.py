@@ -8,6 +8,7 @@ interleaved) schedule over this rank's stages. Nothing outside this module asks 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import paddle
@@ -86,19 +87,28 @@ class PlainRunner:
                 pairs = _summed(pairs, out.pair_figures)
         return lm_sum, router_sum, pairs
 
-    @paddle.no_grad()
     def reference_pass(self, micro_batches) -> None:
-        """The reference model's log-probabilities of each pair batch's answers, into the batches (a preference
-        run whose loss has a reference; in evaluation mode, see ``training.preference``)."""
-        if self.reference is None:
-            return
+        """The reference log-probabilities of each pair batch's answers, into the batches (a preference run whose
+        loss has a reference: its model's pass, or the figures computed before the run, ``training.preference``)."""
+        if self.reference is not None:
+            self.reference.fill(self, micro_batches)
+
+    @paddle.no_grad()
+    def logps_pass(self, micro_batches) -> None:
+        """Each pair batch's answers' log-probabilities under the weights the model holds now, in evaluation mode,
+        into ``batch.reference_logps``."""
         self.model.eval()
         try:
-            with self.reference.active(), self.precision.autocast():
+            with self.precision.autocast():
                 for batch in micro_batches:
                     batch.reference_logps = self.model(batch).pair_figures[:, LOGPS]
         finally:
             self.model.train()
+
+    def micro_batch_groups(self, batches, training_cfg):
+        """Row batches as the groups of micro-batches one pass takes (here: one micro-batch at a time)."""
+        for rows in batches:
+            yield [collate(rows)]
 
     def finish_gradients(self) -> None:
         """What the backward passes left of the step's gradient synchronisation."""
@@ -181,16 +191,14 @@ class PipelineRunner(PlainRunner):
                                                      dtype="float64")).numpy()
 
     @paddle.no_grad()
-    def reference_pass(self, micro_batches) -> None:
-        """The reference log-probabilities through fleet's schedule, forward only: the last stage keeps each
-        micro-batch's, which its loss reads back in the training pass (the other stages never read them)."""
-        if self.reference is None:
-            return
+    def logps_pass(self, micro_batches) -> None:
+        """The log-probabilities through fleet's schedule, forward only: the last stage keeps each micro-batch's
+        (its loss reads them back in the training pass); the other stages' batches get None."""
         loss, schedule = self.model.loss, self.fleet_model
         loss.references, loss.collect_reference = [], True
         schedule.eval()
         try:
-            with self.reference.active(), self.precision.autocast():
+            with self.precision.autocast():
                 if self.env.virtual_stages > 1:
                     schedule.set_virtual_pipeline_rank(0)
                 schedule.eval_batch(stage_inputs(micro_batches, scale=1.0), compute_loss=True)
@@ -230,22 +238,28 @@ class PipelineRunner(PlainRunner):
         totals = self.sum_over_stages(totals)
         return eval_metrics(self.env.all_reduce_sum(totals, self.env.data_group).numpy())
 
+    def micro_batch_groups(self, batches, training_cfg):
+        """Row batches as the schedule takes them: ``gradient_accumulation_steps`` micro-batches of the training
+        shape at a time, a short last group filled with unlabelled copies (which hold no pair)."""
+        t, group = training_cfg, []
+        for rows in batches:
+            group.append(rows)
+            if len(group) == t.gradient_accumulation_steps:
+                yield _filled(group, t.per_device_train_batch_size)[0]
+                group = []
+        if group:
+            yield _filled(group + [None] * (t.gradient_accumulation_steps - len(group)),
+                          t.per_device_train_batch_size)[0]
+
     @paddle.no_grad()
     def evaluate_pairs(self, batches, training_cfg) -> dict:
         """Held-out pairs through fleet's schedule, a reference pass and a policy pass per group of micro-batches
-        of the training shape (short groups filled with unlabelled copies, which hold no pair)."""
+        of the training shape."""
         t, schedule, loss = training_cfg, self.fleet_model, self.model.loss
-        groups = [[]]
-        for i, rows in enumerate(batches):
-            if t.max_eval_batches and i >= t.max_eval_batches:
-                break
-            if len(groups[-1]) == t.gradient_accumulation_steps:
-                groups.append([])
-            groups[-1].append(rows)
+        if t.max_eval_batches:
+            batches = itertools.islice(batches, t.max_eval_batches)
         totals = np.zeros(len(FIGURES))
-        for group in groups if groups[0] else []:
-            group += [None] * (t.gradient_accumulation_steps - len(group))
-            micro, _ = _filled(group, t.per_device_train_batch_size)
+        for micro in self.micro_batch_groups(batches, t):
             self.reference_pass(micro)
             loss.reset()
             schedule.eval()

@@ -44,6 +44,7 @@ from .generation_eval import evaluate_by_generation
 from .memory_guard import is_out_of_memory
 from .optimizer import clip_grad_norm, optimizer_state_bytes
 from .precision import NonFiniteGradients
+from .preference import PrecomputedReference
 from .replica_check import ReplicaCheck, ReplicasDiffer
 from .state import StepResult, TrainingState
 from .stop import StopRequested, StopWatch
@@ -82,6 +83,12 @@ class Trainer:
         if self.env.is_main and cfg.data.report_samples:
             self._report_data(train_set)
         self._cut_batches()
+        if isinstance(self.runner.reference, PrecomputedReference):  # with the starting weights, before a resume
+            done = self.runner.reference.prepare(self.runner, {"train": train_set, "eval": self.eval_set} if
+                                                 self.eval_set is not None else {"train": train_set},
+                                                 self.tokenizer, cfg, self.env)
+            if self.env.is_main:
+                print(done, flush=True)
         self.last_checkpoint = None  # the newest checkpoint of this run's lineage: a resume's source, then its saves
         if t.resume_from_checkpoint:
             self._resume()
@@ -362,7 +369,7 @@ class Trainer:
         if self.eval_set is None:
             return {}
         skipped = Counter()
-        rows = RowStream(self.eval_set, self.tokenizer, self.cfg, skipped, shuffle=False)
+        rows = RowStream(self.eval_set, self.tokenizer, self.cfg, skipped, shuffle=False, held_out=True)
         global_rows = self.runner.eval_rows_per_device(self.cfg.training) * self.env.data_world
         batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
         result = self.runner.evaluate(batches, self.cfg.training)
