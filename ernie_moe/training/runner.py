@@ -68,9 +68,7 @@ class PlainRunner:
         """Accumulate gradients of ``loss_sum x data ranks / denominator + router loss / micro-batches``;
         returns this rank's sums of the loss and of the router losses over its micro-batches, and of the
         preference figures (``nn.preference.FIGURES``) of pair batches."""
-        if self.reference is not None:  # a preference run's reference model, before the policy's pass
-            with part("reference"):
-                self.reference_pass(micro_batches)
+        self.reference_pass(micro_batches)  # a preference run's reference, before the policy's pass
         lm_sum, router_sum, pairs = 0.0, 0.0, None
         for i, batch in enumerate(micro_batches):
             with part("forward"), self.precision.autocast():
@@ -91,7 +89,8 @@ class PlainRunner:
         """The reference log-probabilities of each pair batch's answers, into the batches (a preference run whose
         loss has a reference: its model's pass, or the figures computed before the run, ``training.preference``)."""
         if self.reference is not None:
-            self.reference.fill(self, micro_batches)
+            with part("reference"):
+                self.reference.fill(self, micro_batches)
 
     @paddle.no_grad()
     def logps_pass(self, micro_batches) -> None:
@@ -122,19 +121,26 @@ class PlainRunner:
 
     @paddle.no_grad()
     def evaluate_pairs(self, batches, training_cfg) -> dict:
-        """The preference figures of held-out pairs (``eval_loss``, ``eval_reward_accuracy``, ...)."""
+        """The preference figures of held-out pairs (``eval_loss``, ``eval_reward_accuracy``, ...): a reference
+        pass and a policy pass per group of micro-batches."""
+        t = training_cfg
+        if t.max_eval_batches:
+            batches = itertools.islice(batches, t.max_eval_batches)
         totals = np.zeros(len(FIGURES))
-        for i, rows in enumerate(batches):
-            if training_cfg.max_eval_batches and i >= training_cfg.max_eval_batches:
-                break
-            batch = collate(rows)
-            self.reference_pass([batch])
-            self.model.eval()
-            with self.precision.autocast():
-                totals += self.model(batch).pair_figures.sum(axis=0).numpy()
-            self.model.train()
+        for micro in self.micro_batch_groups(batches, t):
+            self.reference_pass(micro)
+            totals += self._pair_figures_of(micro)
         return preference_metrics(self.env.all_reduce_sum(paddle.to_tensor(totals), self.env.data_group).numpy(),
                                   "eval_")
+
+    def _pair_figures_of(self, micro_batches) -> np.ndarray:
+        """The policy's preference figures of the micro-batches, summed over their pairs, in evaluation mode."""
+        self.model.eval()
+        try:
+            with self.precision.autocast():
+                return sum(self.model(batch).pair_figures.sum(axis=0).numpy() for batch in micro_batches)
+        finally:
+            self.model.train()
 
     def eval_rows_per_device(self, training_cfg) -> int:
         return training_cfg.per_device_eval_batch_size
@@ -165,9 +171,7 @@ class PipelineRunner(PlainRunner):
 
     def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float, np.ndarray | None]:
         """What fleet's ``train_batch`` runs before its optimizer step; the sums come from the last stage."""
-        if self.reference is not None:  # a preference run's reference model, before the policy's pass
-            with part("reference"):
-                self.reference_pass(micro_batches)
+        self.reference_pass(micro_batches)  # a preference run's reference, before the policy's pass
         loss = self.model.loss
         loss.reset()
         # fleet divides each micro-batch's loss by their number: the scale undoes it
@@ -210,11 +214,11 @@ class PipelineRunner(PlainRunner):
 
     @paddle.no_grad()
     def evaluate(self, batches, training_cfg) -> dict:
-        if self.model.preference is not None:
-            return self.evaluate_pairs(batches, training_cfg)
         """Forward only through fleet's schedule; the last stage's loss function scores each batch. The
         schedule takes ``gradient_accumulation_steps`` micro-batches of the training shape at a time: short
         batches and the last group are filled with unlabelled copies."""
+        if self.model.preference is not None:
+            return self.evaluate_pairs(batches, training_cfg)
         t, schedule, loss = training_cfg, self.fleet_model, self.model.loss
         steps, rows_per_batch = t.gradient_accumulation_steps, t.per_device_train_batch_size
         loss.reset()
@@ -251,25 +255,19 @@ class PipelineRunner(PlainRunner):
             yield _filled(group + [None] * (t.gradient_accumulation_steps - len(group)),
                           t.per_device_train_batch_size)[0]
 
-    @paddle.no_grad()
-    def evaluate_pairs(self, batches, training_cfg) -> dict:
-        """Held-out pairs through fleet's schedule, a reference pass and a policy pass per group of micro-batches
-        of the training shape."""
-        t, schedule, loss = training_cfg, self.fleet_model, self.model.loss
-        if t.max_eval_batches:
-            batches = itertools.islice(batches, t.max_eval_batches)
-        totals = np.zeros(len(FIGURES))
-        for micro in self.micro_batch_groups(batches, t):
-            self.reference_pass(micro)
-            loss.reset()
-            schedule.eval()
-            with self.precision.autocast():
-                schedule.eval_batch(stage_inputs(micro, scale=1.0), compute_loss=True)
-            schedule.train()
-            totals += self._pair_totals()
+    def _pair_figures_of(self, micro_batches) -> np.ndarray:
+        """The policy's figures through fleet's schedule, forward only (the last stage's, on every stage)."""
+        loss, schedule = self.model.loss, self.fleet_model
         loss.reset()
-        return preference_metrics(self.env.all_reduce_sum(paddle.to_tensor(totals), self.env.data_group).numpy(),
-                                  "eval_")
+        schedule.eval()
+        try:
+            with self.precision.autocast():
+                schedule.eval_batch(stage_inputs(micro_batches, scale=1.0), compute_loss=True)
+        finally:
+            schedule.train()
+        totals = self._pair_totals()
+        loss.reset()
+        return totals
 
     def eval_rows_per_device(self, training_cfg) -> int:
         return training_cfg.per_device_train_batch_size  # the schedule's shape
