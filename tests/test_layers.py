@@ -4,7 +4,8 @@ from test_rope import numpy_rope
 
 from ernie_moe.config import load_config
 from ernie_moe.data.packing import document_ends
-from ernie_moe.model.attention import Attention, causal_mask
+from ernie_moe.model.attention import Attention
+from ernie_moe.nn.flashmask import RowBounds
 from ernie_moe.nn.init import init_layer
 from ernie_moe.nn.layers import RMSNorm, SwiGLUMLP
 from ernie_moe.nn.rope import rope_angles
@@ -39,7 +40,7 @@ def test_grouped_query_attention_matches_numpy():
     pos = np.array([[[0, 0, 0], [1, 1, 1], [1, 1, 2], [3, 3, 3], [0, 0, 0]]])
     doc = np.array([[0, 0, 0, 0, 1]])
     out = attn(paddle.to_tensor(x), rope_angles(paddle.to_tensor(pos), 6, cfg.rope_theta, 1),
-               causal_mask(paddle.to_tensor(document_ends(doc[0])[None]))).numpy()
+               RowBounds(paddle.to_tensor(document_ends(doc[0])[None]))).numpy()
 
     qkv = (x @ attn.qkv_proj.weight.numpy()).reshape(1, 5, 8, 6)
     q, k, v = qkv[:, :, :4], qkv[:, :, 4:6], qkv[:, :, 6:]

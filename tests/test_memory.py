@@ -6,17 +6,22 @@ import subprocess
 import sys
 
 import numpy as np
+import paddle
 import pytest
 from conftest import ROOT, SMALL, launch
+from paddle.base import core
 from test_e2e import records
 from test_model_folders import conversations, published  # noqa: F401 (fixtures)
 
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.config.schema import LORA_TARGET_GROUPS
+from ernie_moe.data.packing import document_ends
 from ernie_moe.finetune import prepare_fine_tuning
-from ernie_moe.memory.estimate import estimate, sample_workload, sample_workloads
+from ernie_moe.memory.estimate import Workload, attention_core, estimate, sample_workload, sample_workloads
 from ernie_moe.memory.params import stage_lora_params, stage_params
 from ernie_moe.memory.report import planned, report
+from ernie_moe.model.attention import core_attention
+from ernie_moe.nn.flashmask import RowBounds
 from ernie_moe.parallel.env import DistEnv
 from ernie_moe.training.runner import build_model
 
@@ -81,9 +86,10 @@ def test_parameter_counts_split_over_stages_and_ranks():
 def test_grouped_expert_matmuls_keep_no_copy_of_the_expert_weights_and_stack_one_projection_at_a_time():
     """The weights are stacked while a projection of one expert width runs, not kept stacked for backward: the
     activations are the loop's, and the backward's transient holds the last MoE layer's largest up/gate
-    projection stacked (float32 here)."""
-    loop = load_config(ROOT / "configs" / "vl_moe.yaml", ["training.moe_expert_matmul=per_expert"])
-    grouped = load_config(ROOT / "configs" / "vl_moe.yaml", ["training.moe_expert_matmul=grouped"])
+    projection stacked (float32 here). Rows of 16 tokens: one block of attention rows then holds less."""
+    short = "data.max_seq_len=16"
+    loop = load_config(ROOT / "configs" / "vl_moe.yaml", [short, "training.moe_expert_matmul=per_expert"])
+    grouped = load_config(ROOT / "configs" / "vl_moe.yaml", [short, "training.moe_expert_matmul=grouped"])
     workload = sample_workload(loop, 1)
     (with_loop,), (with_grouped,) = estimate(loop, workload), estimate(grouped, workload)
     assert with_grouped.activations == with_loop.activations
@@ -92,7 +98,7 @@ def test_grouped_expert_matmuls_keep_no_copy_of_the_expert_weights_and_stack_one
     up_gate = [int(np.prod(e.up_gate_proj.weight.shape)) for e in model.model.layers[last].mlp.experts]
     largest = max(sum(up_gate[:text_experts]), sum(up_gate[text_experts:]))
     assert with_grouped.transient == pytest.approx(4 * largest) and 4 * largest > with_loop.transient
-    auto_on_cpu = load_config(ROOT / "configs" / "vl_moe.yaml")  # float32: the planner takes it for a CPU run
+    auto_on_cpu = load_config(ROOT / "configs" / "vl_moe.yaml", [short])  # float32: the planner takes it for a CPU run
     assert estimate(auto_on_cpu, workload)[0].transient == with_loop.transient
 
 
@@ -261,3 +267,34 @@ def test_a_micro_batch_too_large_to_build_is_judged_from_the_config(tmp_path):
     with pytest.raises(ConfigError, match="does not fit the device"):
         Trainer(huge)
     assert not (tmp_path / "run").exists()
+
+
+def _attention_peak(seq: int, heads: int = 4, kv_heads: int = 2, head_dim: int = 32) -> tuple[float, float]:
+    """(allocator's peak, planner's prediction) in MiB of one packed-document causal attention's forward and
+    backward over ``seq`` tokens (documents of a half, a quarter, an eighth and the rest) on this process."""
+    rng = np.random.default_rng(0)
+    lengths = [seq // 2, seq // 4, seq // 8, seq - seq // 2 - seq // 4 - seq // 8]
+    bounds = RowBounds(paddle.to_tensor(document_ends(np.repeat(np.arange(4), lengths))[None]))
+    q, k, v = (paddle.to_tensor(rng.standard_normal([1, seq, n, head_dim]).astype("float32"))
+               for n in (heads, kv_heads, kv_heads))
+    for t in (q, k, v):
+        t.stop_gradient = False
+    base = core.host_memory_stat_current_value("Allocated", 0)
+    core.host_memory_stat_reset_peak_value("Allocated", 0)
+    core_attention(q, k, v, bounds).sum().backward()
+    peak = (core.host_memory_stat_peak_value("Allocated", 0) - base) / MIB
+    training = load_config(ROOT / "configs" / "vl_moe.yaml").training  # float32: the block path
+    kept, held = attention_core(training, Workload(rows=1, seq=seq, image_tokens=0), heads, head_dim)
+    return peak, (kept + held) / MIB
+
+
+def test_packed_document_attention_grows_linearly_with_the_sequence_as_predicted():
+    rows = {seq: _attention_peak(seq) for seq in (1024, 2048, 4096, 8192)}
+    print("\n| tokens | measured peak (MiB) | predicted (MiB) | error |\n|---|---|---|---|")
+    for seq, (peak, predicted) in rows.items():
+        print(f"| {seq} | {peak:.1f} | {predicted:.1f} | {predicted / peak - 1:+.1%} |")
+    for seq, (peak, predicted) in rows.items():
+        assert abs(predicted / peak - 1) <= 0.10, (seq, peak, predicted)
+    # doubling the sequence at most doubles the peak and a little more: a [seq, seq] mask would quadruple it
+    for seq in (1024, 2048, 4096):
+        assert rows[2 * seq][0] / rows[seq][0] < 2.3, rows

@@ -172,7 +172,7 @@ class Row:
     token_type_ids: np.ndarray
     position_ids: np.ndarray
     doc_ids: np.ndarray  # the packed document of each position (padding: one more)
-    key_ends: np.ndarray  # the first position that no longer sees each position's key (model.attention.causal_mask)
+    key_ends: np.ndarray  # the first position that no longer sees each position's key (nn.flashmask.RowBounds)
     patches: list[np.ndarray]
     grids: list[np.ndarray]
     pair_sides: np.ndarray | None = None  # a preference pair's row: 1 chosen answer, 2 rejected, 0 prompt (Batch)

@@ -11,11 +11,12 @@ import numpy as np
 import paddle
 
 from ..data.packing import document_ends
-from ..model.attention import causal_mask, core_attention
+from ..model.attention import core_attention
 from ..model.single_device import SingleDevicePlan
 from ..moe.dispatcher import LocalDispatcher
 from ..moe.expert_matmul import expert_loop, grouped_gemm_swiglu, grouped_swiglu
 from ..nn import kernels, quant
+from ..nn.flashmask import RowBounds
 from ..nn.init import init_layer
 from ..nn.kernels import TOLERANCE
 from ..nn.layers import RMSNorm, SwiGLUMLP
@@ -42,19 +43,50 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
-def attention(rng, dtype, masked: bool = True, heads: int = 4, kv_heads: int = 2, head_dim: int = 8):
-    """Packed documents under a causal mask (the decoder), or every key (the ViT's per-image attention)."""
-    q, k, v = (rng.standard_normal(shape) for shape in ([2, 6, heads, head_dim], [2, 6, kv_heads, head_dim],
-                                                         [2, 6, kv_heads, head_dim]))
-    docs = np.array([[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 1]])
-    allowed = causal_mask(paddle.to_tensor(np.stack([document_ends(d) for d in docs]))) if masked else None
-    ours = core_attention(*(_tensor(a, dtype) for a in (q, k, v)), allowed)
-    kk, vv = np.repeat(k, heads // kv_heads, axis=2), np.repeat(v, heads // kv_heads, axis=2)
-    scores = np.einsum("bqhd,bkhd->bhqk", q, kk) / math.sqrt(head_dim)
-    scores = np.where(allowed.numpy(), scores, -np.inf) if masked else scores
+LONG_DOCUMENTS = ((300, 1, 200, 139), (639, 1))  # two rows' documents, two longer than a block of rows
+
+
+def attention(rng, dtype, mask: str = "causal", fused: bool = False, heads: int = 4, kv_heads: int = 2,
+              head_dim: int = 8, documents: tuple = LONG_DOCUMENTS):
+    """Packed ``documents`` of mixed lengths, by default two longer than a block of rows (``nn.flashmask``), seen
+    causally (the decoder) or whole (``mask="bidirectional"``), or one image's patches, every key seen
+    (``mask="none"``, the ViT); then the gradients of ``sum(out * probe)``: [out, q, k and v gradients]."""
+    if fused and dtype == "float32":  # Paddle's FlashMask kernel takes bf16 and fp16 only
+        return None
+    docs = np.stack([np.repeat(np.arange(len(lengths)), lengths) for lengths in documents])
+    seq = docs.shape[1]
+    q, k, v = (rng.standard_normal(shape) for shape in ([2, seq, heads, head_dim], [2, seq, kv_heads, head_dim],
+                                                         [2, seq, kv_heads, head_dim]))
+    probe = rng.standard_normal([2, seq, heads, head_dim])
+    starts = np.stack([np.searchsorted(d, d) for d in docs])  # each key's document's first row
+    bounds = None if mask == "none" else RowBounds(
+        paddle.to_tensor(np.stack([document_ends(d) for d in docs])),
+        None if mask == "causal" else paddle.to_tensor(starts))
+    leaves = [_tensor(a, dtype) for a in (q, k, v)]
+    for t in leaves:
+        t.stop_gradient = False
+    out = (kernels.fused_flashmask_attention if fused else core_attention)(*leaves, bounds)
+    (out.astype("float32") * _tensor(probe, "float32")).sum().backward()
+    ours = paddle.concat([t.astype("float32").flatten() for t in (out, *(leaf.grad for leaf in leaves))])
+
+    group = heads // kv_heads
+    kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    scale = 1 / math.sqrt(head_dim)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    rows, keys = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    same = docs[:, :, None] == docs[:, None, :]
+    allowed = {"none": np.ones_like(same), "bidirectional": same, "causal": same & (keys <= rows)}[mask]
+    scores = np.where(allowed[:, None], scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    return ours, np.einsum("bhqk,bkhd->bqhd", probs, vv)
+    grad_probs = np.einsum("bqhd,bkhd->bhqk", probe, vv)
+    grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdims=True))
+    grad_q = np.einsum("bhqk,bkhd->bqhd", grad_scores, kk) * scale
+    grad_k = np.einsum("bhqk,bqhd->bkhd", grad_scores, q) * scale
+    grad_v = np.einsum("bhqk,bqhd->bkhd", probs, probe)
+    grad_k, grad_v = (g.reshape(2, seq, kv_heads, group, head_dim).sum(3) for g in (grad_k, grad_v))
+    expected = np.einsum("bhqk,bkhd->bqhd", probs, vv)
+    return ours, np.concatenate([a.ravel() for a in (expected, grad_q, grad_k, grad_v)])
 
 
 def rms_norm(rng, dtype, fused: bool = False, hidden: int = 16):
@@ -189,7 +221,9 @@ def quantized_matmul(rng, dtype, mode: str):
     return quant.quantized_matmul(_tensor(x, dtype), q, scales, mode), x @ weight
 
 
-CHECKS = {"attention": attention, "attention without a mask": functools.partial(attention, masked=False),
+CHECKS = {"attention": attention,
+          "attention, bidirectional documents": functools.partial(attention, mask="bidirectional"),
+          "attention without a mask": functools.partial(attention, mask="none"),
           "rms_norm": rms_norm, "swiglu": swiglu, "rotary embedding": rotary, "vision rotary embedding": vision_rotary,
           "expert dispatch and combine": dispatch_and_combine, "moe combine with gradients": combine,
           "routed experts one by one, with gradients": routed_experts,
@@ -198,7 +232,8 @@ CHECKS = {"attention": attention, "attention without a mask": functools.partial(
           "int4 base weight matmul": functools.partial(quantized_matmul, mode="wint4")}
 # Paddle's GPU-only kernels, each against the reference its plain path meets above
 FUSED_CHECKS = {f"{name}, fused kernel": functools.partial(CHECKS[name], fused=True)
-                for name in ("rms_norm", "rotary embedding", "vision rotary embedding", "moe combine with gradients",
+                for name in ("attention", "attention, bidirectional documents", "rms_norm", "rotary embedding",
+                             "vision rotary embedding", "moe combine with gradients",
                              "routed experts grouped, with gradients")}
 
 
@@ -222,7 +257,10 @@ def run_checks(dtypes: list[str], seed: int = 0, checks_to_run: dict | None = No
     checks = []
     for name, make in (checks_to_run or {**CHECKS, **(FUSED_CHECKS if _on_gpu() else {})}).items():
         for dtype in dtypes:
-            ours, reference = make(np.random.default_rng(seed), dtype)
+            made = make(np.random.default_rng(seed), dtype)
+            if made is None:  # a kernel this dtype does not have
+                continue
+            ours, reference = made
             ours = ours.astype("float32").numpy().astype(np.float64)
             tolerance = TOLERANCE["float32 (TF32 matmuls)" if dtype == "float32" and _on_gpu() else dtype]
             checks.append(Check(name, dtype, kernels.relative_difference(ours, reference), tolerance))
@@ -235,8 +273,9 @@ def model_checks(model_cfg) -> dict:
     m = model_cfg
     head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
     widths = sorted(set(m.moe_intermediate_size)) if m.moe_num_experts else []
-    makers = {f"attention, {m.num_attention_heads} heads / {m.num_key_value_heads} kv of {head_dim}": functools.partial(
-                  attention, heads=m.num_attention_heads, kv_heads=m.num_key_value_heads, head_dim=head_dim),
+    at_width = functools.partial(attention, heads=m.num_attention_heads, kv_heads=m.num_key_value_heads,
+                                 head_dim=head_dim, documents=((30, 1, 20, 13), (63, 1)))
+    makers = {f"attention, {m.num_attention_heads} heads / {m.num_key_value_heads} kv of {head_dim}": at_width,
               f"rms_norm, hidden {m.hidden_size}": functools.partial(rms_norm, hidden=m.hidden_size)}
     for width in widths:
         makers[f"routed experts, {m.hidden_size} x {width}"] = functools.partial(
@@ -245,6 +284,8 @@ def model_checks(model_cfg) -> dict:
             makers[f"routed experts, {m.hidden_size} x {width}, fused kernel"] = functools.partial(
                 routed_experts, grouped=True, fused=True, hidden=m.hidden_size, width=width)
     if _on_gpu():
+        makers[f"attention, {m.num_attention_heads} heads / {m.num_key_value_heads} kv of {head_dim}, fused kernel"] = \
+            functools.partial(at_width, fused=True)
         makers[f"rms_norm, hidden {m.hidden_size}, fused kernel"] = functools.partial(
             rms_norm, fused=True, hidden=m.hidden_size)
     return makers

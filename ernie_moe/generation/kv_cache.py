@@ -5,6 +5,7 @@ from __future__ import annotations
 import paddle
 
 from ..model.decoder import DecoderLayer
+from ..nn.flashmask import RowBounds
 
 
 class LayerCache:
@@ -32,14 +33,14 @@ def forward_cached(model, inputs: tuple, cache: KVCache) -> paddle.Tensor:
     tuple, ``model.blocks.block_inputs``: one document per row), the new tokens seeing the cached ones;
     their keys and values join the cache. With an empty cache this is the model's own forward."""
     past, new = cache.length, inputs[0].shape[1]
-    # token i of the new ones sees every cached token and the new ones up to itself
-    allowed = (paddle.arange(past + new)[None, :] <= past + paddle.arange(new)[:, None])[None, None]
+    # the new tokens are the last rows: each sees every cached token and the new ones up to itself
+    bounds = RowBounds(paddle.full([inputs[0].shape[0], past + new], past + new, dtype="int64"), first_row=past)
     x = inputs
     for block in model.trunk():
         if isinstance(block, DecoderLayer):
             hidden, router_loss, token_type_ids, position_ids, key_ends = x
             angles = block.attention_inputs.angles(position_ids)
-            hidden, _ = block.body(hidden, token_type_ids, angles, allowed, cache.layers[block.layer_idx])
+            hidden, _ = block.body(hidden, token_type_ids, angles, bounds, cache.layers[block.layer_idx])
             x = hidden, router_loss, token_type_ids, position_ids, key_ends
         else:
             x = block(x)

@@ -22,11 +22,13 @@ import numpy as np
 
 from ..config.schema import OFFLOAD_BUCKET_BYTES
 from ..model.recompute import selected_layers
+from ..nn.flashmask import BLOCK_ROWS
 from ..parallel.layout import Layout
 from .params import frozen_parts, stage_layers, stage_lora_params, stage_params, stage_quantized
 
 PIXEL_CHANNELS_BYTES = 4  # flattened patches arrive as float32
 INT_FIELDS = 7  # int64 per token: input ids, labels, token types, doc ids, 3 position axes
+BLOCK_TRANSIENT = 5.56  # [block, seq] float32 arrays the block attention holds at once, less two [block, block] (fit)
 
 
 @dataclass
@@ -126,6 +128,18 @@ def uses_flash_attention(training) -> bool:
     return training.bf16 or training.fp16
 
 
+def attention_core(training, w: Workload, heads: int, head_dim: int) -> tuple[float, float]:
+    """(bytes kept, bytes held while it runs) of one layer's FlashMask attention over this rank's ``heads``.
+    Neither grows as seq^2: Paddle's kernel (bf16 / fp16 on GPUs) keeps only its output, counted with the layer's
+    projections; the block path (``nn.flashmask``) keeps its float32 output and the q, k, v it reads, and holds one
+    block of rows' scores, probabilities and their gradients at a time (measured: ``tests/test_memory.py``)."""
+    if uses_flash_attention(training):
+        return 0.0, 0.0
+    linear = 3 * 4 * w.tokens * heads * head_dim
+    block = min(BLOCK_ROWS, w.seq)
+    return linear, 4 * w.rows * heads * block * (BLOCK_TRANSIENT * w.seq - 2 * block)
+
+
 def uses_grouped_matmul(training) -> bool:
     """Whether the experts run as batched matmuls; 'auto' means on a GPU, which this planner takes low precision
     to mean (as for flash attention). Experts with LoRA pairs run one by one."""
@@ -160,11 +174,8 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
     norm_residual = (3 * t * h) / sp + t
     repeat = 2 * heads * t * hd if grouped else 0
     attention_linear = t * hd * (3 * heads + 3 * kv + 2) + repeat
-    # scaled_dot_product_attention keeps the additive mask it makes of the boolean one ([rows, 1, seq, seq]), and,
-    # in its plain float32 computation, the probabilities; flash attention (bf16 / fp16 on GPUs) keeps none
-    mask = 4 * w.rows * w.seq ** 2
-    scores_bytes = mask if uses_flash_attention(training) else 4 * w.rows * heads * w.seq ** 2 + mask
-    attention = 4 * (norm_residual + attention_linear) + scores_bytes
+    core_kept, core_transient = attention_core(training, w, heads, hd)
+    attention = 4 * (norm_residual + attention_linear) + core_kept
 
     modalities = m.moe_modalities_at(layer)
     stacking = 0.0
@@ -199,13 +210,14 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
     elif granularity == "full_attn":
         kept, rerun = 4 * t * h / sp + mlp, max(attention - mlp, 0.0)
     elif granularity == "core_attn":
-        core = scores_bytes + 4 * repeat
+        core = core_kept + 4 * repeat
         kept, rerun = attention - core + mlp, max(core - mlp, 0.0)
     elif granularity == "moe" and modalities:
         kept, rerun = attention + 4 * (norm_residual + t * h), mlp
     else:
         kept, rerun = attention + mlp, 0.0
-    return kept, rerun + stacking  # the stacked weights come on top of whatever the backward holds then
+    # the stacked weights, or one block of attention rows, come on top of whatever the backward holds then
+    return kept, rerun + max(stacking, core_transient)
 
 
 def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, float]]:

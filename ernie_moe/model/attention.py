@@ -7,28 +7,23 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ..nn import kernels
+from ..nn.flashmask import RowBounds
 from ..nn.recompute import Recomputable
 
 
-def core_attention(q, k, v, allowed: paddle.Tensor | None) -> paddle.Tensor:
-    """softmax(q k^T / sqrt(d)) v over ``[batch, seq, heads, dim]``; ``allowed [batch, 1, q, k]`` is boolean
-    (None: every key). Key/value heads serve their groups of query heads (grouped-query attention).
+def core_attention(q, k, v, bounds: RowBounds | None) -> paddle.Tensor:
+    """softmax(q k^T / sqrt(d)) v over ``[batch, seq, heads, dim]``; key/value heads serve their groups of query
+    heads (grouped-query attention).
 
-    Paddle's ``scaled_dot_product_attention``: flash attention on GPUs (the probabilities are never held), its
-    plain computation elsewhere; one call, so the CPU tests run the code the GPUs run (``doctor`` checks it).
+    ``bounds``: which rows see each key, in FlashMask's form (``nn.flashmask``; the decoder's causal bounds are
+    ``RowBounds(key_ends)``: token i sees token j when ``j <= i < key_ends[j]``, so a packed document's keys end
+    where it ends, and a preference pair's chosen answer ends where its rejected answer begins). Paddle's
+    FlashMask kernel on GPUs, the exact block-by-block path elsewhere: memory linear in the sequence either way.
+    None (the ViT's attention within one image): every key, through Paddle's ``scaled_dot_product_attention``.
     """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-
-
-def causal_mask(key_ends: paddle.Tensor) -> paddle.Tensor:
-    """``[batch, 1, seq, seq]``: token i sees token j when ``j <= i < key_ends[j]``. ``key_ends`` is FlashMask's
-    causal row bound per key column (the first row that no longer sees the key): a packed document's keys end
-    where the document ends; a preference pair's chosen answer ends where its rejected answer begins, so both
-    answers see their shared prompt and neither sees the other (``data.packing.Row.key_ends``)."""
-    seq = key_ends.shape[1]
-    rows = paddle.arange(seq, dtype=key_ends.dtype)
-    causal = paddle.tril(paddle.ones([seq, seq], dtype="bool"))
-    return paddle.logical_and(causal.unsqueeze(0), rows[None, :, None] < key_ends.unsqueeze(1)).unsqueeze(1)
+    if bounds is None:
+        return F.scaled_dot_product_attention(q, k, v)
+    return kernels.flashmask_attention(q, k, v, bounds)
 
 
 class Attention(Recomputable, nn.Layer):
@@ -43,7 +38,7 @@ class Attention(Recomputable, nn.Layer):
             self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim])
         self.o_proj = plan.row_linear(self.num_heads * self.head_dim, cfg.hidden_size)
 
-    def forward(self, x, angles, allowed, cache=None):
+    def forward(self, x, angles, bounds, cache=None):
         """``cache`` (generation): keys and values of the earlier tokens, extended by these tokens'."""
         qkv = self.qkv_proj(x)  # the whole sequence, also when x is a sequence-parallel piece
         batch, seq = qkv.shape[0], qkv.shape[1]
@@ -55,9 +50,9 @@ class Attention(Recomputable, nn.Layer):
         q, k = kernels.rotary(q, angles), kernels.rotary(k, angles)
         if cache is not None:
             k, v = cache.extend(k, v)
-        out = self.piece("core", q, k, v, allowed)
+        out = self.piece("core", q, k, v, bounds)
         return self.o_proj(out.reshape([batch, seq, -1]))
 
-    def core(self, q, k, v, allowed):
+    def core(self, q, k, v, bounds):
         """softmax(q k^T) v: what the ``core_attn`` recompute drops."""
-        return core_attention(q, k, v, allowed)
+        return core_attention(q, k, v, bounds)

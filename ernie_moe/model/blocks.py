@@ -24,9 +24,9 @@ import paddle
 from paddle import nn
 
 from ..batch import Batch
+from ..nn.flashmask import RowBounds
 from ..nn.init import mark_default_rules
 from ..nn.rope import rope_angles
-from .attention import causal_mask
 from .decoder import DecoderLayer
 from .vision import Adapter, VisionTransformer
 
@@ -91,7 +91,7 @@ class ImageFeatures(nn.Layer):
 
 
 class AttentionInputs:
-    """Rotary angles and the packed-document causal mask, computed once per micro-batch for all the decoder
+    """Rotary angles and the packed-document causal row bounds, computed once per micro-batch for all the decoder
     layers of a model or stage: the layers receive the same position and document tensors, so the last
     ones seen (held, so that their identity stays theirs) decide whether to compute again."""
 
@@ -103,7 +103,7 @@ class AttentionInputs:
     def __call__(self, position_ids: paddle.Tensor, key_ends: paddle.Tensor):
         seen_positions, seen_ends, value = self.last
         if seen_positions is not position_ids or seen_ends is not key_ends:
-            value = self.angles(position_ids), causal_mask(key_ends)
+            value = self.angles(position_ids), RowBounds(key_ends)
             self.last = (position_ids, key_ends, value)
         return value
 

@@ -1,7 +1,8 @@
 """Paddle's fused kernels, chosen in one place.
 
 SwiGLU runs Paddle's fused ``swiglu`` on every device: it has a CPU kernel, so the code GPUs run is the
-code tested here. Paddle's fused RMSNorm, rotary embedding, MoE combine and grouped GEMM have no CPU kernel (the
+code tested here. Paddle's fused RMSNorm, rotary embedding, MoE combine, grouped GEMM and FlashMask attention
+(whose plain path is ``nn.flashmask.block_attention``) have no CPU kernel (the
 RMSNorm's AVX-512 variant stops a CPU without AVX-512 with SIGILL), so they run only on a GPU, with the plain
 formulas as their reference: ``python -m ernie_moe.doctor`` checks each fused kernel against NumPy on the user's
 GPU.
@@ -27,6 +28,7 @@ from paddle import _C_ops
 from paddle.autograd import PyLayer
 from paddle.incubate.nn.functional import fused_rotary_position_embedding, moe_combine
 
+from .flashmask import RowBounds, block_attention
 from .recompute import replaying, saved_tensors_hooked
 from .rope import apply_rotary, apply_rotary_half
 
@@ -40,7 +42,7 @@ except ImportError:
 TOLERANCE = {"float32": 1e-5, "float32 (TF32 matmuls)": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
 
 _FUSED_WORKS: dict[tuple[str, str, str], bool] = {}  # (kernel, place, dtype) -> whether the fused kernel is used
-_MATMULS = {"grouped_gemm"}  # kernels made of matmuls
+_MATMULS = {"grouped_gemm", "flashmask"}  # kernels made of matmuls
 
 
 def swiglu(gate_up: paddle.Tensor) -> paddle.Tensor:
@@ -159,6 +161,24 @@ def weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: p
                           lambda rows, w: plain_weighted_combine(rows, token_index, w, num_tokens))
 
 
+def fused_flashmask_attention(q, k, v, bounds: RowBounds) -> paddle.Tensor:
+    """Paddle's ``flashmask_attention`` (bf16 / fp16 on GPUs): the causal form takes each key's end row, the
+    bidirectional one its end and start rows (the lower and upper triangles' bounds)."""
+    if bounds.causal:
+        rows = bounds.ends.unsqueeze(-1)
+    else:
+        rows = paddle.stack([bounds.ends, bounds.starts], axis=-1)
+    return F.flashmask_attention(q, k, v, rows.unsqueeze(1).astype("int32"), causal=bounds.causal)
+
+
+def flashmask_attention(q, k, v, bounds: RowBounds) -> paddle.Tensor:
+    """Attention over ``[batch, seq, heads, dim]`` under FlashMask's row ``bounds``."""
+    if bounds.first_row or q.shape[1] != k.shape[1]:  # generation's steps: the kernel's rows start at 0
+        return block_attention(q, k, v, bounds)
+    return fused_or_plain("flashmask", [q, k, v], lambda q, k, v: fused_flashmask_attention(q, k, v, bounds),
+                          lambda q, k, v: block_attention(q, k, v, bounds))
+
+
 def fused_or_plain(kernel: str, inputs: list[paddle.Tensor], fused, plain) -> paddle.Tensor:
     """``fused(*inputs)`` where it is used on the first input's device and dtype (see the module docstring), else
     ``plain(*inputs)``. ``inputs`` are the tensors the kernel differentiates; the rest the functions hold."""
@@ -241,5 +261,5 @@ def chosen_on(place) -> str:
         if not _is_gpu(place) or not all(works):
             return "plain"
         return "fused" if works else "unchecked"
-    gpu_only = ("rms_norm", "rotary", "vision_rotary", "moe_combine", "grouped_gemm")
+    gpu_only = ("rms_norm", "rotary", "vision_rotary", "moe_combine", "grouped_gemm", "flashmask")
     return ", ".join(["swiglu fused"] + [f"{kernel} {choice(kernel)}" for kernel in gpu_only])
