@@ -202,22 +202,28 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
         if uses_grouped_matmul(training):
             stacking = 4 * max(2 * h * n * wd for _, n, wd in routed) / layout.expert_split
 
-    # (kept for backward, re-run in backward minus what the layer's backward has freed before it)
+    # (kept for backward, re-run in backward minus what the layer's backward has freed before it); ``attending``:
+    # what the attention's backward holds over the kept bytes, after the MLP's backward has freed its part
     recomputes = training.recompute and layer in selected_layers(training.recompute_layers, m.num_hidden_layers)
     granularity = training.recompute_granularity if recomputes else None
     if granularity == "full":
         kept, rerun = 4 * t * h / sp, attention + mlp
+        attending = attention + core_transient
     elif granularity == "full_attn":
         kept, rerun = 4 * t * h / sp + mlp, max(attention - mlp, 0.0)
+        attending = attention - mlp + core_transient
     elif granularity == "core_attn":
         core = core_kept + 4 * repeat
         kept, rerun = attention - core + mlp, max(core - mlp, 0.0)
+        attending = core - mlp + core_transient
     elif granularity == "moe" and modalities:
         kept, rerun = attention + 4 * (norm_residual + t * h), mlp
+        attending = core_transient
     else:
         kept, rerun = attention + mlp, 0.0
-    # the stacked weights, or one block of attention rows, come on top of whatever the backward holds then
-    return kept, rerun + max(stacking, core_transient)
+        attending = core_transient - mlp
+    # the stacked weights come on top of whatever the MLP's backward holds then
+    return kept, max(rerun + stacking, attending)
 
 
 def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, float]]:

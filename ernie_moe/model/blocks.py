@@ -103,7 +103,8 @@ class AttentionInputs:
     def __call__(self, position_ids: paddle.Tensor, key_ends: paddle.Tensor):
         seen_positions, seen_ends, value = self.last
         if seen_positions is not position_ids or seen_ends is not key_ends:
-            value = self.angles(position_ids), RowBounds(key_ends)
+            # a copy: a pipeline stage frees its inputs' memory once consumed, and the backward still reads these
+            value = self.angles(position_ids), RowBounds(key_ends.clone())
             self.last = (position_ids, key_ends, value)
         return value
 
