@@ -188,7 +188,7 @@ def test_frozen_and_lora_parameter_counts_are_exact(freeze, targets):
 
 @pytest.mark.slow
 def test_the_planner_ranks_recompute_choices_as_the_allocator_does(measured):
-    """At this size full recompute keeps the least, full_attn a little more, no recompute the most: both agree."""
+    """At this size full recompute's re-run of a layer outweighs what it saves over full_attn: both agree."""
     names = ["no recompute", "recompute full", "recompute full_attn"]
     assert sorted(names, key=lambda n: measured[n][0]) == sorted(names, key=lambda n: measured[n][1])
 

@@ -68,8 +68,7 @@ def test_recompute_layers_picks_the_layers(tmp_path):
 
 def test_peak_memory_falls_in_the_expected_order(tmp_path):
     """Allocator peak of one forward + backward (8 layers, 8 rows of 256 tokens): what each granularity keeps
-    for the backward pass decides the peak. Attention's core keeps only tensors linear in the sequence (FlashMask's
-    row bounds), so recomputing it saves the least."""
+    for the backward pass decides the peak."""
     core = paddle.base.core
 
     def peak(*overrides):
@@ -84,7 +83,7 @@ def test_peak_memory_falls_in_the_expected_order(tmp_path):
 
     plain = peak()
     peaks = [peak("training.recompute=true", f"training.recompute_granularity={g}")
-             for g in ("core_attn", "moe", "full_attn", "full")]
+             for g in ("moe", "core_attn", "full_attn", "full")]
     assert plain > peaks[0] > peaks[1] > peaks[2] > peaks[3], (plain, peaks)
     assert peaks[3] < 0.5 * plain
 

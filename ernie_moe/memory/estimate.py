@@ -132,9 +132,12 @@ def attention_core(training, w: Workload, heads: int, head_dim: int) -> tuple[fl
     """(bytes kept, bytes held while it runs) of one layer's FlashMask attention over this rank's ``heads``.
     Neither grows as seq^2: Paddle's kernel (bf16 / fp16 on GPUs) keeps only its output, counted with the layer's
     projections; the block path (``nn.flashmask``) keeps its float32 output and the q, k, v it reads, and holds one
-    block of rows' scores, probabilities and their gradients at a time (measured: ``tests/test_memory.py``)."""
+    block of rows' scores, probabilities and their gradients at a time (measured: ``tests/test_memory.py``); a
+    sequence of one block runs as dense attention."""
     if uses_flash_attention(training):
         return 0.0, 0.0
+    if w.seq <= BLOCK_ROWS:  # one block: Paddle's attention under the dense mask keeps it and the probabilities
+        return 4 * w.rows * (heads + 1) * w.seq ** 2, 0.0
     linear = 3 * 4 * w.tokens * heads * head_dim
     block = min(BLOCK_ROWS, w.seq)
     return linear, 4 * w.rows * heads * block * (BLOCK_TRANSIENT * w.seq - 2 * block)

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 import paddle
+import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
 BLOCK_ROWS = 512  # query rows per block: the transient is [batch, heads, BLOCK_ROWS, keys] float32 scores
@@ -60,7 +61,12 @@ class RowBounds:
 
 def block_attention(q, k, v, bounds: RowBounds, block_rows: int = BLOCK_ROWS) -> paddle.Tensor:
     """softmax(q k^T / sqrt(d)) v over ``[batch, seq, heads, dim]`` under ``bounds``; key/value heads serve their
-    groups of query heads (grouped-query attention). Scores and probabilities in float32."""
+    groups of query heads (grouped-query attention). Scores and probabilities in float32.
+
+    Queries that fit one block take Paddle's ``scaled_dot_product_attention`` under the dense mask instead: the
+    same memory (one block's scores), without the Python loop (measured in ``benchmarks/bench_train.py``)."""
+    if q.shape[1] <= block_rows:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bounds.dense(q.shape[1]))
     group = q.shape[2] // k.shape[2]
     k, v = (paddle.repeat_interleave(t, group, axis=2) if group > 1 else t for t in (k, v))
     q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))
