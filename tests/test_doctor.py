@@ -70,4 +70,4 @@ def test_the_layout_checks_pass_here(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for layout in ("data parallel x2", "tensor parallel x2", "expert parallel x2", "pipeline x2"):
         assert f"| {layout} | float32 |" in done.stdout
-    assert "17 of 17 checks passed" in done.stdout
+    assert "18 of 18 checks passed" in done.stdout
