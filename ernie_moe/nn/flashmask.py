@@ -54,14 +54,14 @@ class RowBounds:
         return paddle.logical_and(seen, rows[None, :, None] >= first).unsqueeze(1)
 
     def dense(self, queries: int) -> paddle.Tensor:
-        """The whole ``[batch, 1, queries, keys]`` mask: for generation's short steps and for tests."""
+        """The whole ``[batch, 1, queries, keys]`` mask: for queries that fit one block, and for tests."""
         rows = paddle.arange(self.first_row, self.first_row + queries, dtype="int64")
         return self.allowed(rows, self.ends.shape[1])
 
 
 def block_attention(q, k, v, bounds: RowBounds, block_rows: int = BLOCK_ROWS) -> paddle.Tensor:
     """softmax(q k^T / sqrt(d)) v over ``[batch, seq, heads, dim]`` under ``bounds``; key/value heads serve their
-    groups of query heads (grouped-query attention). Scores and probabilities in float32.
+    groups of query heads (grouped-query attention). Over several blocks, scores and probabilities in float32.
 
     Queries that fit one block take Paddle's ``scaled_dot_product_attention`` under the dense mask instead: the
     same memory (one block's scores), without the Python loop (measured in ``benchmarks/bench_train.py``)."""
