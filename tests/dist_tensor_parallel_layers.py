@@ -209,6 +209,37 @@ def check_grad_sync(group, rng):
         close(e.grad.numpy(), want_expert, f"expert gradient ({what})")
 
 
+def check_vision_over_frame_shares(group, rng):
+    """The ViT over each rank's share of the frames (sequence parallelism), gathered, equals the ViT over all
+    of them; each weight's gradients summed over the ranks (as grad sync does) equal the whole batch's. Three
+    images on two ranks, and one image on two ranks (one rank runs none)."""
+    from ernie_moe.config import load_config
+    from ernie_moe.model.vision import VisionTransformer
+    from ernie_moe.parallel.plan import ParallelPlan
+
+    cfg = load_config(None, ["model.vision_config.depth=2"]).model.vision_config
+    plan = ParallelPlan(0.02, tp_group=group, sequence_parallel=True)
+    for grids in (np.array([[1, 4, 4], [3, 2, 2], [1, 2, 4]]), np.array([[1, 2, 2]])):
+        patches = rng.normal(size=(int(grids.prod(axis=1).sum()), cfg.in_channels * cfg.patch_size ** 2))
+        upstream = paddle.to_tensor(rng.normal(size=(patches.shape[0], cfg.embed_dim)).astype("float32"))
+        paddle.seed(0)
+        whole = VisionTransformer(cfg)
+        paddle.seed(0)
+        split = plan.vision_encoder(VisionTransformer(cfg))
+        x = paddle.to_tensor(patches.astype("float32"))
+        want = whole(x, grids)
+        (want * upstream).sum().backward()
+        got = plan.vision_features(split, x, grids)
+        close(got.numpy(), want.numpy(), f"ViT features over frame shares ({len(grids)} images)")
+        (got * upstream).sum().backward()
+        for (name, p_whole), p_split in zip(whole.named_parameters(), split.parameters()):
+            summed = p_split.grad.clone()
+            dist.all_reduce(summed, group=group)
+            want_grad = p_whole.grad.numpy()  # sums over ~16 patches in another order: float32 rounding of its scale
+            np.testing.assert_allclose(summed.numpy(), want_grad, rtol=1e-5, atol=1e-6 * np.abs(want_grad).max(),
+                                       err_msg=f"ViT {name} gradient summed over the ranks")
+
+
 if __name__ == "__main__":
     cpu_fallbacks.use_private_group_rendezvous()
     dist.init_parallel_env()
@@ -220,4 +251,5 @@ if __name__ == "__main__":
     check_expert_dispatch(group, rng)
     check_all_to_all_dispatch(group, rng)
     check_grad_sync(group, rng)
+    check_vision_over_frame_shares(group, rng)
     print(f"tensor-parallel layers OK on rank {dist.get_rank()}")

@@ -7,7 +7,7 @@ import pytest
 from ernie_moe.config import load_config
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
-from ernie_moe.model.vision import Adapter, VisionTransformer, image_token_count
+from ernie_moe.model.vision import Adapter, VisionTransformer, frame_shares, image_token_count
 
 
 def first_rows(cfg, rows=2):
@@ -77,6 +77,27 @@ def test_vit_batches_images_of_one_size_and_keeps_their_order():
         alone = vit(patches[start: start + size], grid[None]).numpy()
         np.testing.assert_allclose(together[start: start + size], alone, rtol=1e-5, atol=1e-6)
         start += size
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])
+def test_frame_shares_cover_every_frame_once_in_balanced_contiguous_shares(parts):
+    grids = np.array([[1, 4, 4], [3, 2, 2], [1, 2, 4]])  # frames of 16, 4, 4, 4 and 8 patches
+    frames = [16, 4, 4, 4, 8]
+    shares = frame_shares(grids, parts)
+    assert len(shares) == parts
+    assert shares[0][0] == 0 and shares[-1][1] == 36
+    for (_, stop, _), (start, _, _) in zip(shares, shares[1:]):
+        assert stop == start  # contiguous, in order
+    for start, stop, grid in shares:
+        assert int(grid.prod(axis=1).sum()) == stop - start
+        assert stop - start <= 36 / parts + max(frames)  # no share over its fair part by more than a frame
+    # the shares' grids, frames put back together per image, are the batch's
+    frames_of = Counter()
+    for _, _, grid in shares:
+        for t, h, w in grid.tolist():
+            frames_of[(h, w)] += t
+    assert frames_of == Counter({(4, 4): 1, (2, 2): 3, (2, 4): 1})
+    assert all(start == stop == 0 for start, stop, _ in frame_shares(np.zeros([0, 3]), parts))
 
 
 def test_image_features_reach_only_their_own_document(tiny_cfg):

@@ -77,6 +77,9 @@ class LoRALinear(nn.Layer):
         if self.split is not None and base.sequence_parallel:
             # the replicated factor sees a piece of the sequence on each rank: its gradient is partial
             describe(self.lora_A if self.split == "column" else self.lora_B, partial_over_tp=True)
+        elif spec_of(base.weight).partial_over_tp:  # a whole layer over a share of the tokens (the ViT's frames)
+            describe(self.lora_A, partial_over_tp=True)
+            describe(self.lora_B, partial_over_tp=True)
         for factor in (self.lora_A, self.lora_B):  # an expert's pair is as local as its expert
             describe(factor, local_to_rank=spec_of(base.weight).local_to_rank)
 

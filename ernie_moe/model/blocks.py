@@ -28,7 +28,7 @@ from ..nn.flashmask import RowBounds
 from ..nn.init import mark_default_rules
 from ..nn.rope import rope_angles
 from .decoder import DecoderLayer
-from .vision import Adapter, VisionTransformer
+from .vision import Adapter, VisionTransformer, blank_merge_block
 
 
 def block_inputs(batch: Batch) -> tuple:
@@ -56,7 +56,7 @@ class ImageFeatures(nn.Layer):
     def __init__(self, cfg, plan):
         super().__init__()
         self.cfg, self.plan = cfg, plan
-        self.vision_model = VisionTransformer(cfg.vision_config)
+        self.vision_model = plan.vision_encoder(VisionTransformer(cfg.vision_config))
         self.resampler_model = Adapter(cfg)
         mark_default_rules(self.vision_model)
         mark_default_rules(self.resampler_model)
@@ -73,15 +73,11 @@ class ImageFeatures(nn.Layer):
         if pixel_patches.shape[0] == 0:  # no images: im_patch_id may then be a text token (a text model's)
             if not self.vision_model.training:
                 return embeddings
-            # Text-only batch in training: run the vision side on one blank merge block, times 0, so that
-            # gradient synchronisation finds a gradient for every parameter on every rank.
-            merge = cfg.vision_config.spatial_merge_size
-            grid = np.array([[1, merge, merge]])
-            blank = paddle.zeros([merge * merge, cfg.vision_config.in_channels * cfg.vision_config.patch_size ** 2],
-                                 dtype=embeddings.dtype)
+            blank, grid = blank_merge_block(cfg.vision_config, embeddings.dtype)  # a text-only batch in training
             return embeddings + self.resampler_model(self.vision_model(blank, grid), grid).sum() * 0.0
         slots = paddle.nonzero((input_ids == cfg.im_patch_id).flatten()).flatten()
-        features = self.resampler_model(self.vision_model(pixel_patches, grid_thw), grid_thw)
+        features = self.resampler_model(self.plan.vision_features(self.vision_model, pixel_patches, grid_thw),
+                                        grid_thw)
         if features.shape[0] != slots.shape[0]:
             raise ValueError(f"the batch has {slots.shape[0]} image placeholder tokens but its images give "
                              f"{features.shape[0]} features")

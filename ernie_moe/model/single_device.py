@@ -57,6 +57,14 @@ class SingleDevicePlan:
         """This rank's piece -> the whole sequence, for a block every rank computes in full."""
         return x
 
+    def vision_encoder(self, vit: nn.Layer) -> nn.Layer:
+        """The ViT as built (a parallel plan marks how its gradients add up)."""
+        return vit
+
+    def vision_features(self, vit: nn.Layer, patches: paddle.Tensor, grid_thw) -> paddle.Tensor:
+        """The ViT's features of every frame of the batch."""
+        return vit(patches, grid_thw)
+
     def tied_head(self, hidden: paddle.Tensor, embedding_weight: paddle.Tensor) -> paddle.Tensor:
         return paddle.matmul(hidden, embedding_weight, transpose_y=True)
 

@@ -47,6 +47,39 @@ def same_size_groups(grid_thw: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
     return [(np.concatenate(rows), len(rows), size) for size, rows in groups.items()]
 
 
+def frame_shares(grid_thw: np.ndarray, parts: int) -> list[tuple[int, int, np.ndarray]]:
+    """Whole frames cut into ``parts`` contiguous shares of about equal patches: (first patch, end patch, grid of
+    the share's frames) each. A video's frames may go to several shares (the ViT attends within one frame); a
+    share may be empty when there are fewer frames than parts."""
+    grids = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    images = np.repeat(np.arange(len(grids)), grids[:, 0])
+    sizes = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+    ends = np.cumsum(sizes)
+    total = int(ends[-1]) if len(ends) else 0
+    # share r ends with the first frame that reaches r / parts of the patches
+    cuts = [0] + [int(np.searchsorted(ends, total * r / parts)) + 1 if total else 0 for r in range(1, parts)]
+    cuts = [min(cut, len(sizes)) for cut in cuts] + [len(sizes)]
+    shares = []
+    for first, end in zip(cuts[:-1], cuts[1:]):
+        frames = []
+        for frame in range(first, end):  # consecutive frames of one image stay one grid row
+            if frames and frames[-1][0] == images[frame]:
+                frames[-1][1] += 1
+            else:
+                frames.append([images[frame], 1])
+        grid = np.array([[count, *grids[image, 1:]] for image, count in frames], dtype=np.int64).reshape(-1, 3)
+        start = int(ends[first - 1]) if first else 0
+        shares.append((start, int(ends[end - 1]) if end else 0, grid))
+    return shares
+
+
+def blank_merge_block(cfg, dtype) -> tuple[paddle.Tensor, np.ndarray]:
+    """One merge block of zero patches and its grid: what a rank without images runs, times 0, so that
+    gradient synchronisation finds a gradient for every vision parameter on every rank."""
+    grid = np.array([[1, cfg.spatial_merge_size, cfg.spatial_merge_size]])
+    return paddle.zeros([cfg.spatial_merge_size ** 2, cfg.in_channels * cfg.patch_size ** 2], dtype=dtype), grid
+
+
 def quick_gelu(x):
     return x * F.sigmoid(1.702 * x)
 

@@ -14,11 +14,12 @@ import copy
 import paddle
 
 from ..model.single_device import SingleDevicePlan
+from ..model.vision import blank_merge_block, frame_shares
 from ..moe.dispatcher import LocalDispatcher
 from ..nn.layers import RMSNorm
 from ..nn.param_spec import describe
 from . import tensor_parallel as tp
-from .comm import GatherAlong, SplitAlong, SumOverRanks
+from .comm import GatherAlong, GatherRows, SplitAlong, SumOverRanks
 from .expert_parallel import ExpertParallelDispatcher, TensorParallelExpertDispatcher, local_expert_ids
 
 
@@ -67,6 +68,25 @@ class ParallelPlan(SingleDevicePlan):
     def gather_sequence(self, x):
         # The whole-sequence block's input gradient is complete on every rank: backward keeps our piece.
         return GatherAlong.apply(x, tp.SEQUENCE_AXIS, self.tp_group, False) if self.sequence_parallel else x
+
+    def vision_encoder(self, vit):
+        # Under sequence parallelism each rank runs the ViT over its share of the frames: its gradient is partial.
+        for param in vit.parameters():
+            describe(param, partial_over_tp=self.sequence_parallel)
+        return vit
+
+    def vision_features(self, vit, patches, grid_thw):
+        if not self.sequence_parallel:
+            return super().vision_features(vit, patches, grid_thw)
+        shares = frame_shares(grid_thw, self.tp_group.nranks)
+        start, stop, grid = shares[self.tp_group.rank]
+        sizes = [end - first for first, end, _ in shares]
+        if stop > start:
+            return GatherRows.apply(vit(patches[start:stop], grid), sizes, self.tp_group)
+        # no frame on this rank: a blank block times 0 gives every ViT weight its (zero) gradient
+        blank, grid = blank_merge_block(vit.cfg, patches.dtype)
+        empty = paddle.zeros([0, vit.cfg.embed_dim], dtype=patches.dtype)
+        return GatherRows.apply(empty, sizes, self.tp_group) + vit(blank, grid).sum() * 0.0
 
     def tied_head(self, hidden, embedding_weight):
         if self.tp_group is None:
