@@ -62,11 +62,14 @@ def test_the_whole_logits_are_not_held(tmp_path):
     assert whole - chunked >= logits - one_chunk, (whole / 2 ** 20, chunked / 2 ** 20)
 
 
-def test_chunks_are_refused_where_they_are_not_built():
+def test_chunks_that_do_not_divide_over_the_sequence_parallel_ranks_are_refused():
+    sequence_parallel = ["parallel.tensor_parallel_degree=2", "parallel.sequence_parallel=true",
+                         "parallel.moe_group=mp"]
+    with pytest.raises(ConfigError, match=r"loss_subbatch_seqlen \(15\) must be divisible"):
+        load_config(None, ["training.loss_subbatch_seqlen=15", *sequence_parallel], check_paths=False)
     for layout in (["parallel.pipeline_parallel_degree=2", "training.gradient_accumulation_steps=2"],
-                   ["parallel.tensor_parallel_degree=2", "parallel.sequence_parallel=true", "parallel.moe_group=mp"]):
-        with pytest.raises(ConfigError, match="loss_subbatch_seqlen"):
-            load_config(None, ["training.loss_subbatch_seqlen=16", *layout], check_paths=False)
+                   sequence_parallel):
+        assert load_config(None, ["training.loss_subbatch_seqlen=16", *layout], check_paths=False)
     with pytest.raises(ConfigError, match="loss_subbatch_seqlen"):
         load_config(None, ["training.loss_subbatch_seqlen=-1"])
     with pytest.raises(ConfigError, match="not shorter than data.max_seq_len"):

@@ -64,6 +64,17 @@ LAYOUTS = {
     "ep2_grouped_matmul": (2, 2, ["parallel.expert_parallel_degree=2", "training.moe_expert_matmul=grouped"], []),
     # the LM head and the vocabulary-parallel loss over sequence chunks (against one process without chunks)
     "tp2_chunked_loss": (2, 1, [TP2, "training.loss_subbatch_seqlen=16"], []),
+    # ... under sequence parallelism (each rank a piece of every chunk), and on a pipeline's last stage, with the
+    # tied embedding's copy there or an LM head of its own
+    "tp2_sp_chunked_loss": (2, 1, [TP2, "parallel.sequence_parallel=true", "parallel.moe_group=mp",
+                                   "training.loss_subbatch_seqlen=16"], []),
+    "pp2_chunked_loss": (2, 1, [PP2, "training.loss_subbatch_seqlen=16"], ACCUMULATE),
+    "pp2_chunked_loss_untied": (2, 1, [PP2, "training.loss_subbatch_seqlen=16"],
+                                ACCUMULATE + ["model.tie_word_embeddings=false"]),
+    # the long-sequence layout: tensor x pipeline, the experts over the tensor ranks, sequence parallel (the ViT
+    # over each rank's share of the frames), the loss over chunks
+    "tp2_pp2_moe_mp_sp_chunked_loss": (4, 1, [TP2, PP2, "parallel.moe_group=mp", "parallel.sequence_parallel=true",
+                                              "training.loss_subbatch_seqlen=16"], ACCUMULATE),
 }
 
 

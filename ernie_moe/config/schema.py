@@ -224,8 +224,9 @@ class TrainingConfig:
     token_balance_loss: bool = opt(False, "divide the gradient by a fixed token count instead of the step's")
     token_balance_seqlen: int = opt(0, "that fixed count; 0 = max_seq_len x per_device_train_batch_size")
     loss_subbatch_seqlen: int = opt(0, "run the LM head and loss over sequence chunks of this many tokens, each "
-                                       "recomputed in the backward pass, so the whole logits are never held; 0 = "
-                                       "the whole sequence at once")
+                                       "recomputed in the backward pass, so the whole logits are never held (with "
+                                       "sequence parallelism a multiple of the tensor degree); 0 = the whole "
+                                       "sequence at once")
     moe_expert_matmul: str = choice("auto", "auto", "grouped", "per_expert",
                                     doc="'grouped': each expert width's experts in one kernel per projection "
                                         "(Paddle's grouped GEMM on GPUs, a padded batched matmul elsewhere); "

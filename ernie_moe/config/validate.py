@@ -339,9 +339,9 @@ def _check_parallel(cfg: Config) -> None:
         chunk, seq = cfg.training.loss_subbatch_seqlen, cfg.data.max_seq_len
         _require(chunk < seq, f"training.loss_subbatch_seqlen ({chunk}) is not shorter than data.max_seq_len ({seq}): "
                               "one chunk would be the whole sequence; set a shorter chunk, or 0.")
-        _require(pp == 1 and not p.sequence_parallel,
-                 "training.loss_subbatch_seqlen (a chunked LM head and loss) is not available with pipeline "
-                 "parallelism or sequence_parallel in this release; set it to 0 for those layouts.")
+        _require(not p.sequence_parallel or chunk % tp == 0,
+                 f"training.loss_subbatch_seqlen ({chunk}) must be divisible by parallel.tensor_parallel_degree "
+                 f"({tp}) with sequence_parallel: each rank holds an equal piece of every chunk.")
     _require(not p.sequence_parallel or tp > 1,
              "parallel.sequence_parallel splits activations over tensor-parallel ranks; it needs "
              "parallel.tensor_parallel_degree > 1 (or set it to false).")

@@ -121,16 +121,18 @@ class LMHead(nn.Layer):
     def __init__(self, cfg, plan):
         super().__init__()
         self.lm_head = plan.column_linear(cfg.hidden_size, cfg.vocab_size)
+        self.passes_hidden = False  # a pipeline's loss over chunks applies the head itself
 
     def forward(self, inputs):
-        return self.lm_head(inputs[0]), inputs[1]
+        return inputs if self.passes_hidden else (self.lm_head(inputs[0]), inputs[1])
 
 
-def tied_head(plan):
-    """The head of tied embeddings: ``forward(token embedding block, inputs)``."""
+def tied_head(plan, passes_hidden: bool = False):
+    """The head of tied embeddings: ``forward(token embedding block, inputs)``; ``passes_hidden``: the final
+    hidden states go on to the loss, which applies the head over chunks."""
 
     def forward(embedding: TokenEmbedding, inputs):
-        return plan.tied_head(inputs[0], embedding.weight), inputs[1]
+        return inputs if passes_hidden else (plan.tied_head(inputs[0], embedding.weight), inputs[1])
 
     return forward
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import paddle
 from paddle import nn
 
@@ -102,21 +103,30 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         logits, _ = self.tied(self._ordered[0], (hidden, None)) if self.tied else self._ordered[-1]((hidden, None))
         return logits
 
-    def _head_token_losses(self, hidden: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
-        return self.plan.token_cross_entropy(self.head(hidden), labels)
-
     def _token_losses(self, hidden: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
-        """Each position's cross-entropy ``[batch, seq]``; with ``loss_chunk``, over sequence chunks whose logits
-        are dropped after their loss in training and computed again in the backward pass, so that at most one
-        chunk's are held."""
-        if not self.loss_chunk:
-            return self._head_token_losses(hidden, labels)
         train = self.training and not hidden.stop_gradient
-        parts = []
-        for start in range(0, hidden.shape[1], self.loss_chunk):
-            piece = hidden[:, start: start + self.loss_chunk], labels[:, start: start + self.loss_chunk]
-            parts.append(recomputed(self._head_token_losses, *piece) if train else self._head_token_losses(*piece))
-        return paddle.concat(parts, axis=1)
+        return token_losses(self.plan, self.head, hidden, labels, self.loss_chunk, train)
+
+
+def token_losses(plan, head, hidden: paddle.Tensor, labels: paddle.Tensor, chunk: int, train: bool) -> paddle.Tensor:
+    """Each position's cross-entropy ``[batch, seq]`` of the final hidden states (``head``: hidden -> logits);
+    with ``chunk``, over sequence chunks (``plan.loss_chunks``) whose logits are dropped after their loss in
+    training and computed again in the backward pass, so that at most one chunk's are held."""
+
+    def of(hidden_piece, label_piece):
+        return plan.token_cross_entropy(head(hidden_piece), label_piece)
+
+    if not chunk:
+        return of(hidden, labels)
+    parts, order = [], []
+    for rows, positions in plan.loss_chunks(labels.shape[1], chunk):
+        piece = hidden[:, rows], paddle.index_select(labels, paddle.to_tensor(positions), axis=1)
+        parts.append(recomputed(of, *piece) if train else of(*piece))
+        order.append(positions)
+    losses, order = paddle.concat(parts, axis=1), np.concatenate(order)
+    if (order == np.arange(len(order))).all():
+        return losses
+    return paddle.index_select(losses, paddle.to_tensor(np.argsort(order)), axis=1)  # back to sequence order
 
 
 class _Named(nn.Layer):

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 from paddle import nn
 
@@ -64,6 +65,12 @@ class SingleDevicePlan:
     def vision_features(self, vit: nn.Layer, patches: paddle.Tensor, grid_thw) -> paddle.Tensor:
         """The ViT's features of every frame of the batch."""
         return vit(patches, grid_thw)
+
+    def loss_chunks(self, seq_len: int, chunk: int) -> list[tuple[slice, np.ndarray]]:
+        """(this rank's hidden positions, the sequence positions whose logits the head gives for them) of each
+        chunk of the LM head and loss: consecutive runs of ``chunk`` positions."""
+        return [(slice(start, start + chunk), np.arange(start, min(start + chunk, seq_len)))
+                for start in range(0, seq_len, chunk)]
 
     def tied_head(self, hidden: paddle.Tensor, embedding_weight: paddle.Tensor) -> paddle.Tensor:
         return paddle.matmul(hidden, embedding_weight, transpose_y=True)

@@ -25,7 +25,7 @@ from ..model.blocks import (
     tied_head,
 )
 from ..model.decoder import DecoderLayer
-from ..model.ernie_vl import BlockQueries
+from ..model.ernie_vl import BlockQueries, token_losses
 from ..nn.init import init_weights
 from ..nn.preference import LOGPS, PreferenceLoss
 from ..timing import part
@@ -40,9 +40,11 @@ class PipelineLoss(nn.Layer):
     and their figures are summed; in the reference pass (``collect_reference``) each batch's log-probabilities are
     kept for the training pass instead."""
 
-    def __init__(self, plan, preference: PreferenceLoss | None = None):
+    def __init__(self, plan, preference: PreferenceLoss | None = None, chunk: int = 0):
         super().__init__()
         self.plan, self.preference = plan, preference
+        self.chunk = chunk  # tokens per chunk of the head and loss: the stage then passes the hidden states on
+        self.head = None  # with chunks, the last stage's head: hidden states -> logits (set once it is built)
         self.collect_reference = False
         self.reset()
 
@@ -51,20 +53,28 @@ class PipelineLoss(nn.Layer):
         self.pair_totals = None
 
     def forward(self, outputs, labels):
-        logits, router_loss = outputs
+        final, router_loss = outputs  # the logits, or with chunks the final hidden states
         label_ids, scale = labels[0], labels[1]
         if self.preference is not None:
-            return self._pairs(logits, router_loss, *labels)
-        lm_sum = self.plan.cross_entropy_sum(logits, label_ids)
+            return self._pairs(final, router_loss, *labels)
+        evaluating = len(labels) > 2  # what the runner scores: predictions need the whole logits
+        if self.chunk and not evaluating:
+            lm_sum = self._token_losses(final, label_ids).sum()
+        else:
+            logits = self.head(final) if self.chunk else final
+            lm_sum = self.plan.cross_entropy_sum(logits, label_ids)
         self.lm_sum += float(lm_sum)
         self.router_sum += float(router_loss.sum())
-        if len(labels) > 2:  # evaluation: what the runner scores
+        if evaluating:
             self.evaluated.append((self.plan.predict(logits), label_ids, labels[2].numpy(), float(lm_sum)))
         return lm_sum * scale.sum() + router_loss.sum()
 
-    def _pairs(self, logits, router_loss, label_ids, scale, sides, reference):
-        token_losses = self.plan.token_cross_entropy(logits, label_ids)
-        loss_sum, figures = self.preference(token_losses, label_ids, sides,
+    def _token_losses(self, final, label_ids):
+        head = self.head if self.chunk else (lambda logits: logits)
+        return token_losses(self.plan, head, final, label_ids, self.chunk, self.training and not final.stop_gradient)
+
+    def _pairs(self, final, router_loss, label_ids, scale, sides, reference):
+        loss_sum, figures = self.preference(self._token_losses(final, label_ids), label_ids, sides,
                                             None if self.collect_reference else reference)
         if self.collect_reference:
             self.references.append(figures[:, LOGPS])
@@ -79,21 +89,36 @@ class PipelineLoss(nn.Layer):
 class ErniePipeline(BlockQueries, PipelineLayer):
     """This rank's pipeline stages of the model's blocks."""
 
-    def __init__(self, cfg, plan, env, virtual_stages: int, preference: PreferenceLoss | None = None):
+    def __init__(self, cfg, plan, env, virtual_stages: int, preference: PreferenceLoss | None = None,
+                 loss_chunk: int = 0):
         self.cfg, self.plan = cfg, plan
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # drawn before fleet reseeds per layer
         descs = []
         for block in ordered_blocks(cfg, plan):
             if block.layer is TokenEmbedding and cfg.tie_word_embeddings:
-                head = tied_head(plan) if block.tied else None
+                head = tied_head(plan, passes_hidden=bool(loss_chunk)) if block.tied else None
                 descs.append(SharedLayerDesc("embed", TokenEmbedding, head, "weight", **block.kwargs))
             else:
                 descs.append(LayerDesc(block.layer, *block.args, **block.kwargs))
-        super().__init__(layers=descs, topology=env.hcg.topology(), loss_fn=PipelineLoss(plan, preference),
-                         seg_method="layer:DecoderLayer",
+        super().__init__(layers=descs, topology=env.hcg.topology(),
+                         loss_fn=PipelineLoss(plan, preference, loss_chunk), seg_method="layer:DecoderLayer",
                          num_virtual_pipeline_stages=virtual_stages if virtual_stages > 1 else None)
         self.first_stage = env.hcg.get_stage_id() == 0
+        if loss_chunk:
+            self._hand_the_head_to_the_loss()
         init_weights(self.stable_named_parameters(include_tied_copy=True), seed)
+
+    def _hand_the_head_to_the_loss(self) -> None:
+        """With the loss over chunks, the last stage's head passes the hidden states on and the loss applies it."""
+        heads = [b for b in self.blocks() if isinstance(b, LMHead)]
+        for block in heads:
+            block.passes_hidden = True
+        if heads:
+            linear = heads[0].lm_head
+            self.loss.head = lambda hidden: linear(hidden)  # a function: the loss registers no second copy
+        elif self._tied_copy():  # the last stage's copy of the tied embedding
+            embedding = self._tied_copy()[0]
+            self.loss.head = lambda hidden: self.plan.tied_head(hidden, embedding.weight)
 
     @property
     def loss(self) -> PipelineLoss:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import paddle
 
 from ..model.single_device import SingleDevicePlan
@@ -87,6 +88,17 @@ class ParallelPlan(SingleDevicePlan):
         blank, grid = blank_merge_block(vit.cfg, patches.dtype)
         empty = paddle.zeros([0, vit.cfg.embed_dim], dtype=patches.dtype)
         return GatherRows.apply(empty, sizes, self.tp_group) + vit(blank, grid).sum() * 0.0
+
+    def loss_chunks(self, seq_len, chunk):
+        if not self.sequence_parallel:
+            return super().loss_chunks(seq_len, chunk)
+        # each rank holds a piece of the sequence and a piece of every chunk: the head gathers the pieces, so a
+        # chunk's logits are those of the ranks' runs of chunk / ranks positions, in rank order
+        ranks = self.tp_group.nranks
+        local, piece = seq_len // ranks, chunk // ranks
+        return [(slice(start, start + piece),
+                 np.concatenate([r * local + np.arange(start, min(start + piece, local)) for r in range(ranks)]))
+                for start in range(0, local, piece)]
 
     def tied_head(self, hidden, embedding_weight):
         if self.tp_group is None:

@@ -32,11 +32,11 @@ from .preference import ReferenceModel
 def build_model(model_cfg, env, loss_chunk: int = 0, preference: PreferenceLoss | None = None):
     """The single-device model, or this rank's pipeline stages; expert weights that differ between ranks
     are marked so that fleet's parameter broadcasts leave them alone. ``loss_chunk``: tokens per chunk of
-    the LM head and loss (``training.loss_subbatch_seqlen``; not with a pipeline); ``preference``: the loss of
+    the LM head and loss (``training.loss_subbatch_seqlen``); ``preference``: the loss of
     preference pairs (``training.stage: dpo``)."""
     plan = build_plan(model_cfg, env)
     if env.pp_group is not None:
-        model = ErniePipeline(model_cfg, plan, env, env.virtual_stages, preference)
+        model = ErniePipeline(model_cfg, plan, env, env.virtual_stages, preference, loss_chunk)
     else:
         model = ErnieMoEForConditionalGeneration(model_cfg, plan, loss_chunk, preference)
     if env.expert_group is not None:
