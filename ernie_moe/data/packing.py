@@ -14,11 +14,15 @@ import numpy as np
 
 from ..batch import IGNORE_INDEX
 from .chat import chat_format
-from .images import patchify, prepare, video_frames
+from .images import fit_size, patchify, pixel_budget_size, prepare, video_frames
 from .sample import BadSample, Chunk, Sample
 from .tokenizer import END_OF_SENTENCE
+from .video_fit import VideoFit, fit_videos
 
 PAD_TYPE = -1
+VIDEO_TYPE = 2  # a video's placeholder tokens (an image's are 1)
+# data statistics that count what was changed to fit, not samples skipped
+FIT_COUNTS = ("shrunk_videos", "dropped_frames")
 # Caption-accuracy categories a data source may mark its words with.
 SCORE_CATEGORIES = ("color", "shape", "row", "column")
 
@@ -66,13 +70,38 @@ class Encoder:
 
     def __call__(self, sample: Sample) -> Encoded:
         """A training sample: the prompt, its trained tokens and the end-of-sentence token closing them, fitted to
-        ``max_seq_len`` as ``data.overlong`` says."""
-        return self._fit(self.whole(sample))
+        ``max_seq_len``: over-long videos shrunk (``data.video_fit``), then as ``data.overlong`` says."""
+        e = self.whole(sample)
+        if len(e) > self.max_seq_len and sample.videos:
+            fit = self._video_fit(sample, e)
+            if fit is not None:
+                e = self.whole(sample, fit)
+                self.stats["shrunk_videos"] += fit.shrunk
+                self.stats["dropped_frames"] += fit.dropped
+        return self._fit(e)
 
-    def whole(self, sample: Sample) -> Encoded:
-        """A training sample, whatever its length."""
+    def _video_fit(self, sample: Sample, e: Encoded) -> VideoFit | None:
+        """The frame budget and frames of ``sample``'s videos that fit ``max_seq_len`` (``data.video_fit``)."""
+        unit = self.patch * self.merge
+        if self.video_budget is not None:  # ERNIE's rule: the most pixels of a frame, in merge blocks
+            low, high = self.video_budget
+            budgets = [*range(low, high, unit * unit), high]
+
+            def size_at(height, width, budget):
+                return pixel_budget_size(height, width, unit, low, budget)
+        else:  # the longest side, in merge blocks
+            budgets = [*range(unit, self.max_side, unit), self.max_side]
+
+            def size_at(height, width, budget):
+                return fit_size(height, width, unit, budget)
+        frames = [(len(video), video.shape[1], video.shape[2]) for video in sample.videos]
+        video_tokens = int((e.token_type_ids == VIDEO_TYPE).sum())
+        return fit_videos(len(e) - video_tokens, frames, self.max_seq_len, size_at, budgets, unit, self.temporal)
+
+    def whole(self, sample: Sample, fit: VideoFit | None = None) -> Encoded:
+        """A training sample, whatever its length; ``fit``: its videos' frame budget and kept frames."""
         chunks, closed = self._chunks(sample, open_turn=False)
-        e = self._encode(sample, chunks, begin=not closed)
+        e = self._encode(sample, chunks, begin=not closed, fit=fit)
         if not e.target.any():
             raise BadSample("empty_text", "sample has no text to train on")
         if not closed:
@@ -97,7 +126,7 @@ class Encoder:
             return sample.chunks, sample.closed
         return self.chat.chunks(sample.conversation, open_turn=open_turn), self.chat.closed
 
-    def _encode(self, sample: Sample, chunks: list[Chunk], begin: bool) -> Encoded:
+    def _encode(self, sample: Sample, chunks: list[Chunk], begin: bool, fit: VideoFit | None = None) -> Encoded:
         ids, target, scored, types, positions = [], [], [], [], []
         patches, grids = [], []
 
@@ -114,7 +143,7 @@ class Encoder:
             pos = max(positions[-1]) + 1 if positions else 0
             if chunk.image >= 0 or chunk.video >= 0:
                 video = chunk.video >= 0
-                flat, grid = self._visual(sample, chunk)
+                flat, grid = self._visual(sample, chunk, fit)
                 patches.append(flat)
                 grids.append(grid)
                 start, end = self.brackets["VIDEO" if video else "IMAGE"]
@@ -123,7 +152,7 @@ class Encoder:
                     pos += 1
                 t = -(-int(grid[0]) // self.temporal)
                 for tt, hh, ww in np.ndindex(t, grid[1] // self.merge, grid[2] // self.merge):
-                    add(self.tok.image_token_id, 2 if video else 1, (pos + tt, pos + hh, pos + ww))
+                    add(self.tok.image_token_id, VIDEO_TYPE if video else 1, (pos + tt, pos + hh, pos + ww))
                 if end is not None:
                     add(end, 1, (max(positions[-1]) + 1,) * 3)
                 continue
@@ -138,14 +167,22 @@ class Encoder:
         return Encoded(np.array(ids, np.int64), np.array(target, bool), np.array(scored, np.int64),
                        np.array(types, np.int64), np.array(positions, np.int64).reshape(-1, 3), patches, grids)
 
-    def _visual(self, sample: Sample, chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
-        """An image's or a video's patches in merge-block order, frame after frame, and its (t, h, w) grid."""
+    def _visual(self, sample: Sample, chunk: Chunk, fit: VideoFit | None) -> tuple[np.ndarray, np.ndarray]:
+        """An image's or a video's patches in merge-block order, frame after frame, and its (t, h, w) grid; a
+        video's frames and their size as ``fit`` chose them."""
         unit = self.patch * self.merge
         if chunk.image >= 0:
             return patchify(prepare(sample.images[chunk.image], unit, self.max_side, self.pixel_budget),
                             self.patch, self.merge)
-        frames = [patchify(prepare(frame, unit, self.max_side, self.video_budget), self.patch, self.merge)
-                  for frame in video_frames(sample.videos[chunk.video], self.temporal)]
+        video, side, budget = sample.videos[chunk.video], self.max_side, self.video_budget
+        if fit is not None:
+            video = video[fit.frames[chunk.video]]
+            if budget is None:
+                side = fit.budget
+            else:
+                budget = (budget[0], fit.budget)
+        frames = [patchify(prepare(frame, unit, side, budget), self.patch, self.merge)
+                  for frame in video_frames(video, self.temporal)]
         grid = frames[0][1].copy()
         grid[0] = len(frames)
         return np.concatenate([f for f, _ in frames]), grid

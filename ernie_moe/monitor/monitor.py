@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from ..data.packing import FIT_COUNTS
 from ..nn.preference import preference_metrics
 from ..timing import COMMUNICATION
 from .alerts import Alerts
@@ -89,7 +90,7 @@ class TrainingMonitor:
             metrics.update(memory)
             peak = max(v for k, v in memory.items() if k.startswith("memory/max_rank_"))
             self.warnings = self.alerts.check(step, scalars, peak)
-        metrics.update({f"data/skipped_{k}": v for k, v in data_stats.items()})
+        metrics.update({f"data/{k}" if k in FIT_COUNTS else f"data/skipped_{k}": v for k, v in data_stats.items()})
         self.logger.log(step, metrics)
         for tag, image in images.items():
             self.logger.image(tag, image, step)
