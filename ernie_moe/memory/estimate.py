@@ -229,24 +229,26 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
     return kept, max(rerun + stacking, attending)
 
 
-def _first_stage_activations(cfg, training, w: Workload) -> list[tuple[float, float]]:
+def _first_stage_activations(cfg, parallel, training, w: Workload) -> list[tuple[float, float]]:
     """(kept, re-run in backward) of the first stage's pieces in forward order: embedding, rotary angles and
-    mask, the ViT's embedding and final norm, then each ViT block, then the adapter. A part that trains
-    nothing, with nothing before it that does, keeps nothing (a frozen ViT, and its adapter if frozen too)."""
+    the document bounds, the ViT's embedding and final norm, then each ViT block, then the adapter. A part that
+    trains nothing, with nothing before it that does, keeps nothing (a frozen ViT, and its adapter if frozen
+    too). Under sequence parallelism each tensor-parallel rank runs the ViT over its share of the frames."""
     m, v = cfg, cfg.vision_config
     t, h, d = w.tokens, m.hidden_size, v.embed_dim
-    text_side = 4 * (2 * t * h + w.rows * w.seq * m.head_dim / 2) + w.rows * w.seq ** 2
+    text_side = 4 * (2 * t * h + w.rows * w.seq * m.head_dim / 2) + 2 * 8 * w.rows * w.seq  # int64 bounds, a copy
     if not w.image_sizes:
         return [(text_side, 0.0)]
     lora = set(training.lora_targets) if training.fine_tuning == "lora" else set()
     vit_trains = _vit_trains(training)
     adapter_trains = vit_trains or "adapter" not in frozen_parts(training) or "adapter" in lora
-    p = w.patches
-    probabilities = 0 if uses_flash_attention(training) else 4 * v.num_heads * w.squared_patches
+    shares = parallel.tensor_parallel_degree if parallel.sequence_parallel else 1
+    p = w.patches / shares
+    probabilities = 0 if uses_flash_attention(training) else 4 * v.num_heads * w.squared_patches / shares
     block = 4 * (16.3 * p * d + 30 * p) + probabilities  # per-image attention: every patch, no mask
     recomputed = training.recompute and training.recompute_granularity in ("full", "full_attn")
     blocks = [(4 * p * d, block) if recomputed else (block, 0.0)] * v.depth
-    adapter = 4 * (9 * p * d + 0.75 * p * h)
+    adapter = 4 * (9 * w.patches * d + 0.75 * w.patches * h)  # over every frame's features, gathered
     if not vit_trains:
         return [(text_side, 0.0), (adapter if adapter_trains else 0.0, 0.0)]
     return [(text_side + 4 * 2.2 * p * d, 0.0), *blocks, (adapter, 0.0)]
@@ -258,14 +260,16 @@ def _vit_trains(training) -> bool:
     return "vision" not in frozen_parts(training) or "vit" in lora
 
 
-def _frozen_vit_forward(cfg, training, w: Workload) -> float:
+def _frozen_vit_forward(cfg, parallel, training, w: Workload) -> float:
     """What a ViT that keeps nothing (frozen, no LoRA in it) holds at once in its forward pass: a block's
-    projections of every patch and, in the plain attention, one call's scores and probabilities."""
+    projections of every patch of this rank's share and, in the plain attention, one call's scores and
+    probabilities."""
     v = cfg.vision_config
     if not w.image_sizes or _vit_trains(training):
         return 0.0
-    scores = 0 if uses_flash_attention(training) else 2 * 4 * v.num_heads * w.largest_attention
-    return 4 * 10 * w.patches * v.embed_dim + scores
+    shares = parallel.tensor_parallel_degree if parallel.sequence_parallel else 1
+    scores = 0 if uses_flash_attention(training) else 2 * 4 * v.num_heads * w.largest_attention / shares
+    return 4 * 10 * w.patches * v.embed_dim / shares + scores
 
 
 def _last_stage_activations(cfg, parallel, training, w: Workload) -> tuple[float, float]:
@@ -336,10 +340,10 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
             optimizer += 4 * (trainable[0] / data_world + trainable[1] / max(layout.expert_copies, 1))
         per_layer = [_layer_activations(m, p, t, layer, workload, capacity) for layer in layers]
         if stage == 0:
-            per_layer = _first_stage_activations(m, t, workload) + per_layer
+            per_layer = _first_stage_activations(m, p, t, workload) + per_layer
         kept = sum(k for k, _ in per_layer)
         # a frozen ViT runs when only the text side is kept (the first piece): its forward may be the peak
-        transient = max(_frozen_vit_forward(m, t, workload) + per_layer[0][0] - kept, 0.0) if stage == 0 else 0.0
+        transient = max(_frozen_vit_forward(m, p, t, workload) + per_layer[0][0] - kept, 0.0) if stage == 0 else 0.0
         # backward runs the layers last to first: when layer j re-runs its block, the later layers are freed
         later = 0.0
         for layer_kept, rerun in reversed(per_layer):

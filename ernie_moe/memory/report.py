@@ -9,7 +9,8 @@ The device's size is ``--device-memory-gb``, else the config's ``training.device
 Prints, for one rank of each pipeline stage, the bytes of parameters (and a full fine-tune's preference reference
 copy of them), gradients, optimizer states, input batches, activations and the backward-pass transient, and whether
 the busiest stage fits the device. With ``--search`` it lists the layouts (tensor, pipeline, virtual stages,
-sharding, expert degree, recompute, micro-batch) that fit, the fastest first by a rough estimate; with
+sharding, expert degree or the experts over the tensor ranks with sequence parallelism, recompute, micro-batch,
+optimizer offload, the loss over chunks) that fit, the fastest first by a rough estimate; with
 ``--smallest`` the fewest GPUs (a multiple of 8) on which one fits, and that layout. The micro-batch's make-up
 comes from the configured data when it is there (synthetic data, or the JSONL files), otherwise images of
 ``data.max_image_side`` are assumed to fill ``--image-fraction`` of the tokens.

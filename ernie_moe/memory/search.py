@@ -19,14 +19,20 @@ from .estimate import estimate
 FIT_FRACTION = 0.9  # the rest of the device: CUDA context, allocator fragmentation, communication buffers
 RECOMPUTE_ORDER = (None, "moe", "core_attn", "full_attn", "full")  # least memory saved and time spent first
 RERUN = {None: 0.0, "moe": 0.2, "core_attn": 0.05, "full_attn": 0.15, "full": 0.33}  # extra forward share
+OFFLOAD_COST = 0.1  # a step's share spent moving offloaded optimizer states
+CHUNKED_LOSS_COST = 0.02  # a step's share spent running the LM head again for the loss over chunks
+LONG_LOSS_CHUNK = 8192  # the chunk the search tries for sequences longer than that
 
 
 def fits(stages, device_bytes: float) -> bool:
     return max(s.total for s in stages) <= FIT_FRACTION * device_bytes
 
 
-def with_layout(cfg, tp, pp, vpp, sharding, ep, recompute, micro_batch, world, moe_group="ep"):
-    """``cfg`` with another layout, the global batch unchanged; None when the layout is invalid."""
+def with_layout(cfg, tp, pp, vpp, sharding, ep, recompute, micro_batch, world, moe_group="ep", offload=None,
+                loss_chunk=None):
+    """``cfg`` with another layout, the global batch unchanged; None when the layout is invalid. ``offload``:
+    whether the optimizer states live on the host, ``loss_chunk``: tokens per chunk of the head and loss (None:
+    as configured)."""
     t = cfg.training
     data = Layout(world, tp, pp).data_world
     global_rows = t.per_device_train_batch_size * t.gradient_accumulation_steps * configured_data_world(cfg, world)
@@ -37,11 +43,12 @@ def with_layout(cfg, tp, pp, vpp, sharding, ep, recompute, micro_batch, world, m
         sharding_parallel_degree=sharding, sharding="stage1" if sharding > 1 else "",
         expert_parallel_degree=ep if moe_group == "ep" else tp, moe_group=moe_group,
         sequence_parallel=moe_group == "mp" and cfg.data.max_seq_len % tp == 0)
-    chunked = t.loss_subbatch_seqlen if pp == 1 and not parallel.sequence_parallel else 0  # where it is built
+    chunked = t.loss_subbatch_seqlen if loss_chunk is None else loss_chunk
     training = dataclasses.replace(t, per_device_train_batch_size=micro_batch,
                                    gradient_accumulation_steps=global_rows // (micro_batch * data),
                                    recompute=recompute is not None, recompute_granularity=recompute or "full",
-                                   recompute_layers=0, loss_subbatch_seqlen=chunked)
+                                   recompute_layers=0, loss_subbatch_seqlen=chunked,
+                                   offload_optim=t.offload_optim if offload is None else offload)
     candidate = dataclasses.replace(cfg, parallel=parallel, training=training)
     try:
         validate(candidate, check_paths=False)
@@ -63,7 +70,9 @@ def relative_time(cfg, world: int, largest_micro_batch: int) -> float:
     bubble = (p.pipeline_parallel_degree - 1) / (t.gradient_accumulation_steps * max(p.virtual_pp_degree, 1))
     rerun = RERUN[t.recompute_granularity if t.recompute else None]
     comm = 1 + 0.08 * math.log2(p.tensor_parallel_degree) + (0.05 if p.expert_parallel_degree > 1 else 0)
-    return (1 + rerun) * (1 + bubble) * comm * small / world
+    host = 1 + OFFLOAD_COST if t.offload_optim else 1  # the states cross the host link at each update
+    head = 1 + CHUNKED_LOSS_COST if t.loss_subbatch_seqlen else 1  # the head runs again in the backward pass
+    return (1 + rerun) * (1 + bubble) * comm * small * host * head / world
 
 
 def search(cfg, workload_for, world: int, device_bytes: float, limit: int = 10) -> list[tuple]:
@@ -76,6 +85,8 @@ def search(cfg, workload_for, world: int, device_bytes: float, limit: int = 10) 
     found = []
     micro = cfg.training.per_device_train_batch_size
     micro_batches = sorted({max(micro >> i, 1) for i in range(4)}, reverse=True)
+    seq = cfg.data.max_seq_len
+    chunks = sorted({cfg.training.loss_subbatch_seqlen, 0} | ({LONG_LOSS_CHUNK} if seq > LONG_LOSS_CHUNK else set()))
     for tp, pp in itertools.product([d for d in powers if d <= 8], stages):
         if world % (tp * pp):
             continue
@@ -84,9 +95,9 @@ def search(cfg, workload_for, world: int, device_bytes: float, limit: int = 10) 
         # (moe_group mp, with sequence parallelism)
         groups = [("ep", d) for d in powers if d <= data and all(n % d == 0 for n in m.moe_num_experts or [1])]
         groups += [("mp", tp)] if tp > 1 and m.moe_num_experts else []
-        for (moe_group, ep), vpp, recompute, mb in itertools.product(
-                groups, (1, 2) if pp >= 3 else (1,), RECOMPUTE_ORDER, micro_batches):
-            candidate = with_layout(cfg, tp, pp, vpp, data, ep, recompute, mb, world, moe_group)
+        for (moe_group, ep), vpp, recompute, mb, offload, chunk in itertools.product(
+                groups, (1, 2) if pp >= 3 else (1,), RECOMPUTE_ORDER, micro_batches, (False, True), chunks):
+            candidate = with_layout(cfg, tp, pp, vpp, data, ep, recompute, mb, world, moe_group, offload, chunk)
             if candidate is None:
                 continue
             stages = estimate(candidate, workload_for(mb), data)
@@ -122,6 +133,10 @@ def describe(cfg) -> str:
     elif p.expert_parallel_degree > 1:
         parts.append(f"ep{p.expert_parallel_degree}")
     parts.append(f"recompute {t.recompute_granularity}" if t.recompute else "no recompute")
+    if t.offload_optim:
+        parts.append("optimizer offloaded")
+    if t.loss_subbatch_seqlen:
+        parts.append(f"loss over chunks of {t.loss_subbatch_seqlen}")
     parts.append(f"micro-batch {t.per_device_train_batch_size} x {t.gradient_accumulation_steps}")
     return ", ".join(parts)
 
@@ -148,4 +163,5 @@ def overrides_of(cfg) -> list[str]:
             f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}",
             f"training.recompute={str(t.recompute).lower()}",
             f"training.recompute_granularity={t.recompute_granularity}",
-            f"training.loss_subbatch_seqlen={t.loss_subbatch_seqlen}"]
+            f"training.loss_subbatch_seqlen={t.loss_subbatch_seqlen}",
+            f"training.offload_optim={str(t.offload_optim).lower()}"]
