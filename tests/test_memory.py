@@ -36,6 +36,9 @@ LAYOUTS = {
     "recompute core_attn, 128 tokens": (1, ["training.recompute=true", "training.recompute_granularity=core_attn",
                                             "data.max_seq_len=128"]),
     "tp2": (2, ["parallel.tensor_parallel_degree=2"]),
+    # the ViT over each rank's share of the frames, the decoder's activations over its piece of the sequence
+    "tp2, sequence parallel": (2, ["parallel.tensor_parallel_degree=2", "parallel.sequence_parallel=true",
+                                   "parallel.moe_group=mp"]),
     "pp2": (2, ["parallel.pipeline_parallel_degree=2", "training.gradient_accumulation_steps=2",
                 "training.per_device_train_batch_size=4"]),
     "ep2": (2, ["parallel.expert_parallel_degree=2", "training.per_device_train_batch_size=4"]),
