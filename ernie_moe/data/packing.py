@@ -261,8 +261,19 @@ def make_row(docs: list[Encoded], length: int, pad_id: int) -> Row:
     return Row(ids, labels, scored, types, positions, doc_ids, document_ends(doc_ids), patches, grids)
 
 
-def document_ends(doc_ids: np.ndarray) -> np.ndarray:
-    """Each position's key is seen up to the end of its document (``doc_ids`` runs of one id each)."""
+def _document_runs(doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first, end) position of each document (``doc_ids`` runs of one id each)."""
     starts = np.flatnonzero(np.diff(doc_ids, prepend=doc_ids[0] - 1))
-    ends = np.append(starts[1:], len(doc_ids))
+    return starts, np.append(starts[1:], len(doc_ids))
+
+
+def document_ends(doc_ids: np.ndarray) -> np.ndarray:
+    """Each position's key is seen up to the end of its document."""
+    starts, ends = _document_runs(doc_ids)
     return np.repeat(ends, ends - starts).astype(np.int64)
+
+
+def document_starts(doc_ids: np.ndarray) -> np.ndarray:
+    """Each position's document's first position: from there on its key is seen, attending both ways."""
+    starts, ends = _document_runs(doc_ids)
+    return np.repeat(starts, ends - starts).astype(np.int64)

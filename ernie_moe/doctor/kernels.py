@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from ..data.packing import document_ends
+from ..data.packing import document_ends, document_starts
 from ..model.attention import core_attention
 from ..model.single_device import SingleDevicePlan
 from ..moe.dispatcher import LocalDispatcher
@@ -58,10 +58,9 @@ def attention(rng, dtype, mask: str = "causal", fused: bool = False, heads: int 
     q, k, v = (rng.standard_normal(shape) for shape in ([2, seq, heads, head_dim], [2, seq, kv_heads, head_dim],
                                                          [2, seq, kv_heads, head_dim]))
     probe = rng.standard_normal([2, seq, heads, head_dim])
-    starts = np.stack([np.searchsorted(d, d) for d in docs])  # each key's document's first row
     bounds = None if mask == "none" else RowBounds(
         paddle.to_tensor(np.stack([document_ends(d) for d in docs])),
-        None if mask == "causal" else paddle.to_tensor(starts))
+        None if mask == "causal" else paddle.to_tensor(np.stack([document_starts(d) for d in docs])))
     leaves = [_tensor(a, dtype) for a in (q, k, v)]
     for t in leaves:
         t.stop_gradient = False
