@@ -24,7 +24,11 @@ COMMON = [f"training.max_steps={STEPS}", "logging.logging_steps=1", "training.ev
 LAYOUTS = {"data parallel x2": (2, []),
            "tensor parallel x2": (1, ["parallel.tensor_parallel_degree=2"]),
            "expert parallel x2": (2, ["parallel.expert_parallel_degree=2"]),
-           "pipeline x2": (1, ["parallel.pipeline_parallel_degree=2"])}
+           "pipeline x2": (1, ["parallel.pipeline_parallel_degree=2"]),
+           # the ViT over each rank's share of the frames, the loss over chunks of which each rank holds a piece
+           "sequence parallel x2, loss over chunks": (1, ["parallel.tensor_parallel_degree=2",
+                                                          "parallel.sequence_parallel=true", "parallel.moe_group=mp",
+                                                          "training.loss_subbatch_seqlen=16"])}
 TOLERANCE = 1e-4  # relative, on each step's loss
 
 
