@@ -84,10 +84,10 @@ class ParallelPlan(SingleDevicePlan):
         sizes = [end - first for first, end, _ in shares]
         if stop > start:
             return GatherRows.apply(vit(patches[start:stop], grid), sizes, self.tp_group)
-        # no frame on this rank: a blank block times 0 gives every ViT weight its (zero) gradient
-        blank, grid = blank_merge_block(vit.cfg, patches.dtype)
-        empty = paddle.zeros([0, vit.cfg.embed_dim], dtype=patches.dtype)
-        return GatherRows.apply(empty, sizes, self.tp_group) + vit(blank, grid).sum() * 0.0
+        # no frame on this rank: a blank block times 0 gives every ViT weight its (zero) gradient, and its empty
+        # slice the gather's rows in the dtype the other ranks send
+        blank = vit(*blank_merge_block(vit.cfg, patches.dtype))
+        return GatherRows.apply(blank[:0], sizes, self.tp_group) + blank.sum() * 0.0
 
     def loss_chunks(self, seq_len, chunk):
         if not self.sequence_parallel:
