@@ -45,13 +45,18 @@ def pixel_budget_size(height: int, width: int, unit: int, min_pixels: int, max_p
     return h, w
 
 
-def prepare(image: np.ndarray, unit: int, max_side: int, pixel_budget: tuple[int, int] | None = None) -> np.ndarray:
-    """uint8 HxWxC -> float32 HxWxC normalised, sides a multiple of ``unit``: the longest side at most
-    ``max_side``, or with ``pixel_budget`` (min, max pixels) ERNIE's rule (:func:`pixel_budget_size`)."""
+def target_size(height: int, width: int, unit: int, max_side: int,
+                pixel_budget: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The size :func:`prepare` resizes to: the longest side at most ``max_side``, or with ``pixel_budget`` (min,
+    max pixels) ERNIE's rule (:func:`pixel_budget_size`)."""
     if pixel_budget is not None:
-        h, w = pixel_budget_size(image.shape[0], image.shape[1], unit, *pixel_budget)
-    else:
-        h, w = fit_size(image.shape[0], image.shape[1], unit, max_side)
+        return pixel_budget_size(height, width, unit, *pixel_budget)
+    return fit_size(height, width, unit, max_side)
+
+
+def prepare(image: np.ndarray, unit: int, max_side: int, pixel_budget: tuple[int, int] | None = None) -> np.ndarray:
+    """uint8 HxWxC -> float32 HxWxC normalised, sides a multiple of ``unit``, at :func:`target_size`."""
+    h, w = target_size(image.shape[0], image.shape[1], unit, max_side, pixel_budget)
     if (h, w) != image.shape[:2]:
         image = np.asarray(Image.fromarray(image).resize((w, h), Image.BICUBIC))
     return (image.astype(np.float32) / 255.0 - MEAN) / STD

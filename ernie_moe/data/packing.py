@@ -14,7 +14,7 @@ import numpy as np
 
 from ..batch import IGNORE_INDEX
 from .chat import chat_format
-from .images import fit_size, patchify, pixel_budget_size, prepare, video_frames
+from .images import patchify, prepare, target_size, video_frames
 from .sample import BadSample, Chunk, Sample
 from .tokenizer import END_OF_SENTENCE
 from .video_fit import VideoFit, fit_videos
@@ -86,17 +86,24 @@ class Encoder:
         if self.video_budget is not None:  # ERNIE's rule: the most pixels of a frame, in merge blocks
             low, high = self.video_budget
             budgets = [*range(low, high, unit * unit), high]
-
-            def size_at(height, width, budget):
-                return pixel_budget_size(height, width, unit, low, budget)
         else:  # the longest side, in merge blocks
             budgets = [*range(unit, self.max_side, unit), self.max_side]
 
-            def size_at(height, width, budget):
-                return fit_size(height, width, unit, budget)
+        def size_at(height, width, budget):
+            return target_size(height, width, unit, *self._video_resize(budget))
+
         frames = [(len(video), video.shape[1], video.shape[2]) for video in sample.videos]
         video_tokens = int((e.token_type_ids == VIDEO_TYPE).sum())
         return fit_videos(len(e) - video_tokens, frames, self.max_seq_len, size_at, budgets, unit, self.temporal)
+
+    def _video_resize(self, budget: int | None) -> tuple[int, tuple[int, int] | None]:
+        """(longest side, pixel budget) a video frame is prepared at under a fit's frame ``budget`` (None: as
+        configured): the budget replaces the configured most pixels, or the longest side."""
+        if budget is None:
+            return self.max_side, self.video_budget
+        if self.video_budget is None:
+            return budget, None
+        return self.max_side, (self.video_budget[0], budget)
 
     def whole(self, sample: Sample, fit: VideoFit | None = None) -> Encoded:
         """A training sample, whatever its length; ``fit``: its videos' frame budget and kept frames."""
@@ -174,13 +181,10 @@ class Encoder:
         if chunk.image >= 0:
             return patchify(prepare(sample.images[chunk.image], unit, self.max_side, self.pixel_budget),
                             self.patch, self.merge)
-        video, side, budget = sample.videos[chunk.video], self.max_side, self.video_budget
+        video = sample.videos[chunk.video]
         if fit is not None:
             video = video[fit.frames[chunk.video]]
-            if budget is None:
-                side = fit.budget
-            else:
-                budget = (budget[0], fit.budget)
+        side, budget = self._video_resize(fit.budget if fit is not None else None)
         frames = [patchify(prepare(frame, unit, side, budget), self.patch, self.merge)
                   for frame in video_frames(video, self.temporal)]
         grid = frames[0][1].copy()

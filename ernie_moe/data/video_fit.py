@@ -35,7 +35,7 @@ def kept_frames(count: int, keep: int) -> np.ndarray:
 
 
 def fit_videos(other_tokens: int, frames: list[tuple[int, int, int]], limit: int, size_at: Callable,
-               budgets: range, block: int, temporal: int) -> VideoFit | None:
+               budgets: list[int], block: int, temporal: int) -> VideoFit | None:
     """The budget and frames that fit ``limit`` tokens, None when even one step of each video at the floor is
     too long. ``other_tokens``: the sample's tokens besides the videos' placeholders; ``frames``: (count, height,
     width) of each video's sampled frames; ``size_at(height, width, budget)``: a frame's size under a budget;
@@ -46,23 +46,23 @@ def fit_videos(other_tokens: int, frames: list[tuple[int, int, int]], limit: int
         """One adapter step's tokens of each video under ``budget``."""
         return [int(np.prod(size_at(h, w, budget))) // block ** 2 for _, h, w in frames]
 
-    def tokens(budget: int, kept: list[int]) -> int:
-        return other_tokens + sum(-(-k // temporal) * step for k, step in zip(kept, placeholders(budget)))
+    def tokens(steps: list[int], kept: list[int]) -> int:
+        return other_tokens + sum(-(-k // temporal) * step for k, step in zip(kept, steps))
 
     counts = [count for count, _, _ in frames]
     low, high = 0, len(budgets) - 1  # the largest budget that fits, by bisection
-    if tokens(budgets[low], counts) <= limit:
+    if tokens(placeholders(budgets[low]), counts) <= limit:
         while low < high:
             middle = (low + high + 1) // 2
-            low, high = (middle, high) if tokens(budgets[middle], counts) <= limit else (low, middle - 1)
-    budget = budgets[low]
+            fits = tokens(placeholders(budgets[middle]), counts) <= limit
+            low, high = (middle, high) if fits else (low, middle - 1)
+    budget, steps = budgets[low], placeholders(budgets[low])
     kept = list(counts)
-    while tokens(budget, kept) > limit:
+    while tokens(steps, kept) > limit:
         longest = int(np.argmax(kept))
         if kept[longest] <= temporal:
             return None
         kept[longest] = max(kept[longest] - temporal, temporal)  # two frames at least: the first and the last
-    configured = placeholders(budgets[-1])
-    shrunk = sum(now < before for now, before in zip(placeholders(budget), configured))
+    shrunk = sum(now < before for now, before in zip(steps, placeholders(budgets[-1])))
     return VideoFit(budget, [kept_frames(count, k) for count, k in zip(counts, kept)], shrunk,
                     sum(counts) - sum(kept))
