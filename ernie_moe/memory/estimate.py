@@ -139,8 +139,12 @@ def attention_core(training, w: Workload, heads: int, head_dim: int) -> tuple[fl
     if w.seq <= BLOCK_ROWS:  # one block: Paddle's attention under the dense mask keeps it and the probabilities
         return 4 * w.rows * (heads + 1) * w.seq ** 2, 0.0
     linear = 3 * 4 * w.tokens * heads * head_dim
-    block = min(BLOCK_ROWS, w.seq)
-    return linear, 4 * w.rows * heads * block * (BLOCK_TRANSIENT * w.seq - 2 * block)
+    return linear, 4 * w.rows * heads * BLOCK_ROWS * (BLOCK_TRANSIENT * w.seq - 2 * BLOCK_ROWS)
+
+
+def sequence_pieces(parallel) -> int:
+    """The pieces sequence parallelism cuts a rank's activations into (and the ViT's frames): 1 without it."""
+    return parallel.tensor_parallel_degree if parallel.sequence_parallel else 1
 
 
 def uses_grouped_matmul(training) -> bool:
@@ -170,7 +174,7 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
     """(bytes kept, bytes of the recomputed block) of one decoder layer for one micro-batch; ``capacity``: the
     experts' training capacity factor (None: dropless)."""
     tp = parallel.tensor_parallel_degree
-    sp = tp if parallel.sequence_parallel else 1
+    sp = sequence_pieces(parallel)
     t, h, hd = w.tokens, m.hidden_size, m.head_dim
     heads, kv = m.num_attention_heads // tp, m.num_key_value_heads // tp
     grouped = m.num_attention_heads > m.num_key_value_heads
@@ -242,7 +246,7 @@ def _first_stage_activations(cfg, parallel, training, w: Workload) -> list[tuple
     lora = set(training.lora_targets) if training.fine_tuning == "lora" else set()
     vit_trains = _vit_trains(training)
     adapter_trains = vit_trains or "adapter" not in frozen_parts(training) or "adapter" in lora
-    shares = parallel.tensor_parallel_degree if parallel.sequence_parallel else 1
+    shares = sequence_pieces(parallel)
     p = w.patches / shares
     probabilities = 0 if uses_flash_attention(training) else 4 * v.num_heads * w.squared_patches / shares
     block = 4 * (16.3 * p * d + 30 * p) + probabilities  # per-image attention: every patch, no mask
@@ -267,7 +271,7 @@ def _frozen_vit_forward(cfg, parallel, training, w: Workload) -> float:
     v = cfg.vision_config
     if not w.image_sizes or _vit_trains(training):
         return 0.0
-    shares = parallel.tensor_parallel_degree if parallel.sequence_parallel else 1
+    shares = sequence_pieces(parallel)
     scores = 0 if uses_flash_attention(training) else 2 * 4 * v.num_heads * w.largest_attention / shares
     return 4 * 10 * w.patches * v.embed_dim / shares + scores
 
