@@ -18,7 +18,7 @@ from pathlib import Path
 from .checkpoint.errors import CheckpointError
 from .cli import add_decoding_arguments, thinking_of
 from .config import ConfigError
-from .data.jsonl import IMAGE_MARK, VIDEO_MARK, load_image, load_video, parse_messages
+from .data.jsonl import IMAGE_MARK, VIDEO_MARK, load_image, load_video, local, parse_messages
 from .data.packing import BadSample
 from .generation import UsageError
 from .serving.chat_model import ChatModel, Sampling
@@ -104,7 +104,7 @@ def _attach(chat: ChatModel, talk: Transcript, paths: str, video: bool) -> None:
                                        else str(Path(files[0]).resolve()))
         else:
             for f in files:
-                load_image(Path(f), chat.data.max_image_pixels)
+                load_image(local(Path(), f, "image"), chat.data.max_image_pixels)
             talk.pending_images += [str(Path(f).resolve()) for f in files]
     except (BadSample, OSError) as err:
         print(f"not attached: {err}")

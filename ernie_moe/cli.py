@@ -9,10 +9,13 @@ import math
 def bounded(kind: type, low: float, high: float = math.inf, low_included: bool = True):
     """An argparse type: a finite ``kind`` (int or float) from ``low`` (itself only if ``low_included``) to
     ``high``; argparse exits 2 with the message for anything else."""
+    def show(v) -> str:  # whole numbers as 1,000,000, not 1e+06
+        return f"{int(v):,}" if kind is int else f"{v:g}"
+
     if high < math.inf:
-        wanted = f"from {low:g} to {high:g}" if low_included else f"above {low:g} and at most {high:g}"
+        wanted = f"from {show(low)} to {show(high)}" if low_included else f"above {show(low)} and at most {show(high)}"
     else:
-        wanted = f"at least {low:g}" if low_included else f"above {low:g}"
+        wanted = f"at least {show(low)}" if low_included else f"above {show(low)}"
 
     def parse(text: str):
         try:

@@ -25,6 +25,7 @@ from .data.loader import jsonl_dataset
 from .data.synthetic import SyntheticShapes
 from .generation import folder_run_config, load_model_folder
 from .parallel import DistEnv
+from .paths import not_a_file
 from .training.evaluate import evaluate
 
 
@@ -37,8 +38,9 @@ def scores(model_dir, data: str, base, batch_size: int = 8, max_batches: int = 0
         held_out = SyntheticShapes(base.training.seed, "eval", base.data.num_eval_samples, base.data.image_size,
                                    base.data.blank_images)
     else:
-        if not Path(data).is_file():
-            raise DataError(f"--data file '{data}' does not exist")
+        problem = not_a_file(data)
+        if problem is not None:
+            raise DataError(f"--data file '{data}' {problem}")
         held_out = jsonl_dataset(data, base.data)
     cfg = dataclasses.replace(base, model=model_cfg)
     skipped: Counter = Counter()

@@ -76,7 +76,7 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
     averages = ema_of(source_dir) if ema else None
     cfg = build(ModelConfig, model_config_from(source_dir), "model")
     check_model(cfg)
-    source.check_depth(cfg)
+    source.check_size(cfg)
     adapter = read_adapter(adapter_dir, cfg) if adapter_dir is not None else None
     saved = read_saved(adapter_dir or source_dir)  # processor settings; an adapter's run encoded inputs its own way
     if form == TRANSFORMERS:

@@ -22,10 +22,11 @@ from .cli import add_decoding_arguments, thinking_of
 from .config import ConfigError
 from .config.schema import DataConfig
 from .data.erniekit import record_thinking
-from .data.jsonl import images_of, load_image, load_video, parse_messages, parse_record
+from .data.jsonl import images_of, load_image, load_video, local, parse_messages, parse_record
 from .data.packing import BadSample
 from .data.sample import Chunk, Sample
 from .generation import UsageError, check_room, folder_run_config, generate, load_model_folder, prompt_encoder
+from .paths import not_a_file
 
 # a --messages file is read whole: far above any hand-written set of prompts
 MAX_MESSAGES_BYTES = 64 * 1024 * 1024
@@ -38,8 +39,9 @@ def keyed_prompts(args, data: DataConfig) -> list[tuple[dict | None, Sample]]:
     max_pixels = data.max_image_pixels
     if args.messages:
         path = Path(args.messages)
-        if not path.is_file():
-            raise UsageError(f"--messages file '{path}' does not exist")
+        problem = not_a_file(path)
+        if problem is not None:
+            raise UsageError(f"--messages file '{path}' {problem}")
         if path.stat().st_size > MAX_MESSAGES_BYTES:
             raise UsageError(f"--messages file '{path}' is over {MAX_MESSAGES_BYTES // 2 ** 20} MiB")
         samples = []
@@ -59,7 +61,7 @@ def keyed_prompts(args, data: DataConfig) -> list[tuple[dict | None, Sample]]:
         if not samples:
             raise UsageError(f"--messages file '{path}' holds no conversation")
         return samples
-    images = [load_image(Path(p), max_pixels) for p in args.image]
+    images = [load_image(local(Path(), p, "image"), max_pixels) for p in args.image]
     chunks = [Chunk(image=i) for i in range(len(images))]
     if args.prompt is not None:
         if not args.prompt.strip():

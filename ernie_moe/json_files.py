@@ -13,6 +13,8 @@ import json
 import math
 from pathlib import Path
 
+from .paths import not_a_file
+
 # far above any such file this package reads (a large model's index or a tokenizer.json is a few MiB)
 MAX_BYTES = 256 * 1024 * 1024
 
@@ -24,8 +26,9 @@ class UnreadableJSON(ValueError):
 def read_json(path, max_bytes: int = MAX_BYTES):
     """The value in the JSON file ``path``; UnreadableJSON saying why not."""
     path = Path(path)
-    if not path.is_file():  # a FIFO would block the read, a folder fail it
-        raise UnreadableJSON("it is not a regular file" if path.exists() else "it does not exist")
+    problem = not_a_file(path)
+    if problem is not None:
+        raise UnreadableJSON(f"it {problem}")
     try:
         size = path.stat().st_size
         data = path.read_bytes() if size <= max_bytes else None

@@ -359,6 +359,18 @@ def test_lineage_rules_on_folders(tmp_path):
     prune(tmp_path, read(tmp_path / "checkpoint-5"), 2)
     assert sorted(c.path.name for c in scan(tmp_path)) == ["checkpoint-4", "checkpoint-5", "checkpoint-6"]
     assert resolve("auto", str(tmp_path / "empty")) is None
+    # a step saved again goes beside a folder it did not write: another run's, or one whose marker is unreadable
+    (tmp_path / "checkpoint-7").mkdir()
+    (tmp_path / "checkpoint-7" / MARKER).write_text("{cut")
+    for step, kept in ((6, "checkpoint-6"), (7, "checkpoint-7"), (5, None), (8, None)):
+        assert lineage.folder_for(tmp_path, step, new).name == (f"{kept}-new" if kept else f"checkpoint-{step}")
+    # the plain step number of earlier releases: resumed, and said to be unverifiable
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / MARKER).write_text("3")
+    warnings = []
+    assert resolve(str(tmp_path / "checkpoint-3"), str(tmp_path), warn=warnings.append).step == 3
+    assert warnings == [f"WARNING {tmp_path / 'checkpoint-3' / MARKER} records no checksums (written by an earlier "
+                        "release): its files cannot be verified and are loaded as they are"]
 
 
 @pytest.mark.slow
@@ -828,6 +840,14 @@ def test_silent_cases_speak(tmp_path, monkeypatch, capsys):
     warnings = []
     assert resolve("auto", str(out), warn=warnings.append).step == 1
     assert any("checkpoint-2 has no readable COMPLETE marker" in w for w in warnings)
+    # resumed from step 1, the run saves step 2 again: beside the damaged folder, whose files stay
+    intact = sorted(p.name for p in (out / "checkpoint-2").iterdir())
+    resumed = Trainer(load_config(CONFIG, [f"training.output_dir={out}", *SMALL, "training.save_steps=1",
+                                           "training.max_steps=2", "data.dataset=jsonl", f"data.train_path={held_out}",
+                                           "model.vocab_size=300", "training.resume_from_checkpoint=auto"]))
+    resumed.train()
+    assert sorted(p.name for p in (out / "checkpoint-2").iterdir()) == intact
+    assert read(out / f"checkpoint-2-{resumed.run.run_id}").step == 2
     final = out / "final_model"
     shard = next(final.glob("model-*.safetensors"))
     tensors = load_file(str(shard))

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from ..config.transformers_form import from_transformers, is_transformers_form
 from ..json_files import UnreadableJSON, read_json, read_json_object
-from ..model.parameter_kinds import DECODER_LAYER, VIT_BLOCK, is_router, is_vision
+from ..model.parameter_kinds import DECODER_LAYER, EMBEDDING, VIT_BLOCK, is_router, is_vision
 from .errors import CheckpointError
 from .pdparams import load_pdparams
 
@@ -123,9 +123,17 @@ class SourceCheckpoint:
     def names(self) -> list[str]:
         return list(self.where)
 
-    def check_depth(self, cfg) -> None:
-        """CheckpointError when the folder's tensors hold another number of decoder layers or ViT blocks than the
-        model section ``cfg`` says: judged from the names, before a model of that size is built."""
+    def check_size(self, cfg) -> None:
+        """CheckpointError when the folder's tensors hold another number of decoder layers or ViT blocks, or an
+        embedding of another shape, than the model section ``cfg`` says: judged from the names and the stored
+        shape, before a model of that size is built (a config.json's vocabulary of 10**10 allocates nothing)."""
+        embedding = EMBEDDING + "weight"
+        if not self.has(embedding):
+            raise CheckpointError(f"{self.directory}: its tensors hold no {embedding}: not a complete model")
+        stored, wanted = self.stored_shape(embedding), [cfg.vocab_size, cfg.hidden_size]
+        if stored != wanted:
+            raise CheckpointError(f"{self.directory}: config.json describes an embedding of {wanted} (vocab_size, "
+                                  f"hidden_size); its tensor {embedding} is {stored}")
         for what, pattern, wanted in (("decoder layers", DECODER_LAYER, cfg.num_hidden_layers),
                                       ("ViT blocks", VIT_BLOCK, cfg.vision_config.depth)):
             found = {int(m.group(1)) for m in (pattern.match(n) for n in self.where) if m}
@@ -137,6 +145,19 @@ class SourceCheckpoint:
 
     def has(self, name: str) -> bool:
         return name in self.where
+
+    def stored_shape(self, name: str) -> list[int]:
+        """The shape of tensor ``name`` as stored, read from the file's header alone."""
+        path, key = self.where[name]
+        if self.pdparams is not None:
+            return list(np.shape(self.pdparams[key]))
+        if not path.is_file():
+            raise CheckpointError(f"'{path}', named by the index for tensor '{key}', is not a regular file")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                return list(f.get_slice(key).get_shape())
+        except Exception as err:  # safetensors reports a truncated or corrupt header in several ways
+            raise CheckpointError(f"cannot read tensor '{key}' from {path}: {err}") from err
 
     def raw(self, name: str) -> np.ndarray:
         """The stored tensor under its normalised name, as it is on disk."""

@@ -101,11 +101,14 @@ def lineage(checkpoints: list[Checkpoint], head: Checkpoint) -> list[Checkpoint]
 
 
 def folder_for(root: Path, step: int, run: Run) -> Path:
-    """``checkpoint-<step>``; when another run's checkpoint has that name (this run branched off before
-    it), ``checkpoint-<step>-<run id>``, so that no other lineage is overwritten."""
+    """``checkpoint-<step>``; when a folder of another run has that name (this run branched off before it), or
+    one whose marker cannot be read (a damaged marker in front of intact files), ``checkpoint-<step>-<run id>``,
+    so that nothing this run did not write is overwritten."""
     plain = Path(root) / f"{PREFIX}{step}"
+    if not plain.exists():
+        return plain
     other = read(plain)
-    if other is None or other.run_id == run.run_id:
+    if other is not None and other.run_id == run.run_id:
         return plain
     return Path(root) / f"{PREFIX}{step}-{run.run_id}"
 
@@ -155,7 +158,7 @@ def resolve(resume_from: str, output_dir: str, env=None, warn=print) -> Checkpoi
         for i, candidate in enumerate(chain):
             problem = verify(candidate, env)
             if problem is None:
-                return candidate
+                return _unverified_said(candidate, warn)
             older = f"falling back to {chain[i + 1].path}" if i + 1 < len(chain) else "no older checkpoint is left"
             warn(f"WARNING checkpoint {candidate.path} is damaged: {problem}; {older}")
         raise CheckpointError(f"every checkpoint of the newest run in {output_dir} is damaged; start afresh "
@@ -171,6 +174,15 @@ def resolve(resume_from: str, output_dir: str, env=None, warn=print) -> Checkpoi
         hint = (f" The previous checkpoint of its run is {chain[1].path}: resume from it with "
                 f"training.resume_from_checkpoint={chain[1].path}." if len(chain) > 1 else "")
         raise CheckpointError(f"{problem}.{hint}")
+    return _unverified_said(checkpoint, warn)
+
+
+def _unverified_said(checkpoint: Checkpoint, warn) -> Checkpoint:
+    """``checkpoint``, after a warning when its marker records no checksums (the plain step number of earlier
+    releases): its files are taken as they are."""
+    if not checkpoint.files:
+        warn(f"WARNING {checkpoint.path / MARKER} records no checksums (written by an earlier release): its files "
+             "cannot be verified and are loaded as they are")
     return checkpoint
 
 

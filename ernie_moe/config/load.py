@@ -123,7 +123,7 @@ def _apply_override(raw: dict, item: str) -> None:
         raise ConfigError(f"override '{item}' must look like section.key=value (e.g. training.max_steps=20).")
     parts = key.strip().split(".")
     if len(parts) < 2:
-        raise ConfigError(f"override '{item}' names no section; write e.g. training.{parts[0]}={value}.")
+        raise ConfigError(f"override '{item}' names no section; {_override_hint(parts[0], value)}")
     node = raw
     for part in parts[:-1]:
         node = node.setdefault(part, {})
@@ -136,6 +136,18 @@ def _apply_override(raw: dict, item: str) -> None:
         node[parts[-1]] = _plain_yaml(value, f"override '{item}'")
     except yaml.YAMLError:
         node[parts[-1]] = value  # not YAML: the text itself
+
+
+def _override_hint(key: str, value: str) -> str:
+    """How to write ``key=value`` with its section: the sections that have such a key, else what a section is."""
+    sections = typing.get_type_hints(Config)
+    if key in sections:
+        example = dataclasses.fields(sections[key])[0].name
+        return f"'{key}' is a section, not a key: write {key}.<key>={value} (e.g. {key}.{example})."
+    owners = [name for name, section in sections.items() if key in {f.name for f in dataclasses.fields(section)}]
+    if owners:
+        return "write " + " or ".join(f"{owner}.{key}={value}" for owner in owners) + "."
+    return f"write section.key=value, the section one of {', '.join(sections)}."
 
 
 def build(cls, raw, where: str):
@@ -173,6 +185,9 @@ def _coerce(value, hint, name: str):
     for option in _union_members(hint):
         ok, converted = fits(value, option)
         if ok:
+            texts = converted if isinstance(converted, list) else [converted]
+            if any(isinstance(t, str) and "\x00" in t for t in texts):  # no file name or text holds one
+                raise ConfigError(f"{name} = {value!r} holds a NUL byte (\\x00).")
             return converted
     raise ConfigError(f"{name} = {value!r} has the wrong type: expected {_describe(hint)}.")
 

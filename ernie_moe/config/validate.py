@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..paths import not_a_file
 from .errors import ConfigError
 from .schema import FREEZE_PARTS, LORA_TARGET_GROUPS, Config, ModelConfig
 from .transformers_form import to_transformers
@@ -24,6 +25,12 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _require(0 < lg.memory_warn_fraction <= 1, "logging.memory_warn_fraction must be in (0, 1].")
 
 
+# Far above any published model (ERNIE 4.5: 103,424 tokens, rows of up to 131,072); past them a value is a typo,
+# and building from it would allocate (or pack rows) without end before anything else could say so.
+MAX_VOCAB_SIZE = 2 ** 31 - 1  # token ids are int32 in the embedding's lookup
+MAX_SEQ_LEN = 1 << 22
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -35,6 +42,8 @@ def check_model(m: ModelConfig) -> None:
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "moe_k", "moe_layer_interval"):
         _require(getattr(m, name) >= 1, f"model.{name} must be at least 1, got {getattr(m, name)}.")
+    _require(m.vocab_size <= MAX_VOCAB_SIZE, f"model.vocab_size ({m.vocab_size}) is above {MAX_VOCAB_SIZE:,}, the "
+                                             "most token ids an embedding can look up.")
     _require(m.num_attention_heads % m.num_key_value_heads == 0,
              f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of model.num_key_value_heads "
              f"({m.num_key_value_heads}) for grouped-query attention.")
@@ -108,6 +117,8 @@ def check_model(m: ModelConfig) -> None:
 def _check_data(cfg: Config, check_paths: bool = True) -> None:
     d, v = cfg.data, cfg.model.vision_config
     _require(d.max_seq_len >= 8, f"data.max_seq_len ({d.max_seq_len}) must be at least 8.")
+    _require(d.max_seq_len <= MAX_SEQ_LEN, f"data.max_seq_len ({d.max_seq_len}) is above {MAX_SEQ_LEN:,}, the most "
+                                           "tokens a packed row may hold here.")
     _require(d.max_seq_len <= cfg.model.max_position_embeddings,
              f"data.max_seq_len ({d.max_seq_len}) exceeds model.max_position_embeddings "
              f"({cfg.model.max_position_embeddings}).")
@@ -136,7 +147,8 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
         _require(all(texts), "data.text_path holds an empty file name.")
         for name, path in ([("train_path", f) for f in files] + [("text_path", f) for f in texts]
                            + [("eval_path", d.eval_path)]):
-            _require(not check_paths or not path or Path(path).is_file(), f"data.{name} '{path}' does not exist.")
+            problem = not_a_file(path) if check_paths and path else None
+            _require(problem is None, f"data.{name} '{path}' {problem}.")
         for key, probs, paths in (("train", d.train_probs, files), ("text", d.text_probs, texts)):
             if probs:
                 _require(len(probs) == len(paths) and all(p >= 0 for p in probs),

@@ -11,9 +11,11 @@ from pathlib import Path
 
 from PIL import Image
 
-from ..cli import at_least_one
+from ..cli import bounded
 from ..config import ConfigError, load_config
 from .synthetic import SyntheticShapes, caption
+
+MAX_COUNT = 1_000_000  # the held-out split's images are drawn one by one: far more is a typo
 
 
 def write_held_out(directory, seed: int, image_size: int, count: int) -> Path:
@@ -35,7 +37,7 @@ def write_held_out(directory, seed: int, image_size: int, count: int) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--count", type=at_least_one, default=20)
+    parser.add_argument("--count", type=bounded(int, 1, MAX_COUNT), default=20)
     parser.add_argument("--config", help="the training config (its data.image_size and training.seed)")
     args = parser.parse_args(argv)
     try:
@@ -43,7 +45,16 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    path = write_held_out(args.out, cfg.training.seed, cfg.data.image_size, args.count)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"error: --out '{args.out}' exists and is not a folder; name a folder to write the images into",
+              file=sys.stderr)
+        return 2
+    try:
+        path = write_held_out(args.out, cfg.training.seed, cfg.data.image_size, args.count)
+    except OSError as err:  # --out is a file, or cannot be written
+        print(f"error: cannot write the held-out samples into --out '{args.out}': {err.strerror or err}",
+              file=sys.stderr)
+        return 2
     print(f"wrote {args.count} held-out images and their captions to {path}")
     return 0
 

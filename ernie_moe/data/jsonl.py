@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from ..paths import is_url, not_a_file
 from .chat import check_messages
 from .erniekit import is_erniekit, lay_out, record_thinking
 from .sample import BadSample, Chunk, DataError, Sample
@@ -100,7 +101,7 @@ class JsonlDataset:
         return Sample(images=[self._load_image(p) for p in images], chunks=chunks)
 
     def _load_image(self, relative) -> np.ndarray:
-        return load_image(self.root / str(relative), self.max_pixels)
+        return load_image(local(self.root, relative, "image"), self.max_pixels)
 
     def _load_video(self, source) -> np.ndarray:
         return load_video(self.root, source, self.max_pixels, self.video_reading)
@@ -151,12 +152,9 @@ def images_of(record: dict, where: str) -> list[str]:
 
 def load_image(path: Path, max_pixels: int) -> np.ndarray:
     """An image file as RGB ``uint8 [H, W, 3]``; BadSample when it is missing, too large or undecodable."""
-    try:
-        found = path.is_file()
-    except OSError as err:  # a name the system refuses (too long, say) names no file
-        raise BadSample("missing_image", f"image '{str(path)[:200]}...' cannot be looked up: {err.strerror}") from None
-    if not found:
-        raise BadSample("missing_image", f"image '{path}' does not exist")
+    problem = not_a_file(path)
+    if problem is not None:
+        raise BadSample("missing_image", f"image '{str(path)[:300]}' {problem}")
     return decode_image(path, str(path), max_pixels)
 
 
@@ -194,11 +192,20 @@ def decode_image(source, name: str, max_pixels: int) -> np.ndarray:
         raise BadSample("corrupt_image", f"image '{name}' cannot be decoded: {err}") from None
 
 
+def local(root: Path, name, kind: str) -> Path:
+    """``name`` (an image, a video or a frame of a record) as a file under ``root``; BadSample for a URL, which
+    is not downloaded."""
+    if is_url(str(name)):
+        raise BadSample(f"missing_{'image' if kind == 'frame' else kind}",
+                        f"{kind} '{str(name)[:300]}' is a URL: records name local files (download it first)")
+    return root / str(name)
+
+
 def load_video(root: Path, source, max_pixels: int, reading: VideoReading = ERNIE_VIDEO_READING) -> np.ndarray:
     """A video given as its frame files or as a video file (relative to ``root``), ``[T, H, W, 3]`` uint8."""
     if isinstance(source, str):
-        return read_video(root / source, reading, max_pixels)
-    return stack_frames([load_image(root / str(f), max_pixels) for f in source], f"{source[0]}, ...")
+        return read_video(local(root, source, "video"), reading, max_pixels)
+    return stack_frames([load_image(local(root, f, "frame"), max_pixels) for f in source], f"{source[0]}, ...")
 
 
 def parse_messages(messages, images: list[str], videos) -> tuple:

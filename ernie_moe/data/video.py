@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config.schema import VideoReading
+from ..paths import not_a_file
 from .sample import BadSample
 
 ERNIE_VIDEO_READING = VideoReading()  # ERNIE-4.5-VL's processor's defaults
@@ -67,8 +68,9 @@ def read_video(path: Path, reading: VideoReading, max_pixels: int) -> np.ndarray
     except ImportError:
         raise BadSample("video_decoder_missing", f"video '{path}': reading video files needs PyAV (pip install av); "
                                                  "or give the video as a list of frame files") from None
-    if not path.is_file():
-        raise BadSample("missing_video", f"video '{path}' does not exist")
+    problem = not_a_file(path)
+    if problem is not None:
+        raise BadSample("missing_video", f"video '{str(path)[:300]}' {problem}")
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]

@@ -49,7 +49,7 @@ def load_model_folder(directory, need_tokenizer: bool = True) -> LoadedModel:
     cfg = build(ModelConfig, model_config_from(weights), "model")
     check_model(cfg)  # what a run checks of its model section, before anything is built from it
     source = SourceCheckpoint(weights)  # opened once: a .pdparams folder is read whole when opened
-    source.check_depth(cfg)
+    source.check_size(cfg)
     paddle.seed(0)
     model = ErnieMoEForConditionalGeneration(cfg)
     report = load_pretrained(model, weights, source=source)
@@ -59,9 +59,15 @@ def load_model_folder(directory, need_tokenizer: bool = True) -> LoadedModel:
     # a text model's folder has no vision side; a VL folder without one is incomplete
     text_only = bool(missing) and all(is_vision(name) for name in missing) and report["model_type"] != VL
     if missing and not text_only:
-        unexpected = [name for name in missing if not is_vision(name)]
+        # a VL folder's missing vision side is named as well: the folder says it is a VL model
+        unexpected = [name for name in missing if not is_vision(name)] or missing
         raise CheckpointError(f"'{weights}' holds no weights for {len(unexpected)} of this model's parameters (e.g. "
                               f"{unexpected[0]}): not a complete model of the shape its config.json describes")
+    damaged = next((name for name, param in model.stable_named_parameters()
+                    if not bool(paddle.isfinite(param).all())), None)
+    if damaged is not None:  # it would answer in padding tokens; training from it stops at its first step
+        raise CheckpointError(f"'{weights}': tensor {damaged} holds nan or inf values: the weights are damaged (a "
+                              "diverged run, or a broken conversion)")
     model.eval()
     try:
         tokenizer = tokenizer_in(folder, cfg.im_patch_id)

@@ -39,6 +39,7 @@ def size(nbytes: float) -> str:
 
 
 MAX_SAMPLED_ROWS = 4096
+MAX_SAMPLED_TOKENS = 1 << 20  # past this the samples to pack would take minutes: judged from the config instead
 
 
 def workload_source(cfg, data_world: int, image_fraction: float):
@@ -49,7 +50,8 @@ def workload_source(cfg, data_world: int, image_fraction: float):
 
     def sampled(micro_batch: int) -> bool:
         # a micro-batch of more rows than a sample should hold is judged from the config, not built
-        return available and micro_batch * data_world <= MAX_SAMPLED_ROWS
+        rows = micro_batch * data_world
+        return available and rows <= MAX_SAMPLED_ROWS and rows * d.max_seq_len <= MAX_SAMPLED_TOKENS
 
     @functools.cache  # the layout search asks again for each candidate: sample each size once
     def for_micro_batch(micro_batch: int) -> Workload:

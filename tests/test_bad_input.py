@@ -1,0 +1,169 @@
+"""Inputs that once ended in a traceback, a hang, a silent result or lost files, each now a clear line, a counted
+skip or the right result: model folders read by generate, evaluate, export and the chat; paths that are not
+files; configs whose sizes or text cannot work; the held-out sample writer."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from safetensors.numpy import load_file, save_file
+
+from ernie_moe.config import ConfigError, load_config
+from ernie_moe.data import build_tokenizer
+
+CONFIG = str(ROOT / "configs" / "vl_moe.yaml")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A small VL model folder as training writes it (one shard, the Hugging Face layout)."""
+    from ernie_moe.checkpoint import save_model
+    from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+
+    cfg = load_config(CONFIG, ["data.image_size=56"])
+    out = tmp_path_factory.mktemp("bad_input") / "model"
+    save_model(ErnieMoEForConditionalGeneration(cfg.model), cfg.model, str(out), build_tokenizer(cfg), hf_layout=True)
+    return out
+
+
+def copy_of(folder, tmp_path):
+    import shutil
+
+    return shutil.copytree(folder, tmp_path / "copy")
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def shard_of(model):
+    return next(model.glob("model-*.safetensors"))
+
+
+def test_a_vl_folder_without_its_vision_tensors_is_named_incomplete(folder, tmp_path, capsys):
+    from ernie_moe.generate import main as generate
+
+    model = copy_of(folder, tmp_path)
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if "vision_model" not in k
+                           and "resampler_model" not in k}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert generate(["--model", str(model), "--prompt", "a"]) == 2
+    err = one_line(capsys)
+    assert "holds no weights for" in err and "not a complete model" in err, err
+
+
+def test_a_config_json_whose_vocabulary_disagrees_with_its_embedding_is_refused_before_building(folder, tmp_path,
+                                                                                                capsys):
+    """A vocabulary of 10**10 would allocate (or overflow int32 lookups) before any weight was read; the stored
+    embedding's shape, read from the file header, says the folder is inconsistent first."""
+    from ernie_moe.export import main as export
+    from ernie_moe.generate import main as generate
+
+    model = copy_of(folder, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    for vocab, words in ((10 ** 10, "model.vocab_size (10000000000) is above 2,147,483,647"),
+                         (10 ** 8, "config.json describes an embedding of [100000000, 64]")):
+        (model / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+        assert generate(["--model", str(model), "--prompt", "a"]) == 2
+        assert words in one_line(capsys)
+        assert export([str(model), str(tmp_path / "exported")]) == 2
+        assert words in one_line(capsys)
+        assert not (tmp_path / "exported").exists()
+
+
+def test_nan_weights_are_refused_by_generate_and_evaluate(folder, tmp_path, capsys):
+    from ernie_moe.evaluate import main as evaluate
+    from ernie_moe.generate import main as generate
+
+    model = copy_of(folder, tmp_path)
+    tensors = load_file(str(shard_of(model)))
+    tensors["model.norm.weight"][:] = np.nan
+    save_file(tensors, str(shard_of(model)), metadata={"format": "pt"})
+    assert generate(["--model", str(model), "--prompt", "a"]) == 2
+    assert "model.norm.weight holds nan or inf values" in one_line(capsys)
+    assert evaluate(["--model", str(model), "--data", "synthetic"]) == 2
+    assert "model.norm.weight holds nan or inf values" in capsys.readouterr().err
+
+
+@pytest.fixture
+def not_files(tmp_path):
+    """A FIFO, a device whose read never ends and a folder, each where a file belongs."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "folder").mkdir()
+    return [str(fifo), "/dev/zero", str(tmp_path / "folder")]
+
+
+def test_paths_that_are_not_files_are_named_so(folder, not_files, capsys):
+    """data.train_path, --image, --data and --messages given a FIFO, /dev/zero or a folder: 'is not a regular
+    file', not 'does not exist', and nothing blocks on the FIFO."""
+    from ernie_moe.evaluate import main as evaluate
+    from ernie_moe.generate import main as generate
+
+    for path in not_files:
+        with pytest.raises(ConfigError, match=f"data.train_path '{path}' is not a regular file"):
+            load_config(CONFIG, ["data.dataset=jsonl", f"data.train_path={path}"])
+        assert generate(["--model", str(folder), "--image", path]) == 2
+        assert f"image '{path}' is not a regular file" in one_line(capsys)
+        assert generate(["--model", str(folder), "--messages", path]) == 2
+        assert f"--messages file '{path}' is not a regular file" in one_line(capsys)
+        assert evaluate(["--model", str(folder), "--data", path]) == 2
+        assert f"--data file '{path}' is not a regular file" in capsys.readouterr().err
+
+
+def test_an_image_url_is_named_as_it_was_written(folder, tmp_path, capsys):
+    from ernie_moe.data.jsonl import JsonlDataset
+    from ernie_moe.data.sample import BadSample
+    from ernie_moe.generate import main as generate
+
+    url = "http://example.com/cat.jpg"
+    assert generate(["--model", str(folder), "--image", url]) == 2
+    assert f"image '{url}' is a URL" in one_line(capsys)
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"image": url, "text": "a cat"}) + "\n" +
+                    json.dumps({"videos": [["https://example.com/f.png", "frame.png"]],
+                                "messages": [{"role": "user", "content": "<video>what?"},
+                                             {"role": "assistant", "content": "frames"}]}) + "\n")
+    dataset = JsonlDataset(str(data), 1 << 20)
+    for index, words in ((0, f"image '{url}' is a URL"), (1, "frame 'https://example.com/f.png' is a URL")):
+        with pytest.raises(BadSample, match=words) as caught:
+            dataset[index]
+        assert caught.value.reason == "missing_image"
+
+
+@pytest.mark.parametrize("override, words", [
+    ("training.output_dir=out\x00put", "training.output_dir = 'out\\x00put' holds a NUL byte"),
+    ("model=5", "'model' is a section, not a key: write model.<key>=5"),
+    ("max_steps=5", "write training.max_steps=5"),
+    ("model.vocab_size=10000000000", "model.vocab_size (10000000000) is above 2,147,483,647"),
+    ("data.max_seq_len=1000000000000", "data.max_seq_len (1000000000000) is above 4,194,304"),
+])
+def test_config_values_that_cannot_work_are_one_line_errors(override, words):
+    """A NUL byte reached the output lock as a ValueError; a bare section was told to become training.model; a
+    row of 10**12 tokens (positions as many) packed the whole data stream into memory before any line."""
+    extra = ["model.max_position_embeddings=1000000000000"] if "max_seq_len" in override else []
+    with pytest.raises(ConfigError) as caught:
+        load_config(CONFIG, [*extra, override])
+    assert words in str(caught.value)
+
+
+def test_the_held_out_writer_refuses_a_file_for_a_folder_and_an_endless_count(tmp_path, capsys):
+    from ernie_moe.data.held_out import main as held_out
+
+    existing = tmp_path / "file"
+    existing.write_text("x")
+    assert held_out(["--out", str(existing), "--count", "2"]) == 2
+    assert f"--out '{existing}' exists and is not a folder" in one_line(capsys)
+    assert held_out(["--out", str(existing / "below"), "--count", "2"]) == 2
+    assert "cannot write the held-out samples" in one_line(capsys)
+    with pytest.raises(SystemExit) as caught:
+        held_out(["--out", str(tmp_path / "many"), "--count", "10000000000"])
+    assert caught.value.code == 2
+    assert "must be from 1 to 1,000,000" in capsys.readouterr().err
+    assert held_out(["--out", str(tmp_path / "two"), "--count", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["00000.png", "00001.png", "captions.jsonl"]
