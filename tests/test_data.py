@@ -289,6 +289,62 @@ def test_background_workers_give_the_same_rows_and_counts(jsonl_dir, overlong):
             assert len(a.patches) == len(b.patches) and all(np.array_equal(x, y) for x, y in zip(a.patches, b.patches))
 
 
+class CountingReads:
+    """A data set that counts the samples read from it."""
+
+    def __init__(self, dataset):
+        self.dataset, self.reads = dataset, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return self.dataset[index]
+
+
+def assert_same_rows(rows, expected):
+    for a, b in zip(rows, expected, strict=True):
+        for name in ("input_ids", "labels", "token_type_ids", "position_ids", "key_ends"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+        assert len(a.patches) == len(b.patches) and all(np.array_equal(x, y) for x, y in zip(a.patches, b.patches))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_continues_from_its_saved_position_reading_only_its_open_row(jsonl_dir, workers):
+    """Rows 0..14 read in one go (three epochs of the records above, bad ones among them), against rows 0..k, the
+    position saved, and a new stream given it: the same rows from k on, the same skip counts, and before its first
+    row the new stream reads only the samples of the row the old one was filling (at most a row's worth, at any
+    k), none of the k rows before."""
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={jsonl_dir}", "model.vocab_size=300",
+                             "data.max_seq_len=128"])
+    tok = build_tokenizer(cfg)
+
+    def stream(stats):
+        return RowStream(CountingReads(JsonlDataset(str(jsonl_dir))), tok, cfg, stats, shuffle=True, workers=workers)
+
+    whole_stats = Counter()
+    whole = stream(whole_stats)
+    expected = list(itertools.islice(whole, 15))
+    whole.close()
+    positions = []
+    for k in (0, 3, 11):
+        first = stream(Counter())
+        list(itertools.islice(first, k))
+        saved = json.loads(json.dumps(first.state_dict()))  # as a checkpoint keeps it
+        first.close()
+        stats = Counter()
+        resumed = stream(stats)
+        resumed.load_state_dict(saved)
+        assert resumed.dataset.reads == len(saved["open_row"]) <= 128
+        assert_same_rows(list(itertools.islice(resumed, 15 - k)), expected[k:])
+        resumed.close()
+        assert stats == whole_stats
+        positions.append(saved)
+    assert positions[0]["open_row"] == [] and positions[0]["position"] == 0  # nothing read yet
+    assert positions[2]["epoch"] >= 2 and positions[2]["unusable"]  # a later epoch, past records found bad
+
+
 def test_a_run_with_background_workers_trains_on_the_same_batches(tmp_path):
     from ernie_moe.training import Trainer
 

@@ -771,7 +771,12 @@ def test_a_resume_with_other_model_settings_or_a_hand_edited_state_is_refused_na
     state_file = out / "checkpoint-2" / "trainer_state.json"
     state = json.loads(state_file.read_text())
     for edited, message in (({k: v for k, v in state.items() if k != "scheduler"}, "'scheduler' must be an object"),
-                            ({**state, "consumed_rows": "abc"}, "'consumed_rows' must be a whole number"),
+                            ({**state, "data": {**state["data"], "position": 10 ** 12}},
+                             "'position' must be a place in an epoch of 20000 samples .0 to 20000., not 1000000000000"),
+                            ({**state, "data": {**state["data"], "open_row": [10 ** 12]}},
+                             "'open_row' must list at most 48 sample indices below 20000"),
+                            ({**state, "data": {**state["data"], "rows_read": -1}},
+                             "'rows_read' must be a whole number of 0 or more"),
                             ([state], "not an object"), (DEEP, "nested too deep")):
         state_file.write_text(edited if isinstance(edited, str) else json.dumps(edited))
         marker = json.loads((out / "checkpoint-2" / "COMPLETE").read_text())
@@ -882,7 +887,7 @@ def test_a_data_file_rewritten_during_a_run_or_a_fifo_for_a_shard_stops_with_a_l
         with pytest.raises(DataError, match="changed while this run reads it"):
             for _ in range(4):
                 tr.train_step()
-        tr.stream.close()
+        tr.feed.close()
     model = tmp_path / "model"
     tr.step = 50
     tr._finish({})

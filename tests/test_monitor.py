@@ -220,14 +220,15 @@ def visualdl_server(*logdirs):
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(240):  # the server answers once it has read the logs
+        deadline = time.monotonic() + 900  # only a server that never answers fails: load delays it by any amount
+        while True:  # the server answers once it has read the logs
             try:
-                urllib.request.urlopen(f"{base}/app/api/runs", timeout=5)
+                urllib.request.urlopen(f"{base}/app/api/runs", timeout=30)
                 break
             except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the VisualDL server {'exited' if server.poll() is not None else 'never answered'}")
                 time.sleep(0.5)
-        else:
-            pytest.fail("the VisualDL server did not answer within 2 minutes")
         yield base
     finally:
         server.terminate()
@@ -304,28 +305,6 @@ def test_visualdl_server_serves_the_dashboard(dashboard):
     assert text == config_line(config["training"]) and yaml.safe_load(text) == config["training"]
 
 
-def screenshot(url, path, height=900):
-    import shutil
-
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser is None:
-        pytest.skip("Chromium is not installed (apt-get install chromium); .ci/run installs it")
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    f"--user-data-dir={path.parent / (path.stem + '_profile')}", f"--window-size=1400,{height}",
-                    "--virtual-time-budget=15000", f"--screenshot={path}", url],
-                   capture_output=True, timeout=180, check=True)
-    keep = os.environ.get("ERNIE_MOE_SCREENSHOTS")  # a folder to keep them in: the docs' pictures
-    if keep:
-        shutil.copy(path, Path(keep) / f"dashboard_{path.name}")
-    from PIL import Image
-
-    pixels = np.asarray(Image.open(path).convert("RGB")).astype(int)
-    assert pixels.shape[:2] == (height, 1400)
-    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 100 and pixels.std() > 20  # not a blank page
-    return pixels
-
-
 def columns_in(pixels, colour, tolerance=40):
     """How many pixel columns of the page hold ``colour``: a curve drawn across a chart fills hundreds."""
     return (np.abs(pixels - np.array(colour)).max(axis=-1) < tolerance).any(axis=0).sum()
@@ -334,19 +313,56 @@ def columns_in(pixels, colour, tolerance=40):
 @pytest.mark.slow
 def test_dashboard_pages_render_in_a_real_browser(dashboard, tmp_path):
     base, ranks, _ = dashboard
+
     # VisualDL draws the first run's curves in #2932E1 across each chart's width; its "no data" page has that
     # blue only in a few links (85 columns measured), two rows of charts fill hundreds of columns
-    scalars = screenshot(f"{base}/app/scalar", tmp_path / "scalars.png")
-    assert columns_in(scalars[150:, :1080], (41, 50, 225)) > 250
+    def curves(pixels):
+        return columns_in(pixels[150:, :1080], (41, 50, 225)) > 250
+
     # the per-rank runs alone: the memory charts, a line per rank in the runs' two colours
-    memory = screenshot(f"{ranks}/app/scalar", tmp_path / "memory.png")
-    chart = memory[200:, :1080]
-    assert columns_in(chart, (41, 50, 225), 20) > 250 and columns_in(chart, (0, 204, 136), 20) > 250
+    def a_line_per_rank(pixels):
+        chart = pixels[200:, :1080]
+        return columns_in(chart, (41, 50, 225), 20) > 250 and columns_in(chart, (0, 204, 136), 20) > 250
+
     # the images page: the heat maps' colour legends run from red to blue, colours VisualDL's page does not use
     # (the browser's scaling keeps the red, shifts the blue by up to 20)
-    images = screenshot(f"{base}/app/sample/image", tmp_path / "heat_maps.png", height=1100)
-    content = images[120:, :1100]
-    assert columns_in(content, (255, 0, 0), 8) >= 10 and columns_in(content, (0, 0, 255), 25) >= 10
+    def heat_maps(pixels):
+        content = pixels[120:, :1100]
+        return columns_in(content, (255, 0, 0), 8) >= 10 and columns_in(content, (0, 0, 255), 25) >= 10
+
+    for url, name, drawn, height in ((f"{base}/app/scalar", "scalars", curves, 900),
+                                     (f"{ranks}/app/scalar", "memory", a_line_per_rank, 900),
+                                     (f"{base}/app/sample/image", "heat_maps", heat_maps, 1100)):
+        assert drawn(screenshot(url, tmp_path / f"{name}.png", drawn, height)), name
+
+
+def screenshot(url, path, drawn, height=900):
+    """The page at ``url`` in headless Chromium, its screenshot taken again until ``drawn(pixels)`` holds: the
+    charts draw once the page has fetched their data, which a loaded machine delays by any amount. The limit
+    only turns a page that never draws into a failure."""
+    import shutil
+    import time
+
+    from devtools import Browser
+    from PIL import Image
+
+    browser = Browser(url, path.parent / (path.stem + "_profile"), width=1400, height=height)
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            browser.screenshot(path)
+            pixels = np.asarray(Image.open(path).convert("RGB")).astype(int)
+            if drawn(pixels) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        browser.close()
+    keep = os.environ.get("ERNIE_MOE_SCREENSHOTS")  # a folder to keep them in: the docs' pictures
+    if keep:
+        shutil.copy(path, Path(keep) / f"dashboard_{path.name}")
+    assert pixels.shape[:2] == (height, 1400)
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 100 and pixels.std() > 20  # not a blank page
+    return pixels
 
 
 def test_flops_follow_the_6nd_formula(tiny_cfg):

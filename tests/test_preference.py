@@ -245,7 +245,7 @@ def test_the_first_step_starts_at_the_reference(tmp_path, fine_tuning):
                               "training.learning_rate=1e-2", "training.warmup_steps=0", *overrides))
     batches = trainer.next_micro_batches()
     first = trainer.train_step(batches)
-    assert first.pair_totals[0] == trainer.global_rows
+    assert first.pair_totals[0] == trainer.state.micro_batch_size * trainer.env.data_world
     np.testing.assert_allclose(first.lm_loss_sum / first.label_tokens, math.log(2), rtol=1e-5)
     start = [b.reference_logps.numpy() for b in batches]
     for _ in range(4):
@@ -259,7 +259,7 @@ def test_the_first_step_starts_at_the_reference(tmp_path, fine_tuning):
         moved = trainer.model(again[0]).pair_figures.numpy()
     trainer.runner.model.train()
     assert np.abs(moved[:, 2:4] - start[0]).max() > 1e-2
-    trainer.stream.close()
+    trainer.feed.close()
 
 
 def dataclass_copy(batch):
@@ -388,4 +388,4 @@ def test_precomputed_reference_figures_train_as_the_reference_model_does_and_are
                             f"training.output_dir={tmp_path / 'precomputed'}"))
     assert "reference log-probabilities read from" in capsys.readouterr().out
     np.testing.assert_array_equal(again.runner.reference.tables["train"], table)
-    again.stream.close()
+    again.feed.close()

@@ -76,7 +76,8 @@ class TrainingParts:
     optimizer: object
     scheduler: object  # the learning-rate schedule (training.schedule)
     scaler: object  # loss scaling and skipped-step counts (training.precision.Precision)
-    state: object  # the run's position, a dataclass of JSON values with ``step`` and ``consumed_rows``
+    state: object  # the run's position, a dataclass of JSON values with ``step``
+    data: object  # the data feed: its position (``state_dict()``) is saved with the step
     base: dict | None = None  # a LoRA run's base model (``finetune.adapter_files.base_reference``)
     ema: object = None  # the EMA of the weights (training.ema.WeightAverage), or None
 
@@ -108,7 +109,7 @@ def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent:
     _save_ema(parts, env, tmp, written)
     written.write(tmp / f"rng_state-{env.rank:05d}.json", json.dumps(rng_state()))
     if env.is_main:
-        state = {**dataclasses.asdict(parts.state),
+        state = {**dataclasses.asdict(parts.state), "data": parts.data.state_dict(),
                  "scheduler": parts.scheduler.state_dict(), "schedule": parts.scheduler.plan(),
                  "loss_scaler": parts.scaler.state_dict(), "ema_updates": parts.ema.updates if parts.ema else 0,
                  "config": dataclasses.asdict(cfg)}
@@ -326,7 +327,7 @@ def _read_state(directory: Path, model_cfg) -> dict:
     model settings of this run that differ from the checkpoint's (they change what the weights compute)."""
     path = directory / "trainer_state.json"
     state = read_json_object(path, CheckpointError)
-    for key, kind in (("step", int), ("consumed_rows", int), ("scheduler", dict)):
+    for key, kind in (("step", int), ("scheduler", dict)):
         value = state.get(key)
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
             wanted = "a whole number of 0 or more" if kind is int else "an object"

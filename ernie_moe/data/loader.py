@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +13,7 @@ from ..batch import IGNORE_INDEX, Batch
 from . import synthetic
 from .chat import chat_format
 from .jsonl import JsonlDataset
-from .packing import BadSample, Encoder, Row, pack
+from .packing import BadSample, Encoded, Encoder, Row, make_row
 from .preference import PairEncoder, PreferenceJsonl, SyntheticPairs
 from .sample import DataError
 from .tokenizer import ByteTokenizer, SentencePieceTokenizer, WordTokenizer
@@ -133,7 +133,12 @@ def sample_encoder(tokenizer, cfg, stats: Counter) -> Encoder | PairEncoder:
 class RowStream:
     """Packed rows of a dataset, in an order that does not depend on how many processes read it. A sample
     found unusable is counted once and passed over without being read again in later epochs. With
-    ``workers`` background processes read and encode the samples (``data.num_workers``), in the same order."""
+    ``workers`` background processes read and encode the samples (``data.num_workers``), in the same order.
+
+    The stream is an iterator whose position is a few numbers (:meth:`state_dict`): the epoch, how far into the
+    epoch's order the packer has read, the samples of the row it is filling and the samples found unusable. A
+    stream given that state (:meth:`load_state_dict`) continues with the rows it would have made, reading only the
+    samples of the open row again: a resume costs the same at step 20 as at step 20,000."""
 
     def __init__(self, dataset, tokenizer, cfg, stats: Counter, shuffle: bool, workers: int = 0,
                  held_out: bool = False):
@@ -146,6 +151,9 @@ class RowStream:
         self.encoder = sample_encoder(tokenizer, cfg, stats)
         self.pairs = is_preference(cfg)  # a row per pair, not packed samples
         self.workers = SampleWorkers(dataset, self.encoder, workers) if workers else None
+        self.epoch, self.position = 0, 0  # the next sample: epoch, place in that epoch's order
+        self.pending: list[tuple[int, Encoded]] = []  # (index, sample) of the row being filled
+        self._source = None  # the samples from (epoch, position) on, begun at the first row asked for
 
     def _encoded(self, indices):
         """(index, encoded sample or None, the reason it is unusable or None) for each index, in order."""
@@ -158,33 +166,118 @@ class RowStream:
             except BadSample as bad:
                 yield index, None, bad.reason
 
+    def _order(self):
+        size = len(self.dataset)
+        return sample_order(self.seed, self.epoch, size) if self.shuffle else range(size)
+
+    def _indices(self, order, sent: deque):
+        """The indices of ``order`` from the position on, but the unusable ones; each one's place into ``sent``."""
+        for place in range(self.position, len(order)):
+            if int(order[place]) not in self.unusable:
+                sent.append(place)
+                yield int(order[place])
+
     def _samples(self):
-        epoch = 0
+        """(index, encoded sample) of each usable sample from (epoch, position) on, the position moving past
+        each sample as it is handed out (workers may have read further ahead)."""
         while True:
-            order = sample_order(self.seed, epoch, len(self.dataset)) if self.shuffle else range(len(self.dataset))
-            usable = 0
-            for index, encoded, reason in self._encoded(int(i) for i in order if int(i) not in self.unusable):
+            sent = deque()  # the place in the order of each index asked for and not yet handed out
+            for index, encoded, reason in self._encoded(self._indices(self._order(), sent)):
+                self.position = sent.popleft() + 1
                 if reason is not None:
                     self.stats[reason] += 1
                     self.unusable.add(index)
                     continue
                 if self.pairs:
                     encoded.pair_key = -1 - index if self.held_out else index
-                yield encoded
-                usable += 1
+                yield index, encoded
             if not self.shuffle:
                 return
-            if not usable:
+            if len(self.unusable) >= len(self.dataset):
                 skipped = dict(self.stats) or "nothing; the data set is empty"
                 raise DataError(f"the training data has no usable sample (skipped: {skipped}).")
-            epoch += 1
+            self.epoch, self.position = self.epoch + 1, 0
 
     def __iter__(self):
-        return self._samples() if self.pairs else pack(self._samples(), self.max_seq_len, self.tokenizer.pad_id)
+        return self
+
+    def __next__(self) -> Row | Encoded:
+        """The next packed row (greedy: a sample that does not fit closes the row and starts the next), or with
+        preference pairs the next pair."""
+        if self._source is None:
+            self._source = self._samples()
+        if self.pairs:
+            return next(self._source)[1]
+        for index, sample in self._source:
+            if self.pending and sum(len(s) for _, s in self.pending) + len(sample) > self.max_seq_len:
+                row, self.pending = self._row(), [(index, sample)]
+                return row
+            self.pending.append((index, sample))
+        if not self.pending:
+            raise StopIteration
+        row, self.pending = self._row(), []
+        return row
+
+    def _row(self) -> Row:
+        return make_row([sample for _, sample in self.pending], self.max_seq_len, self.tokenizer.pad_id)
+
+    def state_dict(self) -> dict:
+        """Where the stream is, as JSON values: the same on every rank (the stream is the global one)."""
+        return {"epoch": self.epoch, "position": self.position, "open_row": [i for i, _ in self.pending],
+                "unusable": sorted(self.unusable), "skipped": dict(self.stats)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (of :meth:`state_dict`): the open row's samples are read again, nothing
+        else. DataError naming the field when a value cannot be a position in this data."""
+        if self._source is not None:
+            raise RuntimeError("a row stream's position is set before its first row")
+        size = len(self.dataset)
+        _check_position(state, size, self.max_seq_len)
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.unusable = set(state["unusable"])
+        pending = []
+        for index in state["open_row"]:
+            try:
+                pending.append((index, self.encoder(self.dataset[index])))
+            except BadSample as bad:
+                raise DataError(f"sample {index} of the row the checkpoint was filling cannot be read now "
+                                f"({bad.reason}): the data changed since it was saved") from None
+        self.pending = pending
+        self.stats.clear()  # the counts as saved, without the open row's samples counted twice
+        self.stats.update(state["skipped"])
 
     def close(self) -> None:
         if self.workers is not None:
             self.workers.close()
+
+
+def _check_position(state, size: int, max_seq_len: int) -> None:
+    """DataError unless ``state`` is a row stream position in a data set of ``size`` samples."""
+    def whole(value, high=None) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0 and (high is None or
+                                                                                          value <= high)
+
+    def indices(values, most: int) -> bool:
+        return isinstance(values, list) and len(values) <= most and all(whole(v, size - 1) for v in values)
+
+    problem = None
+    if not isinstance(state, dict):
+        problem = f"must be an object, not {type(state).__name__}"
+    elif not whole(state.get("epoch")):
+        problem = f"'epoch' must be a whole number of 0 or more, not {state.get('epoch')!r}"
+    elif not whole(state.get("position"), size):
+        problem = f"'position' must be a place in an epoch of {size} samples (0 to {size}), not " \
+                  f"{state.get('position')!r}"
+    elif not indices(state.get("open_row"), max_seq_len):
+        problem = f"'open_row' must list at most {max_seq_len} sample indices below {size}"
+    elif not indices(state.get("unusable"), size):
+        problem = f"'unusable' must list sample indices below {size}"
+    elif not isinstance(state.get("skipped"), dict) or not all(isinstance(k, str) and whole(v)
+                                                               for k, v in state["skipped"].items()):
+        problem = "'skipped' must map reasons to counts"
+    if problem is not None:
+        raise DataError(f"the saved data position {problem}: not a position in this data (a checkpoint of other "
+                        "data, or a hand-edited one)")
 
 
 def rank_batches(rows, global_rows: int, rank: int, world: int, drop_last: bool = True):
@@ -194,18 +287,23 @@ def rank_batches(rows, global_rows: int, rank: int, world: int, drop_last: bool 
     first row with no labels: every rank runs the same number of forwards, which expert-parallel ranks need
     (they exchange tokens in every MoE layer), and the copy adds nothing to losses or accuracies.
     """
-    per_rank = global_rows // world
     batch: list[Row] = []
     for row in rows:
         batch.append(row)
         if len(batch) == global_rows:
-            yield batch[rank * per_rank: (rank + 1) * per_rank]
+            yield rank_share(batch, rank, world)
             batch = []
     if batch and not drop_last:
         share = -(-len(batch) // world)
         mine = batch[rank * share: (rank + 1) * share]
         yield mine or [dataclasses.replace(batch[0], labels=np.full_like(batch[0].labels, IGNORE_INDEX),
                                            scored=np.zeros_like(batch[0].scored))]
+
+
+def rank_share(batch: list, rank: int, world: int) -> list:
+    """Data rank ``rank``'s contiguous share of a global batch whose size ``world`` divides."""
+    per_rank = len(batch) // world
+    return batch[rank * per_rank: (rank + 1) * per_rank]
 
 
 def collate(rows: list[Row]) -> Batch:

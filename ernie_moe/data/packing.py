@@ -227,20 +227,6 @@ class Row:
                        self.patches, self.grids)
 
 
-def pack(samples, max_seq_len: int, pad_id: int):
-    """Greedy packing in stream order: a sample that does not fit closes the row and starts the next."""
-    row: list[Encoded] = []
-    used = 0
-    for sample in samples:
-        if row and used + len(sample) > max_seq_len:
-            yield make_row(row, max_seq_len, pad_id)
-            row, used = [], 0
-        row.append(sample)
-        used += len(sample)
-    if row:
-        yield make_row(row, max_seq_len, pad_id)
-
-
 def make_row(docs: list[Encoded], length: int, pad_id: int) -> Row:
     ids = np.full(length, pad_id, np.int64)
     labels = np.full(length, IGNORE_INDEX, np.int64)

@@ -11,8 +11,7 @@ class TrainingState:
     """Where the run is and how it steps now; saved in each checkpoint's ``trainer_state.json``. The config
     stays as the user wrote it: the memory guard changes these fields instead."""
 
-    step: int = 0  # optimizer steps taken
-    consumed_rows: int = 0  # rows of the seeded row stream read so far: the data position
+    step: int = 0  # optimizer steps taken (the data position is the data feed's, saved beside this)
     micro_batch_size: int = 1  # rows per device and micro-batch
     accumulation_steps: int = 1  # micro-batches per optimizer step
     recompute: str | None = None  # the recompute granularity in force (None: nothing is recomputed)

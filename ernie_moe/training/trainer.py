@@ -16,6 +16,7 @@ from tqdm import tqdm
 from .. import faults, json_files
 from ..batch import IGNORE_INDEX
 from ..checkpoint import (
+    CheckpointError,
     Run,
     TrainingParts,
     claim_output_dir,
@@ -28,7 +29,8 @@ from ..checkpoint.model_files import folder_config, inference_files
 from ..checkpoint.output_lock import release_output_dir
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
-from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
+from ..data import DataError, RowStream, build_datasets, build_tokenizer, collate, rank_batches
+from ..data.feed import DataFeed
 from ..data.loader import sample_encoder, training_encoder
 from ..data.report import data_report, describe
 from ..finetune.adapter_files import save_adapter
@@ -77,12 +79,9 @@ class Trainer:
 
         self.data_stats: Counter = Counter()
         train_set, self.eval_set = build_datasets(cfg)
-        self.stream = RowStream(train_set, self.tokenizer, cfg, self.data_stats, shuffle=True,
-                                workers=cfg.data.num_workers)
-        self.rows = iter(self.stream)
+        self.feed = DataFeed(train_set, self.tokenizer, cfg, self.env, self.data_stats)
         if self.env.is_main and cfg.data.report_samples:
             self._report_data(train_set)
-        self._cut_batches()
         if isinstance(self.runner.reference, PrecomputedReference):  # with the starting weights, before a resume
             done = self.runner.reference.prepare(self.runner, {"train": train_set, "eval": self.eval_set} if
                                                  self.eval_set is not None else {"train": train_set},
@@ -106,8 +105,8 @@ class Trainer:
 
     @property
     def parts(self) -> TrainingParts:
-        return TrainingParts(self.model, self.optimizer, self.scheduler, self.precision, self.state, self.base,
-                             self.ema)
+        return TrainingParts(self.model, self.optimizer, self.scheduler, self.precision, self.state, self.feed,
+                             self.base, self.ema)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -151,7 +150,7 @@ class Trainer:
                 if reason:
                     self._stop(reason, bar)
         bar.close()
-        self.stream.close()
+        self.feed.close()
         last = max(self.step, first - 1)
         stopped_early = self.best.patience_spent and last < t.max_steps
         ran, skipped = last - first + 1, self.precision.skipped - skipped_before
@@ -182,7 +181,7 @@ class Trainer:
         where = self.last_checkpoint.path if self.last_checkpoint else "no checkpoint (the last steps were skipped)"
         self._write_summary({"status": "stopped", "steps": self.step, "reason": reason,
                              "checkpoint": str(where)})
-        self.stream.close()
+        self.feed.close()
         self.monitor.close()
         raise StopRequested(f"{reason}: stopped after step {self.step}, saved {where}; resume with "
                             "training.resume_from_checkpoint=auto")
@@ -208,17 +207,9 @@ class Trainer:
         self.last_checkpoint = save_checkpoint(self.parts, self.cfg, self.tokenizer, self.env, self.run,
                                                self.last_checkpoint)
 
-    def _cut_batches(self) -> None:
-        """Micro-batches from the row stream: tensor-parallel ranks read the same rows, the data ranks split
-        each global micro-batch. Called again when the memory guard halves the micro-batch."""
-        self.global_rows = self.state.micro_batch_size * self.env.data_world
-        self.batches = rank_batches(self.rows, self.global_rows, self.env.data_rank, self.env.data_world)
-
     def _next_rows(self) -> list:
         """This rank's rows of each micro-batch of the next step."""
-        step = [next(self.batches) for _ in range(self.state.accumulation_steps)]
-        self.state.consumed_rows += self.global_rows * len(step)
-        return step
+        return self.feed.next_step(self.state.micro_batch_size, self.state.accumulation_steps)
 
     def next_micro_batches(self) -> list:
         return [collate(rows) for rows in self._next_rows()]
@@ -263,8 +254,6 @@ class Trainer:
             changes += [rung] if rung is not None else []
         for rung in changes:
             self._announce(rung.message)
-            if rung.halved:
-                self._cut_batches()
         result.memory_guard_rungs = len(changes)
         result.time, result.times = time.perf_counter() - started, self.step_times.pop()
         result.data_wait = data_wait
@@ -291,6 +280,7 @@ class Trainer:
         self.monitor.text("memory_guard", change, self.step)
 
     def _step(self, micro_batches) -> StepResult:
+        rows = self.state.micro_batch_size * self.env.data_world * self.state.accumulation_steps  # as read
         result = self.forward_backward(micro_batches)
         with part("gradient_sync"):
             self.runner.finish_gradients()
@@ -301,7 +291,7 @@ class Trainer:
         if faults.at("perturb_weight", self.step, self.env.rank):
             self.replicas.perturb()
         result.loss_scale = self.precision.loss_scale
-        result.rows = self.global_rows * len(micro_batches)
+        result.rows = rows
         result.flops = self.monitor.step_flops(micro_batches)
         return result
 
@@ -397,9 +387,15 @@ class Trainer:
         if checkpoint is None:
             return
         saved = load_checkpoint(self.parts, checkpoint.path, self.env)
-        for _ in range(saved["consumed_rows"]):  # the stream is seeded: skipping replays the same order
-            next(self.rows)
-        self.state.step, self.state.consumed_rows = saved["step"], saved["consumed_rows"]
+        if "data" in saved:
+            try:
+                self.feed.load_state_dict(saved["data"])
+            except DataError as err:
+                raise CheckpointError(f"{checkpoint.path / 'trainer_state.json'}: {err}") from None
+        else:
+            say(f"WARNING {checkpoint.path} predates saved data positions: the data starts again from its first "
+                "sample", flush=True)
+        self.state.step = saved["step"]
         self.last_checkpoint = checkpoint
         step = self.state.step
         say(f"resumed from {checkpoint.path} at step {step}", flush=True)
