@@ -168,6 +168,9 @@ class DataConfig:
     blank_images: bool = opt(False, "replace every image with zeros (control run: vision carries no signal)")
     num_workers: int = opt(0, "background processes that read, decode and encode training samples (same order "
                               "as 0); 0 = in the training loop")
+    index_dir: str = opt("", "where each data set's length index is kept, under a key of the data's identity and the "
+                             "encoding settings (measured once, read back by later runs); '' = "
+                             "$XDG_CACHE_HOME/ernie_moe/data_index (~/.cache/...)")
 
     @property
     def pixel_budget(self) -> tuple[int, int] | None:

@@ -1,46 +1,89 @@
 """The training data as the trainer takes it: this rank's rows of each micro-batch of each step, and a position
-that a checkpoint saves and a resume restores without reading the rows before it."""
+that a checkpoint saves and a resume restores without reading a sample.
+
+The global rows do not depend on the layout: one seeded packing of the data, cut into global micro-batches of
+which each data rank keeps its contiguous share (tensor- and pipeline-parallel ranks of one data rank take the
+same rows), so layouts, and resumes in another layout, see the same rows. Every rank plans every row from the
+samples' lengths (``data.plan``, over ``data.length_index``) and reads, decodes and encodes only the samples of its
+own rows: a rank's data cost does not grow with the number of ranks.
+
+A sample whose encoding now differs from its index entry (a file changed, an image body that turns out broken)
+changes only the row it is in, on the rank that reads it: a sample that cannot be read is left out (counted under
+its reason), and samples that no longer fit are left out from the end of the row (``length_mismatch``). Both are
+counted by the rank that meets them. Preference pairs, a row each, are read by every rank from the row stream.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from .loader import RowStream, rank_share
-from .packing import Row
+from .length_index import length_index
+from .loader import RowStream, is_preference, rank_share, training_encoder
+from .packing import Row, make_row
+from .plan import PackingPlan
 from .sample import DataError
+from .workers import SampleWorkers, encode_in_order
 
 
 class DataFeed:
-    """This rank's share of the run's global training rows: the global micro-batches are cut from one seeded row
-    stream, the same for any number of ranks (so layouts, and resumes in another layout, see the same rows),
-    and each data rank keeps its contiguous share. Tensor- and pipeline-parallel ranks of one data rank take the
-    same rows."""
-
     def __init__(self, dataset, tokenizer, cfg, env, stats: Counter):
-        """``stats``: where skipped and changed samples are counted (``data/...`` in the metrics)."""
-        self.stream = RowStream(dataset, tokenizer, cfg, stats, shuffle=True, workers=cfg.data.num_workers)
+        """``stats``: where skipped and fitted samples are counted (``data/...`` in the metrics)."""
         self.rank, self.world = env.data_rank, env.data_world
         self.rows_read = 0  # global rows handed out so far
+        self.stats = stats
+        if is_preference(cfg):
+            self.stream, self.plan = RowStream(dataset, tokenizer, cfg, stats, shuffle=True,
+                                               workers=cfg.data.num_workers), None
+            return
+        self.stream, self.dataset, self.pad_id = None, dataset, tokenizer.pad_id
+        self.encoder = training_encoder(tokenizer, cfg, Counter())  # its counts are the plan's, made once
+        index = length_index(dataset, self.encoder, cfg.data.index_dir, env, cfg.data.num_workers,
+                             cfg.logging.progress_bar)
+        self.plan = PackingPlan(index, cfg.training.seed, cfg.data.max_seq_len, stats)
+        self.max_seq_len = cfg.data.max_seq_len
+        self.workers = SampleWorkers(dataset, self.encoder, cfg.data.num_workers) if cfg.data.num_workers else None
 
     def next_step(self, micro_batch_size: int, accumulation_steps: int) -> list[list[Row]]:
         """This rank's rows of each micro-batch of the next step (``micro_batch_size`` rows per rank)."""
         global_rows = micro_batch_size * self.world
-        step = [rank_share([next(self.stream) for _ in range(global_rows)], self.rank, self.world)
-                for _ in range(accumulation_steps)]
         self.rows_read += global_rows * accumulation_steps
-        return step
+        if self.plan is None:
+            return [rank_share([next(self.stream) for _ in range(global_rows)], self.rank, self.world)
+                    for _ in range(accumulation_steps)]
+        planned = [rank_share([self.plan.next_row() for _ in range(global_rows)], self.rank, self.world)
+                   for _ in range(accumulation_steps)]
+        wanted = [index for rows in planned for row in rows for index in row]
+        read = encode_in_order(self.dataset, self.encoder, wanted, self.workers, Counter())
+        return [[self._row([next(read) for _ in row]) for row in rows] for rows in planned]
+
+    def _row(self, samples: list) -> Row:
+        """A planned row from its samples as read now (index, encoded or None, reason)."""
+        docs, used = [], 0
+        for _, encoded, reason in samples:
+            if reason is not None:
+                self.stats[reason] += 1
+            elif used + len(encoded) > self.max_seq_len:
+                self.stats["length_mismatch"] += 1
+            else:
+                docs.append(encoded)
+                used += len(encoded)
+        return make_row(docs, self.max_seq_len, self.pad_id)
 
     def state_dict(self) -> dict:
         """The position, as JSON values, the same on every rank."""
-        return {"rows_read": self.rows_read, **self.stream.state_dict()}
+        source = self.stream if self.plan is None else self.plan
+        return {"rows_read": self.rows_read, **source.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where ``state`` was saved (in this layout or another); DataError when it cannot be."""
         rows = state.get("rows_read") if isinstance(state, dict) else None
         if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
             raise DataError(f"the saved data position's 'rows_read' must be a whole number of 0 or more, not {rows!r}")
-        self.stream.load_state_dict(state)
+        (self.stream if self.plan is None else self.plan).load_state_dict(state)
         self.rows_read = rows
 
     def close(self) -> None:
-        self.stream.close()
+        if self.stream is not None:
+            self.stream.close()
+        elif self.workers is not None:
+            self.workers.close()

@@ -28,6 +28,7 @@ from PIL import Image, UnidentifiedImageError
 from ..paths import is_url, not_a_file
 from .chat import check_messages
 from .erniekit import is_erniekit, lay_out, record_thinking
+from .images import is_unread, unread
 from .sample import BadSample, Chunk, DataError, Sample
 from .video import ERNIE_VIDEO_READING, VideoReading, read_video, stack_frames, stamp_frames
 
@@ -50,9 +51,10 @@ class JsonlDataset:
         self.max_pixels, self.video_reading = max_pixels, reading
         self.record_shape, self.enable_thinking = record_shape, enable_thinking
         self.root = self.path.parent
+        self._header_only = False  # set by each sample_of call: whether its images are read or sized
         self.offsets = []
         with open(self.path, "rb") as f:
-            self.identity = _identity(os.fstat(f.fileno()))
+            self.identity_stat = _identity(os.fstat(f.fileno()))
             offset = 0
             for line in f:
                 if line.strip():
@@ -64,7 +66,7 @@ class JsonlDataset:
 
     def _line(self, index: int) -> bytes:
         with open(self.path, "rb") as f:
-            if _identity(os.fstat(f.fileno())) != self.identity:  # offsets into another file would read garbage
+            if _identity(os.fstat(f.fileno())) != self.identity_stat:  # offsets into another file would read garbage
                 raise DataError(f"{self.path} changed while this run reads it (its size or modification time is not "
                                 "what it was when the run opened it); leave data files alone during a run")
             f.seek(self.offsets[index])
@@ -74,8 +76,21 @@ class JsonlDataset:
         where = f"line {index + 1}"
         return self.sample_of(parse_record(self._line(index), where), where)
 
-    def sample_of(self, record: dict, where: str) -> Sample:
-        """A parsed record as a sample, its images and videos read."""
+    def shapes(self, index: int) -> Sample:
+        """Sample ``index`` with only its images' sizes read (their headers), not their pixels (``images.unread``):
+        what its encoded length needs. A video file is decoded whole to count its frames."""
+        where = f"line {index + 1}"
+        return self.sample_of(parse_record(self._line(index), where), where, header_only=True)
+
+    def identity(self) -> dict:
+        """What the samples depend on: the file as this run opened it and how its records are read."""
+        return {"jsonl": str(self.path.resolve()), "size_mtime": list(self.identity_stat),
+                "max_pixels": self.max_pixels, "video_reading": repr(self.video_reading), "format": self.record_shape,
+                "thinking": self.enable_thinking}
+
+    def sample_of(self, record: dict, where: str, header_only: bool = False) -> Sample:
+        """A parsed record as a sample, its images and videos read (``header_only``: their sizes alone)."""
+        self._header_only = header_only
         shape = record_format(record)
         if self.record_shape not in ("auto", shape):
             raise BadSample("wrong_format", f"{where} is a {shape} record, but data.format is {self.record_shape}")
@@ -101,17 +116,17 @@ class JsonlDataset:
         return Sample(images=[self._load_image(p) for p in images], chunks=chunks)
 
     def _load_image(self, relative) -> np.ndarray:
-        return load_image(local(self.root, relative, "image"), self.max_pixels)
+        return load_image(local(self.root, relative, "image"), self.max_pixels, self._header_only)
 
     def _load_video(self, source) -> np.ndarray:
-        return load_video(self.root, source, self.max_pixels, self.video_reading)
+        return load_video(self.root, source, self.max_pixels, self.video_reading, self._header_only)
 
     def _load_frames(self, frames: list[str], times: list[float] | None) -> np.ndarray:
         """Frame files as a video, each with its time drawn on it as ERNIE draws it when the frames carry their
         times and ``data.video_timestamp_font`` names a font."""
         video = self._load_video(frames)
         font = self.video_reading.timestamp_font
-        return video if times is None or not font else stamp_frames(video, times, font)
+        return video if times is None or not font or is_unread(video) else stamp_frames(video, times, font)
 
 
 def _identity(stat) -> tuple[int, int]:
@@ -150,12 +165,13 @@ def images_of(record: dict, where: str) -> list[str]:
     return images
 
 
-def load_image(path: Path, max_pixels: int) -> np.ndarray:
-    """An image file as RGB ``uint8 [H, W, 3]``; BadSample when it is missing, too large or undecodable."""
+def load_image(path: Path, max_pixels: int, header_only: bool = False) -> np.ndarray:
+    """An image file as RGB ``uint8 [H, W, 3]`` (``header_only``: its size alone, ``images.unread``); BadSample
+    when it is missing, too large or undecodable."""
     problem = not_a_file(path)
     if problem is not None:
         raise BadSample("missing_image", f"image '{str(path)[:300]}' {problem}")
-    return decode_image(path, str(path), max_pixels)
+    return decode_image(path, str(path), max_pixels, header_only)
 
 
 def as_ernie_rgb(image: Image.Image) -> Image.Image:
@@ -173,7 +189,7 @@ def as_ernie_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def decode_image(source, name: str, max_pixels: int) -> np.ndarray:
+def decode_image(source, name: str, max_pixels: int, header_only: bool = False) -> np.ndarray:
     """An image file or file object (``name`` in messages) as RGB ``uint8 [H, W, 3]``; BadSample when it is
     too large or undecodable."""
     try:
@@ -182,7 +198,7 @@ def decode_image(source, name: str, max_pixels: int) -> np.ndarray:
             if width * height > max_pixels:
                 raise BadSample("image_too_large", f"image '{name}' has {width} x {height} pixels, more than "
                                                    f"data.max_image_pixels ({max_pixels})")
-            return np.asarray(as_ernie_rgb(image))
+            return unread((height, width, 3)) if header_only else np.asarray(as_ernie_rgb(image))
     except Image.DecompressionBombError as err:  # Pillow's own cap, met before ours in the header
         raise BadSample("image_too_large", f"image '{name}': {err}") from None
     except UnidentifiedImageError:
@@ -201,11 +217,15 @@ def local(root: Path, name, kind: str) -> Path:
     return root / str(name)
 
 
-def load_video(root: Path, source, max_pixels: int, reading: VideoReading = ERNIE_VIDEO_READING) -> np.ndarray:
-    """A video given as its frame files or as a video file (relative to ``root``), ``[T, H, W, 3]`` uint8."""
+def load_video(root: Path, source, max_pixels: int, reading: VideoReading = ERNIE_VIDEO_READING,
+               header_only: bool = False) -> np.ndarray:
+    """A video given as its frame files or as a video file (relative to ``root``), ``[T, H, W, 3]`` uint8
+    (``header_only``: its size alone)."""
     if isinstance(source, str):
-        return read_video(local(root, source, "video"), reading, max_pixels)
-    return stack_frames([load_image(local(root, f, "frame"), max_pixels) for f in source], f"{source[0]}, ...")
+        video = read_video(local(root, source, "video"), reading, max_pixels)
+        return unread(video.shape) if header_only else video
+    return stack_frames([load_image(local(root, f, "frame"), max_pixels, header_only) for f in source],
+                        f"{source[0]}, ...")
 
 
 def parse_messages(messages, images: list[str], videos) -> tuple:

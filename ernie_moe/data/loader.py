@@ -14,10 +14,11 @@ from . import synthetic
 from .chat import chat_format
 from .jsonl import JsonlDataset
 from .packing import BadSample, Encoded, Encoder, Row, make_row
+from .plan import check_position, sample_order
 from .preference import PairEncoder, PreferenceJsonl, SyntheticPairs
 from .sample import DataError
 from .tokenizer import ByteTokenizer, SentencePieceTokenizer, WordTokenizer
-from .workers import SampleWorkers
+from .workers import SampleWorkers, encode_in_order
 
 
 def build_tokenizer(cfg):
@@ -111,10 +112,13 @@ class MixedDataset:
         source, inner = self.source_of(index)
         return self.sources[source][inner]
 
+    def shapes(self, index: int):
+        source, inner = self.source_of(index)
+        return self.sources[source].shapes(inner)
 
-def sample_order(seed: int, epoch: int, size: int) -> np.ndarray:
-    """The permutation of epoch ``epoch``: a function of (seed, epoch) only."""
-    return np.random.default_rng([seed, epoch]).permutation(size)
+    def identity(self) -> dict:
+        return {"mixed": [s.identity() for s in self.sources], "probs": None if self.probs is None else
+                self.probs.tolist(), "seed": self.seed}
 
 
 def training_encoder(tokenizer, cfg, stats: Counter) -> Encoder:
@@ -155,17 +159,6 @@ class RowStream:
         self.pending: list[tuple[int, Encoded]] = []  # (index, sample) of the row being filled
         self._source = None  # the samples from (epoch, position) on, begun at the first row asked for
 
-    def _encoded(self, indices):
-        """(index, encoded sample or None, the reason it is unusable or None) for each index, in order."""
-        if self.workers is not None:
-            yield from self.workers.encoded(indices, self.stats)
-            return
-        for index in indices:
-            try:
-                yield index, self.encoder(self.dataset[index]), None
-            except BadSample as bad:
-                yield index, None, bad.reason
-
     def _order(self):
         size = len(self.dataset)
         return sample_order(self.seed, self.epoch, size) if self.shuffle else range(size)
@@ -182,7 +175,9 @@ class RowStream:
         each sample as it is handed out (workers may have read further ahead)."""
         while True:
             sent = deque()  # the place in the order of each index asked for and not yet handed out
-            for index, encoded, reason in self._encoded(self._indices(self._order(), sent)):
+            indices = self._indices(self._order(), sent)
+            for index, encoded, reason in encode_in_order(self.dataset, self.encoder, indices, self.workers,
+                                                          self.stats):
                 self.position = sent.popleft() + 1
                 if reason is not None:
                     self.stats[reason] += 1
@@ -232,7 +227,7 @@ class RowStream:
         if self._source is not None:
             raise RuntimeError("a row stream's position is set before its first row")
         size = len(self.dataset)
-        _check_position(state, size, self.max_seq_len)
+        check_position(state, size, self.max_seq_len, ("epoch", "position", "open_row", "unusable", "skipped"))
         self.epoch, self.position = state["epoch"], state["position"]
         self.unusable = set(state["unusable"])
         pending = []
@@ -249,35 +244,6 @@ class RowStream:
     def close(self) -> None:
         if self.workers is not None:
             self.workers.close()
-
-
-def _check_position(state, size: int, max_seq_len: int) -> None:
-    """DataError unless ``state`` is a row stream position in a data set of ``size`` samples."""
-    def whole(value, high=None) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0 and (high is None or
-                                                                                          value <= high)
-
-    def indices(values, most: int) -> bool:
-        return isinstance(values, list) and len(values) <= most and all(whole(v, size - 1) for v in values)
-
-    problem = None
-    if not isinstance(state, dict):
-        problem = f"must be an object, not {type(state).__name__}"
-    elif not whole(state.get("epoch")):
-        problem = f"'epoch' must be a whole number of 0 or more, not {state.get('epoch')!r}"
-    elif not whole(state.get("position"), size):
-        problem = f"'position' must be a place in an epoch of {size} samples (0 to {size}), not " \
-                  f"{state.get('position')!r}"
-    elif not indices(state.get("open_row"), max_seq_len):
-        problem = f"'open_row' must list at most {max_seq_len} sample indices below {size}"
-    elif not indices(state.get("unusable"), size):
-        problem = f"'unusable' must list sample indices below {size}"
-    elif not isinstance(state.get("skipped"), dict) or not all(isinstance(k, str) and whole(v)
-                                                               for k, v in state["skipped"].items()):
-        problem = "'skipped' must map reasons to counts"
-    if problem is not None:
-        raise DataError(f"the saved data position {problem}: not a position in this data (a checkpoint of other "
-                        "data, or a hand-edited one)")
 
 
 def rank_batches(rows, global_rows: int, rank: int, world: int, drop_last: bool = True):

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..batch import IGNORE_INDEX
 from .chat import chat_format
-from .images import patchify, prepare, target_size, video_frames
+from .images import is_unread, patchify, prepare, target_size, video_frames
 from .sample import BadSample, Chunk, Sample
 from .tokenizer import END_OF_SENTENCE
 from .video_fit import VideoFit, fit_videos
@@ -67,6 +67,12 @@ class Encoder:
         self.stats = stats
         self.brackets = {kind: (tokenizer.token_id(f"<|{kind}_START|>"), tokenizer.token_id(f"<|{kind}_END|>"))
                          for kind in ("IMAGE", "VIDEO")}
+
+    def identity(self) -> dict:
+        """The settings a sample's encoding depends on (what a length index is kept under)."""
+        return {"tokenizer": self.tok.identity(), "chat": type(self.chat).__name__, "patch": [self.patch, self.merge,
+                self.temporal], "max_seq_len": self.max_seq_len, "overlong": self.overlong, "max_side": self.max_side,
+                "budgets": [self.pixel_budget, self.video_budget], "brackets": self.brackets}
 
     def __call__(self, sample: Sample) -> Encoded:
         """A training sample: the prompt, its trained tokens and the end-of-sentence token closing them, fitted to
@@ -179,17 +185,27 @@ class Encoder:
         video's frames and their size as ``fit`` chose them."""
         unit = self.patch * self.merge
         if chunk.image >= 0:
-            return patchify(prepare(sample.images[chunk.image], unit, self.max_side, self.pixel_budget),
-                            self.patch, self.merge)
+            image = sample.images[chunk.image]
+            if is_unread(image):
+                return self._grid_only(1, image.shape[:2], self.max_side, self.pixel_budget)
+            return patchify(prepare(image, unit, self.max_side, self.pixel_budget), self.patch, self.merge)
         video = sample.videos[chunk.video]
         if fit is not None:
             video = video[fit.frames[chunk.video]]
         side, budget = self._video_resize(fit.budget if fit is not None else None)
+        if is_unread(video):
+            return self._grid_only(len(video_frames(range(len(video)), self.temporal)), video.shape[1:3], side, budget)
         frames = [patchify(prepare(frame, unit, side, budget), self.patch, self.merge)
                   for frame in video_frames(video, self.temporal)]
         grid = frames[0][1].copy()
         grid[0] = len(frames)
         return np.concatenate([f for f, _ in frames]), grid
+
+    def _grid_only(self, frames: int, size, side: int, budget) -> tuple[np.ndarray, np.ndarray]:
+        """No patches, and the (t, h, w) grid the image's or video's pixels would give."""
+        h, w = target_size(*size, self.patch * self.merge, side, budget)
+        return np.zeros([0, 3 * self.patch * self.patch], np.float32), np.array([frames, h // self.patch,
+                                                                                 w // self.patch], np.int64)
 
     def _fit(self, e: Encoded) -> Encoded:
         if len(e) <= self.max_seq_len:

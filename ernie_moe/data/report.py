@@ -11,8 +11,8 @@ from collections import Counter
 
 import numpy as np
 
-from .loader import sample_order
 from .packing import Row
+from .plan import sample_order
 from .sample import BadSample
 
 TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"  # marks the tokens a sample trains on in the rendered text

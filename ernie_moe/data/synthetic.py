@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .images import unread
 from .sample import Chunk, Sample
 
 COLORS = {
@@ -80,15 +81,25 @@ class SyntheticShapes:
         image[top: top + side, left: left + side][mask] = COLORS[d["color"]]
         return image
 
+    def identity(self) -> dict:
+        return {"synthetic": [self.seed, self.split, self.size, self.image_size, self.blank_images]}
+
+    def shapes(self, index: int) -> Sample:
+        """Sample ``index`` without its image drawn (``images.unread``): what its encoded length needs."""
+        return self.sample(self.describe(index), draw=False)
+
     def __getitem__(self, index: int) -> Sample:
-        d = self.describe(index)
+        return self.sample(self.describe(index))
+
+    def sample(self, d: dict, draw: bool = True) -> Sample:
         words = {"color": d["color"], "shape": d["shape"], "row": ROWS[d["row"]], "column": COLUMNS[d["column"]]}
         chunks = [Chunk(image=0)]
         for i, word in enumerate(TEMPLATES[d["template"]].split()):
             category = word[1:-1] if word.startswith("{") else ""
             text = words[category] if category else word
             chunks.append(Chunk(text=text if i == 0 else " " + text, loss=True, scored=category))
-        return Sample(images=[self.draw(d)], chunks=chunks)
+        n = self.image_size
+        return Sample(images=[self.draw(d) if draw else unread((n, n, 3))], chunks=chunks)
 
 
 def caption(sample: Sample) -> str:

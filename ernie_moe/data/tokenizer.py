@@ -6,6 +6,7 @@ id must equal ``model.im_patch_id``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -34,6 +35,10 @@ class WordTokenizer:
         """No special tokens beyond the fixed ids (see :meth:`SentencePieceTokenizer.token_id`)."""
         return None
 
+    def identity(self) -> dict:
+        """What its encodings depend on."""
+        return {"words": self.vocab}
+
     def encode(self, text: str) -> list[int]:
         return [self.ids.get(word, self.unk_id) for word in text.split()]
 
@@ -60,6 +65,9 @@ class ByteTokenizer:
     def token_id(self, token: str) -> None:
         """No special tokens beyond the fixed ids (see :meth:`SentencePieceTokenizer.token_id`)."""
         return None
+
+    def identity(self) -> dict:
+        return {"bytes": len(SPECIALS)}
 
     def encode(self, text: str) -> list[int]:
         return [len(SPECIALS) + b for b in text.encode("utf-8")]
@@ -120,6 +128,11 @@ class SentencePieceTokenizer:
     def token_id(self, token: str) -> int | None:
         """The id of a special token, or None when this tokenizer has no such token."""
         return self.special.get(token)
+
+    def identity(self) -> dict:
+        return {"sentencepiece": hashlib.sha256(self.sp.serialized_model_proto()).hexdigest(),
+                "special": self.special, "template": self.chat_template, "ids": [self.bos_id, self.eos_id,
+                                                                                 self.image_token_id]}
 
     def _pieces(self, text: str) -> list[str]:
         """``text`` cut at the special tokens (kept as pieces of their own)."""

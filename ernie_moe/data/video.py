@@ -15,6 +15,7 @@ import numpy as np
 
 from ..config.schema import VideoReading
 from ..paths import not_a_file
+from .images import is_unread, unread
 from .sample import BadSample
 
 ERNIE_VIDEO_READING = VideoReading()  # ERNIE-4.5-VL's processor's defaults
@@ -108,6 +109,8 @@ def stack_frames(frames: list[np.ndarray], video: str) -> np.ndarray:
     """A video's frames as one ``[T, H, W, 3]`` array; BadSample (``bad_video``) when they differ in size."""
     if len({f.shape for f in frames}) != 1:
         raise BadSample("bad_video", f"the frames of video {video} differ in size")
+    if is_unread(frames[0]):
+        return unread((len(frames), *frames[0].shape))
     return np.stack(frames)
 
 

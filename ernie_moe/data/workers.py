@@ -51,6 +51,19 @@ def _serve(conn, dataset, encoder, generation: int, fault: str | None) -> None:
             conn.send((number, None, None, encoder.stats, str(err)))
 
 
+def encode_in_order(dataset, encoder, indices, workers: SampleWorkers | None, stats: Counter):
+    """(index, encoded sample or None, the reason it is unusable or None) for each index, in order: by
+    ``workers`` when there are any, in this process otherwise."""
+    if workers is not None:
+        yield from workers.encoded(indices, stats)
+        return
+    for index in indices:
+        try:
+            yield index, encoder(dataset[index]), None
+        except BadSample as bad:
+            yield index, None, bad.reason
+
+
 class _Worker:
     def __init__(self, context, dataset, encoder, generation: int):
         self.conn, child = context.Pipe()

@@ -1,0 +1,103 @@
+"""Which samples each global row holds, decided from the samples' lengths alone.
+
+The plan packs as :class:`~.loader.RowStream` packs (greedily, in the seeded order of each epoch, unusable samples
+passed over), but from a :class:`~.length_index.LengthIndex`: it reads no sample, so every data rank plans every
+row and then reads only the samples of its own. Its position is a few numbers (the epoch, the place in its order,
+the samples of the row being filled, the counts so far), which a checkpoint keeps and a resume restores at once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from .length_index import LengthIndex
+from .sample import DataError
+
+
+def sample_order(seed: int, epoch: int, size: int) -> np.ndarray:
+    """The permutation of epoch ``epoch``: a function of (seed, epoch) only."""
+    return np.random.default_rng([seed, epoch]).permutation(size)
+
+
+class PackingPlan:
+    def __init__(self, index: LengthIndex, seed: int, max_seq_len: int, stats: Counter):
+        """``stats``: the counts of skipped samples (each once, in the first epoch) and of fitted ones (each time
+        one is planned), as reading the samples in order would count them."""
+        if not (index.lengths >= 0).any():
+            skipped = Counter(index.reason(i) for i in range(len(index)))
+            raise DataError(f"the training data has no usable sample (skipped: "
+                            f"{dict(skipped) or 'nothing; the data set is empty'}).")
+        self.index, self.seed, self.max_seq_len, self.stats = index, seed, max_seq_len, stats
+        self.epoch, self.position = 0, 0
+        self.open: list[int] = []  # the samples of the row being filled
+        self.used = 0  # their tokens
+        self._order = (-1, None)  # (epoch, its order)
+
+    def next_row(self) -> list[int]:
+        """The samples of the next row, in order."""
+        while True:
+            if self._order[0] != self.epoch:
+                self._order = (self.epoch, sample_order(self.seed, self.epoch, len(self.index)))
+            order = self._order[1]
+            if self.position == len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+                continue
+            sample = int(order[self.position])
+            self.position += 1
+            length = int(self.index.lengths[sample])
+            if length < 0:
+                if self.epoch == 0:
+                    self.stats[self.index.reason(sample)] += 1
+                continue
+            self.stats.update(self.index.fit_counts(sample))
+            if self.open and self.used + length > self.max_seq_len:
+                row, self.open, self.used = self.open, [sample], length
+                return row
+            self.open.append(sample)
+            self.used += length
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "open_row": list(self.open),
+                "skipped": dict(self.stats)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """DataError naming the field when ``state`` cannot be a position in this data."""
+        check_position(state, len(self.index), self.max_seq_len, ("epoch", "position", "open_row", "skipped"))
+        lengths = self.index.lengths[np.asarray(state["open_row"], np.int64)]
+        if (lengths < 0).any():
+            raise DataError("the saved data position's open row holds a sample this data cannot use: the data "
+                            "changed since it was saved")
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.open, self.used = list(state["open_row"]), int(lengths.sum())
+        self.stats.clear()
+        self.stats.update(state["skipped"])
+
+
+def check_position(state, size: int, max_seq_len: int, fields: tuple[str, ...]) -> None:
+    """DataError unless ``state``'s ``fields`` make a position in a data set of ``size`` samples."""
+    def whole(value, high=None) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0 and (high is None or
+                                                                                          value <= high)
+
+    def indices(values, most: int) -> bool:
+        return isinstance(values, list) and len(values) <= most and all(whole(v, size - 1) for v in values)
+
+    checks = {
+        "epoch": (lambda v: whole(v), "a whole number of 0 or more"),
+        "position": (lambda v: whole(v, size), f"a place in an epoch of {size} samples (0 to {size})"),
+        "open_row": (lambda v: indices(v, max_seq_len), f"a list of at most {max_seq_len} sample indices below {size}"),
+        "unusable": (lambda v: indices(v, size), f"a list of sample indices below {size}"),
+        "skipped": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and whole(n) for k, n in v.items()),
+                    "an object of counts"),
+    }
+    if not isinstance(state, dict):
+        raise DataError(f"the saved data position must be an object, not {type(state).__name__}")
+    for name in fields:
+        ok, wanted = checks[name]
+        if not ok(state.get(name)):
+            shown = repr(state.get(name))
+            raise DataError(f"the saved data position's '{name}' must be {wanted}, not "
+                            f"{shown if len(shown) <= 80 else shown[:80] + '...'}: not a position in this data (a "
+                            "checkpoint of other data, or a hand-edited one)")

@@ -1,0 +1,183 @@
+"""The data at cluster scale: each data rank reads only the samples of its own rows, which are the rows one
+process builds; a resume reads no sample before its first step; the length index is kept and read back."""
+
+import itertools
+import json
+from collections import Counter
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ernie_moe.config import load_config
+from ernie_moe.data import RowStream, build_datasets, build_tokenizer
+from ernie_moe.data.feed import DataFeed
+from ernie_moe.data.loader import rank_share
+
+
+class CountingReads:
+    """A data set that counts the samples read whole (``shapes``, the sizes the index measures, apart)."""
+
+    def __init__(self, dataset):
+        self.dataset, self.reads, self.sized = dataset, Counter(), 0
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        self.reads[index] += 1
+        return self.dataset[index]
+
+    def shapes(self, index):
+        self.sized += 1
+        return self.dataset.shapes(index)
+
+    def identity(self):
+        return self.dataset.identity()
+
+
+def data_rank(rank, world):
+    """One data rank of ``world`` as the feed sees it (the index measured by this process alone)."""
+    return SimpleNamespace(data_rank=rank, data_world=world, rank=0, world_size=1, is_main=True,
+                           all_gather_object=lambda value: [value])
+
+
+@pytest.fixture(scope="module")
+def captions(tmp_path_factory):
+    """A JSONL caption file of 40 images of nine sizes (so the rows hold different numbers of samples), two of
+    them missing."""
+    folder = tmp_path_factory.mktemp("captions")
+    lines = []
+    for i in range(40):
+        side = 28 * (1 + i % 3), 28 * (1 + i % 9 // 3)
+        Image.fromarray(np.full((*side, 3), 7 * i, np.uint8)).save(folder / f"{i}.png")
+        image = f"{i}.png" if i not in (5, 17) else "gone.png"
+        lines.append({"image": image, "text": "a picture " + "of it " * (i % 4)})
+    path = folder / "train.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def configs(captions, index_dir):
+    common = [f"data.index_dir={index_dir}", "logging.progress_bar=false"]
+    return {"synthetic": load_config(None, [*common, "data.num_train_samples=64", "data.image_size=56",
+                                            "data.max_seq_len=48"]),
+            "jsonl": load_config(None, [*common, "data.dataset=jsonl", f"data.train_path={captions}",
+                                        "model.vocab_size=300", "data.max_seq_len=96"]),
+            "mixed": load_config(None, [*common, "data.dataset=jsonl", f"data.train_path=[{captions}, {captions}]",
+                                        "data.train_probs=[0.7, 0.3]", "model.vocab_size=300",
+                                        "data.max_seq_len=96"])}
+
+
+def same_rows(rows, expected):
+    assert len(rows) == len(expected)
+    for a, b in zip(rows, expected):
+        for name in ("input_ids", "labels", "token_type_ids", "position_ids", "key_ends"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+        assert len(a.patches) == len(b.patches) and all(np.array_equal(x, y) for x, y in zip(a.patches, b.patches))
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "jsonl", "mixed"])
+def test_each_data_rank_reads_only_the_samples_of_its_own_rows(captions, tmp_path, kind):
+    """At 1, 2 and 4 data ranks (4 rows per rank, 2 micro-batches a step, 3 steps): each rank's rows are its share
+    of the rows one process packs from the same data (the row stream, which reads every sample), and it reads
+    each sample of its rows once and no other; together the ranks read each planned sample once."""
+    cfg = configs(captions, tmp_path / "index")[kind]
+    train, _ = build_datasets(cfg)
+    tok = build_tokenizer(cfg)
+    for world in (1, 2, 4):
+        reference = list(itertools.islice(RowStream(train, tok, cfg, Counter(), shuffle=True), 3 * 2 * 4 * world))
+        everyone = Counter()
+        for rank in range(world):
+            data = CountingReads(train)
+            feed = DataFeed(data, tok, cfg, data_rank(rank, world), Counter())
+            rows = [row for _ in range(3) for micro_batch in feed.next_step(4, 2) for row in micro_batch]
+            mine = [row for start in range(0, len(reference), 4 * world)
+                    for row in rank_share(reference[start: start + 4 * world], rank, world)]
+            same_rows(rows, mine)
+            docs = sum(int(row.doc_ids.max()) + int((row.token_type_ids != -1).all()) for row in rows)
+            assert sum(data.reads.values()) == docs  # the samples of its rows, each read once
+            everyone += data.reads
+        assert max(everyone.values()) <= 1 + 3 * 2 * 4 * world * 48 // len(train)  # no sample read by every rank
+        assert sum(everyone.values()) == sum(int(r.doc_ids.max()) + int((r.token_type_ids != -1).all())
+                                             for r in reference)
+
+
+def test_a_resume_reads_no_sample_before_its_first_step_and_continues_the_rows(captions, tmp_path):
+    """The position saved after 3 steps, given to a new feed (as a resume in another layout does, at 2 data
+    ranks): it reads nothing until asked for a step, then exactly its own rows of the uninterrupted run."""
+    cfg = configs(captions, tmp_path / "index")["jsonl"]
+    train, _ = build_datasets(cfg)
+    tok = build_tokenizer(cfg)
+    whole = DataFeed(train, tok, cfg, data_rank(0, 1), Counter())
+    steps = [whole.next_step(4, 2) for _ in range(6)]
+    first = DataFeed(train, tok, cfg, data_rank(0, 1), Counter())
+    for _ in range(3):
+        first.next_step(4, 2)
+    saved = json.loads(json.dumps(first.state_dict()))
+    assert saved["rows_read"] == 24 and saved["epoch"] >= 1  # past the end of the first epoch
+    for rank in (0, 1):
+        data = CountingReads(train)
+        resumed = DataFeed(data, tok, cfg, data_rank(rank, 2), Counter())
+        resumed.load_state_dict(saved)
+        assert sum(data.reads.values()) == 0 and data.sized == 0  # nothing read: the index is kept
+        for step in steps[3:]:
+            same_rows([r for mb in resumed.next_step(2, 2) for r in mb],
+                      [r for mb in step for r in rank_share(mb, rank, 2)])
+        assert resumed.stats == whole.stats  # the counts of skipped samples continue too
+
+
+def test_a_sample_whose_reading_disagrees_with_its_index_changes_only_its_own_row(captions, tmp_path):
+    """After the index was made, one image is replaced by a larger one (more tokens than indexed) and another by
+    bytes that are not an image: the row holding each loses that sample, counted, and every other row, on every
+    rank, is as before."""
+    import shutil
+
+    folder = tmp_path / "data"
+    shutil.copytree(captions.parent, folder)
+    cfg = configs(folder / "train.jsonl", tmp_path / "index")["jsonl"]
+    train, _ = build_datasets(cfg)
+    tok = build_tokenizer(cfg)
+    before = [r for mb in DataFeed(train, tok, cfg, data_rank(0, 1), Counter()).next_step(40, 1) for r in mb]
+    Image.fromarray(np.zeros((196, 196, 3), np.uint8)).save(folder / "3.png")  # 49 image tokens, not 1
+    (folder / "8.png").write_bytes(b"not a png")
+    stats = Counter()
+    feed = DataFeed(train, tok, cfg, data_rank(0, 1), stats)
+    planned, plan_row = [], feed.plan.next_row
+    feed.plan.next_row = lambda: planned.append(plan_row()) or planned[-1]
+    after = [r for mb in feed.next_step(40, 1) for r in mb]
+    changed = {i for i, (a, b) in enumerate(zip(before, after)) if not np.array_equal(a.input_ids, b.input_ids)}
+    holding = {sample: {i for i, row in enumerate(planned) if sample in row} for sample in (3, 8)}
+    assert holding[8] and holding[8] <= changed <= holding[3] | holding[8]
+    assert stats["corrupt_image"] == sum(row.count(8) for row in planned)
+    assert stats["length_mismatch"] >= len(changed - holding[8])  # samples left out of rows that overflowed
+    for i in set(range(len(before))) - changed:
+        same_rows([after[i]], [before[i]])
+    for i in holding[8] - holding[3]:  # the row's other samples, as they were
+        kept = [d for d in range(len(planned[i])) if planned[i][d] != 8]
+        assert int((after[i].token_type_ids != -1).sum()) == sum(int((before[i].doc_ids == d).sum()) for d in kept)
+
+
+def test_the_index_is_measured_once_kept_and_measured_again_when_the_data_or_settings_change(captions, tmp_path):
+    cfg = configs(captions, tmp_path / "index")["jsonl"]
+    train, _ = build_datasets(cfg)
+    tok = build_tokenizer(cfg)
+    data = CountingReads(train)
+    DataFeed(data, tok, cfg, data_rank(0, 1), Counter())
+    assert data.sized == 40 and sum(data.reads.values()) == 0  # sizes only, never the pixels
+    kept = list((tmp_path / "index").iterdir())
+    assert len(kept) == 1 and sorted(p.name for p in kept[0].iterdir()) == ["fitted.npy", "lengths.npy",
+                                                                              "reasons.json"]
+    again = CountingReads(train)
+    DataFeed(again, tok, cfg, data_rank(0, 1), Counter())
+    assert again.sized == 0  # read back
+    (kept[0] / "lengths.npy").write_bytes(b"\x93NUMPY garbage")  # a damaged index is measured again
+    damaged = CountingReads(train)
+    DataFeed(damaged, tok, cfg, data_rank(0, 1), Counter())
+    assert damaged.sized == 40
+    longer = configs(captions, tmp_path / "index")["jsonl"]
+    longer = type(longer)(**{**longer.__dict__, "data": type(longer.data)(**{**longer.data.__dict__,
+                                                                            "max_seq_len": 128})})
+    DataFeed(CountingReads(train), tok, longer, data_rank(0, 1), Counter())
+    assert len(list((tmp_path / "index").iterdir())) == 2  # other settings: another key
