@@ -21,7 +21,7 @@ from .checkpoint.errors import CheckpointError
 from .cli import at_least_one, bounded
 from .config import ConfigError
 from .data import DataError, RowStream, rank_batches
-from .data.loader import jsonl_dataset
+from .data.loader import source_dataset
 from .data.synthetic import SyntheticShapes
 from .generation import folder_run_config, load_model_folder
 from .parallel import DistEnv
@@ -41,7 +41,7 @@ def scores(model_dir, data: str, base, batch_size: int = 8, max_batches: int = 0
         problem = not_a_file(data)
         if problem is not None:
             raise DataError(f"--data file '{data}' {problem}")
-        held_out = jsonl_dataset(data, base.data)
+        held_out = source_dataset(data, base.data)
     cfg = dataclasses.replace(base, model=model_cfg)
     skipped: Counter = Counter()
     rows = RowStream(held_out, tokenizer, cfg, skipped, shuffle=False)

@@ -14,6 +14,7 @@ from ernie_moe.config import load_config
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer
 from ernie_moe.data.feed import DataFeed
 from ernie_moe.data.loader import rank_share
+from ernie_moe.data.sample import BadSample
 
 
 class CountingReads:
@@ -59,7 +60,57 @@ def captions(tmp_path_factory):
     return path
 
 
-def configs(captions, index_dir):
+def png(value: int, height: int = 28, width: int = 28) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    Image.fromarray(np.full((height, width, 3), value, np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+def write_tar(path, members: list[tuple[str, bytes]]) -> None:
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """A folder of shards in three formats: a WebDataset tar (captions as .txt and as .json, a chat record, a
+    key without its text), a Parquet file of datasets' layout in row groups of 3 (one image cell without bytes) and
+    a JSONL file of interleaved documents."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path_factory.mktemp("shards")
+    members = []
+    for i in range(12):
+        members.append((f"part/{i:04d}.png", png(9 * i, 28 * (1 + i % 3), 28)))
+        if i == 7:
+            continue  # no text member: a counted skip
+        text = (f"a tar caption {i}" if i % 2 else json.dumps({"caption": f"a json caption {i} " * (i % 3 + 1)}))
+        if i == 4:
+            text = json.dumps({"messages": [{"role": "user", "content": "<image>what?"},
+                                            {"role": "assistant", "content": "a picture"}]})
+        members.append((f"part/{i:04d}.{'txt' if i % 2 else 'json'}", text.encode()))
+    write_tar(folder / "a-0000.tar", members)
+    images = [{"bytes": png(5 * i, 28, 28 * (1 + i % 2)), "path": None} for i in range(10)]
+    images[6] = {"bytes": None, "path": "elsewhere.png"}
+    pq.write_table(pa.table({"image": images, "text": [f"parquet text {i} " * (1 + i % 3) for i in range(10)]}),
+                   folder / "b-0000.parquet", row_group_size=3)
+    Image.fromarray(np.zeros((56, 28, 3), np.uint8)).save(folder / "figure.png")
+    documents = [{"texts": ["an opening", None, "a closing " * (1 + i % 2)], "images": [None, "figure.png", None]}
+                 for i in range(8)]
+    (folder / "c-0000.jsonl").write_text("".join(json.dumps(d) + "\n" for d in documents))
+    return folder
+
+
+def configs(captions, index_dir, shards=None):
     common = [f"data.index_dir={index_dir}", "logging.progress_bar=false"]
     return {"synthetic": load_config(None, [*common, "data.num_train_samples=64", "data.image_size=56",
                                             "data.max_seq_len=48"]),
@@ -67,7 +118,10 @@ def configs(captions, index_dir):
                                         "model.vocab_size=300", "data.max_seq_len=96"]),
             "mixed": load_config(None, [*common, "data.dataset=jsonl", f"data.train_path=[{captions}, {captions}]",
                                         "data.train_probs=[0.7, 0.3]", "model.vocab_size=300",
-                                        "data.max_seq_len=96"])}
+                                        "data.max_seq_len=96"]),
+            **({"shards": load_config(None, [*common, "data.dataset=jsonl", f"data.train_path=[{shards}, {captions}]",
+                                             "data.train_probs=[0.5, 0.5]", "model.vocab_size=300",
+                                             "data.max_seq_len=96"])} if shards else {})}
 
 
 def same_rows(rows, expected):
@@ -78,12 +132,12 @@ def same_rows(rows, expected):
         assert len(a.patches) == len(b.patches) and all(np.array_equal(x, y) for x, y in zip(a.patches, b.patches))
 
 
-@pytest.mark.parametrize("kind", ["synthetic", "jsonl", "mixed"])
-def test_each_data_rank_reads_only_the_samples_of_its_own_rows(captions, tmp_path, kind):
+@pytest.mark.parametrize("kind", ["synthetic", "jsonl", "mixed", "shards"])
+def test_each_data_rank_reads_only_the_samples_of_its_own_rows(captions, shards, tmp_path, kind):
     """At 1, 2 and 4 data ranks (4 rows per rank, 2 micro-batches a step, 3 steps): each rank's rows are its share
     of the rows one process packs from the same data (the row stream, which reads every sample), and it reads
     each sample of its rows once and no other; together the ranks read each planned sample once."""
-    cfg = configs(captions, tmp_path / "index")[kind]
+    cfg = configs(captions, tmp_path / "index", shards)[kind]
     train, _ = build_datasets(cfg)
     tok = build_tokenizer(cfg)
     for world in (1, 2, 4):
@@ -181,3 +235,74 @@ def test_the_index_is_measured_once_kept_and_measured_again_when_the_data_or_set
                                                                             "max_seq_len": 128})})
     DataFeed(CountingReads(train), tok, longer, data_rank(0, 1), Counter())
     assert len(list((tmp_path / "index").iterdir())) == 2  # other settings: another key
+
+
+def test_shards_read_as_their_formats_with_bad_members_counted(shards, tmp_path):
+    """The folder's three shards as one source, every sample as written: tar captions from .txt and .json, a chat
+    record, documents trained on all their text with the image in its place; a tar key without text and a Parquet
+    image cell without bytes are counted skips."""
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={shards}", "model.vocab_size=300",
+                             "data.max_seq_len=96"])
+    train, _ = build_datasets(cfg)
+    assert len(train) == 12 + 10 + 8
+    samples = {}
+    for i in range(len(train)):
+        try:
+            samples[i] = train[i]
+        except BadSample as bad:
+            samples[i] = bad.reason
+    assert samples[7] == "missing_text" and samples[12 + 6] == "bad_images"
+    assert [c.text for c in samples[1].chunks] == ["", "a tar caption 1"]
+    assert samples[2].chunks[1].text == ("a json caption 2 " * 3).strip() and samples[2].images[0].shape == (84, 28, 3)
+    assert samples[4].conversation is not None and len(samples[4].images) == 1
+    assert [c.text for c in samples[12].chunks] == ["", "parquet text 0"] and samples[13].images[0].shape == (28, 56, 3)
+    document = samples[22]
+    assert [(c.text, c.image, c.loss) for c in document.chunks] == [("an opening", -1, True), ("", 0, False),
+                                                                     ("a closing ", -1, True)]
+    stats = Counter()
+    rows = list(RowStream(train, build_tokenizer(cfg), cfg, stats, shuffle=False))
+    assert dict(stats) == {"missing_text": 1, "bad_images": 1}
+    trained = sum(int((r.labels != -100).sum()) for r in rows)
+    assert trained > 0
+
+
+def test_torn_changed_or_vanished_shards_are_a_skip_or_a_line(shards, tmp_path):
+    """A tar cut inside a member: the members before it read, the torn one a counted skip; a Parquet file whose
+    bytes were damaged after it was opened, or a shard removed during the run: a data error naming the file."""
+    import shutil
+
+    from ernie_moe.data.sample import DataError
+    from ernie_moe.data.sources import source_dataset
+
+    folder = tmp_path / "shards"
+    shutil.copytree(shards, folder)
+    import tarfile
+
+    with tarfile.open(folder / "a-0000.tar") as tar:
+        cut = next(m for m in tar.getmembers() if m.name == "part/0005.png")
+    data = (folder / "a-0000.tar").read_bytes()
+    (folder / "a-0000.tar").write_bytes(data[: cut.offset_data + cut.size // 2])  # inside the sixth image
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={folder / 'a-0000.tar'}",
+                             "model.vocab_size=300"])
+    torn = source_dataset(str(folder / "a-0000.tar"), cfg.data)
+    reasons = Counter()
+    for i in range(len(torn)):
+        try:
+            torn[i]
+        except BadSample as bad:
+            reasons[bad.reason] += 1
+    assert len(torn) == 6 and reasons == {"torn_tar_member": 1}  # keys 0 to 5, the last cut
+    parquet = source_dataset(str(folder / "b-0000.parquet"), cfg.data)
+    parquet[0]
+    (folder / "b-0000.parquet").write_bytes(b"PAR1" + bytes(100))
+    with pytest.raises(DataError, match="b-0000.parquet changed while this run reads it"):
+        parquet[5]
+    jsonl = source_dataset(str(folder / "c-0000.jsonl"), cfg.data)
+    (folder / "c-0000.jsonl").unlink()
+    with pytest.raises(DataError, match="c-0000.jsonl cannot be read now"):
+        jsonl[0]
+    (folder / "gz.tar").write_bytes(b"\x1f\x8b" + bytes(100))
+    with pytest.raises(DataError, match="is not an uncompressed tar file"):
+        source_dataset(str(folder / "gz.tar"), cfg.data)
+    with pytest.raises(DataError, match="matches no file"):
+        source_dataset(str(folder / "none-*.tar"), cfg.data)

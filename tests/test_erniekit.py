@@ -16,7 +16,7 @@ from test_pretrained import paddleformers
 
 from ernie_moe.config import load_config
 from ernie_moe.data.chat import ERNIE_VL_TEMPLATE
-from ernie_moe.data.loader import build_tokenizer, jsonl_dataset
+from ernie_moe.data.loader import build_tokenizer, source_dataset
 from ernie_moe.data.packing import Encoder
 from ernie_moe.data.sample import BadSample
 from ernie_moe.training.trainer import Trainer
@@ -213,7 +213,7 @@ def test_erniekit_records_encode_as_erniekit_does(erniekit_side, thinking):
     tokens equal ERNIEKit's pieces through PaddleFormers' processor, element for element."""
     folder, cases = erniekit_side
     cfg, encoder = encoder_for(folder, f"data.enable_thinking={str(thinking).lower()}")
-    data = jsonl_dataset(str(folder / "data.jsonl"), cfg.data)
+    data = source_dataset(str(folder / "data.jsonl"), cfg.data)
     for n in range(len(cases)):
         ours, ref = encoder(data[n]), np.load(folder / f"out_{thinking}" / f"{n}.npz")
         where = f"record {n}: {encoder.tok.decode(ours.input_ids)!r}"
@@ -234,7 +234,7 @@ def test_erniekits_facts_hold_on_an_image_and_a_non_thinking_answer(tmp_path):
                                                                     {"text": "A cat.", "tag": "no_mask"}]}
     (tmp_path / "d.jsonl").write_text(json.dumps(record) + "\n")
     cfg, encoder = encoder_for(tmp_path, "data.enable_thinking=true")
-    e = encoder(jsonl_dataset(str(tmp_path / "d.jsonl"), cfg.data)[0])
+    e = encoder(source_dataset(str(tmp_path / "d.jsonl"), cfg.data)[0])
     tok = encoder.tok
     start, end = tok.token_id("<|IMAGE_START|>"), tok.token_id("<|IMAGE_END|>")
     s, t = list(e.input_ids).index(start), list(e.input_ids).index(end)
@@ -287,7 +287,7 @@ def test_bad_erniekit_records_are_counted_skips_with_their_own_reasons(tmp_path)
     picture(tmp_path, "a.png", 28, 28, 0)
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r, _ in BAD) + "\n")
     cfg, encoder = encoder_for(tmp_path)
-    data = jsonl_dataset(str(tmp_path / "d.jsonl"), cfg.data)
+    data = source_dataset(str(tmp_path / "d.jsonl"), cfg.data)
     for n, (record, reason) in enumerate(BAD):
         with pytest.raises(BadSample) as caught:
             encoder(data[n])
@@ -300,7 +300,7 @@ def test_data_format_keeps_only_its_records_and_erniekit_needs_ernies_tokenizer(
             {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg, encoder = encoder_for(tmp_path, "data.format=erniekit")
-    data = jsonl_dataset(str(tmp_path / "d.jsonl"), cfg.data)
+    data = source_dataset(str(tmp_path / "d.jsonl"), cfg.data)
     assert encoder.tok.decode(encoder(data[0]).input_ids) == f"{BOS}User: Q\nAssistant: A{EOS}"
     with pytest.raises(BadSample, match="is a messages record, but data.format is erniekit") as caught:
         data[1]
@@ -308,7 +308,7 @@ def test_data_format_keeps_only_its_records_and_erniekit_needs_ernies_tokenizer(
     plain = load_config(None, ["data.dataset=jsonl", f"data.train_path={tmp_path / 'd.jsonl'}"])
     bytes_encoder = Encoder(build_tokenizer(plain), plain.model, 256, "skip", 448, Counter())
     with pytest.raises(BadSample) as caught:
-        bytes_encoder(jsonl_dataset(str(tmp_path / "d.jsonl"), plain.data)[0])
+        bytes_encoder(source_dataset(str(tmp_path / "d.jsonl"), plain.data)[0])
     assert caught.value.reason == "needs_ernie_tokenizer"
 
 
@@ -373,7 +373,7 @@ def test_the_thinking_template_of_the_folder_and_the_built_in_one_give_the_same_
                                  f"model.im_patch_id={tok.placeholder_id()}",
                                  f"data.enable_thinking={str(thinking).lower()}"])
         encoder = Encoder(build_tokenizer(cfg), cfg.model, 1024, "skip", 448, Counter())
-        data = jsonl_dataset(str(tmp_path / "d.jsonl"), cfg.data)
+        data = source_dataset(str(tmp_path / "d.jsonl"), cfg.data)
         encoded[name] = [encoder(data[n]) for n in range(len(rows))]
     assert (tmp_path / "folder" / "chat_template.jinja").read_text() != ERNIE_VL_TEMPLATE
     for ours, theirs in zip(encoded["builtin"], encoded["folder"]):
@@ -466,7 +466,7 @@ def test_tool_calls_in_chat_messages_are_laid_out_as_erniekit_lays_them_out(tmp_
         {"role": "tool", "content": '{"sky": "sunny"}'}, {"role": "assistant", "content": "It is sunny."}]}
     (tmp_path / "d.jsonl").write_text(json.dumps(chat) + "\n")
     cfg, encoder = encoder_for(tmp_path, f"data.enable_thinking={str(thinking).lower()}")
-    ours = encoder(jsonl_dataset(str(tmp_path / "d.jsonl"), cfg.data)[0])
+    ours = encoder(source_dataset(str(tmp_path / "d.jsonl"), cfg.data)[0])
     # with thinking, a chat's answers each open with the empty block (ERNIEKit's records: the last one only)
     pieces = erniekit_pieces(kit, thinking=False)
     opened = EMPTY_THINK if thinking else ""
@@ -521,11 +521,11 @@ def test_frame_time_stamps_are_drawn_on_erniekit_frames_given_a_font(tmp_path):
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     font = a_font(tmp_path)
     cfg, _ = encoder_for(tmp_path, f"data.video_timestamp_font={font}")
-    drawn = jsonl_dataset(str(tmp_path / "d.jsonl"), cfg.data)[0].videos[0]
-    plain = jsonl_dataset(str(tmp_path / "d.jsonl"), encoder_for(tmp_path)[0].data)[0].videos[0]
+    drawn = source_dataset(str(tmp_path / "d.jsonl"), cfg.data)[0].videos[0]
+    plain = source_dataset(str(tmp_path / "d.jsonl"), encoder_for(tmp_path)[0].data)[0].videos[0]
     np.testing.assert_array_equal(drawn, np.stack([draw_timestamp(f, t, font) for f, t in zip(plain, (0.5, 61.25))]))
     assert (drawn != plain).any()
-    data = jsonl_dataset(str(tmp_path / "d.jsonl"), cfg.data)
+    data = source_dataset(str(tmp_path / "d.jsonl"), cfg.data)
     for n, reason in ((1, "bad_video"), (2, "bad_images")):
         with pytest.raises(BadSample) as caught:
             data[n]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import re
 from pathlib import Path
 
@@ -147,7 +148,9 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
         _require(all(texts), "data.text_path holds an empty file name.")
         for name, path in ([("train_path", f) for f in files] + [("text_path", f) for f in texts]
                            + [("eval_path", d.eval_path)]):
-            problem = not_a_file(path) if check_paths and path else None
+            # a folder of shards or a glob is opened, and judged, when the data is built
+            shards = bool(path) and (Path(path).is_dir() or glob.has_magic(path))
+            problem = not_a_file(path) if check_paths and path and not shards else None
             _require(problem is None, f"data.{name} '{path}' {problem}.")
         for key, probs, paths in (("train", d.train_probs, files), ("text", d.text_probs, texts)):
             if probs:

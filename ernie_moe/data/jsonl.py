@@ -17,9 +17,11 @@ the images and videos are then those of the parts, in order.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +41,9 @@ def record_format(record: dict) -> str:
     """The shape a record is written in, from its keys."""
     if is_erniekit(record):
         return "erniekit"
-    return "messages" if "messages" in record else "caption"
+    if "messages" in record:
+        return "messages"
+    return "document" if "texts" in record else "caption"
 
 
 class JsonlDataset:
@@ -52,39 +56,69 @@ class JsonlDataset:
         self.record_shape, self.enable_thinking = record_shape, enable_thinking
         self.root = self.path.parent
         self._header_only = False  # set by each sample_of call: whether its images are read or sized
-        self.offsets = []
+        self.offsets = self._scan()
+
+    def _scan(self) -> np.ndarray:
+        """The offset of each record's line (blank lines are none), as an array: 8 bytes a record."""
+        offsets = array("q")
         with open(self.path, "rb") as f:
             self.identity_stat = _identity(os.fstat(f.fileno()))
             offset = 0
             for line in f:
                 if line.strip():
-                    self.offsets.append(offset)
+                    offsets.append(offset)
                 offset += len(line)
+        return np.frombuffer(offsets, np.int64) if offsets else np.zeros(0, np.int64)
 
     def __len__(self) -> int:
         return len(self.offsets)
 
+    def _open_unchanged(self):
+        """The data file, opened; DataError when it is not the file this run indexed, or is gone."""
+        try:
+            f = open(self.path, "rb")
+        except OSError as err:
+            raise DataError(f"{self.path} cannot be read now ({err.strerror or err}): a data file was removed or "
+                            "became unreadable during the run") from None
+        try:
+            self._check_unchanged(os.fstat(f.fileno()))
+        except DataError:
+            f.close()
+            raise
+        return f
+
+    def _check_unchanged(self, stat=None) -> None:
+        """DataError when the file is not the one this run indexed (its offsets would read garbage)."""
+        try:
+            stat = stat or os.stat(self.path)
+        except OSError as err:
+            raise DataError(f"{self.path} cannot be read now ({err.strerror or err}): a data file was removed or "
+                            "became unreadable during the run") from None
+        if _identity(stat) != self.identity_stat:
+            raise DataError(f"{self.path} changed while this run reads it (its size or modification time is not what "
+                            "it was when the run opened it); leave data files alone during a run")
+
     def _line(self, index: int) -> bytes:
-        with open(self.path, "rb") as f:
-            if _identity(os.fstat(f.fileno())) != self.identity_stat:  # offsets into another file would read garbage
-                raise DataError(f"{self.path} changed while this run reads it (its size or modification time is not "
-                                "what it was when the run opened it); leave data files alone during a run")
-            f.seek(self.offsets[index])
+        with self._open_unchanged() as f:
+            f.seek(int(self.offsets[index]))
             return f.readline()
 
-    def __getitem__(self, index: int) -> Sample:
+    def _record(self, index: int) -> tuple[dict, str]:
+        """Record ``index`` and where it is, for messages."""
         where = f"line {index + 1}"
-        return self.sample_of(parse_record(self._line(index), where), where)
+        return parse_record(self._line(index), where), where
+
+    def __getitem__(self, index: int) -> Sample:
+        return self.sample_of(*self._record(index))
 
     def shapes(self, index: int) -> Sample:
         """Sample ``index`` with only its images' sizes read (their headers), not their pixels (``images.unread``):
         what its encoded length needs. A video file is decoded whole to count its frames."""
-        where = f"line {index + 1}"
-        return self.sample_of(parse_record(self._line(index), where), where, header_only=True)
+        return self.sample_of(*self._record(index), header_only=True)
 
     def identity(self) -> dict:
         """What the samples depend on: the file as this run opened it and how its records are read."""
-        return {"jsonl": str(self.path.resolve()), "size_mtime": list(self.identity_stat),
+        return {type(self).__name__: str(self.path.resolve()), "size_mtime": list(self.identity_stat),
                 "max_pixels": self.max_pixels, "video_reading": repr(self.video_reading), "format": self.record_shape,
                 "thinking": self.enable_thinking}
 
@@ -99,6 +133,8 @@ class JsonlDataset:
             return Sample(images=[self._load_image(p) for p in layout.images],
                           videos=[self._load_frames(v, t) for v, t in zip(layout.videos, layout.video_times)],
                           chunks=layout.chunks, closed=True)
+        if shape == "document":
+            return self._document(record, where)
         images = images_of(record, where)
         if shape == "messages":
             conversation, images, videos = parse_messages(record["messages"], images, record.get("videos", []))
@@ -115,8 +151,31 @@ class JsonlDataset:
         chunks = [Chunk(image=i) for i in range(len(images))] + [Chunk(text=text.strip(), loss=True)]
         return Sample(images=[self._load_image(p) for p in images], chunks=chunks)
 
-    def _load_image(self, relative) -> np.ndarray:
-        return load_image(local(self.root, relative, "image"), self.max_pixels, self._header_only)
+    def _document(self, record: dict, where: str) -> Sample:
+        """An interleaved image-text document (OBELICS' shape: ``texts`` and ``images`` side by side, each place
+        holding a text or an image): every text token trained on, no chat template."""
+        texts, images = record.get("texts"), record.get("images", [])
+        if not isinstance(texts, list) or not isinstance(images, list) or len(texts) != len(images) or not all(
+                (isinstance(t, str)) != (isinstance(i, (str, bytes))) and (t is None or i is None)
+                for t, i in zip(texts, images)):
+            raise BadSample("bad_document", f"{where}: a document's texts and images must be lists of one length, "
+                                            "each place holding a text or an image (the other null)")
+        chunks, pictures = [], []
+        for text, image in zip(texts, images):
+            if image is not None:
+                chunks.append(Chunk(image=len(pictures)))
+                pictures.append(image)
+            elif text.strip():
+                chunks.append(Chunk(text=text if not chunks or chunks[-1].image >= 0 else "\n\n" + text, loss=True))
+        if not any(c.loss for c in chunks):
+            raise BadSample("empty_text", f"{where} has no text")
+        return Sample(images=[self._load_image(p) for p in pictures], chunks=chunks)
+
+    def _load_image(self, source) -> np.ndarray:
+        """An image named by a record (a path under the file's folder), or its bytes (a shard's member)."""
+        if isinstance(source, bytes):
+            return decode_image(io.BytesIO(source), f"{self.path.name} member", self.max_pixels, self._header_only)
+        return load_image(local(self.root, source, "image"), self.max_pixels, self._header_only)
 
     def _load_video(self, source) -> np.ndarray:
         return load_video(self.root, source, self.max_pixels, self.video_reading, self._header_only)
@@ -160,7 +219,7 @@ def images_of(record: dict, where: str) -> list[str]:
     (``bad_images``, naming ``where``) when they are something else."""
     images = record.get("images", [record["image"]] if "image" in record else [])
     images = [images] if isinstance(images, str) else images
-    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+    if not isinstance(images, list) or not all(isinstance(p, (str, bytes)) for p in images):
         raise BadSample("bad_images", f"{where}: images must be a path or a list of paths, not {images!r}")
     return images
 

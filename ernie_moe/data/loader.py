@@ -12,11 +12,11 @@ import paddle
 from ..batch import IGNORE_INDEX, Batch
 from . import synthetic
 from .chat import chat_format
-from .jsonl import JsonlDataset
 from .packing import BadSample, Encoded, Encoder, Row, make_row
 from .plan import check_position, sample_order
-from .preference import PairEncoder, PreferenceJsonl, SyntheticPairs
+from .preference import PairEncoder, SyntheticPairs
 from .sample import DataError
+from .sources import source_dataset
 from .tokenizer import ByteTokenizer, SentencePieceTokenizer, WordTokenizer
 from .workers import SampleWorkers, encode_in_order
 
@@ -54,15 +54,15 @@ def build_datasets(cfg):
         train = shapes(cfg.training.seed, "train", d.num_train_samples, d.image_size, d.blank_images)
         held_out = shapes(cfg.training.seed, "eval", d.num_eval_samples, d.image_size, d.blank_images)
         return train, held_out if d.num_eval_samples else None
-    sources = [jsonl_dataset(path, d, is_preference(cfg)) for path in d.train_files]
-    texts = [jsonl_dataset(path, d, is_preference(cfg)) for path in d.text_files]
+    sources = [source_dataset(path, d, is_preference(cfg)) for path in d.train_files]
+    texts = [source_dataset(path, d, is_preference(cfg)) for path in d.text_files]
     if texts:  # ERNIEKit's modality_ratio: the train_path files' share beside the text_path files'
         probs = [d.modality_ratio[0] * p for p in _shares(d.train_probs, len(sources))] + \
                 [d.modality_ratio[1] * p for p in _shares(d.text_probs, len(texts))]
         train = MixedDataset(sources + texts, probs, cfg.training.seed)
     else:
         train = sources[0] if len(sources) == 1 else MixedDataset(sources, d.train_probs, cfg.training.seed)
-    return train, jsonl_dataset(d.eval_path, d, is_preference(cfg)) if d.eval_path else None
+    return train, source_dataset(d.eval_path, d, is_preference(cfg)) if d.eval_path else None
 
 
 def is_preference(cfg) -> bool:
@@ -73,13 +73,6 @@ def is_preference(cfg) -> bool:
 def _shares(probs: list[float], count: int) -> list[float]:
     """How one group's share is split over its ``count`` files: ``probs``, or evenly."""
     return list(probs) if probs else [1.0 / count] * count
-
-
-def jsonl_dataset(path: str, data_cfg, pairs: bool = False) -> JsonlDataset:
-    """A JSONL file read as the ``data`` section says; ``pairs``: of preference pairs."""
-    d = data_cfg
-    return (PreferenceJsonl if pairs else JsonlDataset)(path, d.max_image_pixels, d.video_reading, d.format,
-                                                        d.enable_thinking)
 
 
 class MixedDataset:
