@@ -21,6 +21,7 @@ from .config import ConfigError
 from .data.jsonl import IMAGE_MARK, VIDEO_MARK, load_image, load_video, local, parse_messages
 from .data.packing import BadSample
 from .generation import UsageError
+from .paths import not_a_file
 from .serving.chat_model import ChatModel, Sampling
 
 HELP = "/image PATH, /video FRAME... (or a video file), /reset, /save FILE.jsonl, /quit"
@@ -142,6 +143,10 @@ def _save(talk: Transcript, file: str) -> None:
         print("nothing to save yet")
         return
     path = Path(file).resolve()
+    problem = not_a_file(path) if path.exists() else None
+    if problem is not None:  # a FIFO would block the write until something reads it
+        print(f"not saved: '{path}' {problem}")
+        return
     try:
         with path.open("a", encoding="utf-8") as out:
             out.write(json.dumps(talk.record(path.parent), ensure_ascii=False) + "\n")

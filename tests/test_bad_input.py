@@ -167,3 +167,20 @@ def test_the_held_out_writer_refuses_a_file_for_a_folder_and_an_endless_count(tm
     assert "must be from 1 to 1,000,000" in capsys.readouterr().err
     assert held_out(["--out", str(tmp_path / "two"), "--count", "2"]) == 0
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["00000.png", "00001.png", "captions.jsonl"]
+
+
+def test_the_chat_names_paths_that_are_not_files_instead_of_blocking(not_files, tmp_path, capsys):
+    """``/image`` of a FIFO, ``/dev/zero`` or a folder is not attached, and ``/save`` into a FIFO is refused: the
+    write would wait for a reader forever."""
+    from types import SimpleNamespace
+
+    from ernie_moe.chat import Transcript, _attach, _save
+    from ernie_moe.config.schema import DataConfig
+
+    talk, chat = Transcript(), SimpleNamespace(data=DataConfig())
+    for path in not_files:
+        _attach(chat, talk, path, video=False)
+        assert f"not attached: image '{path}' is not a regular file" in capsys.readouterr().out
+    talk.messages.append({"role": "user", "content": [{"type": "text", "text": "hi"}]})
+    _save(talk, not_files[0])
+    assert f"not saved: '{not_files[0]}' is not a regular file" in capsys.readouterr().out

@@ -1,0 +1,170 @@
+"""What the data costs one rank as the job grows: per step, at a resume, and to index a large source.
+
+    python benchmarks/bench_data_scale.py [--images 512] [--steps 20] [--records 1000000]
+
+1. Per-rank data time per step at 1, 2 and 4 data ranks with the same rows per rank (2 rows of 512 tokens of JPEG
+   captions, 640 x 480 photos-to-be at ERNIE's pixel budget of 200,704): data rank 0's feed in this process, the
+   other ranks' shares planned but not read, as each rank of a real job does. Beside it, the row stream every rank
+   read before (every sample of the global batch, then its share).
+2. Time from a fresh feed to its first step after a resume at step 20 and at step 2,000 (the position restored
+   from the state a checkpoint keeps), beside replaying the consumed rows through the encoder as resumes did.
+3. Index build rate and memory of a source of ``--records`` caption records (one small image each, its header read
+   per record): the build, then a later run's read-back, and the resident memory a rank keeps for the source
+   (offsets and index), measured in a fresh process each.
+
+Prints markdown tables; figures from one run on one machine, as ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import psutil
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ernie_moe.config import load_config  # noqa: E402
+from ernie_moe.data import RowStream, build_datasets, build_tokenizer  # noqa: E402
+from ernie_moe.data.feed import DataFeed  # noqa: E402
+from ernie_moe.data.loader import rank_batches  # noqa: E402
+
+
+def write_photos(folder: Path, count: int) -> Path:
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(count):
+        coarse = rng.integers(0, 256, (16, 21, 3), dtype=np.uint8)
+        Image.fromarray(coarse).resize((640, 480), Image.BICUBIC).save(folder / f"{i}.jpg", quality=90)
+        lines.append(json.dumps({"image": f"{i}.jpg", "text": f"a photograph numbered {i} " * (1 + i % 4)}))
+    path = folder / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def rank(data_rank: int, world: int):
+    return SimpleNamespace(data_rank=data_rank, data_world=world, rank=0, world_size=1, is_main=True,
+                           all_gather_object=lambda value: [value])
+
+
+def config(data: Path, index: Path):
+    return load_config(None, ["data.dataset=jsonl", f"data.train_path={data}", "model.vocab_size=300",
+                              "data.max_seq_len=512", "data.image_max_pixels=200704", "data.image_min_pixels=3136",
+                              f"data.index_dir={index}", "logging.progress_bar=false"])
+
+
+def per_step(cfg, steps: int) -> None:
+    train, _ = build_datasets(cfg)
+    tok = build_tokenizer(cfg)
+    DataFeed(train, tok, cfg, rank(0, 1), Counter())  # the index, once
+    print("| data ranks | feed: data time per step (rank 0) | row stream, as before | before / now |")
+    print("|---|---|---|---|")
+    base = None
+    for world in (1, 2, 4):
+        feed = DataFeed(train, tok, cfg, rank(0, world), Counter())
+        feed.next_step(2, 1)
+        started = time.perf_counter()
+        for _ in range(steps):
+            feed.next_step(2, 1)
+        now = (time.perf_counter() - started) / steps
+        batches = rank_batches(RowStream(train, tok, cfg, Counter(), shuffle=True), 2 * world, 0, world)
+        next(batches)
+        started = time.perf_counter()
+        for _ in range(steps):
+            next(batches)
+        before = (time.perf_counter() - started) / steps
+        base = base or now
+        print(f"| {world} | {now * 1e3:.0f} ms ({now / base:.2f}x dp1) | {before * 1e3:.0f} ms | {before / now:.1f}x |")
+
+
+def resume(cfg) -> None:
+    train, _ = build_datasets(cfg)
+    tok = build_tokenizer(cfg)
+    print("\n| resumed at step | feed: to its first step | replaying the rows, as before |\n|---|---|---|")
+    for step in (20, 2000):
+        planner = DataFeed(train, tok, cfg, rank(0, 1), Counter())
+        for _ in range(step):  # the position a checkpoint at this step keeps (planned, nothing read)
+            for _ in range(2):
+                planner.plan.next_row()
+        planner.rows_read = 2 * step
+        saved = json.loads(json.dumps(planner.state_dict()))
+        started = time.perf_counter()
+        feed = DataFeed(train, tok, cfg, rank(0, 1), Counter())
+        feed.load_state_dict(saved)
+        feed.next_step(2, 1)
+        now = time.perf_counter() - started
+        replay = "-"
+        if step <= 20:
+            started = time.perf_counter()
+            rows = RowStream(train, tok, cfg, Counter(), shuffle=True)
+            for _ in itertools.islice(rows, 2 * step + 2):
+                pass
+            replay = f"{time.perf_counter() - started:.2f} s"
+        print(f"| {step} | {now:.3f} s | {replay} |")
+
+
+def index_memory(records: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        Image.fromarray(np.zeros((56, 84, 3), np.uint8)).save(folder / "a.png")
+        with open(folder / "big.jsonl", "w") as f:
+            for i in range(records):
+                f.write(json.dumps({"image": "a.png", "text": f"caption number {i}"}) + "\n")
+        print(f"\n| source of {records:,} records | open, index, first step | samples/s | memory it added (rank) |")
+        print("|---|---|---|---|")
+        for what in ("index built", "index read back"):
+            out = subprocess.run([sys.executable, __file__, "--measure-index", str(folder)], capture_output=True,
+                                 text=True, check=True).stdout.strip().splitlines()[-1]
+            seconds, rss = (float(x) for x in out.split())
+            print(f"| {what} | {seconds:.2f} s | {records / seconds:,.0f} | {rss:.0f} MB |")
+
+
+def measure_index(folder: Path) -> None:
+    """In a fresh process: open the source and its index as a rank does; the time and the memory it added."""
+    warnings.filterwarnings("ignore")
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={folder / 'big.jsonl'}", "model.vocab_size=300",
+                             f"data.index_dir={folder / 'index'}", "logging.progress_bar=false"])
+    tok = build_tokenizer(cfg)
+    process = psutil.Process()
+    before = process.memory_info().rss
+    started = time.perf_counter()
+    train, _ = build_datasets(cfg)
+    feed = DataFeed(train, tok, cfg, rank(0, 1), Counter())
+    feed.next_step(1, 1)
+    seconds = time.perf_counter() - started
+    print(seconds, (process.memory_info().rss - before) / 2 ** 20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--measure-index", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.measure_index:
+        measure_index(Path(args.measure_index))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        data = write_photos(Path(tmp), args.images)
+        cfg = config(data, Path(tmp) / "index")
+        per_step(cfg, args.steps)
+        resume(cfg)
+    index_memory(args.records)
+
+
+if __name__ == "__main__":
+    main()
