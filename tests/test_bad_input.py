@@ -102,12 +102,17 @@ def not_files(tmp_path):
 def test_paths_that_are_not_files_are_named_so(folder, not_files, capsys):
     """data.train_path, --image, --data and --messages given a FIFO, /dev/zero or a folder: 'is not a regular
     file', not 'does not exist', and nothing blocks on the FIFO."""
+    from ernie_moe.data import DataError, build_datasets
     from ernie_moe.evaluate import main as evaluate
     from ernie_moe.generate import main as generate
 
     for path in not_files:
-        with pytest.raises(ConfigError, match=f"data.train_path '{path}' is not a regular file"):
-            load_config(CONFIG, ["data.dataset=jsonl", f"data.train_path={path}"])
+        if path.endswith("folder"):  # a folder of shards, here of none
+            with pytest.raises(DataError, match=f"data folder '{path}' holds no shard"):
+                build_datasets(load_config(CONFIG, ["data.dataset=jsonl", f"data.train_path={path}"]))
+        else:
+            with pytest.raises(ConfigError, match=f"data.train_path '{path}' is not a regular file"):
+                load_config(CONFIG, ["data.dataset=jsonl", f"data.train_path={path}"])
         assert generate(["--model", str(folder), "--image", path]) == 2
         assert f"image '{path}' is not a regular file" in one_line(capsys)
         assert generate(["--model", str(folder), "--messages", path]) == 2

@@ -17,6 +17,7 @@ the images and videos are then those of the parts, in order.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -31,6 +32,7 @@ from ..paths import is_url, not_a_file
 from .chat import check_messages
 from .erniekit import is_erniekit, lay_out, record_thinking
 from .images import is_unread, unread
+from .length_index import default_index_dir, keep_array, kept_array
 from .sample import BadSample, Chunk, DataError, Sample
 from .video import ERNIE_VIDEO_READING, VideoReading, read_video, stack_frames, stamp_frames
 
@@ -48,15 +50,49 @@ def record_format(record: dict) -> str:
 
 class JsonlDataset:
     def __init__(self, path: str, max_pixels: int = 50_000_000, reading: VideoReading = ERNIE_VIDEO_READING,
-                 record_shape: str = "auto", enable_thinking: bool = False):
+                 record_shape: str = "auto", enable_thinking: bool = False, index_dir: str = ""):
         """``record_shape``: ``auto`` or the one shape kept (``data.format``: a record in another is a counted skip);
-        ``enable_thinking``: the Thinking model's conversation form, where a record does not say."""
+        ``enable_thinking``: the Thinking model's conversation form, where a record does not say; ``index_dir``:
+        where the file's offsets are kept (``data.index_dir``)."""
         self.path = Path(path)
         self.max_pixels, self.video_reading = max_pixels, reading
         self.record_shape, self.enable_thinking = record_shape, enable_thinking
         self.root = self.path.parent
         self._header_only = False  # set by each sample_of call: whether its images are read or sized
-        self.offsets = self._scan()
+        self._kept = None  # the file the offsets are memory-mapped from, if they are kept
+        self.offsets = self._open(index_dir)
+
+    def _open(self, index_dir: str) -> np.ndarray:
+        """The record offsets, read back memory-mapped from ``index_dir`` when kept there for this file (its path,
+        size and modification time), else found by :meth:`_scan` and kept: a later run, each rank and each data
+        worker share one copy in the page cache instead of scanning the file and holding their own."""
+        try:
+            stat = os.stat(self.path)
+        except OSError as err:
+            raise DataError(f"{self.path} cannot be read: {err.strerror or err}") from None
+        name = hashlib.sha256(repr((str(self.path.resolve()), _identity(stat))).encode()).hexdigest()[:32]
+        self._kept = Path(index_dir or default_index_dir()) / "offsets" / f"{name}.npy"
+        offsets = kept_array(self._kept, np.int64)
+        if offsets is not None:
+            self.identity_stat = _identity(stat)
+            return offsets
+        offsets = self._scan()
+        if self.identity_stat != _identity(stat) or not keep_array(self._kept, offsets):
+            self._kept = None
+        return offsets
+
+    def __getstate__(self) -> dict:  # a data worker maps the kept offsets itself instead of receiving a copy
+        state = dict(self.__dict__)
+        if self._kept is not None:
+            state["offsets"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.offsets is None:
+            self.offsets = kept_array(self._kept, np.int64)
+            if self.offsets is None:
+                raise DataError(f"the kept offsets of {self.path} ({self._kept}) cannot be read")
 
     def _scan(self) -> np.ndarray:
         """The offset of each record's line (blank lines are none), as an array: 8 bytes a record."""

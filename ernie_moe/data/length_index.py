@@ -155,6 +155,28 @@ def _merge(parts: list, size: int) -> LengthIndex:
     return LengthIndex(lengths, reasons, fitted[np.argsort(fitted[:, 0], kind="stable")])
 
 
+def keep_array(path: Path, values: np.ndarray) -> bool:
+    """Write ``values`` to ``path`` whole (a temporary name, then renamed); whether it was kept."""
+    tmp = path.with_name(f"{path.stem}.tmp-{secrets.token_hex(4)}.npy")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(tmp, values)
+        tmp.rename(path)
+        return True
+    except OSError:  # a cache that cannot be written: the values are used from memory
+        tmp.unlink(missing_ok=True)
+        return False
+
+
+def kept_array(path: Path, dtype) -> np.ndarray | None:
+    """The 1-D array of ``dtype`` kept at ``path``, memory-mapped; None when there is none (or it is not one)."""
+    try:
+        values = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    return values if values.dtype == dtype and values.ndim == 1 else None
+
+
 def _write(folder: Path, index: LengthIndex) -> None:
     tmp = folder.with_name(f"{folder.name}.tmp-{secrets.token_hex(4)}")
     try:

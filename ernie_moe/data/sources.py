@@ -50,7 +50,7 @@ def open_shard(path: Path, data_cfg, preference: bool = False):
                                                             JsonlDataset)
     if preference and kind is not PreferenceJsonl:
         raise DataError(f"'{path}': preference pairs are read from JSONL files")
-    return kind(str(path), d.max_image_pixels, d.video_reading, d.format, d.enable_thinking)
+    return kind(str(path), d.max_image_pixels, d.video_reading, d.format, d.enable_thinking, d.index_dir)
 
 
 def source_dataset(entry: str, data_cfg, preference: bool = False):
@@ -85,7 +85,15 @@ class Shards:
         return {"shards": [s.identity() for s in self.shards]}
 
 
-class TarShard(JsonlDataset):
+class ScannedShard(JsonlDataset):
+    """A shard whose samples are found by reading its headers or footer each time it is opened (cheap: no file
+    is read whole), not kept like a JSONL file's offsets."""
+
+    def _open(self, index_dir: str) -> np.ndarray:
+        return self._scan()
+
+
+class TarShard(ScannedShard):
     """A WebDataset shard: members grouped by key (the name up to the first dot of its last part), each sample an
     image member with a ``.txt`` caption, or a ``.json`` holding a ``caption`` / ``text`` or a record of the JSONL
     shapes (``messages``, an interleaved document), whose images are the sample's image members in name order.
@@ -157,7 +165,7 @@ class TarShard(JsonlDataset):
         return record, where
 
 
-class ParquetShard(JsonlDataset):
+class ParquetShard(ScannedShard):
     """A Parquet file of Hugging Face datasets' layout: an ``image`` column (``{bytes, path}``) or ``images`` (a list
     of them), and ``text`` / ``caption`` or ``messages`` (chat) or ``texts`` (a document, ``images`` beside it).
     Opening reads the file's footer; a sample reads its row group (kept while the next sample is in it too), so
