@@ -774,7 +774,7 @@ def test_a_resume_with_other_model_settings_or_a_hand_edited_state_is_refused_na
                             ({**state, "data": {**state["data"], "position": 10 ** 12}},
                              "'position' must be a place in an epoch of 20000 samples .0 to 20000., not 1000000000000"),
                             ({**state, "data": {**state["data"], "open_row": [10 ** 12]}},
-                             "'open_row' must list at most 48 sample indices below 20000"),
+                             "'open_row' must be a list of at most 48 sample indices below 20000"),
                             ({**state, "data": {**state["data"], "rows_read": -1}},
                              "'rows_read' must be a whole number of 0 or more"),
                             ([state], "not an object"), (DEEP, "nested too deep")):

@@ -82,7 +82,8 @@ class SyntheticShapes:
         return image
 
     def identity(self) -> dict:
-        return {"synthetic": [self.seed, self.split, self.size, self.image_size, self.blank_images]}
+        return {"synthetic": [self.seed, self.split, self.size, self.image_size, self.blank_images],
+                "captions": [TEMPLATES, list(COLORS), SHAPES, ROWS, COLUMNS]}  # what a sample's length depends on
 
     def shapes(self, index: int) -> Sample:
         """Sample ``index`` without its image drawn (``images.unread``): what its encoded length needs."""
