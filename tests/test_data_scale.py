@@ -307,3 +307,27 @@ def test_torn_changed_or_vanished_shards_are_a_skip_or_a_line(shards, tmp_path):
         source_dataset(str(folder / "gz.tar"), cfg.data)
     with pytest.raises(DataError, match="matches no file"):
         source_dataset(str(folder / "none-*.tar"), cfg.data)
+
+
+def test_a_resumed_run_with_workers_on_jsonl_equals_the_uninterrupted_one(captions, tmp_path):
+    """In the trainer, on the captions with two data workers: six steps straight, against three, a checkpoint and a
+    resume for three more (rows past the end of an epoch): the same losses, exactly; the resumed trainer starts at
+    the saved position (its reads before the first step are counted without workers above)."""
+    from ernie_moe.training import Trainer
+
+    common = [f"data.index_dir={tmp_path / 'index'}", "data.dataset=jsonl", f"data.train_path={captions}",
+              "model.vocab_size=300", "data.max_seq_len=96", "data.num_workers=2", "training.eval_steps=0",
+              "training.save_steps=3", "logging.logging_steps=1", "logging.progress_bar=false",
+              "logging.visualdl=false", "data.report_samples=0", "training.per_device_train_batch_size=4"]
+
+    def losses(out):
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+    Trainer(load_config(None, [*common, "training.max_steps=6", f"training.output_dir={tmp_path / 'whole'}"])).train()
+    Trainer(load_config(None, [*common, "training.max_steps=3", f"training.output_dir={tmp_path / 'part'}"])).train()
+    resumed = Trainer(load_config(None, [*common, "training.max_steps=6", f"training.output_dir={tmp_path / 'part'}",
+                                         "training.resume_from_checkpoint=auto"]))
+    assert resumed.feed.rows_read == 12 and resumed.feed.plan.epoch >= 1
+    resumed.train()
+    assert losses(tmp_path / "part") == losses(tmp_path / "whole")
