@@ -150,7 +150,9 @@ def test_the_command_line_captions_an_image_and_reports_bad_input(model_dir, tmp
     bad = {"missing image": (["--image", tmp_path / "nope.png"], "nope.png' does not exist"),
            "empty prompt": (["--prompt", " "], "--prompt is empty"),
            "no new tokens": (["--image", tmp_path / "00000.png", "--max-new-tokens", 0], "at least 1"),
-           "incompatible folder": (["--image", tmp_path / "00000.png"], "has shape"),
+           "incompatible folder": (["--image", tmp_path / "00000.png"],
+                                   "config.json describes an embedding of [32, 32] (vocab_size, hidden_size); its "
+                                   "tensor model.embed_tokens.weight is [32, 64]"),
            "too long": (["--prompt", "a " * 5000], "positions")}
     for what, (args, message) in bad.items():
         model = tmp_path / "other" if what == "incompatible folder" else out
