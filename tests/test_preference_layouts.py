@@ -79,7 +79,10 @@ def test_preference_layout_matches_one_process(tmp_path, base, reference, layout
     for key in FIGURES:
         np.testing.assert_allclose([r[key] for r in train[1]], [r[key] for r in train[0]], rtol=1e-4, atol=1e-5,
                                    err_msg=key)
-    assert [r["dpo/reward_accuracy"] for r in train[1]] == [r["dpo/reward_accuracy"] for r in train[0]]
+    # at the first step the policy is its reference: every margin is 0 up to the layout's float32 rounding (the
+    # rewards above agree within 1e-5), whose sign the accuracy would count (a pipeline's precomputed reference
+    # gave 0.375 against 0.0 on an AVX-512 machine); once the policy has moved the counts must agree exactly
+    assert [r["dpo/reward_accuracy"] for r in train[1][1:]] == [r["dpo/reward_accuracy"] for r in train[0][1:]]
     evals = [[r for r in records(out) if "eval_loss" in r][-1] for out in (one, many)]
     for key in ("eval_loss", "eval_reward_margin", "eval_logps_chosen"):
         np.testing.assert_allclose(evals[1][key], evals[0][key], rtol=1e-4, err_msg=key)
