@@ -271,12 +271,12 @@ def dataclass_copy(batch):
 
 @pytest.mark.slow
 def test_dpo_learns_to_prefer_the_true_caption_word(tmp_path):
-    """A 400-step supervised run captions most held-out images right; DPO from it on the synthetic pairs (the true
+    """A 700-step supervised run captions most held-out images right; DPO from it on the synthetic pairs (the true
     caption against one with a word wrong) brings held-out reward accuracy from 0.67 after 10 steps to above 0.9
     (the mean of the last five evaluations), and greedy captions of held-out images hold the true word where the
     pair's answers differ more often than before."""
     common = ["logging.progress_bar=false", "data.num_eval_samples=64", "training.eval_steps=0"]
-    Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [*common, "training.max_steps=400",
+    Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [*common, "training.max_steps=700",
                                                             f"training.output_dir={tmp_path / 'sft'}"])).train()
     dpo = load_config(ROOT / "configs" / "vl_moe.yaml", [
         *common, "training.stage=dpo", f"training.model_name_or_path={tmp_path / 'sft' / 'final_model'}",
