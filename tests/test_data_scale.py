@@ -268,8 +268,9 @@ def test_shards_read_as_their_formats_with_bad_members_counted(shards, tmp_path)
 
 
 def test_torn_changed_or_vanished_shards_are_a_skip_or_a_line(shards, tmp_path):
-    """A tar cut inside a member: the members before it read, the torn one a counted skip; a Parquet file whose
-    bytes were damaged after it was opened, or a shard removed during the run: a data error naming the file."""
+    """A tar cut inside a member: the members before it read, the torn one a counted skip; a Parquet row group
+    whose page cannot be decoded: its rows counted skips, the others read; a Parquet file whose bytes were
+    damaged after it was opened, or a shard removed during the run: a data error naming the file."""
     import shutil
 
     from ernie_moe.data.sample import DataError
@@ -293,8 +294,21 @@ def test_torn_changed_or_vanished_shards_are_a_skip_or_a_line(shards, tmp_path):
         except BadSample as bad:
             reasons[bad.reason] += 1
     assert len(torn) == 6 and reasons == {"torn_tar_member": 1}  # keys 0 to 5, the last cut
+    import pyarrow.parquet as pq
+
+    page = pq.ParquetFile(folder / "b-0000.parquet").metadata.row_group(1).column(0).data_page_offset
+    data = bytearray((folder / "b-0000.parquet").read_bytes())
+    data[page: page + 8] = b"\xff" * 8  # the second row group's first page header
+    (folder / "b-0000.parquet").write_bytes(bytes(data))
     parquet = source_dataset(str(folder / "b-0000.parquet"), cfg.data)
-    parquet[0]
+    read = {}
+    for i in range(len(parquet)):
+        try:
+            read[i] = parquet[i]
+        except BadSample as bad:
+            read[i] = bad.reason
+    assert [i for i, r in read.items() if r == "bad_parquet_row"] == [3, 4, 5]  # rows of 3 a group
+    assert sum(isinstance(r, str) for r in read.values()) == 4  # and the image cell without bytes
     (folder / "b-0000.parquet").write_bytes(b"PAR1" + bytes(100))
     with pytest.raises(DataError, match="b-0000.parquet changed while this run reads it"):
         parquet[5]
