@@ -150,6 +150,7 @@ class RowStream:
         self.workers = SampleWorkers(dataset, self.encoder, workers) if workers else None
         self.epoch, self.position = 0, 0  # the next sample: epoch, place in that epoch's order
         self.pending: list[tuple[int, Encoded]] = []  # (index, sample) of the row being filled
+        self.used = 0  # their tokens
         self._source = None  # the samples from (epoch, position) on, begun at the first row asked for
 
     def _order(self):
@@ -197,13 +198,14 @@ class RowStream:
         if self.pairs:
             return next(self._source)[1]
         for index, sample in self._source:
-            if self.pending and sum(len(s) for _, s in self.pending) + len(sample) > self.max_seq_len:
-                row, self.pending = self._row(), [(index, sample)]
+            if self.pending and self.used + len(sample) > self.max_seq_len:
+                row, self.pending, self.used = self._row(), [(index, sample)], len(sample)
                 return row
             self.pending.append((index, sample))
+            self.used += len(sample)
         if not self.pending:
             raise StopIteration
-        row, self.pending = self._row(), []
+        row, self.pending, self.used = self._row(), [], 0
         return row
 
     def _row(self) -> Row:
@@ -230,7 +232,7 @@ class RowStream:
             except BadSample as bad:
                 raise DataError(f"sample {index} of the row the checkpoint was filling cannot be read now "
                                 f"({bad.reason}): the data changed since it was saved") from None
-        self.pending = pending
+        self.pending, self.used = pending, sum(len(sample) for _, sample in pending)
         self.stats.clear()  # the counts as saved, without the open row's samples counted twice
         self.stats.update(state["skipped"])
 

@@ -76,18 +76,8 @@ class Trainer:
         if self.env.is_main:
             print(self.fine_tuning.describe(), flush=True)
         self._notes()
-
-        self.data_stats: Counter = Counter()
-        train_set, self.eval_set = build_datasets(cfg)
-        self.feed = DataFeed(train_set, self.tokenizer, cfg, self.env, self.data_stats)
-        if self.env.is_main and cfg.data.report_samples:
-            self._report_data(train_set)
-        if isinstance(self.runner.reference, PrecomputedReference):  # with the starting weights, before a resume
-            done = self.runner.reference.prepare(self.runner, {"train": train_set, "eval": self.eval_set} if
-                                                 self.eval_set is not None else {"train": train_set},
-                                                 self.tokenizer, cfg, self.env)
-            if self.env.is_main:
-                print(done, flush=True)
+        self.data_stats: Counter = Counter()  # skipped and fitted samples, the data/ metrics
+        self.feed, self.eval_set = self._build_data()
         self.last_checkpoint = None  # the newest checkpoint of this run's lineage: a resume's source, then its saves
         if t.resume_from_checkpoint:
             self._resume()
@@ -377,6 +367,22 @@ class Trainer:
         return {**result, **{f"eval_skipped_{reason}": count for reason, count in sorted(skipped.items())}}
 
     # -------------------------------------------------------------- helpers
+    def _build_data(self) -> tuple[DataFeed, object]:
+        """The training feed and the held-out set; the data report; a preference run's precomputed reference,
+        with the starting weights (before a resume loads others)."""
+        cfg = self.cfg
+        train_set, eval_set = build_datasets(cfg)
+        feed = DataFeed(train_set, self.tokenizer, cfg, self.env, self.data_stats)
+        if self.env.is_main and cfg.data.report_samples:
+            self._report_data(train_set)
+        if isinstance(self.runner.reference, PrecomputedReference):
+            done = self.runner.reference.prepare(self.runner, {"train": train_set, "eval": eval_set} if
+                                                 eval_set is not None else {"train": train_set},
+                                                 self.tokenizer, cfg, self.env)
+            if self.env.is_main:
+                print(done, flush=True)
+        return feed, eval_set
+
     def _resume(self) -> None:
         """Load the checkpoint ``training.resume_from_checkpoint`` names (``auto``: the newest of the newest
         run in output_dir, if any) and move the data stream to where it stopped. The micro-batch and recompute
