@@ -26,6 +26,8 @@ setup(
         "cpu": ["paddlepaddle==3.3.1"],
         # video files (frame lists need nothing more)
         "video": ["av>=12"],
+        # Parquet shards (JSONL and WebDataset tar shards need nothing more)
+        "parquet": ["pyarrow>=14"],
         # PaddleFormers makes the ERNIE 4.5 checkpoints the interop tests load (pyarrow pinned: see README), and
         # brings transformers, whose ERNIE-4.5-VL (with PEFT for adapters) runs on torch's CPU build in the tests'
         # own processes; the openai client talks to the server in its tests

@@ -172,8 +172,11 @@ class ParquetShard(ScannedShard):
     shards written with small row groups (``datasets`` writes image data 100 rows a group) read fastest."""
 
     def _scan(self) -> np.ndarray:
-        import pyarrow.parquet as pq
-
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"'{self.path}': reading Parquet shards needs pyarrow (pip install pyarrow, or the "
+                            "package's [parquet] extra)") from None
         try:
             self.file = pq.ParquetFile(self.path)
         except Exception as err:  # pyarrow reports a damaged footer in several ways
