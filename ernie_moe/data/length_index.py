@@ -27,9 +27,11 @@ import numpy as np
 from tqdm import tqdm
 
 from ..json_files import UnreadableJSON, read_json
+from .packing import FIT_COUNTS
 from .workers import encode_in_order
 
-FIT_COUNTS = ("overlong_truncated", "shrunk_videos", "dropped_frames")
+# what the encoder counts of a sample it keeps: truncated, or its videos fitted (``packing.FIT_COUNTS``)
+ENCODER_COUNTS = ("overlong_truncated", *FIT_COUNTS)
 VERSION = 1  # of the index's contents: a change to how lengths are measured makes new keys
 FILES = ("lengths.npy", "fitted.npy", "reasons.json")
 
@@ -38,7 +40,7 @@ FILES = ("lengths.npy", "fitted.npy", "reasons.json")
 class LengthIndex:
     lengths: np.ndarray  # int32 [n]: a sample's tokens, or -1 - the number of its reason in ``reasons``
     reasons: list[str]
-    fitted: np.ndarray  # int64 [k, 1 + len(FIT_COUNTS)]: a sample fitting changed (ascending), then its counts
+    fitted: np.ndarray  # int64 [k, 1 + len(ENCODER_COUNTS)]: a sample fitting changed (ascending), then its counts
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -49,11 +51,11 @@ class LengthIndex:
         return self.reasons[-1 - code] if code < 0 else None
 
     def fit_counts(self, index: int) -> dict:
-        """What fitting did to sample ``index`` (``FIT_COUNTS``), {} for most samples."""
+        """What fitting did to sample ``index`` (``ENCODER_COUNTS``), {} for most samples."""
         at = int(np.searchsorted(self.fitted[:, 0], index)) if len(self.fitted) else 0
         if at == len(self.fitted) or self.fitted[at, 0] != index:
             return {}
-        return {name: int(n) for name, n in zip(FIT_COUNTS, self.fitted[at, 1:]) if n}
+        return {name: int(n) for name, n in zip(ENCODER_COUNTS, self.fitted[at, 1:]) if n}
 
 
 class Measure:
@@ -66,7 +68,7 @@ class Measure:
     def __call__(self, sample) -> np.ndarray:
         self.encoder.stats = Counter()
         length = len(self.encoder(sample))
-        return np.array([length, *(self.encoder.stats[name] for name in FIT_COUNTS)], np.int64)
+        return np.array([length, *(self.encoder.stats[name] for name in ENCODER_COUNTS)], np.int64)
 
 
 class Sizes:
@@ -135,7 +137,7 @@ def _measure(dataset, encoder, rank: int, world: int, workers: int, progress: bo
         bar.close()
         if pool is not None:
             pool.close()
-    return lengths, reasons, np.array(fitted, np.int64).reshape(-1, 1 + len(FIT_COUNTS))
+    return lengths, reasons, np.array(fitted, np.int64).reshape(-1, 1 + len(ENCODER_COUNTS))
 
 
 def _merge(parts: list, size: int) -> LengthIndex:
@@ -203,7 +205,7 @@ def _read(folder: Path, size: int, max_seq_len: int) -> LengthIndex | None:
     except (OSError, ValueError, UnreadableJSON):
         return None
     ok = (lengths.dtype == np.int32 and lengths.shape == (size,) and fitted.dtype == np.int64 and fitted.ndim == 2
-          and fitted.shape[1] == 1 + len(FIT_COUNTS) and isinstance(reasons, list)
+          and fitted.shape[1] == 1 + len(ENCODER_COUNTS) and isinstance(reasons, list)
           and all(isinstance(r, str) for r in reasons) and int(lengths.min(initial=0)) >= -len(reasons)
           and int(lengths.max(initial=0)) <= max_seq_len)
     return LengthIndex(lengths, reasons, fitted) if ok else None
