@@ -238,6 +238,17 @@ def test_the_index_is_measured_once_kept_and_measured_again_when_the_data_or_set
     assert len([p for p in (tmp_path / "index").iterdir() if p.name != "offsets"]) == 2  # another key
 
 
+def read_all(dataset) -> dict:
+    """Each sample of ``dataset``, or the reason it is skipped."""
+    samples = {}
+    for i in range(len(dataset)):
+        try:
+            samples[i] = dataset[i]
+        except BadSample as bad:
+            samples[i] = bad.reason
+    return samples
+
+
 def test_shards_read_as_their_formats_with_bad_members_counted(shards, tmp_path):
     """The folder's three shards as one source, every sample as written: tar captions from .txt and .json, a chat
     record, documents trained on all their text with the image in its place; a tar key without text and a Parquet
@@ -246,12 +257,7 @@ def test_shards_read_as_their_formats_with_bad_members_counted(shards, tmp_path)
                              "data.max_seq_len=96"])
     train, _ = build_datasets(cfg)
     assert len(train) == 12 + 10 + 8
-    samples = {}
-    for i in range(len(train)):
-        try:
-            samples[i] = train[i]
-        except BadSample as bad:
-            samples[i] = bad.reason
+    samples = read_all(train)
     assert samples[7] == "missing_text" and samples[12 + 6] == "bad_images"
     assert [c.text for c in samples[1].chunks] == ["", "a tar caption 1"]
     assert samples[2].chunks[1].text == ("a json caption 2 " * 3).strip() and samples[2].images[0].shape == (84, 28, 3)
@@ -287,12 +293,7 @@ def test_torn_changed_or_vanished_shards_are_a_skip_or_a_line(shards, tmp_path):
     cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={folder / 'a-0000.tar'}",
                              "model.vocab_size=300"])
     torn = source_dataset(str(folder / "a-0000.tar"), cfg.data)
-    reasons = Counter()
-    for i in range(len(torn)):
-        try:
-            torn[i]
-        except BadSample as bad:
-            reasons[bad.reason] += 1
+    reasons = Counter(r for r in read_all(torn).values() if isinstance(r, str))
     assert len(torn) == 6 and reasons == {"torn_tar_member": 1}  # keys 0 to 5, the last cut
     import pyarrow.parquet as pq
 
@@ -301,12 +302,7 @@ def test_torn_changed_or_vanished_shards_are_a_skip_or_a_line(shards, tmp_path):
     data[page: page + 8] = b"\xff" * 8  # the second row group's first page header
     (folder / "b-0000.parquet").write_bytes(bytes(data))
     parquet = source_dataset(str(folder / "b-0000.parquet"), cfg.data)
-    read = {}
-    for i in range(len(parquet)):
-        try:
-            read[i] = parquet[i]
-        except BadSample as bad:
-            read[i] = bad.reason
+    read = read_all(parquet)
     assert [i for i, r in read.items() if r == "bad_parquet_row"] == [3, 4, 5]  # rows of 3 a group
     assert sum(isinstance(r, str) for r in read.values()) == 4  # and the image cell without bytes
     (folder / "b-0000.parquet").write_bytes(b"PAR1" + bytes(100))
