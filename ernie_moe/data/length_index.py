@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from ..json_files import UnreadableJSON, read_json
 from .packing import FIT_COUNTS
-from .workers import encode_in_order
+from .workers import SampleWorkers, encode_in_order
 
 # what the encoder counts of a sample it keeps: truncated, or its videos fitted (``packing.FIT_COUNTS``)
 ENCODER_COUNTS = ("overlong_truncated", *FIT_COUNTS)
@@ -113,8 +113,6 @@ def length_index(dataset, encoder, index_dir: str, env, workers: int = 0, progre
 def _measure(dataset, encoder, rank: int, world: int, workers: int, progress: bool):
     """This process's share (every ``world``-th sample from ``rank``): lengths (int32; unusable: -1 - the reason's
     number in this share's reasons), reasons, fitted rows."""
-    from .workers import SampleWorkers
-
     sizes, measure = Sizes(dataset), Measure(encoder)
     pool = SampleWorkers(sizes, measure, workers) if workers else None
     indices = range(rank, len(dataset), world)
