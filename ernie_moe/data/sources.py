@@ -2,8 +2,9 @@
 WebDataset tar shards (the LAION / DataComp layout: an image and its ``.txt`` or ``.json`` per key) and Parquet
 files with image bytes (Hugging Face datasets' layout).
 
-A source of many shards is one data set, its shards one after another; what each shard keeps in memory is an
-array of offsets (8 to 24 bytes a sample), so a source larger than memory costs little to open. Every shard is
+A source of many shards is one data set, its shards one after another; what each shard keeps in memory is
+arrays of offsets (a JSONL file's 8 bytes a record, memory-mapped; a tar's about 40 bytes a sample; a Parquet
+file's row-group starts), so a source larger than memory costs little to open. Every shard is
 read at random by sample, through the standard library's ``tarfile`` and pyarrow's Parquet reader.
 """
 
