@@ -8,6 +8,37 @@ import numpy as np
 import paddle
 
 IGNORE_INDEX = -100  # a label position that is not trained on (prompts, images, padding)
+CHOSEN, REJECTED = 1, 2  # Batch.pair_sides of a preference pair's two answers (0: the shared prompt, padding)
+
+
+@dataclass(frozen=True)
+class HostCounts:
+    """What a step must know of a micro-batch before it runs (the loss's denominator, the throughput, the FLOPs),
+    counted from the host arrays before they are copied to the device, so that no one reads them back."""
+
+    label_tokens: int  # positions with a label
+    text_tokens: int
+    vision_tokens: int  # image and video tokens
+    pairs: int | None = None  # rows holding a preference pair whose two answers both have trained tokens
+
+    @classmethod
+    def of(cls, labels: np.ndarray, token_type_ids: np.ndarray, pair_sides: np.ndarray | None = None) -> HostCounts:
+        trained = labels != IGNORE_INDEX
+        pairs = None
+        if pair_sides is not None:
+            pairs = int(np.logical_and(*((trained & (pair_sides == side)).any(axis=1)
+                                         for side in (CHOSEN, REJECTED))).sum())
+        return cls(int(trained.sum()), int((token_type_ids == 0).sum()), int((token_type_ids >= 1).sum()), pairs)
+
+    @property
+    def tokens(self) -> int:
+        """Text and image tokens (not padding)."""
+        return self.text_tokens + self.vision_tokens
+
+    @property
+    def loss_units(self) -> int:
+        """What the loss is a mean over: label tokens, or the pairs of a preference batch."""
+        return self.label_tokens if self.pairs is None else self.pairs
 
 
 @dataclass
@@ -27,3 +58,11 @@ class Batch:
     pair_sides: paddle.Tensor | None = None
     reference_logps: paddle.Tensor | None = None
     pair_keys: np.ndarray | None = None  # each row's pair's key (data.packing.Row.pair_key)
+    counts: HostCounts | None = None  # counted by ``collate``; None in a batch made by hand
+
+    def host_counts(self) -> HostCounts:
+        """The batch's counts; a batch made without them counts its tensors (reading them back)."""
+        if self.counts is None:
+            sides = None if self.pair_sides is None else self.pair_sides.numpy()
+            return HostCounts.of(self.labels.numpy(), self.token_type_ids.numpy(), sides)
+        return self.counts

@@ -19,11 +19,17 @@ COMMUNICATION = ("tensor_parallel_comm", "expert_all_to_all", "router_stats_comm
 
 class StepTimes:
     def __init__(self, enabled: bool = True):
-        self.enabled = enabled
+        self.wanted = self.enabled = enabled
         self.totals: dict[str, float] = defaultdict(float)
         self._open: list[list] = []  # [name, time spent in parts nested inside it]
         # kernels run asynchronously on GPUs: a part ends when the device has finished its work
-        self._synchronize = paddle.device.synchronize if paddle.is_compiled_with_cuda() else (lambda: None)
+        self.synchronizes = paddle.is_compiled_with_cuda()
+        self._synchronize = paddle.device.synchronize if self.synchronizes else (lambda: None)
+
+    def sample(self, ends_window: bool) -> None:
+        """Before a step: where timing a part makes the host wait for the device (a GPU), only the step that ends a
+        logging window is timed; elsewhere every step is."""
+        self.enabled = self.wanted and (ends_window or not self.synchronizes)
 
     @contextlib.contextmanager
     def part(self, name: str):

@@ -20,7 +20,7 @@ def trained(tmp_path, *overrides):
                                                                   *overrides]))
     losses = []
     for tr.step in range(1, 6):
-        result = tr.train_step()
+        result = tr.train_step().read()
         losses.append(result.lm_loss_sum / result.label_tokens)
     return losses, {name: p.numpy() for name, p in tr.model.stable_named_parameters()}, tr
 

@@ -207,16 +207,17 @@ def test_the_first_calls_inside_a_recompute_give_the_plain_gradients(tiny_cfg, o
 
 
 def test_the_fused_combine_gives_the_plain_sums_and_gradients(on_a_gpu):
-    """Tokens with no row, one, two and four (the slots are as many as the busiest token's rows)."""
+    """Tokens with no row, one, two and four (four slots: as many as the busiest token's rows)."""
     rng = np.random.default_rng(0)
     tokens = paddle.to_tensor([5, 0, 2, 2, 5, 5, 0, 5, 3])
     rows, weights = rng.standard_normal([9, 6]).astype("float32"), rng.random(9).astype("float32")
     probe = paddle.to_tensor(rng.standard_normal([7, 6]).astype("float32"))
     results = []
-    for combine in (kernels.fused_weighted_combine, kernels.plain_weighted_combine):
+    for fused in (True, False):
         x, w = paddle.to_tensor(rows), paddle.to_tensor(weights)
         x.stop_gradient = w.stop_gradient = False
-        out = combine(x, tokens, w, 7)
+        out = (kernels.fused_weighted_combine(x, tokens, w, 7, slots=4) if fused else
+               kernels.plain_weighted_combine(x, tokens, w, 7))
         (out * probe).sum().backward()
         results.append([out.numpy(), x.grad.numpy(), w.grad.numpy()])
     for fused, plain in zip(*results):
@@ -354,9 +355,9 @@ def test_a_fused_kernel_whose_backward_fails_its_first_call_is_not_used(monkeypa
     x = paddle.to_tensor(rng.standard_normal([9, 6]).astype("float32"), stop_gradient=False)
     w = paddle.to_tensor(rng.random(9).astype("float32"), stop_gradient=False)
     with paddle.set_grad_enabled(grad_enabled), pytest.warns(UserWarning, match=f"fused moe_combine {why}"):
-        out = kernels.weighted_combine(x, tokens, w, 7)
+        out = kernels.weighted_combine(x, tokens, w, 7, 4)
     assert kernels.moe_combine.calls == 1 and "moe_combine plain" in kernels.chosen_on(paddle.CPUPlace())
-    out = kernels.weighted_combine(x, tokens, w, 7)
+    out = kernels.weighted_combine(x, tokens, w, 7, 4)
     out.sum().backward()
     rx, rw = x.detach(), w.detach()
     rx.stop_gradient = rw.stop_gradient = False

@@ -14,6 +14,8 @@ import pytest
 from conftest import launch
 from test_e2e import load_model, records
 
+from ernie_moe.host_reads import DECLARED
+
 pytestmark = pytest.mark.slow  # starts processes
 
 STEPS = 5
@@ -25,7 +27,8 @@ STEPS = 5
 COMMON = [f"training.max_steps={STEPS}", "logging.logging_steps=1", f"training.eval_steps={STEPS}",
           "training.adam_epsilon=1e-6", "data.num_eval_samples=7", "training.per_device_eval_batch_size=1",
           "model.global_aux_loss=true", "model.moe_use_aux_free=true", "model.moe_aux_free_update_coef=0.01",
-          "training.ema_decay=0.5", "training.ema_start_step=2", "training.replica_check_steps=1"]
+          "training.ema_decay=0.5", "training.ema_start_step=2", "training.replica_check_steps=1",
+          "logging.count_host_reads=true"]
 ROWS = 4  # rows of each global micro-batch
 # Router statistics are those of one micro-batch: layouts that accumulate micro-batches (every pipeline) are
 # compared with a single process that accumulates the same micro-batches.
@@ -78,6 +81,37 @@ LAYOUTS = {
 }
 
 
+# Each rank's device-to-host reads in its training steps: exactly the reads that ernie_moe.host_reads declares, as
+# many as each layout makes (the default model has one MoE layer: decoder layer 1), and no other.
+COUNTED = {"one", "dp2", "tp2", "pp2", "ep2"}
+
+
+def expected_reads(layout: str, rank: int, micro_batches: int) -> dict:
+    steps = STEPS - 1  # the first step is not counted (its one-time reads set things up)
+    stage = rank if layout == "pp2" else 0  # pp2: the MoE layer and the loss are on the last stage
+    reads = {"finite_check": steps}
+    if stage == 0:
+        reads["host_inputs"] = micro_batches * steps  # the images' grid, read by the vision blocks
+    if layout != "pp2" or stage == 1:
+        reads["expert_rows"] = micro_batches * steps
+    if layout == "ep2":  # the CPU all-to-all's sizes: the rows out and back, forward and backward
+        reads["cpu_all_to_all"] = 4 * micro_batches * steps
+    if layout != "one":
+        reads["memory_guard"] = steps  # the peak over the ranks, once a logging window (every step here)
+    return reads
+
+
+def check_host_reads(out, layout: str, micro_batches: int) -> None:
+    reads = json.loads((out / "summary.json").read_text())["host_reads"]
+    assert reads["steps"] == STEPS - 1
+    for rank, counted in enumerate(reads["per_rank"]):
+        assert counted["undeclared"] == {}, (layout, rank)
+        assert set(counted["declared"]) <= set(DECLARED)
+        assert counted["declared"]["finite_check"] == STEPS - 1  # every layout: one read a step
+        if layout in COUNTED:
+            assert counted["declared"] == expected_reads(layout, rank, micro_batches), (layout, rank)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-process runs, one per set of shared overrides, each made once for the module."""
@@ -102,6 +136,9 @@ def test_layout_matches_one_process(tmp_path, reference, layout):
                      f"training.per_device_train_batch_size={ROWS // data_ranks}", name=layout)
     train = [[r for r in records(out) if "loss" in r] for out in (one, many)]
     assert len(train[1]) == STEPS
+    micro_batches = 2 if shared == ACCUMULATE else 8 if shared == INTERLEAVED else 1
+    check_host_reads(one, "one" if layout in COUNTED else "reference", micro_batches)
+    check_host_reads(many, layout, micro_batches)
     assert all(r["aux_loss"] > 0 for r in train[0])
     for key in ("loss", "aux_loss", "z_loss"):
         np.testing.assert_allclose([r[key] for r in train[1]], [r[key] for r in train[0]], rtol=1e-4, err_msg=key)

@@ -135,8 +135,8 @@ def test_loss_counts_tokens_not_micro_batches(tiny_cfg, tmp_path):
     whole = Trainer(load_config(None, common + ["training.per_device_train_batch_size=4"]))
     split = Trainer(load_config(None, common + ["training.per_device_train_batch_size=2",
                                                 "training.gradient_accumulation_steps=2"]))
-    a = whole.forward_backward(whole.next_micro_batches())
-    b = split.forward_backward(split.next_micro_batches())
+    a = whole.forward_backward(whole.next_micro_batches()).read()
+    b = split.forward_backward(split.next_micro_batches()).read()
     assert a.label_tokens == b.label_tokens
     np.testing.assert_allclose(a.lm_loss_sum, b.lm_loss_sum, rtol=1e-5)
     for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters()):

@@ -370,13 +370,15 @@ def test_flops_follow_the_6nd_formula(tiny_cfg):
     attention scores, the ViT per patch and the adapter per image token."""
     from types import SimpleNamespace
 
+    from ernie_moe.batch import HostCounts
     from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
     from ernie_moe.monitor.flops import FlopsCounter
 
     m = tiny_cfg.model
     model = ErnieMoEForConditionalGeneration(m)
     types = np.array([[0] * 30 + [1] * 9 + [-1] * 9])  # 30 text, 9 image tokens, 9 padding
-    batch = SimpleNamespace(token_type_ids=paddle.to_tensor(types), input_ids=paddle.zeros([1, 48], "int64"),
+    counts = HostCounts.of(np.zeros_like(types), types)
+    batch = SimpleNamespace(host_counts=lambda: counts, input_ids=paddle.zeros([1, 48], "int64"),
                             pixel_patches=paddle.zeros([36, 588]))
     h, hd, q, kv = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads
     attention = h * (q + 2 * kv) * hd + q * hd * h

@@ -244,7 +244,7 @@ def test_the_first_step_starts_at_the_reference(tmp_path, fine_tuning):
     trainer = Trainer(dpo_cfg(f"training.output_dir={tmp_path / 'dpo'}", "training.max_steps=6",
                               "training.learning_rate=1e-2", "training.warmup_steps=0", *overrides))
     batches = trainer.next_micro_batches()
-    first = trainer.train_step(batches)
+    first = trainer.train_step(batches).read()
     assert first.pair_totals[0] == trainer.state.micro_batch_size * trainer.env.data_world
     np.testing.assert_allclose(first.lm_loss_sum / first.label_tokens, math.log(2), rtol=1e-5)
     start = [b.reference_logps.numpy() for b in batches]

@@ -114,7 +114,7 @@ def test_lora_on_a_quantised_base_is_lora_on_its_dequantised_weights(tmp_path, b
     for tr in (quantized, plain):
         run = []
         for tr.step in range(1, 4):
-            result = tr.train_step()
+            result = tr.train_step().read()
             run.append(result.lm_loss_sum / result.label_tokens)
         losses.append(run)
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)

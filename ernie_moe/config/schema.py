@@ -376,6 +376,9 @@ class LoggingConfig:
     monitor: bool = opt(True, "expert-balance, memory and FLOPs metrics (off: losses, lr, speed only)")
     time_breakdown: bool = opt(True, "time/... metrics: where each step's time goes (data, forward, backward, "
                                      "collectives, gradient sync, optimizer)")
+    count_host_reads: bool = opt(False, "count the device-to-host reads of the training steps (after the run's "
+                                        "first) into summary.json's host_reads, each rank's by reason "
+                                        "(ernie_moe.host_reads.DECLARED) and any other by the line that made it")
     imbalance_warn_ratio: float = opt(1.15, "warn when a layer's max/mean expert load stays above this")
     imbalance_warn_windows: int = opt(5, "... for this many logging windows in a row")
     memory_warn_fraction: float = opt(0.9, "warn when a rank's peak memory passes this fraction of the device")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from ..batch import IGNORE_INDEX, Batch
+from ..batch import IGNORE_INDEX, Batch, HostCounts
 from . import synthetic
 from .chat import chat_format
 from .packing import BadSample, Encoded, Encoder, Row, make_row
@@ -271,15 +271,17 @@ def collate(rows: list[Row]) -> Batch:
     patches = [p for row in rows for p in row.patches]
     grids = [g for row in rows for g in row.grids]
     channels = patches[0].shape[1] if patches else 0
+    labels, types = np.stack([r.labels for r in rows]), np.stack([r.token_type_ids for r in rows])
+    sides = np.stack([r.pair_sides for r in rows]) if rows[0].pair_sides is not None else None
     return Batch(
         input_ids=paddle.to_tensor(np.stack([r.input_ids for r in rows])),
-        labels=paddle.to_tensor(np.stack([r.labels for r in rows])),
-        token_type_ids=paddle.to_tensor(np.stack([r.token_type_ids for r in rows])),
+        labels=paddle.to_tensor(labels),
+        token_type_ids=paddle.to_tensor(types),
         position_ids=paddle.to_tensor(np.stack([r.position_ids for r in rows])),
         key_ends=paddle.to_tensor(np.stack([r.key_ends for r in rows])),
         pixel_patches=paddle.to_tensor(np.concatenate(patches) if patches else np.zeros([0, channels], np.float32)),
         grid_thw=np.stack(grids) if grids else np.zeros([0, 3], np.int64),
-        pair_sides=paddle.to_tensor(np.stack([r.pair_sides for r in rows])) if rows[0].pair_sides is not None
-        else None,
-        pair_keys=np.array([r.pair_key for r in rows], np.int64) if rows[0].pair_sides is not None else None,
+        pair_sides=paddle.to_tensor(sides) if sides is not None else None,
+        pair_keys=np.array([r.pair_key for r in rows], np.int64) if sides is not None else None,
+        counts=HostCounts.of(labels, types, sides),
     )

@@ -26,13 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..batch import IGNORE_INDEX
+from ..batch import CHOSEN, IGNORE_INDEX, REJECTED
 from .jsonl import JsonlDataset, parse_record
 from .packing import PAD_TYPE, Encoded, Encoder, Row
 from .sample import BadSample, Chunk, Sample
 from .synthetic import COLORS, COLUMNS, ROWS, SHAPES, SyntheticShapes
-
-CHOSEN, REJECTED = 1, 2  # Row.pair_sides (nn.preference reads them)
 
 
 @dataclass

@@ -188,8 +188,10 @@ def combine(rng, dtype, fused: bool = False):
     tokens = np.array([0, 1, 1, 3, 3, 3, 3, 4, 0, 1, 4, 4])
     x, w = _tensor(rows, dtype), _tensor(weights, "float32")
     x.stop_gradient = w.stop_gradient = False
-    combine = kernels.fused_weighted_combine if fused else kernels.plain_weighted_combine
-    out = combine(x, paddle.to_tensor(tokens), w, 5)
+    if fused:  # token 3's four rows fill four slots
+        out = kernels.fused_weighted_combine(x, paddle.to_tensor(tokens), w, 5, slots=4)
+    else:
+        out = kernels.plain_weighted_combine(x, paddle.to_tensor(tokens), w, 5)
     (out.astype("float32") * _tensor(probe, "float32")).sum().backward()
     ours = paddle.concat([t.astype("float32").flatten() for t in (out, x.grad, w.grad)])
     expected = np.zeros([5, 8])

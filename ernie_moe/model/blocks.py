@@ -23,6 +23,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
+from .. import host_reads
 from ..batch import Batch
 from ..nn.flashmask import RowBounds
 from ..nn.init import mark_default_rules
@@ -33,7 +34,8 @@ from .vision import Adapter, VisionTransformer, blank_merge_block
 
 def block_inputs(batch: Batch) -> tuple:
     """The first block's input tuple."""
-    grid = paddle.to_tensor(np.asarray(batch.grid_thw, dtype=np.int64).reshape([-1, 3]))
+    # kept on the host: the vision blocks plan their work from it (a pipeline carries it as a tensor)
+    grid = paddle.to_tensor(np.asarray(batch.grid_thw, dtype=np.int64).reshape([-1, 3]), place=paddle.CPUPlace())
     return batch.input_ids, batch.token_type_ids, batch.position_ids, batch.key_ends, batch.pixel_patches, grid
 
 
@@ -63,7 +65,7 @@ class ImageFeatures(nn.Layer):
 
     def forward(self, inputs):
         embeddings, input_ids, token_type_ids, position_ids, key_ends, pixel_patches, grid_thw = inputs
-        hidden = self.with_images(embeddings, input_ids, pixel_patches, grid_thw.numpy())
+        hidden = self.with_images(embeddings, input_ids, pixel_patches, host_reads.read(grid_thw, "host_inputs"))
         router_loss = paddle.zeros([1], dtype="float32")
         router_loss.stop_gradient = False  # a pipeline sends it between stages with its gradient
         return self.plan.split_sequence(hidden), router_loss, token_type_ids, position_ids, key_ends

@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from ..batch import IGNORE_INDEX, Batch
+from ..batch import Batch
 from ..nn.init import init_weights
 from ..nn.preference import PreferenceLoss
 from ..nn.recompute import recomputed
@@ -27,10 +27,16 @@ class ModelOutput(NamedTuple):
     """A tuple, so that fleet's data-parallel wrapper finds the output tensors it tracks for backward."""
 
     loss_sum: paddle.Tensor  # summed cross-entropy over label tokens
-    num_label_tokens: int
+    num_label_tokens: int  # (preference pairs: pairs)
     router_loss: paddle.Tensor  # weighted router losses of every MoE layer, summed
     logits: paddle.Tensor | None = None
     pair_figures: paddle.Tensor | None = None  # preference pairs: nn.preference.FIGURES of each row
+
+
+def step_sums(loss_sum: paddle.Tensor, router_loss: paddle.Tensor, *figures: paddle.Tensor) -> paddle.Tensor:
+    """``[loss, router losses, *figures]`` of a micro-batch as one float64 vector, detached, on the device."""
+    parts = [loss_sum.detach().reshape([1]), router_loss.detach().sum().reshape([1]), *figures]
+    return paddle.concat([t.astype("float64") for t in parts])
 
 
 class BlockQueries:
@@ -89,8 +95,8 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         if batch.pair_sides is not None:
             token_losses = self._token_losses(hidden, batch.labels)
             loss_sum, figures = self.preference(token_losses, batch.labels, batch.pair_sides, batch.reference_logps)
-            return ModelOutput(loss_sum, int(figures[:, 0].sum()), router_loss.sum(), pair_figures=figures)
-        num_label_tokens = int((batch.labels != IGNORE_INDEX).sum())
+            return ModelOutput(loss_sum, batch.host_counts().pairs, router_loss.sum(), pair_figures=figures)
+        num_label_tokens = batch.host_counts().label_tokens
         if self.loss_chunk and not return_logits:
             loss_sum = self._token_losses(hidden, batch.labels).sum()
             return ModelOutput(loss_sum, num_label_tokens, router_loss.sum())

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import paddle
 
+from .. import host_reads
 from ..nn import kernels
 
 
@@ -32,6 +33,7 @@ class DispatchState:
     weights: paddle.Tensor  # [kept] its mixing weight
     routed: paddle.Tensor  # [experts] copies each expert was chosen for (before capacity)
     kept: paddle.Tensor  # [experts] copies each expert processes
+    k: int  # choices per token: at most this many copies of a token come back
 
 
 class LocalDispatcher:
@@ -42,10 +44,11 @@ class LocalDispatcher:
         # ERNIE's rule when capacity drops a choice: the token's kept weights are renormalised to sum to 1
         self.renormalize_kept = renormalize_kept
 
-    def route(self, token_index, expert_ids, weights, num_experts: int, capacity) -> Choices:
+    def route(self, token_index, expert_ids, weights, num_experts: int, capacity, num_rows: int) -> Choices:
         """Flatten the choices and keep those within capacity, sorted by expert.
 
-        ``expert_ids``/``weights`` are ``[tokens, k]``; ``capacity`` ``[experts]`` or None for dropless.
+        ``expert_ids``/``weights`` are ``[tokens, k]``; ``capacity`` ``[experts]`` or None for dropless;
+        ``num_rows``: the rows of the hidden state that ``token_index`` points into.
         Choices are ordered k-major, so every token's first choice claims a slot before any second choice.
         With ``renormalize_kept`` each token's kept weights are divided by their sum (at least 1e-12).
         """
@@ -59,7 +62,7 @@ class LocalDispatcher:
             order = paddle.masked_select(order, rank_in_expert < paddle.gather(capacity, sorted_expert))
             kept = paddle.bincount(paddle.gather(flat_expert, order), minlength=num_experts)
             if self.renormalize_kept and flat_token.shape[0]:
-                totals = paddle.index_add(paddle.zeros([int(flat_token.max()) + 1], flat_weight.dtype),
+                totals = paddle.index_add(paddle.zeros([num_rows], flat_weight.dtype),
                                           paddle.gather(flat_token, order), 0, paddle.gather(flat_weight, order))
                 flat_weight = flat_weight / paddle.clip(paddle.gather(totals, flat_token), min=1e-12)
         return Choices(flat_token, flat_weight, flat_expert, order, routed, kept)
@@ -67,14 +70,15 @@ class LocalDispatcher:
     def dispatch(self, x, token_index, expert_ids, weights, num_experts: int, capacity):
         """The ``x`` rows of this process's experts, sorted by expert, and the row count of each expert; see
         :meth:`route` for the arguments."""
-        c = self.route(token_index, expert_ids, weights, num_experts, capacity)
-        state = DispatchState(paddle.gather(c.token, c.order), paddle.gather(c.weight, c.order), c.routed, c.kept)
-        return paddle.gather(x, state.token_index), c.kept.tolist(), state
+        c = self.route(token_index, expert_ids, weights, num_experts, capacity, x.shape[0])
+        state = DispatchState(paddle.gather(c.token, c.order), paddle.gather(c.weight, c.order), c.routed, c.kept,
+                              expert_ids.shape[1])
+        return paddle.gather(x, state.token_index), host_reads.read(c.kept, "expert_rows").tolist(), state
 
     def combine(self, expert_rows: paddle.Tensor, state: DispatchState, num_rows: int) -> paddle.Tensor:
         """Weighted sum of each token's expert outputs; dropped choices contribute nothing."""
         return kernels.weighted_combine(self.rows_back(expert_rows, state), state.token_index, state.weights,
-                                        num_rows)
+                                        num_rows, state.k)
 
     def rows_back(self, expert_rows: paddle.Tensor, state: DispatchState) -> paddle.Tensor:
         """The expert outputs (in the order :meth:`dispatch` gave them) as rows in the order of

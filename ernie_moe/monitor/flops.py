@@ -56,9 +56,9 @@ class FlopsCounter:
     def batch_flops(self, batch) -> float:
         """Forward + backward FLOPs of one micro-batch."""
         m = self.cfg
-        types = batch.token_type_ids.numpy()
-        per_modality = {0: int((types == 0).sum()), 1: int((types >= 1).sum())}
-        tokens = per_modality[0] + per_modality[1]
+        counts = batch.host_counts()
+        per_modality = {0: counts.text_tokens, 1: counts.vision_tokens}
+        tokens = counts.tokens
         flops = 0.0
         for entry in self.layers:
             flops += 6 * entry["attn"] * tokens

@@ -43,8 +43,8 @@ class TrainingMonitor:
         return self.memory.step_peak()
 
     def end_window(self, step: int, results: list, data_stats) -> dict:
-        """Log the metrics of the window's step results (rank 0 writes, every rank takes part in the
-        reductions) and return them."""
+        """Log the metrics of the window's step results, read to the host (``StepResult.read``; rank 0 writes,
+        every rank takes part in the reductions) and return them."""
         steps = len(results)
         updated = [r for r in results if not r.skipped]  # gradient norms of skipped steps are not finite
 
@@ -71,7 +71,7 @@ class TrainingMonitor:
             "step_time_s": elapsed / steps,
             "data_wait_s": total("data_wait") / steps,  # the loop waiting for rows (data.num_workers hides it)
         }
-        metrics.update(time_breakdown(results, elapsed))
+        metrics.update(time_breakdown(results))
         pairs = [r.pair_totals for r in results if r.pair_totals is not None]
         if pairs:
             metrics.update(preference_metrics(np.sum(pairs, axis=0), "dpo/"))
@@ -127,16 +127,18 @@ class TrainingMonitor:
         self.logger.close()
 
 
-def time_breakdown(results: list, elapsed: float) -> dict:
-    """``time/<part>_s`` (mean seconds per step), ``time/other_s`` (what no part covers) and
-    ``time/communication_share`` (collectives, gradient synchronisation and the step's reductions)."""
+def time_breakdown(results: list) -> dict:
+    """``time/<part>_s`` (mean seconds per timed step), ``time/other_s`` (what no part covers) and
+    ``time/communication_share`` (collectives, gradient synchronisation and the step's reductions), over the
+    steps that were timed (``timing.StepTimes.sample``)."""
     parts: dict[str, float] = {}
-    for result in results:
+    timed = [result for result in results if result.times]
+    for result in timed:
         for name, seconds in result.times.items():
             parts[name] = parts.get(name, 0.0) + seconds
     if not parts:
         return {}
-    steps = len(results)
+    steps, elapsed = len(timed), sum(result.time for result in timed)
     out = {f"time/{name}_s": seconds / steps for name, seconds in sorted(parts.items())}
     out["time/other_s"] = (elapsed - sum(parts.values())) / steps
     communication = sum(seconds for name, seconds in parts.items() if name in COMMUNICATION)

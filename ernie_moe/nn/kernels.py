@@ -134,15 +134,15 @@ class _MoECombine(PyLayer):
 
 
 def fused_weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: paddle.Tensor,
-                           num_tokens: int) -> paddle.Tensor:
-    """Paddle's ``moe_combine``: ``out[t] = sum_s weight[t, s] * rows[index[t, s]]`` over slots ``[tokens, k]``.
+                           num_tokens: int, slots: int) -> paddle.Tensor:
+    """Paddle's ``moe_combine``: ``out[t] = sum_s weight[t, s] * rows[index[t, s]]`` over ``slots`` per token (at
+    least the most rows any token has).
 
     A token's kept copies fill its first slots in row order; an empty slot has weight 0 (and reads row 0).
     """
-    order, _, counts, rank = ranks_within_groups(token_index, num_tokens)
+    order, _, _, rank = ranks_within_groups(token_index, num_tokens)
     kept = token_index.shape[0]
     slot = paddle.scatter(paddle.zeros([kept], dtype="int64"), order, rank)
-    slots = int(counts.max())
     flat = token_index * slots + slot
     index = paddle.scatter(paddle.zeros([num_tokens * slots], dtype="int32"), flat,
                            paddle.arange(kept, dtype="int32")).reshape([num_tokens, slots])
@@ -152,12 +152,13 @@ def fused_weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weig
 
 
 def weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: paddle.Tensor,
-                     num_tokens: int) -> paddle.Tensor:
-    """``out[t]``: the sum of ``weights[r] * rows[r]`` over the rows r with ``token_index[r] == t``."""
+                     num_tokens: int, slots: int) -> paddle.Tensor:
+    """``out[t]``: the sum of ``weights[r] * rows[r]`` over the rows r with ``token_index[r] == t`` (at most
+    ``slots`` of them)."""
     if rows.shape[0] == 0:
         return plain_weighted_combine(rows, token_index, weights, num_tokens)
     return fused_or_plain("moe_combine", [rows, weights],
-                          lambda rows, w: fused_weighted_combine(rows, token_index, w, num_tokens),
+                          lambda rows, w: fused_weighted_combine(rows, token_index, w, num_tokens, slots),
                           lambda rows, w: plain_weighted_combine(rows, token_index, w, num_tokens))
 
 

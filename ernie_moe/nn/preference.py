@@ -26,7 +26,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from ..batch import IGNORE_INDEX
+from ..batch import CHOSEN, IGNORE_INDEX, REJECTED
 
 LOSSES = ("sigmoid", "ipo", "simpo", "kto_pair", "dpop")
 # the per-pair figures of a forward, in this order (summed over the pairs for the metrics); a row that holds no
@@ -34,7 +34,6 @@ LOSSES = ("sigmoid", "ipo", "simpo", "kto_pair", "dpop")
 FIGURES = ("pairs", "loss", "logps_chosen", "logps_rejected", "rewards_chosen", "rewards_rejected", "accurate",
            "tokens_chosen", "tokens_rejected")
 LOGPS = slice(2, 4)  # the columns of the two answers' log-probabilities
-CHOSEN, REJECTED = 1, 2  # Batch.pair_sides of the two answers' positions (0: the shared prompt, padding)
 
 
 @dataclass(frozen=True)
@@ -155,11 +154,6 @@ def holds_pair(labels: paddle.Tensor, sides: paddle.Tensor) -> paddle.Tensor:
     short batch has none)."""
     trained = labels != IGNORE_INDEX
     return paddle.logical_and(*(paddle.logical_and(trained, sides == side).any(axis=1) for side in (CHOSEN, REJECTED)))
-
-
-def pairs_in(labels: paddle.Tensor, sides: paddle.Tensor) -> int:
-    """How many rows hold a pair (what a preference loss averages over)."""
-    return int(holds_pair(labels, sides).sum())
 
 
 def preference_metrics(totals: np.ndarray, prefix: str) -> dict:

@@ -21,6 +21,8 @@ import paddle.distributed as dist
 from paddle.base import core
 from paddle.distributed import collective
 
+from .. import host_reads
+
 
 def reuse_freed_host_memory() -> bool:
     """Keep freed host memory in the heap for the next allocation; returns whether the C library took it.
@@ -68,7 +70,7 @@ def all_to_all_single(x: paddle.Tensor, in_splits: list[int], out_splits: list[i
     world, rank = group.nranks, group.rank
     sizes: list[paddle.Tensor] = []
     dist.all_gather(sizes, paddle.to_tensor(in_splits, dtype="int64"), group=group)
-    table = [s.numpy().tolist() for s in sizes]  # table[src][dst]
+    table = host_reads.read(paddle.stack(sizes), "cpu_all_to_all").tolist()  # table[src][dst]
     longest = max(sum(row) for row in table)
     padded = paddle.zeros([longest] + x.shape[1:], dtype=x.dtype)
     if x.shape[0]:

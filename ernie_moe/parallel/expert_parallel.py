@@ -18,6 +18,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from .. import host_reads
 from ..moe.dispatcher import DispatchState, LocalDispatcher
 from ..nn.sharding import shard_index
 from .comm import CopyToGroup, GatherRows, all_to_all
@@ -53,9 +54,9 @@ class _ByOwner(LocalDispatcher):
         self.local = sum(counts) // self.size
         self.position = paddle.to_tensor(rank_major_order(counts, self.size))
 
-    def route_by_owner(self, token_index, expert_ids, weights, num_experts, capacity):
+    def route_by_owner(self, token_index, expert_ids, weights, num_experts, capacity, num_rows):
         """Returns (token rows, weights, routed, kept, choices per [owner rank x local expert])."""
-        c = self.route(token_index, expert_ids, weights, num_experts, capacity)
+        c = self.route(token_index, expert_ids, weights, num_experts, capacity, num_rows)
         position = paddle.gather(self.position, paddle.gather(c.expert, c.order))
         regroup = paddle.argsort(position, stable=True)
         order = paddle.gather(c.order, regroup)
@@ -66,10 +67,11 @@ class _ByOwner(LocalDispatcher):
 class ExpertParallelDispatcher(_ByOwner):
     def dispatch(self, x, token_index, expert_ids, weights, num_experts, capacity):
         rows, row_weights, routed, kept, per_slot = self.route_by_owner(
-            token_index, expert_ids, weights, num_experts, capacity)
+            token_index, expert_ids, weights, num_experts, capacity, x.shape[0])
         table: list[paddle.Tensor] = []
         dist.all_gather(table, per_slot, group=self.group)
-        counts = np.stack([t.numpy() for t in table]).reshape(self.size, self.size, self.local)  # [src, dst, e]
+        counts = host_reads.read(paddle.stack(table), "expert_rows").reshape(self.size, self.size, self.local)
+        # counts: [source rank, destination rank, local expert]
         send_splits = counts[self.rank].sum(axis=1).tolist()
         mine = counts[:, self.rank, :]  # [src, local expert]
         recv_splits = mine.sum(axis=1).tolist()
@@ -80,7 +82,8 @@ class ExpertParallelDispatcher(_ByOwner):
         expert_major = [np.arange(starts[s, e], starts[s, e] + mine[s, e])
                         for e in range(self.local) for s in range(self.size)]
         index = paddle.to_tensor(np.concatenate(expert_major) if expert_major else np.zeros([0], np.int64))
-        state = ExpertParallelState(rows, row_weights, routed, kept, send_splits, recv_splits, index)
+        state = ExpertParallelState(rows, row_weights, routed, kept, expert_ids.shape[1], send_splits,
+                                     recv_splits, index)
         inputs = paddle.gather(received, index) if received.shape[0] else received
         return inputs, mine.sum(axis=0).tolist(), state
 
@@ -106,11 +109,12 @@ class TensorParallelExpertDispatcher(_ByOwner):
 
     def dispatch(self, x, token_index, expert_ids, weights, num_experts, capacity):
         rows, row_weights, routed, kept, per_slot = self.route_by_owner(
-            token_index, expert_ids, weights, num_experts, capacity)
-        per_slot = per_slot.numpy()
+            token_index, expert_ids, weights, num_experts, capacity, x.shape[0])
         seen: list[paddle.Tensor] = []
-        dist.all_gather(seen, paddle.to_tensor(per_slot), group=self.group)
-        if any((t.numpy() != per_slot).any() for t in seen):
+        dist.all_gather(seen, per_slot, group=self.group)
+        seen = host_reads.read(paddle.stack(seen), "expert_rows")
+        per_slot = seen[self.rank]
+        if (seen != per_slot).any():
             raise RuntimeError("tensor-parallel ranks routed their (identical) tokens differently; their inputs "
                                "or router weights have diverged")
         per_rank = per_slot.reshape(self.size, self.local)
@@ -118,7 +122,8 @@ class TensorParallelExpertDispatcher(_ByOwner):
         mine = rows[start: start + int(per_rank[self.rank].sum())]
         # Only this rank's experts use these rows: their input gradient is summed over the ranks.
         inputs = paddle.gather(CopyToGroup.apply(x, self.group), mine)
-        state = TensorParallelExpertState(rows, row_weights, routed, kept, per_rank.sum(axis=1).tolist())
+        state = TensorParallelExpertState(rows, row_weights, routed, kept, expert_ids.shape[1],
+                                          per_rank.sum(axis=1).tolist())
         return inputs, per_rank[self.rank].tolist(), state
 
     def rows_back(self, expert_rows, state: TensorParallelExpertState):

@@ -25,7 +25,7 @@ from ..model.blocks import (
     tied_head,
 )
 from ..model.decoder import DecoderLayer
-from ..model.ernie_vl import BlockQueries, token_losses
+from ..model.ernie_vl import BlockQueries, step_sums, token_losses
 from ..nn.init import init_weights
 from ..nn.preference import LOGPS, PreferenceLoss
 from ..timing import part
@@ -49,8 +49,12 @@ class PipelineLoss(nn.Layer):
         self.reset()
 
     def reset(self) -> None:
-        self.lm_sum, self.router_sum, self.evaluated, self.references = 0.0, 0.0, [], []
-        self.pair_totals = None
+        self.sums = None  # the step's [loss, router losses, preference figures], on the device
+        self.evaluated, self.references = [], []
+
+    def _add(self, *sums) -> None:
+        summed = step_sums(*sums)
+        self.sums = summed if self.sums is None else self.sums + summed
 
     def forward(self, outputs, labels):
         final, router_loss = outputs  # the logits, or with chunks the final hidden states
@@ -63,8 +67,7 @@ class PipelineLoss(nn.Layer):
         else:
             logits = self.head(final) if self.chunk else final
             lm_sum = self.plan.cross_entropy_sum(logits, label_ids)
-        self.lm_sum += float(lm_sum)
-        self.router_sum += float(router_loss.sum())
+        self._add(lm_sum, router_loss)
         if evaluating:
             self.evaluated.append((self.plan.predict(logits), label_ids, labels[2].numpy(), float(lm_sum)))
         return lm_sum * scale.sum() + router_loss.sum()
@@ -79,10 +82,7 @@ class PipelineLoss(nn.Layer):
         if self.collect_reference:
             self.references.append(figures[:, LOGPS])
             return loss_sum
-        self.lm_sum += float(loss_sum)
-        self.router_sum += float(router_loss.sum())
-        summed = figures.sum(axis=0).numpy()
-        self.pair_totals = summed if self.pair_totals is None else self.pair_totals + summed
+        self._add(loss_sum, router_loss, figures.detach().sum(axis=0))
         return loss_sum * scale.sum() + router_loss.sum()
 
 
@@ -165,12 +165,16 @@ def _order(block) -> tuple:
     return _POSITION[type(block)], getattr(block, "layer_idx", 0)
 
 
-def stage_inputs(micro_batches, scored=None, scale: float = 1.0) -> list:
+def stage_inputs(micro_batches, scored=None, scale: float | paddle.Tensor = 1.0) -> list:
     """``[inputs, labels]`` for fleet's schedule: every field a list with one tensor per micro-batch.
     ``scored``: each evaluation batch's caption categories, kept with its predictions by the loss. Pair batches
     add their sides and reference log-probabilities (zeros before the reference pass has filled them)."""
     inputs = tuple(list(field) for field in zip(*(block_inputs(b) for b in micro_batches)))
-    labels = ([b.labels for b in micro_batches], [paddle.full([1], scale, dtype="float32") for _ in micro_batches])
+    if isinstance(scale, paddle.Tensor):
+        scale = scale.astype("float32").reshape([1])
+    else:
+        scale = paddle.full([1], scale, dtype="float32")
+    labels = ([b.labels for b in micro_batches], [scale] * len(micro_batches))
     if micro_batches[0].pair_sides is not None:
         references = [b.reference_logps if b.reference_logps is not None
                       else paddle.zeros([b.labels.shape[0], 2], dtype="float32") for b in micro_batches]

@@ -7,7 +7,8 @@ can be taken again). Then recompute at the next granularity (none -> moe -> core
 then halve the micro-batch while doubling gradient accumulation (the global batch and, with token-count
 normalisation, the loss stay the same; not under pipeline parallelism, whose schedule fixes its
 micro-batches). A rung is taken
-when a step's allocator peak passes ``training.memory_guard_fraction`` of the device on any rank, or when a
+when the allocator peak of a logging window's steps passes ``training.memory_guard_fraction`` of the device on
+any rank (checked at the window's last step, so that other steps need not wait for the ranks), or when a
 step fails with an out-of-memory error: the step then runs again on the next rung (its gradients are
 dropped first; no optimizer step has happened).
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import paddle
 
+from .. import host_reads
 from ..model.recompute import GRANULARITIES, apply_recompute
 
 LADDER = (None, "moe", "core_attn", "full_attn", "full")
@@ -50,13 +52,15 @@ class MemoryGuard:
         return self.limit > 0
 
     def over_limit(self, step_peak: float) -> bool:
-        """Whether any rank's peak of the step passed the limit (a collective: every rank calls it)."""
+        """Whether any rank's peak (of the steps since the last check) passed the limit (a collective: every rank
+        calls it, at the end of each logging window)."""
         if not self.enabled:
             return False
+        if self.env.world_size == 1:
+            return step_peak > self.limit
         peak = paddle.to_tensor([float(step_peak)], dtype="float64")
-        if self.env.world_size > 1:
-            paddle.distributed.all_reduce(peak, op=paddle.distributed.ReduceOp.MAX)
-        return float(peak) > self.limit
+        paddle.distributed.all_reduce(peak, op=paddle.distributed.ReduceOp.MAX)
+        return float(host_reads.read(peak, "memory_guard")[0]) > self.limit
 
     def step_down(self, state, reason: str) -> Rung | None:
         """Take the next rung, changing the training ``state`` (and the model's capacity or recompute); None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import paddle
+from paddle import _C_ops
 
 from ..checkpoint.checkpoint import adam_parts
 from ..finetune import learning_rate_ratios
@@ -137,14 +138,15 @@ def split_experts(model) -> dict[str, list]:
 
 @paddle.no_grad()
 def clip_grad_norm(groups: dict[str, list], max_norm: float, reduce: dict | None = None,
-                   reduce_split=None, reduce_stages=None, uncounted: list = ()) -> dict[str, float]:
-    """Scale all gradients so their global L2 norm is at most ``max_norm`` (0 = no clipping).
+                   reduce_split=None, reduce_stages=None, uncounted: list = ()) -> dict[str, paddle.Tensor]:
+    """Scale all gradients so their global L2 norm is at most ``max_norm`` (0 = no clipping), on the device.
 
     Each parameter counts once: ``reduce[group]`` sums a group's squared norm over the ranks that hold
     different parts of it (the expert group for expert weights), ``reduce_split`` sums the squares of
     tensor-parallel slices (a record with a ``split``) over the tensor-parallel ranks,
     ``reduce_stages`` over the pipeline stages. ``uncounted`` parameters (a second stage's copy of a tied
-    weight) are scaled but not counted. Returns ``grad_norm`` (before clipping) and ``grad_norm_<group>``.
+    weight) are scaled but not counted. Returns ``grad_norm`` (before clipping) and ``grad_norm_<group>``, as
+    device tensors: nothing here waits for the device.
     """
     skip = {id(p) for p in uncounted}
     squares = {}
@@ -163,13 +165,20 @@ def clip_grad_norm(groups: dict[str, list], max_norm: float, reduce: dict | None
     norm = paddle.sqrt(paddle.add_n(list(squares.values())))
     if max_norm > 0:
         scale = paddle.clip(max_norm / (norm + 1e-6), max=1.0)
-        for params in list(groups.values()):
+        scales = {}  # one cast per gradient dtype
+        for params in groups.values():
             for p in params:
                 if p.grad is not None:
-                    p.grad.multiply_(scale.astype(p.grad.dtype))
-    return {"grad_norm": float(norm), **{f"grad_norm_{g}": float(paddle.sqrt(s)) for g, s in squares.items()}}
+                    if p.grad.dtype not in scales:
+                        scales[p.grad.dtype] = scale.astype(p.grad.dtype)
+                    p.grad.multiply_(scales[p.grad.dtype])
+    return {"grad_norm": norm, **{f"grad_norm_{g}": paddle.sqrt(s) for g, s in squares.items()}}
 
 
 def _square_sum(params: list) -> paddle.Tensor:
+    """The sum of the squares of the parameters' gradients, in float32: one kernel per gradient."""
     grads = [p.grad for p in params if p.grad is not None]
-    return paddle.add_n([(g.astype("float32") ** 2).sum() for g in grads]) if grads else paddle.zeros([])
+    if not grads:
+        return paddle.zeros([])
+    squares = [_C_ops.squared_l2_norm(g if g.dtype == paddle.float32 else g.astype("float32")) for g in grads]
+    return paddle.add_n(squares).reshape([])

@@ -17,7 +17,7 @@ from paddle.distributed import fleet
 
 from ..batch import IGNORE_INDEX
 from ..data import collate
-from ..model.ernie_vl import ErnieMoEForConditionalGeneration
+from ..model.ernie_vl import ErnieMoEForConditionalGeneration, step_sums
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import describe
 from ..nn.preference import FIGURES, LOGPS, PreferenceLoss, preference_metrics
@@ -64,26 +64,24 @@ class PlainRunner:
         self.model, self.env, self.precision, self.grad_sync = model, env, precision, grad_sync
         self.reference = reference
 
-    def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float, np.ndarray | None]:
-        """Accumulate gradients of ``loss_sum x data ranks / denominator + router loss / micro-batches``;
-        returns this rank's sums of the loss and of the router losses over its micro-batches, and of the
-        preference figures (``nn.preference.FIGURES``) of pair batches."""
+    def forward_backward(self, micro_batches, scale) -> paddle.Tensor:
+        """Accumulate gradients of ``loss_sum x scale + router loss / micro-batches`` (``scale``: the data ranks
+        over the loss's denominator, a number or a device tensor); returns this rank's sums over its
+        micro-batches, on the device: ``[loss, router losses, preference figures of pair batches
+        (nn.preference.FIGURES)]``."""
         self.reference_pass(micro_batches)  # a preference run's reference, before the policy's pass
-        lm_sum, router_sum, pairs = 0.0, 0.0, None
+        sums = []
         for i, batch in enumerate(micro_batches):
             with part("forward"), self.precision.autocast():
                 out = self.model(batch)
-            # Shared gradients are averaged over the data ranks, hence their number as a factor.
-            loss = out.loss_sum * (self.env.data_world / denominator) + out.router_loss / len(micro_batches)
+            loss = out.loss_sum * scale + out.router_loss / len(micro_batches)
             if i == len(micro_batches) - 1:  # the backward that ends the step syncs as it goes
                 self.grad_sync.expect_backward([loss])
             with part("backward"):  # with parallel.overlap_grad_sync, most of the gradient all-reduce too
                 self.precision.scale(loss).backward()
-            lm_sum += float(out.loss_sum)
-            router_sum += float(out.router_loss)
-            if out.pair_figures is not None:
-                pairs = _summed(pairs, out.pair_figures)
-        return lm_sum, router_sum, pairs
+            figures = [] if out.pair_figures is None else [out.pair_figures.detach().sum(axis=0)]
+            sums.append(step_sums(out.loss_sum, out.router_loss, *figures))
+        return paddle.add_n(sums) if len(sums) > 1 else sums[0]
 
     def reference_pass(self, micro_batches) -> None:
         """The reference log-probabilities of each pair batch's answers, into the batches (a preference run whose
@@ -166,33 +164,33 @@ class PipelineRunner(PlainRunner):
         self.model, self.env, self.precision, self.grad_sync = model, env, precision, grad_sync
         self.reference = reference
         self.fleet_model = fleet.distributed_model(model)
+        # After each schedule fleet broadcasts the last stage's loss, which the other stages read back to learn
+        # its dtype; the runner sums the loss itself (the loss's sums, over the stages), so that is skipped.
+        self.fleet_model._broadcast_final_loss = lambda *args, **kwargs: None
         if timed:
             time_schedule_parts(self.fleet_model)
 
-    def forward_backward(self, micro_batches, denominator: float) -> tuple[float, float, np.ndarray | None]:
+    def forward_backward(self, micro_batches, scale) -> paddle.Tensor:
         """What fleet's ``train_batch`` runs before its optimizer step; the sums come from the last stage."""
         self.reference_pass(micro_batches)  # a preference run's reference, before the policy's pass
         loss = self.model.loss
         loss.reset()
         # fleet divides each micro-batch's loss by their number: the scale undoes it
-        scale = self.env.data_world / denominator * len(micro_batches)
+        scale = scale * len(micro_batches)
         if self.env.virtual_stages > 1:
             self.fleet_model.set_virtual_pipeline_rank(0)
         scaler = self.precision if self.precision.loss_scale != 1.0 else None  # fleet calls .scale()
         # forward, backward, send/receive and bubble time themselves (time_schedule_parts); the rest is the schedule's
         with part("pipeline_schedule"), self.precision.autocast():
             self.fleet_model.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), scaler)
-        totals = self.sum_over_stages(paddle.to_tensor([loss.lm_sum, loss.router_sum], dtype="float64"))
-        lm_sum, router_sum = totals.numpy().tolist()
-        return lm_sum, router_sum, self._pair_totals()
+        return self.sum_over_stages(self._last_stage_sums())
 
-    def _pair_totals(self) -> np.ndarray | None:
-        """The last stage's preference figures, summed over the pairs, on every stage."""
-        if self.model.preference is None:
-            return None
-        mine = self.model.loss.pair_totals
-        return self.sum_over_stages(paddle.to_tensor(np.zeros(len(FIGURES)) if mine is None else mine,
-                                                     dtype="float64")).numpy()
+    def _last_stage_sums(self) -> paddle.Tensor:
+        """The loss's sums (:meth:`PlainRunner.forward_backward`), zeros on the other stages."""
+        loss = self.model.loss
+        if loss.sums is not None:
+            return loss.sums
+        return paddle.zeros([2 + (len(FIGURES) if self.model.preference is not None else 0)], dtype="float64")
 
     @paddle.no_grad()
     def logps_pass(self, micro_batches) -> None:
@@ -265,7 +263,7 @@ class PipelineRunner(PlainRunner):
                 schedule.eval_batch(stage_inputs(micro_batches, scale=1.0), compute_loss=True)
         finally:
             schedule.train()
-        totals = self._pair_totals()
+        totals = self.sum_over_stages(self._last_stage_sums())[2:].numpy()
         loss.reset()
         return totals
 
@@ -296,12 +294,6 @@ def _filled(group: list, rows_per_batch: int) -> tuple[list, list]:
         batch = collate(rows)
         labels, category = batch.labels.numpy(), np.stack([r.scored for r in rows])
         labels[keep:], category[keep:] = IGNORE_INDEX, 0
-        micro.append(dataclasses.replace(batch, labels=paddle.to_tensor(labels)))
+        micro.append(dataclasses.replace(batch, labels=paddle.to_tensor(labels), counts=None))  # counted anew
         scored.append(paddle.to_tensor(category))
     return micro, scored
-
-
-def _summed(total: np.ndarray | None, figures: paddle.Tensor) -> np.ndarray:
-    """``total`` plus the figures' sums over their rows."""
-    summed = figures.sum(axis=0).numpy().astype(np.float64)
-    return summed if total is None else total + summed

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+import paddle
+
 
 @dataclass
 class TrainingState:
@@ -27,26 +30,53 @@ class TrainingState:
 
 @dataclass
 class StepResult:
-    """One optimizer step: sums over every rank, and what the step did."""
+    """One optimizer step: sums over every rank, and what the step did. The figures marked *device* stay on the
+    device as the step leaves them; :meth:`read` (for a window of steps: :func:`read_results`) makes them host
+    numbers."""
 
-    lm_loss_sum: float  # cross-entropy summed over the step's label tokens
-    label_tokens: float
-    router_loss: float  # weighted router losses, mean over micro-batches and data ranks
-    tokens: float  # text and image tokens read
+    lm_loss_sum: float | paddle.Tensor  # *device* cross-entropy summed over the step's label tokens
+    label_tokens: float | paddle.Tensor  # *device*
+    router_loss: float | paddle.Tensor  # *device* weighted router losses, mean over micro-batches and data ranks
+    tokens: float | paddle.Tensor  # *device* text and image tokens read
     rows: int = 0
     lr: float = 0.0
-    # gradient norms before clipping; None when the step was skipped for non-finite gradients
+    # gradient norms before clipping (the global one read by the step's finite check, the others *device*); None
+    # when the step was skipped for non-finite gradients
     grad_norm: float | None = None
-    grad_norm_expert: float | None = None
-    grad_norm_non_expert: float | None = None
+    grad_norm_expert: float | paddle.Tensor | None = None
+    grad_norm_non_expert: float | paddle.Tensor | None = None
     loss_scale: float = 1.0
     flops: float = 0.0
     time: float = 0.0  # seconds, from reading the data to the cleared gradients
     data_wait: float = 0.0  # seconds of it spent waiting for the step's rows
     times: dict[str, float] = field(default_factory=dict)  # seconds of each timed part (``ernie_moe.timing``)
     memory_guard_rungs: int = 0  # rungs the memory guard took in this step
-    pair_totals: list[float] | None = None  # a preference step's nn.preference.FIGURES, summed over its pairs
+    # *device* a preference step's nn.preference.FIGURES, summed over its pairs
+    pair_totals: list[float] | paddle.Tensor | None = None
 
     @property
     def skipped(self) -> bool:
         return self.grad_norm is None
+
+    def read(self) -> StepResult:
+        """This step's device figures as host numbers (one read); returns the result itself."""
+        return read_results([self])[0]
+
+
+def read_results(results: list[StepResult]) -> list[StepResult]:
+    """Every device figure of the results as host numbers, read back in one copy (once per logging window)."""
+    pending = [(result, name, getattr(result, name)) for result in results for name in _DEVICE_FIGURES
+               if isinstance(getattr(result, name), paddle.Tensor)]
+    if not pending:
+        return results
+    values = paddle.concat([value.reshape([-1]).astype("float64") for _, _, value in pending]).numpy()
+    at = 0
+    for result, name, value in pending:
+        size = int(np.prod(value.shape))
+        setattr(result, name, values[at: at + size].tolist() if name == "pair_totals" else float(values[at]))
+        at += size
+    return results
+
+
+_DEVICE_FIGURES = ("lm_loss_sum", "label_tokens", "router_loss", "tokens", "grad_norm_expert", "grad_norm_non_expert",
+                   "pair_totals")

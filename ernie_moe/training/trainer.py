@@ -10,11 +10,11 @@ from collections import Counter
 from pathlib import Path
 
 import paddle
+import paddle.distributed as dist
 import yaml
 from tqdm import tqdm
 
-from .. import faults, json_files
-from ..batch import IGNORE_INDEX
+from .. import faults, host_reads, json_files
 from ..checkpoint import (
     CheckpointError,
     Run,
@@ -35,9 +35,9 @@ from ..data.loader import sample_encoder, training_encoder
 from ..data.report import data_report, describe
 from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
+from ..host_reads import HostReadCounter
 from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
-from ..nn.preference import pairs_in
 from ..parallel import init_distributed
 from ..timing import part
 from .assembly import assemble
@@ -48,7 +48,7 @@ from .optimizer import clip_grad_norm, optimizer_state_bytes
 from .precision import NonFiniteGradients
 from .preference import PrecomputedReference
 from .replica_check import ReplicaCheck, ReplicasDiffer
-from .state import StepResult, TrainingState
+from .state import StepResult, TrainingState, read_results
 from .stop import StopRequested, StopWatch
 
 # A run that skipped more than this share of its steps for non-finite gradients ends as a failure.
@@ -73,6 +73,7 @@ class Trainer:
         self.optimizer, self.scheduler, self.param_groups = parts.optimizer, parts.scheduler, parts.param_groups
         self.step_times, self.ema = parts.step_times, parts.ema
         self.replicas = ReplicaCheck(t, self.env, self.model)
+        self.window_peak = 0  # the largest step memory peak of this logging window, for the memory guard
         if self.env.is_main:
             print(self.fine_tuning.describe(), flush=True)
         self._notes()
@@ -115,12 +116,16 @@ class Trainer:
                    disable=not (self.env.is_main and self.cfg.logging.progress_bar))
         window, last_eval, started, first = [], {}, time.time(), self.step + 1
         skipped_before = self.precision.skipped
+        reads = HostReadCounter() if self.cfg.logging.count_host_reads else None
         with StopWatch(self.env, t.save_on_signal) as stop:
             for self.step in range(first, t.max_steps + 1):
-                window.append(self._guarded_step())
+                # the run's first step is not counted: its one-time reads set things up (fleet's pipeline learns its
+                # tensors' shapes, a fused kernel is checked at its first call)
+                with reads.counting() if reads and self.step > first else contextlib.nullcontext():
+                    window.append(self._guarded_step())
                 bar.update(1)
                 if self.step % log_every == 0 or self.step == t.max_steps:
-                    metrics = self.monitor.end_window(self.step, window, self.data_stats)
+                    metrics = self.monitor.end_window(self.step, read_results(window), self.data_stats)
                     bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
                     for line in self.monitor.warnings if self.env.is_main else []:
                         bar.write(f"WARNING {line}")
@@ -150,7 +155,8 @@ class Trainer:
                    "train_time_s": time.time() - started, **last_eval, **self.best.summary(),
                    **({"stopped_early": f"no improvement of {t.save_best_metric} in {self.best.since} evaluations "
                                         f"(training.early_stopping_patience)"} if stopped_early else {}),
-                   **{f"data/{k}": v for k, v in sorted(self.data_stats.items())}}
+                   **{f"data/{k}": v for k, v in sorted(self.data_stats.items())},
+                   **({"host_reads": self._host_reads(reads, ran - 1)} if reads else {})}
         if skipped > ran * MAX_SKIPPED_FRACTION:
             self._write_summary({**summary, "status": "failed"})
             self.monitor.close()
@@ -160,6 +166,15 @@ class Trainer:
                 "learning rate) and the data.")
         self._finish(summary)
         return summary
+
+    def _host_reads(self, reads: HostReadCounter, steps: int) -> dict:
+        """Each rank's device-to-host reads in the run's training steps after its first
+        (``logging.count_host_reads``)."""
+        per_rank = [reads.total()]
+        if self.env.world_size > 1:
+            per_rank = []
+            dist.all_gather_object(per_rank, reads.total())
+        return {"steps": steps, "per_rank": per_rank}
 
     def _stop(self, reason: str, bar) -> None:
         """Stop after this step on request: a checkpoint of it (unless the step just saved one), the summary, then
@@ -211,8 +226,14 @@ class Trainer:
         with self.step_times.recording():
             return self._train_step(micro_batches)
 
+    def _ends_window(self) -> bool:
+        """Whether this step ends a logging window: the step whose figures the host may wait for."""
+        return self.step % self.cfg.logging.logging_steps == 0 or self.step == self.cfg.training.max_steps
+
     def _train_step(self, micro_batches) -> StepResult:
         started = time.perf_counter()
+        ends_window = self._ends_window()
+        self.step_times.sample(ends_window)
         self.step_times.pop()
         released = self.guard.release(self.state)
         if released:
@@ -238,10 +259,13 @@ class Trainer:
                 self.optimizer.clear_grad()
                 if rung.halved and rows is not None:
                     rows = [half for r in rows for half in (r[: len(r) // 2], r[len(r) // 2:])]
-        if self.guard.over_limit(self.monitor.after_step()):
-            limit = self.cfg.training.memory_guard_fraction
-            rung = self.guard.step_down(self.state, f"step {self.step} passed {limit:.0%} of the device's memory")
-            changes += [rung] if rung is not None else []
+        self.window_peak = max(self.window_peak, self.monitor.after_step())
+        if ends_window:  # the ranks' peaks compared once a window
+            if self.guard.over_limit(self.window_peak):
+                limit = self.cfg.training.memory_guard_fraction
+                rung = self.guard.step_down(self.state, f"step {self.step} passed {limit:.0%} of the device's memory")
+                changes += [rung] if rung is not None else []
+            self.window_peak = 0
         for rung in changes:
             self._announce(rung.message)
         result.memory_guard_rungs = len(changes)
@@ -295,8 +319,9 @@ class Trainer:
             reduce_split=lambda x: env.all_reduce_sum(x, env.tp_group),
             reduce_stages=self.runner.sum_over_stages, uncounted=self.runner.copies_of_other_stages())
         result.lr = self.optimizer.get_lr()
-        if self.precision.step_is_finite(norms["grad_norm"], self.step):
-            result.grad_norm, result.grad_norm_expert = norms["grad_norm"], norms["grad_norm_expert"]
+        grad_norm = float(host_reads.read(norms["grad_norm"], "finite_check"))  # the step's one read
+        if self.precision.step_is_finite(grad_norm, self.step):
+            result.grad_norm, result.grad_norm_expert = grad_norm, norms["grad_norm_expert"]
             result.grad_norm_non_expert = norms["grad_norm_non_expert"]
             self.optimizer.step()
             self.scheduler.step()
@@ -307,21 +332,21 @@ class Trainer:
         self.optimizer.clear_grad()
 
     def forward_backward(self, micro_batches) -> StepResult:
-        """Accumulate the step's gradients; returns the step's loss sums and token counts over all ranks."""
+        """Accumulate the step's gradients; returns the step's loss sums and token counts over all ranks, on the
+        device (read once per logging window)."""
         env = self.env
-        counts = paddle.to_tensor([[float(_loss_units(b)), float((b.token_type_ids >= 0).sum())]
-                                   for b in micro_batches], dtype="float64").sum(axis=0)
+        counts = [b.host_counts() for b in micro_batches]  # from the host: nothing to wait for
+        local = paddle.to_tensor([sum(c.loss_units for c in counts), sum(c.tokens for c in counts)], dtype="float64")
         with part("step_reduce"):
-            label_tokens, tokens = env.all_reduce_sum(counts, env.data_group).numpy().tolist()
-        # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks.
-        denominator = self._loss_denominator(label_tokens)
-        lm_sum, router_sum, pairs = self.runner.forward_backward(micro_batches, denominator)
-        totals = paddle.to_tensor([lm_sum, router_sum / len(micro_batches), *([] if pairs is None else pairs)],
-                                  dtype="float64")
+            label_tokens, tokens = env.all_reduce_sum(local, env.data_group).unbind()
+        # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks;
+        # shared gradients are averaged over the data ranks, hence their number as a factor.
+        sums = self.runner.forward_backward(micro_batches, env.data_world / self._loss_denominator(label_tokens))
         with part("step_reduce"):
-            lm_sum, router_mean, *pairs = env.all_reduce_sum(totals, env.data_group).numpy().tolist()
-        return StepResult(lm_loss_sum=lm_sum, label_tokens=label_tokens, router_loss=router_mean / env.data_world,
-                          tokens=tokens, pair_totals=pairs or None)
+            sums = env.all_reduce_sum(sums, env.data_group)
+        return StepResult(lm_loss_sum=sums[0], label_tokens=label_tokens,
+                          router_loss=sums[1] / (len(micro_batches) * env.data_world), tokens=tokens,
+                          pair_totals=sums[2:] if sums.shape[0] > 2 else None)
 
     def evaluate(self) -> dict:
         """The held-out figures (``eval_*``), and the EMA's beside them (``ema_eval_*``) once it has started."""
@@ -412,12 +437,12 @@ class Trainer:
             say(f"nothing to train: the checkpoint is at step {step} and training.max_steps is {t.max_steps}; "
                 "raise training.max_steps to train further", flush=True)
 
-    def _loss_denominator(self, label_tokens: float) -> float:
+    def _loss_denominator(self, label_tokens: paddle.Tensor) -> float | paddle.Tensor:
         t = self.cfg.training
         if t.token_balance_loss:
             per_micro = t.token_balance_seqlen or self.cfg.data.max_seq_len * self.state.micro_batch_size
             return float(per_micro * self.state.accumulation_steps * self.env.data_world)
-        return max(label_tokens, 1.0)
+        return paddle.clip(label_tokens, min=1.0).astype("float32")
 
     def _update_router_bias(self) -> None:
         for moe in self.model.moe_layers():
@@ -487,13 +512,6 @@ class Trainer:
     def _write_summary(self, summary: dict) -> None:
         if self.env.is_main:
             (Path(self.cfg.training.output_dir) / "summary.json").write_text(json_files.dumps(summary, indent=2))
-
-
-def _loss_units(batch) -> int:
-    """What the loss is a mean over: label tokens, or the pairs of a preference batch."""
-    if batch.pair_sides is not None:
-        return pairs_in(batch.labels, batch.pair_sides)
-    return int((batch.labels != IGNORE_INDEX).sum())
 
 
 def device_bytes(training_cfg) -> float:
