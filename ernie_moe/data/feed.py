@@ -11,11 +11,17 @@ A sample whose encoding now differs from its index entry (a file changed, an ima
 changes only the row it is in, on the rank that reads it: a sample that cannot be read is left out (counted under
 its reason), and samples that no longer fit are left out from the end of the row (``length_mismatch``). Both are
 counted by the rank that meets them. Preference pairs, a row each, are read by every rank from the row stream.
+
+The rows of the step after the one handed out are read in a background thread while the model trains on it (a
+step's reading, mostly in numpy and the image decoder, overlaps the model's kernels); the saved position stays
+that of the rows handed out.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from .length_index import length_index
 from .loader import RowStream, is_preference, rank_share, training_encoder
@@ -25,12 +31,23 @@ from .sample import DataError
 from .workers import SampleWorkers, encode_in_order
 
 
+@dataclass
+class _Ahead:
+    """The next step's rows, being read: the shape they were planned for, and the position before them."""
+
+    shape: tuple[int, int]
+    position: dict
+    rows_read: int
+    rows: Future  # (rows of each micro-batch, the reasons counted while reading them)
+
+
 class DataFeed:
     def __init__(self, dataset, tokenizer, cfg, env, stats: Counter):
         """``stats``: where skipped and fitted samples are counted (``data/...`` in the metrics)."""
         self.rank, self.world = env.data_rank, env.data_world
         self.rows_read = 0  # global rows handed out so far
         self.stats = stats
+        self.ahead: _Ahead | None = None  # the next step's rows, being read
         if is_preference(cfg):
             self.stream, self.plan = RowStream(dataset, tokenizer, cfg, stats, shuffle=True,
                                                workers=cfg.data.num_workers), None
@@ -42,48 +59,87 @@ class DataFeed:
         self.plan = PackingPlan(index, cfg.training.seed, cfg.data.max_seq_len, stats)
         self.max_seq_len = cfg.data.max_seq_len
         self.workers = SampleWorkers(dataset, self.encoder, cfg.data.num_workers) if cfg.data.num_workers else None
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
 
     def next_step(self, micro_batch_size: int, accumulation_steps: int) -> list[list[Row]]:
         """This rank's rows of each micro-batch of the next step (``micro_batch_size`` rows per rank)."""
-        global_rows = micro_batch_size * self.world
-        self.rows_read += global_rows * accumulation_steps
+        shape = (micro_batch_size, accumulation_steps)
         if self.plan is None:
+            global_rows = micro_batch_size * self.world
+            self.rows_read += global_rows * accumulation_steps
             return [rank_share([next(self.stream) for _ in range(global_rows)], self.rank, self.world)
                     for _ in range(accumulation_steps)]
+        if self.ahead is not None and self.ahead.shape != shape:  # the memory guard changed the micro-batch
+            self._drop_ahead()
+        if self.ahead is None:
+            self._read_ahead(shape)
+        rows, counted = self.ahead.rows.result()
+        self.ahead = None
+        self.stats.update(counted)
+        self._read_ahead(shape)
+        return rows
+
+    def _read_ahead(self, shape: tuple[int, int]) -> None:
+        """Plan the next step's rows and start reading them."""
+        micro_batch_size, accumulation_steps = shape
+        position, rows_read = self.plan.state_dict(), self.rows_read
+        global_rows = micro_batch_size * self.world
         planned = [rank_share([self.plan.next_row() for _ in range(global_rows)], self.rank, self.world)
                    for _ in range(accumulation_steps)]
+        self.rows_read += global_rows * accumulation_steps
+        self.ahead = _Ahead(shape, position, rows_read, self.reader.submit(self._read, planned))
+
+    def _drop_ahead(self) -> None:
+        """Forget the rows being read ahead: the position goes back to before them."""
+        ahead, self.ahead = self.ahead, None
+        ahead.rows.exception()  # wait: the reader must be idle before anything else reads
+        self.plan.load_state_dict(ahead.position)
+        self.rows_read = ahead.rows_read
+
+    def _read(self, planned: list) -> tuple[list[list[Row]], Counter]:
+        """The planned rows read and encoded (in the reader thread), and the reasons counted on the way."""
+        counted = Counter()
         wanted = [index for rows in planned for row in rows for index in row]
         read = encode_in_order(self.dataset, self.encoder, wanted, self.workers, Counter())
-        return [[self._row([next(read) for _ in row]) for row in rows] for rows in planned]
+        return [[self._row([next(read) for _ in row], counted) for row in rows] for rows in planned], counted
 
-    def _row(self, samples: list) -> Row:
+    def _row(self, samples: list, counted: Counter) -> Row:
         """A planned row from its samples as read now (index, encoded or None, reason)."""
         docs, used = [], 0
         for _, encoded, reason in samples:
             if reason is not None:
-                self.stats[reason] += 1
+                counted[reason] += 1
             elif used + len(encoded) > self.max_seq_len:
-                self.stats["length_mismatch"] += 1
+                counted["length_mismatch"] += 1
             else:
                 docs.append(encoded)
                 used += len(encoded)
         return make_row(docs, self.max_seq_len, self.pad_id)
 
     def state_dict(self) -> dict:
-        """The position, as JSON values, the same on every rank."""
-        source = self.stream if self.plan is None else self.plan
-        return {"rows_read": self.rows_read, **source.state_dict()}
+        """The position after the rows handed out, as JSON values, the same on every rank."""
+        if self.plan is None:
+            return {"rows_read": self.rows_read, **self.stream.state_dict()}
+        if self.ahead is not None:
+            return {"rows_read": self.ahead.rows_read, **self.ahead.position}
+        return {"rows_read": self.rows_read, **self.plan.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where ``state`` was saved (in this layout or another); DataError when it cannot be."""
         rows = state.get("rows_read") if isinstance(state, dict) else None
         if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
             raise DataError(f"the saved data position's 'rows_read' must be a whole number of 0 or more, not {rows!r}")
+        if self.ahead is not None:
+            self._drop_ahead()
         (self.stream if self.plan is None else self.plan).load_state_dict(state)
         self.rows_read = rows
 
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
-        elif self.workers is not None:
+            return
+        if self.ahead is not None:
+            self._drop_ahead()
+        self.reader.shutdown()
+        if self.workers is not None:
             self.workers.close()
