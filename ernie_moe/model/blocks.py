@@ -27,7 +27,7 @@ from .. import host_reads
 from ..batch import Batch
 from ..nn.flashmask import RowBounds
 from ..nn.init import mark_default_rules
-from ..nn.rope import rope_angles
+from ..nn.rope import Rotation, rope_angles
 from .decoder import DecoderLayer
 from .vision import Adapter, VisionTransformer, blank_merge_block
 
@@ -106,8 +106,8 @@ class AttentionInputs:
             self.last = (position_ids, key_ends, value)
         return value
 
-    def angles(self, position_ids: paddle.Tensor) -> paddle.Tensor:
-        return rope_angles(position_ids, self.head_dim, self.theta, self.t_slots)
+    def angles(self, position_ids: paddle.Tensor) -> Rotation:
+        return Rotation(rope_angles(position_ids, self.head_dim, self.theta, self.t_slots), interleaved=True)
 
 
 class FinalNorm(nn.Layer):

@@ -15,7 +15,7 @@ from paddle import nn
 from ..nn import kernels
 from ..nn.layers import RMSNorm
 from ..nn.recompute import Recomputable
-from ..nn.rope import vision_rope_angles
+from ..nn.rope import Rotation, vision_rope_angles
 from .attention import core_attention
 
 
@@ -157,7 +157,8 @@ class VisionTransformer(nn.Layer):
         positions, _ = patch_positions(grid_thw, self.cfg.spatial_merge_size)
         head_dim = self.cfg.embed_dim // self.cfg.num_heads
         # frames share 2D positions; the LM's 3D RoPE orders them in time
-        angles = vision_rope_angles(paddle.to_tensor(positions[:, 1:]), head_dim, self.cfg.rope_theta)
+        angles = Rotation(vision_rope_angles(paddle.to_tensor(positions[:, 1:]), head_dim, self.cfg.rope_theta),
+                          interleaved=False)
         sizes = same_size_groups(grid_thw)
         order = np.concatenate([index for index, _, _ in sizes])
         groups = ([(paddle.to_tensor(index), images, size) for index, images, size in sizes],
@@ -198,15 +199,17 @@ class Adapter(nn.Layer):
         return self.after_norm(self.mlp(x))
 
     def _merge_frames(self, x, grid_thw):
-        """Concatenate each group of ``temporal`` consecutive frames; a short last group repeats its frame."""
+        """Concatenate each group of ``temporal`` consecutive frames; a short last group repeats its frame. One
+        gather, its rows planned on the host from the grid."""
+        return paddle.gather(x, paddle.to_tensor(self._frame_rows(grid_thw))).reshape([-1, self.temporal * x.shape[-1]])
+
+    def _frame_rows(self, grid_thw) -> np.ndarray:
+        """The rows of ``x`` in merged order: for each image, group and position, its frames of the group."""
         pieces, start = [], 0
         for t, h, w in np.asarray(grid_thw, dtype=np.int64):
             per_frame = (h // self.merge) * (w // self.merge)
-            frames = x[start: start + t * per_frame].reshape([t, per_frame, -1])
+            groups = -(-t // self.temporal)
+            frame = np.minimum(np.arange(groups * self.temporal), t - 1).reshape(groups, 1, self.temporal)
+            pieces.append((start + frame * per_frame + np.arange(per_frame)[None, :, None]).reshape(-1))
             start += t * per_frame
-            missing = -t % self.temporal
-            if missing:
-                frames = paddle.concat([frames] + [frames[-1:]] * missing, axis=0)
-            grouped = frames.reshape([-1, self.temporal, per_frame, frames.shape[-1]]).transpose([0, 2, 1, 3])
-            pieces.append(grouped.reshape([-1, self.temporal * frames.shape[-1]]))
-        return paddle.concat(pieces, axis=0)
+        return np.concatenate(pieces) if pieces else np.zeros([0], np.int64)

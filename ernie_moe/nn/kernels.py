@@ -30,7 +30,7 @@ from paddle.incubate.nn.functional import fused_rotary_position_embedding, moe_c
 
 from .flashmask import RowBounds, block_attention
 from .recompute import replaying, saved_tensors_hooked
-from .rope import apply_rotary, apply_rotary_half
+from .rope import Rotation, rotate
 
 try:  # Paddle's grouped GEMM; a build without it runs the padded batched matmul (``moe.expert_matmul``)
     from paddle.incubate.nn.functional import batched_gemm
@@ -50,11 +50,17 @@ def swiglu(gate_up: paddle.Tensor) -> paddle.Tensor:
     return F.swiglu(gate_up)
 
 
+def as_float32(x: paddle.Tensor) -> paddle.Tensor:
+    """``x`` in float32: itself when it already is (no copy, no kernel)."""
+    return x if x.dtype == paddle.float32 else x.astype("float32")
+
+
 def plain_rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     """In float32 whatever the input dtype, cast back at the end."""
-    h = x.astype("float32")
-    h = h * paddle.rsqrt(h.pow(2).mean(axis=-1, keepdim=True) + eps)
-    return (h * weight.astype("float32")).astype(x.dtype)
+    h = as_float32(x)
+    h = h * paddle.rsqrt(paddle.square(h).mean(axis=-1, keepdim=True) + eps)
+    out = h * as_float32(weight)
+    return out if out.dtype == x.dtype else out.astype(x.dtype)
 
 
 def fused_rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
@@ -87,18 +93,21 @@ def fused_rotary(x: paddle.Tensor, angles: paddle.Tensor, halves: bool) -> paddl
     return out
 
 
-def rotary(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
+def rotary(x: paddle.Tensor, angles: paddle.Tensor | Rotation) -> paddle.Tensor:
     """The language model's rotation (``rope.apply_rotary``): ``x [batch, seq, heads, head_dim]``, ``angles
-    [batch, seq, head_dim / 2]``."""
-    return fused_or_plain("rotary", [x], lambda x: fused_rotary(x, angles, halves=False),
-                          lambda x: apply_rotary(x, angles))
+    [batch, seq, head_dim / 2]`` (or their :class:`~.rope.Rotation`, its tables made once for every layer)."""
+    rotation = angles if isinstance(angles, Rotation) else Rotation(angles, interleaved=True)
+    return fused_or_plain("rotary", [x], lambda x: fused_rotary(x, rotation.angles, halves=False),
+                          lambda x: rotate(x, rotation))
 
 
-def vision_rotary(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
+def vision_rotary(x: paddle.Tensor, angles: paddle.Tensor | Rotation) -> paddle.Tensor:
     """The ViT's rotation (``rope.apply_rotary_half``): ``x [patches, heads, head_dim]``, ``angles [patches,
-    head_dim / 2]``."""
-    return fused_or_plain("vision_rotary", [x], lambda x: fused_rotary(x.unsqueeze(0), angles, halves=True)[0],
-                          lambda x: apply_rotary_half(x, angles))
+    head_dim / 2]`` (or their :class:`~.rope.Rotation`)."""
+    rotation = angles if isinstance(angles, Rotation) else Rotation(angles, interleaved=False)
+    return fused_or_plain("vision_rotary", [x],
+                          lambda x: fused_rotary(x.unsqueeze(0), rotation.angles, halves=True)[0],
+                          lambda x: rotate(x, rotation))
 
 
 def ranks_within_groups(ids: paddle.Tensor, groups: int):

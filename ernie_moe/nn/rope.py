@@ -10,6 +10,7 @@ The ViT has a layout of its own (``vision_rope_angles``, ``apply_rotary_half``).
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 
 
@@ -30,14 +31,54 @@ def slot_axes(half: int, t_slots: int) -> list[int]:
     return [0 if i >= half - t_slots else 1 + (i % 2) for i in range(half)]
 
 
-def apply_rotary(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
-    """Rotate ``x [batch, seq, heads, head_dim]`` by ``angles [batch, seq, head_dim / 2]``."""
-    cos = paddle.cos(angles).unsqueeze(2)
-    sin = paddle.sin(angles).unsqueeze(2)
-    pairs = x.astype("float32").reshape(x.shape[:-1] + [x.shape[-1] // 2, 2])
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    out = paddle.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
-    return out.reshape(x.shape).astype(x.dtype)
+class Rotation:
+    """A batch's rotary angles ``[..., head_dim / 2]`` (their positions' axes before the last), with the cosine and
+    sine tables ``[..., 1, head_dim]`` the plain formula multiplies by, made once for every layer and projection
+    that rotates by them. ``interleaved``: dimension pairs are neighbours (the language model); otherwise
+    dimension ``i`` pairs with ``i + head_dim / 2`` (the ViT)."""
+
+    def __init__(self, angles: paddle.Tensor, interleaved: bool):
+        self.angles, self.interleaved = angles, interleaved
+        self._tables: dict[tuple, tuple[paddle.Tensor, paddle.Tensor]] = {}
+
+    def tables(self, shape: list[int]) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """The cosines and sines for an ``x`` of ``shape``, written out for each head: Paddle's CPU kernels
+        multiply by a table broadcast over the heads about 30 times slower than by one of ``x``'s own shape."""
+        key = tuple(shape)
+        if key not in self._tables:
+            per_dim = (paddle.repeat_interleave(self.angles, 2, axis=-1) if self.interleaved
+                       else paddle.concat([self.angles, self.angles], axis=-1)).unsqueeze(-2)
+            self._tables[key] = paddle.cos(per_dim).expand(shape), paddle.sin(per_dim).expand(shape)
+        return self._tables[key]
+
+
+def rotate(x: paddle.Tensor, rotation: Rotation) -> paddle.Tensor:
+    """``x cos + turn(x) sin`` in float32, where ``turn`` maps each pair ``(a, b)`` to ``(-b, a)``: a matmul by a
+    constant signed permutation, so the whole rotation is four kernels."""
+    h = x if x.dtype == paddle.float32 else x.astype("float32")
+    cos, sin = rotation.tables(x.shape)
+    out = h * cos + paddle.matmul(h, _quarter_turn(x.shape[-1], rotation.interleaved, x.place)) * sin
+    return out if out.dtype == x.dtype else out.astype(x.dtype)
+
+
+_TURNS: dict[tuple[int, bool, str], paddle.Tensor] = {}
+
+
+def _quarter_turn(dim: int, interleaved: bool, place) -> paddle.Tensor:
+    """``[dim, dim]``: ``x @ turn`` maps each pair ``(a, b)`` of ``x`` to ``(-b, a)`` (made once per device)."""
+    key = (dim, interleaved, str(place))
+    if key not in _TURNS:
+        turn = np.zeros([dim, dim], np.float32)
+        first = np.arange(0, dim, 2) if interleaved else np.arange(dim // 2)
+        second = first + 1 if interleaved else first + dim // 2
+        turn[second, first], turn[first, second] = -1.0, 1.0
+        _TURNS[key] = paddle.to_tensor(turn, place=place)
+    return _TURNS[key]
+
+
+def apply_rotary(x: paddle.Tensor, angles: paddle.Tensor | Rotation) -> paddle.Tensor:
+    """Rotate ``x [batch, seq, heads, head_dim]`` by ``angles [batch, seq, head_dim / 2]``, pairs interleaved."""
+    return rotate(x, angles if isinstance(angles, Rotation) else Rotation(angles, interleaved=True))
 
 
 def vision_rope_angles(rows_cols: paddle.Tensor, head_dim: int, theta: float) -> paddle.Tensor:
@@ -50,11 +91,7 @@ def vision_rope_angles(rows_cols: paddle.Tensor, head_dim: int, theta: float) ->
     return paddle.concat([pos[:, :1] * inv_freq, pos[:, 1:] * inv_freq], axis=-1)
 
 
-def apply_rotary_half(x: paddle.Tensor, angles: paddle.Tensor) -> paddle.Tensor:
+def apply_rotary_half(x: paddle.Tensor, angles: paddle.Tensor | Rotation) -> paddle.Tensor:
     """Rotate ``x [..., patches, heads, head_dim]`` by ``angles [patches, head_dim / 2]``, pairing dimension ``i``
     with ``i + head_dim / 2`` (the ViT's layout; the language model pairs neighbours)."""
-    cos = paddle.cos(angles).unsqueeze(-2)
-    sin = paddle.sin(angles).unsqueeze(-2)
-    first, second = paddle.chunk(x.astype("float32"), 2, axis=-1)
-    out = paddle.concat([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return out.astype(x.dtype)
+    return rotate(x, angles if isinstance(angles, Rotation) else Rotation(angles, interleaved=False))
