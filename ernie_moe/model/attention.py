@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
 from ..nn import kernels
-from ..nn.flashmask import RowBounds
+from ..nn.flashmask import RowBounds, dense_attention
 from ..nn.recompute import Recomputable
 
 
@@ -19,10 +18,10 @@ def core_attention(q, k, v, bounds: RowBounds | None) -> paddle.Tensor:
     ``RowBounds(key_ends)``: token i sees token j when ``j <= i < key_ends[j]``, so a packed document's keys end
     where it ends, and a preference pair's chosen answer ends where its rejected answer begins). Paddle's
     FlashMask kernel on GPUs, the exact block-by-block path elsewhere: memory linear in the sequence either way.
-    None (the ViT's attention within one image): every key, through Paddle's ``scaled_dot_product_attention``.
+    None (the ViT's attention within one image): every key (``nn.flashmask.dense_attention``).
     """
     if bounds is None:
-        return F.scaled_dot_product_attention(q, k, v)
+        return dense_attention(q, k, v)
     return kernels.flashmask_attention(q, k, v, bounds)
 
 

@@ -24,7 +24,7 @@ def load_balance_loss(probs: paddle.Tensor, topk_idx: paddle.Tensor, reduce=None
 
 def z_loss(logits: paddle.Tensor, reduce=None) -> paddle.Tensor:
     """``mean(logsumexp(logits)^2)``: keeps router logits small. ``reduce``: as in :func:`load_balance_loss`."""
-    square_sum = paddle.logsumexp(logits, axis=-1).pow(2).sum().reshape([1])
+    square_sum = paddle.square(paddle.logsumexp(logits, axis=-1)).sum().reshape([1])
     tokens = paddle.full([1], float(logits.shape[0]), dtype="float32")
     if reduce is not None:
         square_sum, tokens = reduce(square_sum), reduce(tokens)
@@ -36,4 +36,4 @@ def orthogonal_loss(weight: paddle.Tensor) -> paddle.Tensor:
     w = F.normalize(weight.astype("float32").T, axis=1)
     gram = paddle.matmul(w, w, transpose_y=True)
     eye = paddle.eye(gram.shape[0], dtype="float32")
-    return (gram - eye).pow(2).sum() / gram.numel().astype("float32")
+    return paddle.square(gram - eye).sum() / float(gram.shape[0] * gram.shape[1])

@@ -14,7 +14,7 @@ against.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import paddle
 import paddle.nn.functional as F
@@ -37,6 +37,8 @@ class RowBounds:
     ends: paddle.Tensor
     starts: paddle.Tensor | None = None
     first_row: int = 0
+    # the additive masks made of these bounds, by query count: every layer of a micro-batch shares them
+    _biases: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def causal(self) -> bool:
@@ -58,20 +60,50 @@ class RowBounds:
         rows = paddle.arange(self.first_row, self.first_row + queries, dtype="int64")
         return self.allowed(rows, self.ends.shape[1])
 
+    def dense_bias(self, queries: int, heads: int) -> paddle.Tensor:
+        """:meth:`dense` as a float32 score bias ``[batch, heads, queries, keys]`` (0 seen, -inf hidden), made once
+        for all the layers. Written out for every head: Paddle's CPU kernels add a bias broadcast over the heads
+        about 40 times slower than one of the scores' own shape."""
+        if (queries, heads) not in self._biases:
+            bias = paddle.where(self.dense(queries), paddle.zeros([], "float32"), paddle.full([], -math.inf, "float32"))
+            self._biases[queries, heads] = bias.expand([bias.shape[0], heads, *bias.shape[2:]])
+        return self._biases[queries, heads]
+
 
 def block_attention(q, k, v, bounds: RowBounds, block_rows: int = BLOCK_ROWS) -> paddle.Tensor:
     """softmax(q k^T / sqrt(d)) v over ``[batch, seq, heads, dim]`` under ``bounds``; key/value heads serve their
     groups of query heads (grouped-query attention). Over several blocks, scores and probabilities in float32.
 
-    Queries that fit one block take Paddle's ``scaled_dot_product_attention`` under the dense mask instead: the
-    same memory (one block's scores), without the Python loop (measured in ``benchmarks/bench_train.py``)."""
+    Queries that fit one block take :func:`dense_attention` under the dense mask instead: the same memory (one
+    block's scores), without the Python loop (measured in ``benchmarks/bench_train.py``)."""
     if q.shape[1] <= block_rows:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bounds.dense(q.shape[1]))
+        return dense_attention(q, k, v, bounds.dense_bias(q.shape[1], q.shape[2]))
     group = q.shape[2] // k.shape[2]
     k, v = (paddle.repeat_interleave(t, group, axis=2) if group > 1 else t for t in (k, v))
     q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))
     extra = [] if bounds.causal else [bounds.starts]
     out = _BlockAttention.apply(q, k, v, bounds.ends, *extra, first_row=bounds.first_row, block_rows=block_rows)
+    return out.transpose([0, 2, 1, 3])
+
+
+def dense_attention(q, k, v, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v over ``[batch, seq, heads, dim]``, every score at once; ``bias``: ``[batch,
+    heads, queries, keys]`` added to the scores, or None. Key/value heads serve their groups of query heads without
+    copies: a group's queries stand one after another as the rows of one matmul."""
+    batch, queries, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    q = (q * (dim ** -0.5)).transpose([0, 2, 1, 3])
+    k, v = k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])
+    if group > 1:
+        q = q.reshape([batch, kv_heads, group * queries, dim])
+    scores = paddle.matmul(q, k, transpose_y=True)
+    if bias is not None:
+        bias = bias if bias.dtype == scores.dtype else bias.astype(scores.dtype)
+        scores = scores + (bias.reshape(scores.shape) if group > 1 else bias)
+    out = paddle.matmul(F.softmax(scores, axis=-1), v)
+    if group > 1:
+        out = out.reshape([batch, heads, queries, dim])
     return out.transpose([0, 2, 1, 3])
 
 
