@@ -7,7 +7,7 @@ from conftest import ROOT
 
 from ernie_moe.config import load_config
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
-from ernie_moe.training.optimizer import build_optimizer, clip_grad_norm
+from ernie_moe.training.optimizer import build_optimizer, clip_gradients, gradient_norms
 from ernie_moe.training.schedule import WarmupDecay, lr_at
 
 
@@ -53,18 +53,21 @@ def test_parameter_groups():
     assert params["model.layers.1.mlp.experts.0.down_proj.weight"].optimize_attr["learning_rate"] == 1.0
 
 
-def test_clip_grad_norm_matches_numpy():
+def test_gradient_norms_and_clipping_match_numpy():
     a = paddle.create_parameter([3, 4], "float32")
     b = paddle.create_parameter([5], "float32")
     ga, gb = np.random.default_rng(0).standard_normal((3, 4)), np.random.default_rng(1).standard_normal(5)
     loss = paddle.sum(a * paddle.to_tensor(ga, dtype="float32")) + paddle.sum(b * paddle.to_tensor(gb, dtype="float32"))
     loss.backward()
-    norms = {name: float(norm) for name, norm in clip_grad_norm({"expert": [a], "non_expert": [b]},
-                                                                max_norm=1.0).items()}
+    groups = {"expert": [a], "non_expert": [b]}
+    norms = {name: float(norm) for name, norm in gradient_norms(groups).items()}
     expected = math.sqrt((ga ** 2).sum() + (gb ** 2).sum())
     assert norms["grad_norm"] == pytest.approx(expected, rel=1e-5)
     assert norms["grad_norm_expert"] == pytest.approx(math.sqrt((ga ** 2).sum()), rel=1e-5)
     assert norms["grad_norm_non_expert"] == pytest.approx(math.sqrt((gb ** 2).sum()), rel=1e-5)
+    clip_gradients(groups, max_norm=2 * expected, grad_norm=expected)  # within the limit: left as they are
+    np.testing.assert_array_equal(a.grad.numpy(), ga.astype("float32"))
+    clip_gradients(groups, max_norm=1.0, grad_norm=norms["grad_norm"])
     clipped = math.sqrt(float((a.grad ** 2).sum()) + float((b.grad ** 2).sum()))
     assert clipped == pytest.approx(1.0, rel=1e-4)
 

@@ -12,7 +12,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ..nn import kernels
+from ..nn import kernels, layout
 from ..nn.layers import RMSNorm
 from ..nn.recompute import Recomputable
 from ..nn.rope import Rotation, vision_rope_angles
@@ -95,15 +95,18 @@ class VisionAttention(nn.Layer):
         """``groups``: (patch indices, images, patches per image) tensors of each image size, and the order
         that puts the groups' outputs back."""
         n = x.shape[0]
-        q, k, v = paddle.chunk(self.qkv(x).reshape([n, 3 * self.num_heads, -1]), 3, axis=1)
+        q, k, v = layout.split(self.qkv(x).reshape([n, 3 * self.num_heads, -1]), 3, axis=1)
         q, k = kernels.vision_rotary(q, angles), kernels.vision_rotary(k, angles)
         sizes, restore = groups
         outs = []
         for index, images, size in sizes:
-            qg, kg, vg = (paddle.gather(t, index).reshape([images, size, self.num_heads, -1]) for t in (q, k, v))
+            # (no index: the group is every patch, in order)
+            qg, kg, vg = (t.reshape([images, size, self.num_heads, -1]) if index is None else
+                          paddle.gather(t, index).reshape([images, size, self.num_heads, -1]) for t in (q, k, v))
             # within one image every patch sees every other: no mask
             outs.append(core_attention(qg, kg, vg, None).reshape([images * size, -1]))
-        return self.proj(paddle.gather(paddle.concat(outs), restore))
+        out = outs[0] if restore is None else paddle.gather(paddle.concat(outs), restore)
+        return self.proj(out)
 
 
 class VisionMLP(nn.Layer):
@@ -160,9 +163,12 @@ class VisionTransformer(nn.Layer):
         angles = Rotation(vision_rope_angles(paddle.to_tensor(positions[:, 1:]), head_dim, self.cfg.rope_theta),
                           interleaved=False)
         sizes = same_size_groups(grid_thw)
-        order = np.concatenate([index for index, _, _ in sizes])
-        groups = ([(paddle.to_tensor(index), images, size) for index, images, size in sizes],
-                  paddle.to_tensor(np.argsort(order)))
+        if len(sizes) == 1:  # frames of one size: every patch, in order
+            groups = ([(None, *sizes[0][1:])], None)
+        else:
+            order = np.concatenate([index for index, _, _ in sizes])
+            groups = ([(paddle.to_tensor(index), images, size) for index, images, size in sizes],
+                      paddle.to_tensor(np.argsort(order)))
         x = self.patch_embed(patches)
         for block in self.blocks:
             x = block(x, angles, groups=groups)

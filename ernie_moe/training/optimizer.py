@@ -137,16 +137,16 @@ def split_experts(model) -> dict[str, list]:
 
 
 @paddle.no_grad()
-def clip_grad_norm(groups: dict[str, list], max_norm: float, reduce: dict | None = None,
-                   reduce_split=None, reduce_stages=None, uncounted: list = ()) -> dict[str, paddle.Tensor]:
-    """Scale all gradients so their global L2 norm is at most ``max_norm`` (0 = no clipping), on the device.
+def gradient_norms(groups: dict[str, list], reduce: dict | None = None, reduce_split=None, reduce_stages=None,
+                   uncounted: list = ()) -> dict[str, paddle.Tensor]:
+    """The global L2 norm of all gradients (``grad_norm``) and of each group's (``grad_norm_<group>``), as device
+    tensors: nothing here waits for the device.
 
     Each parameter counts once: ``reduce[group]`` sums a group's squared norm over the ranks that hold
     different parts of it (the expert group for expert weights), ``reduce_split`` sums the squares of
     tensor-parallel slices (a record with a ``split``) over the tensor-parallel ranks,
     ``reduce_stages`` over the pipeline stages. ``uncounted`` parameters (a second stage's copy of a tied
-    weight) are scaled but not counted. Returns ``grad_norm`` (before clipping) and ``grad_norm_<group>``, as
-    device tensors: nothing here waits for the device.
+    weight) are not counted.
     """
     skip = {id(p) for p in uncounted}
     squares = {}
@@ -163,16 +163,20 @@ def clip_grad_norm(groups: dict[str, list], max_norm: float, reduce: dict | None
             square = reduce_stages(square.reshape([1])).reshape([])
         squares[group] = square
     norm = paddle.sqrt(paddle.add_n(list(squares.values())))
-    if max_norm > 0:
-        scale = paddle.clip(max_norm / (norm + 1e-6), max=1.0)
-        scales = {}  # one cast per gradient dtype
-        for params in groups.values():
-            for p in params:
-                if p.grad is not None:
-                    if p.grad.dtype not in scales:
-                        scales[p.grad.dtype] = scale.astype(p.grad.dtype)
-                    p.grad.multiply_(scales[p.grad.dtype])
     return {"grad_norm": norm, **{f"grad_norm_{g}": paddle.sqrt(s) for g, s in squares.items()}}
+
+
+@paddle.no_grad()
+def clip_gradients(groups: dict[str, list], max_norm: float, grad_norm: float) -> None:
+    """Scale every gradient (``uncounted`` copies too) so that the global norm ``grad_norm``, already read, is at
+    most ``max_norm`` (0 = no clipping): nothing to do, and no kernel, when it already is."""
+    if max_norm <= 0 or grad_norm <= max_norm:
+        return
+    scale = max_norm / (grad_norm + 1e-6)
+    for params in groups.values():
+        for p in params:
+            if p.grad is not None:
+                p.grad.scale_(scale)
 
 
 def _square_sum(params: list) -> paddle.Tensor:

@@ -44,7 +44,7 @@ from .assembly import assemble
 from .best_model import BestModel
 from .generation_eval import evaluate_by_generation
 from .memory_guard import is_out_of_memory
-from .optimizer import clip_grad_norm, optimizer_state_bytes
+from .optimizer import clip_gradients, gradient_norms, optimizer_state_bytes
 from .precision import NonFiniteGradients
 from .preference import PrecomputedReference
 from .replica_check import ReplicaCheck, ReplicasDiffer
@@ -313,9 +313,8 @@ class Trainer:
         """Unscale, clip and step (or skip a step with non-finite gradients), then clear the gradients."""
         t, env = self.cfg.training, self.env
         self.precision.unscale(p for params in self.param_groups.values() for p in params)
-        norms = clip_grad_norm(
-            self.param_groups, t.max_grad_norm,
-            reduce={"expert": lambda x: env.all_reduce_sum(x, env.expert_group)},
+        norms = gradient_norms(
+            self.param_groups, reduce={"expert": lambda x: env.all_reduce_sum(x, env.expert_group)},
             reduce_split=lambda x: env.all_reduce_sum(x, env.tp_group),
             reduce_stages=self.runner.sum_over_stages, uncounted=self.runner.copies_of_other_stages())
         result.lr = self.optimizer.get_lr()
@@ -323,6 +322,7 @@ class Trainer:
         if self.precision.step_is_finite(grad_norm, self.step):
             result.grad_norm, result.grad_norm_expert = grad_norm, norms["grad_norm_expert"]
             result.grad_norm_non_expert = norms["grad_norm_non_expert"]
+            clip_gradients(self.param_groups, t.max_grad_norm, grad_norm)
             self.optimizer.step()
             self.scheduler.step()
             self._update_router_bias()
