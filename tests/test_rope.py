@@ -68,5 +68,5 @@ def test_vision_rope_matches_numpy():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((9, 2, 16)).astype(np.float32)
     rows_cols = rng.integers(0, 30, size=(9, 2))
-    got = apply_rotary_half(paddle.to_tensor(x), vision_rope_angles(paddle.to_tensor(rows_cols), 16, 10000.0))
+    got = apply_rotary_half(paddle.to_tensor(x), vision_rope_angles(rows_cols, 16, 10000.0))
     np.testing.assert_allclose(got.numpy(), numpy_vision_rope(x, rows_cols, 10000.0), rtol=1e-5, atol=1e-5)

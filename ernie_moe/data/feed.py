@@ -12,15 +12,19 @@ changes only the row it is in, on the rank that reads it: a sample that cannot b
 its reason), and samples that no longer fit are left out from the end of the row (``length_mismatch``). Both are
 counted by the rank that meets them. Preference pairs, a row each, are read by every rank from the row stream.
 
-The rows of the step after the one handed out are read in a background thread while the model trains on it (a
-step's reading, mostly in numpy and the image decoder, overlaps the model's kernels); the saved position stays
-that of the rows handed out.
+The rows of the step after the one handed out are read in a background thread while the model trains on it; the
+saved position stays that of the rows handed out. The reader's Python holds the interpreter, which the training
+step's own Python needs between kernels: a trainer that ``gate``s the feed lets the reader work only inside
+``reading()`` blocks (its backward passes, where Paddle's kernels leave the interpreter free) and while it waits
+for rows.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from .length_index import length_index
@@ -48,6 +52,8 @@ class DataFeed:
         self.rows_read = 0  # global rows handed out so far
         self.stats = stats
         self.ahead: _Ahead | None = None  # the next step's rows, being read
+        self.gated, self._may_read = False, threading.Event()
+        self._may_read.set()
         if is_preference(cfg):
             self.stream, self.plan = RowStream(dataset, tokenizer, cfg, stats, shuffle=True,
                                                workers=cfg.data.num_workers), None
@@ -59,7 +65,6 @@ class DataFeed:
         self.plan = PackingPlan(index, cfg.training.seed, cfg.data.max_seq_len, stats)
         self.max_seq_len = cfg.data.max_seq_len
         self.workers = SampleWorkers(dataset, self.encoder, cfg.data.num_workers) if cfg.data.num_workers else None
-        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
 
     def next_step(self, micro_batch_size: int, accumulation_steps: int) -> list[list[Row]]:
         """This rank's rows of each micro-batch of the next step (``micro_batch_size`` rows per rank)."""
@@ -73,7 +78,8 @@ class DataFeed:
             self._drop_ahead()
         if self.ahead is None:
             self._read_ahead(shape)
-        rows, counted = self.ahead.rows.result()
+        with self.reading():
+            rows, counted = self.ahead.rows.result()
         self.ahead = None
         self.stats.update(counted)
         self._read_ahead(shape)
@@ -87,12 +93,13 @@ class DataFeed:
         planned = [rank_share([self.plan.next_row() for _ in range(global_rows)], self.rank, self.world)
                    for _ in range(accumulation_steps)]
         self.rows_read += global_rows * accumulation_steps
-        self.ahead = _Ahead(shape, position, rows_read, self.reader.submit(self._read, planned))
+        self.ahead = _Ahead(shape, position, rows_read, _in_background(self._read, planned))
 
     def _drop_ahead(self) -> None:
         """Forget the rows being read ahead: the position goes back to before them."""
         ahead, self.ahead = self.ahead, None
-        ahead.rows.exception()  # wait: the reader must be idle before anything else reads
+        with self.reading():
+            ahead.rows.exception()  # wait: the reader must be idle before anything else reads
         self.plan.load_state_dict(ahead.position)
         self.rows_read = ahead.rows_read
 
@@ -101,7 +108,12 @@ class DataFeed:
         counted = Counter()
         wanted = [index for rows in planned for row in rows for index in row]
         read = encode_in_order(self.dataset, self.encoder, wanted, self.workers, Counter())
-        return [[self._row([next(read) for _ in row], counted) for row in rows] for rows in planned], counted
+
+        def next_sample():
+            self._may_read.wait()  # a gated feed reads only while the trainer lets it
+            return next(read)
+
+        return [[self._row([next_sample() for _ in row], counted) for row in rows] for rows in planned], counted
 
     def _row(self, samples: list, counted: Counter) -> Row:
         """A planned row from its samples as read now (index, encoded or None, reason)."""
@@ -115,6 +127,21 @@ class DataFeed:
                 docs.append(encoded)
                 used += len(encoded)
         return make_row(docs, self.max_seq_len, self.pad_id)
+
+    def gate(self) -> None:
+        """From now on the reader works only inside :meth:`reading` blocks (and while rows are awaited)."""
+        self.gated = True
+        self._may_read.clear()
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Let the reader work within the block."""
+        self._may_read.set()
+        try:
+            yield
+        finally:
+            if self.gated:
+                self._may_read.clear()
 
     def state_dict(self) -> dict:
         """The position after the rows handed out, as JSON values, the same on every rank."""
@@ -140,6 +167,21 @@ class DataFeed:
             return
         if self.ahead is not None:
             self._drop_ahead()
-        self.reader.shutdown()
         if self.workers is not None:
             self.workers.close()
+
+
+def _in_background(function, *args) -> Future:
+    """``function(*args)`` in a daemon thread of its own: a reader left waiting (a run that stops on an error) does
+    not keep the process from exiting."""
+    future: Future = Future()
+
+    def run():
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(function(*args))
+            except BaseException as error:  # handed to whoever takes the rows
+                future.set_exception(error)
+
+    threading.Thread(target=run, name="data-read-ahead", daemon=True).start()
+    return future

@@ -127,7 +127,7 @@ def rotary(rng, dtype, fused: bool = False):
 def vision_rotary(rng, dtype, fused: bool = False):
     """The ViT's layout: dimension i turns with i + 8, the first 4 slots by the patch row, the last 4 by its column."""
     x, rows_cols = rng.standard_normal([9, 3, 16]), rng.integers(0, 30, size=[9, 2])
-    angles = vision_rope_angles(paddle.to_tensor(rows_cols), 16, 10000.0)
+    angles = vision_rope_angles(rows_cols, 16, 10000.0)
     ours = kernels.fused_rotary(_tensor(x, dtype).unsqueeze(0), angles, halves=True)[0] if fused else (
         apply_rotary_half(_tensor(x, dtype), angles))
     freq = 10000.0 ** (-4.0 * np.arange(4) / 16)

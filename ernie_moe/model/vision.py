@@ -7,6 +7,8 @@ patches is one spatial neighbourhood and the adapter's spatial merge is a reshap
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -23,15 +25,23 @@ def patch_positions(grid_thw: np.ndarray, merge: int) -> tuple[np.ndarray, np.nd
     """(t, h, w) position ``[patches, 3]`` and image index ``[patches]`` of every patch, in merge-block order."""
     positions, owners = [], []
     for image, (t, h, w) in enumerate(np.asarray(grid_thw, dtype=np.int64)):
-        bh, bw, dh, dw = np.meshgrid(np.arange(h // merge), np.arange(w // merge), np.arange(merge),
-                                     np.arange(merge), indexing="ij")
-        rows, cols = (bh * merge + dh).reshape(-1), (bw * merge + dw).reshape(-1)
-        for frame in range(t):
-            positions.append(np.stack([np.full_like(rows, frame), rows, cols], axis=-1))
-            owners.append(np.full(rows.shape, image))
+        rows_cols = _frame_rows_cols(int(h), int(w), merge)
+        frames = np.repeat(np.arange(t), len(rows_cols))[:, None]
+        positions.append(np.concatenate([frames, np.tile(rows_cols, (t, 1))], axis=1))
+        owners.append(np.full(len(frames), image))
     if not positions:
         return np.zeros([0, 3], np.int64), np.zeros([0], np.int64)
     return np.concatenate(positions), np.concatenate(owners)
+
+
+@functools.lru_cache(maxsize=256)
+def _frame_rows_cols(h: int, w: int, merge: int) -> np.ndarray:
+    """(row, col) ``[h * w, 2]`` of one frame's patches in merge-block order (made once per frame size)."""
+    bh, bw, dh, dw = np.meshgrid(np.arange(h // merge), np.arange(w // merge), np.arange(merge), np.arange(merge),
+                                 indexing="ij")
+    rows_cols = np.stack([(bh * merge + dh).reshape(-1), (bw * merge + dw).reshape(-1)], axis=-1)
+    rows_cols.flags.writeable = False  # shared by every call
+    return rows_cols
 
 
 def same_size_groups(grid_thw: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
@@ -160,7 +170,7 @@ class VisionTransformer(nn.Layer):
         positions, _ = patch_positions(grid_thw, self.cfg.spatial_merge_size)
         head_dim = self.cfg.embed_dim // self.cfg.num_heads
         # frames share 2D positions; the LM's 3D RoPE orders them in time
-        angles = Rotation(vision_rope_angles(paddle.to_tensor(positions[:, 1:]), head_dim, self.cfg.rope_theta),
+        angles = Rotation(vision_rope_angles(positions[:, 1:], head_dim, self.cfg.rope_theta),
                           interleaved=False)
         sizes = same_size_groups(grid_thw)
         if len(sizes) == 1:  # frames of one size: every patch, in order

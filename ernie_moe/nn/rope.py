@@ -81,14 +81,15 @@ def apply_rotary(x: paddle.Tensor, angles: paddle.Tensor | Rotation) -> paddle.T
     return rotate(x, angles if isinstance(angles, Rotation) else Rotation(angles, interleaved=True))
 
 
-def vision_rope_angles(rows_cols: paddle.Tensor, head_dim: int, theta: float) -> paddle.Tensor:
+def vision_rope_angles(rows_cols: np.ndarray, head_dim: int, theta: float) -> paddle.Tensor:
     """The ViT's angles ``[patches, head_dim / 2]`` for (row, col) ``[patches, 2]``: the first half of the slots
     read the row, the second half the column, each at frequencies ``theta ** (-4 j / head_dim)``,
-    ``j < head_dim / 4`` (ERNIE-4.5-VL's ViT, as published)."""
+    ``j < head_dim / 4`` (ERNIE-4.5-VL's ViT, as published). Made on the host from the host's patch positions,
+    the device gets the angles (and :class:`Rotation` their tables) in one copy each."""
     quarter = head_dim // 4
-    inv_freq = 1.0 / (theta ** (paddle.arange(0, quarter, dtype="float32") * 4.0 / head_dim))
-    pos = rows_cols.astype("float32")
-    return paddle.concat([pos[:, :1] * inv_freq, pos[:, 1:] * inv_freq], axis=-1)
+    inv_freq = 1.0 / (theta ** (np.arange(quarter, dtype=np.float32) * np.float32(4.0 / head_dim)))
+    pos = np.asarray(rows_cols, dtype=np.float32)
+    return paddle.to_tensor(np.concatenate([pos[:, :1] * inv_freq, pos[:, 1:] * inv_freq], axis=-1))
 
 
 def apply_rotary_half(x: paddle.Tensor, angles: paddle.Tensor | Rotation) -> paddle.Tensor:

@@ -7,6 +7,7 @@ interleaved) schedule over this rank's stages. Nothing outside this module asks 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 
@@ -64,11 +65,12 @@ class PlainRunner:
         self.model, self.env, self.precision, self.grad_sync = model, env, precision, grad_sync
         self.reference = reference
 
-    def forward_backward(self, micro_batches, scale) -> paddle.Tensor:
+    def forward_backward(self, micro_batches, scale, during_backward=contextlib.nullcontext) -> paddle.Tensor:
         """Accumulate gradients of ``loss_sum x scale + router loss / micro-batches`` (``scale``: the data ranks
         over the loss's denominator, a number or a device tensor); returns this rank's sums over its
         micro-batches, on the device: ``[loss, router losses, preference figures of pair batches
-        (nn.preference.FIGURES)]``."""
+        (nn.preference.FIGURES)]``. ``during_backward``: a context for each backward pass (the data feed reads
+        ahead there)."""
         self.reference_pass(micro_batches)  # a preference run's reference, before the policy's pass
         sums = []
         for i, batch in enumerate(micro_batches):
@@ -77,7 +79,7 @@ class PlainRunner:
             loss = out.loss_sum * scale + out.router_loss / len(micro_batches)
             if i == len(micro_batches) - 1:  # the backward that ends the step syncs as it goes
                 self.grad_sync.expect_backward([loss])
-            with part("backward"):  # with parallel.overlap_grad_sync, most of the gradient all-reduce too
+            with part("backward"), during_backward():  # with parallel.overlap_grad_sync, the gradient all-reduce too
                 self.precision.scale(loss).backward()
             figures = [] if out.pair_figures is None else [out.pair_figures.detach().sum(axis=0)]
             sums.append(step_sums(out.loss_sum, out.router_loss, *figures))
@@ -170,8 +172,9 @@ class PipelineRunner(PlainRunner):
         if timed:
             time_schedule_parts(self.fleet_model)
 
-    def forward_backward(self, micro_batches, scale) -> paddle.Tensor:
-        """What fleet's ``train_batch`` runs before its optimizer step; the sums come from the last stage."""
+    def forward_backward(self, micro_batches, scale, during_backward=contextlib.nullcontext) -> paddle.Tensor:
+        """What fleet's ``train_batch`` runs before its optimizer step; the sums come from the last stage. Its
+        schedule mixes forward and backward passes: ``during_backward`` holds for all of it."""
         self.reference_pass(micro_batches)  # a preference run's reference, before the policy's pass
         loss = self.model.loss
         loss.reset()
@@ -181,7 +184,7 @@ class PipelineRunner(PlainRunner):
             self.fleet_model.set_virtual_pipeline_rank(0)
         scaler = self.precision if self.precision.loss_scale != 1.0 else None  # fleet calls .scale()
         # forward, backward, send/receive and bubble time themselves (time_schedule_parts); the rest is the schedule's
-        with part("pipeline_schedule"), self.precision.autocast():
+        with part("pipeline_schedule"), self.precision.autocast(), during_backward():
             self.fleet_model.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), scaler)
         return self.sum_over_stages(self._last_stage_sums())
 

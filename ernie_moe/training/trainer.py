@@ -341,7 +341,8 @@ class Trainer:
             label_tokens, tokens = env.all_reduce_sum(local, env.data_group).unbind()
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks;
         # shared gradients are averaged over the data ranks, hence their number as a factor.
-        sums = self.runner.forward_backward(micro_batches, env.data_world / self._loss_denominator(label_tokens))
+        sums = self.runner.forward_backward(micro_batches, env.data_world / self._loss_denominator(label_tokens),
+                                            during_backward=self.feed.reading)
         with part("step_reduce"):
             sums = env.all_reduce_sum(sums, env.data_group)
         return StepResult(lm_loss_sum=sums[0], label_tokens=label_tokens,
@@ -398,6 +399,7 @@ class Trainer:
         cfg = self.cfg
         train_set, eval_set = build_datasets(cfg)
         feed = DataFeed(train_set, self.tokenizer, cfg, self.env, self.data_stats)
+        feed.gate()  # the reader's Python waits for the backward passes, so the forward's is not held up
         if self.env.is_main and cfg.data.report_samples:
             self._report_data(train_set)
         if isinstance(self.runner.reference, PrecomputedReference):
