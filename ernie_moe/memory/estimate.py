@@ -136,8 +136,8 @@ def attention_core(training, w: Workload, heads: int, head_dim: int) -> tuple[fl
     sequence of one block runs as dense attention."""
     if uses_flash_attention(training):
         return 0.0, 0.0
-    if w.seq <= BLOCK_ROWS:  # one block: Paddle's attention under the dense mask keeps it and the probabilities
-        return 4 * w.rows * (heads + 1) * w.seq ** 2, 0.0
+    if w.seq <= BLOCK_ROWS:  # one block: dense attention keeps its probabilities (the mask is the stage's, once)
+        return 4 * w.rows * heads * w.seq ** 2, 0.0
     linear = 3 * 4 * w.tokens * heads * head_dim
     return linear, 4 * w.rows * heads * BLOCK_ROWS * (BLOCK_TRANSIENT * w.seq - 2 * BLOCK_ROWS)
 
@@ -177,10 +177,8 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
     sp = sequence_pieces(parallel)
     t, h, hd = w.tokens, m.hidden_size, m.head_dim
     heads, kv = m.num_attention_heads // tp, m.num_key_value_heads // tp
-    grouped = m.num_attention_heads > m.num_key_value_heads
     norm_residual = (3 * t * h) / sp + t
-    repeat = 2 * heads * t * hd if grouped else 0
-    attention_linear = t * hd * (3 * heads + 3 * kv + 2) + repeat
+    attention_linear = t * hd * (3 * heads + 3 * kv + 2)
     core_kept, core_transient = attention_core(training, w, heads, hd)
     attention = 4 * (norm_residual + attention_linear) + core_kept
 
@@ -220,7 +218,7 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
         kept, rerun = 4 * t * h / sp + mlp, max(attention - mlp, 0.0)
         attending = attention - mlp + core_transient
     elif granularity == "core_attn":
-        core = core_kept + 4 * repeat
+        core = core_kept
         kept, rerun = attention - core + mlp, max(core - mlp, 0.0)
         attending = core - mlp + core_transient
     elif granularity == "moe" and modalities:
@@ -233,14 +231,26 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
     return kept, max(rerun + stacking, attending)
 
 
+def attention_inputs(m, parallel, training, w: Workload) -> float:
+    """Bytes a stage with decoder layers holds for all of them through a micro-batch (``model.blocks.AttentionInputs``):
+    the rotary angles and their cosine and sine tables written out for the query and key heads, the document
+    bounds (int64, and a copy), and for one-block plain attention the mask as a float bias over every head."""
+    tp = parallel.tensor_parallel_degree
+    heads, kv = m.num_attention_heads // tp, m.num_key_value_heads // tp
+    positions = w.rows * w.seq
+    rotary = 4 * positions * m.head_dim * (0.5 + 2 * (heads + kv))
+    bias = 4 * w.rows * heads * w.seq ** 2 if w.seq <= BLOCK_ROWS and not uses_flash_attention(training) else 0.0
+    return rotary + 2 * 8 * positions + bias
+
+
 def _first_stage_activations(cfg, parallel, training, w: Workload) -> list[tuple[float, float]]:
-    """(kept, re-run in backward) of the first stage's pieces in forward order: embedding, rotary angles and
-    the document bounds, the ViT's embedding and final norm, then each ViT block, then the adapter. A part that
-    trains nothing, with nothing before it that does, keeps nothing (a frozen ViT, and its adapter if frozen
-    too). Under sequence parallelism each tensor-parallel rank runs the ViT over its share of the frames."""
+    """(kept, re-run in backward) of the first stage's pieces in forward order: embedding, the ViT's embedding and
+    final norm, then each ViT block, then the adapter. A part that trains nothing, with nothing before it that does,
+    keeps nothing (a frozen ViT, and its adapter if frozen too). Under sequence parallelism each tensor-parallel rank
+    runs the ViT over its share of the frames."""
     m, v = cfg, cfg.vision_config
     t, h, d = w.tokens, m.hidden_size, v.embed_dim
-    text_side = 4 * (2 * t * h + w.rows * w.seq * m.head_dim / 2) + 2 * 8 * w.rows * w.seq  # int64 bounds, a copy
+    text_side = 4 * 2 * t * h
     if not w.image_sizes:
         return [(text_side, 0.0)]
     lora = set(training.lora_targets) if training.fine_tuning == "lora" else set()
@@ -343,6 +353,8 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         elif t.ema_decay:  # the EMA's float32 averages, split over the replicas of each weight (host when offloaded)
             optimizer += 4 * (trainable[0] / data_world + trainable[1] / max(layout.expert_copies, 1))
         per_layer = [_layer_activations(m, p, t, layer, workload, capacity) for layer in layers]
+        if layers:
+            per_layer = [(attention_inputs(m, p, t, workload), 0.0)] + per_layer
         if stage == 0:
             per_layer = _first_stage_activations(m, p, t, workload) + per_layer
         kept = sum(k for k, _ in per_layer)
