@@ -178,7 +178,10 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
     t, h, hd = w.tokens, m.hidden_size, m.head_dim
     heads, kv = m.num_attention_heads // tp, m.num_key_value_heads // tp
     norm_residual = (3 * t * h) / sp + t
-    attention_linear = t * hd * (3 * heads + 3 * kv + 2)
+    # the plain path's dense attention copies no key/value heads for grouped queries; the GPU figures count copies
+    grouped = m.num_attention_heads > m.num_key_value_heads and uses_flash_attention(training)
+    repeat = 2 * heads * t * hd if grouped else 0
+    attention_linear = t * hd * (3 * heads + 3 * kv + 2) + repeat
     core_kept, core_transient = attention_core(training, w, heads, hd)
     attention = 4 * (norm_residual + attention_linear) + core_kept
 
@@ -218,7 +221,7 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
         kept, rerun = 4 * t * h / sp + mlp, max(attention - mlp, 0.0)
         attending = attention - mlp + core_transient
     elif granularity == "core_attn":
-        core = core_kept
+        core = core_kept + 4 * repeat
         kept, rerun = attention - core + mlp, max(core - mlp, 0.0)
         attending = core - mlp + core_transient
     elif granularity == "moe" and modalities:
@@ -233,13 +236,15 @@ def _layer_activations(m, parallel, training, layer: int, w: Workload,
 
 def attention_inputs(m, parallel, training, w: Workload) -> float:
     """Bytes a stage with decoder layers holds for all of them through a micro-batch (``model.blocks.AttentionInputs``):
-    the rotary angles and their cosine and sine tables written out for the query and key heads, the document
-    bounds (int64, and a copy), and for one-block plain attention the mask as a float bias over every head."""
+    the rotary angles, the document bounds (int64, and a copy) and, on the plain path (float32), the cosine and sine
+    tables written out for the query and key heads and for one-block attention the mask as a float bias over every
+    head (the fused kernels take the angles and the bounds)."""
     tp = parallel.tensor_parallel_degree
     heads, kv = m.num_attention_heads // tp, m.num_key_value_heads // tp
     positions = w.rows * w.seq
-    rotary = 4 * positions * m.head_dim * (0.5 + 2 * (heads + kv))
-    bias = 4 * w.rows * heads * w.seq ** 2 if w.seq <= BLOCK_ROWS and not uses_flash_attention(training) else 0.0
+    plain = not uses_flash_attention(training)
+    rotary = 4 * positions * m.head_dim * (0.5 + (2 * (heads + kv) if plain else 0))
+    bias = 4 * w.rows * heads * w.seq ** 2 if w.seq <= BLOCK_ROWS and plain else 0.0
     return rotary + 2 * 8 * positions + bias
 
 
