@@ -33,9 +33,9 @@ def slot_axes(half: int, t_slots: int) -> list[int]:
 
 class Rotation:
     """A batch's rotary angles ``[..., head_dim / 2]`` (their positions' axes before the last), with the cosine and
-    sine tables ``[..., 1, head_dim]`` the plain formula multiplies by, made once for every layer and projection
-    that rotates by them. ``interleaved``: dimension pairs are neighbours (the language model); otherwise
-    dimension ``i`` pairs with ``i + head_dim / 2`` (the ViT)."""
+    sine tables the plain formula multiplies by (``tables``: written out to the rotated tensor's shape, heads
+    included), made once for every layer and projection that rotates by them. ``interleaved``: dimension pairs are
+    neighbours (the language model); otherwise dimension ``i`` pairs with ``i + head_dim / 2`` (the ViT)."""
 
     def __init__(self, angles: paddle.Tensor, interleaved: bool):
         self.angles, self.interleaved = angles, interleaved
