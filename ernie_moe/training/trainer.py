@@ -108,7 +108,7 @@ class Trainer:
             release_output_dir(self.cfg.training.output_dir)
 
     def _train(self) -> dict:
-        t, log_every = self.cfg.training, self.cfg.logging.logging_steps
+        t = self.cfg.training
         self._write_run_config()
         self._check_replicas(f"after the resume at step {self.step}" if self.step else "at the start")
         self.monitor.start()
@@ -124,7 +124,7 @@ class Trainer:
                 with reads.counting() if reads and self.step > first else contextlib.nullcontext():
                     window.append(self._guarded_step())
                 bar.update(1)
-                if self.step % log_every == 0 or self.step == t.max_steps:
+                if self._ends_window():
                     metrics = self.monitor.end_window(self.step, read_results(window), self.data_stats)
                     bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
                     for line in self.monitor.warnings if self.env.is_main else []:
