@@ -63,11 +63,11 @@ class RowBounds:
         return self.allowed(rows, self.ends.shape[1])
 
     def dense_bias(self, queries: int, heads: int) -> paddle.Tensor:
-        """:meth:`dense` as a float32 score bias ``[batch, heads, queries, keys]`` (0 seen, -inf hidden), made once
+        """:meth:`dense` as a float32 score bias ``[batch, heads, queries, keys]`` (0 seen, ``_HIDDEN`` not), made once
         for all the layers. Written out for every head: Paddle's CPU kernels add a bias broadcast over the heads
         about 40 times slower than one of the scores' own shape."""
         if (queries, heads) not in self._biases:
-            bias = paddle.where(self.dense(queries), paddle.zeros([], "float32"), paddle.full([], -math.inf, "float32"))
+            bias = paddle.where(self.dense(queries), paddle.zeros([], "float32"), paddle.full([], _HIDDEN, "float32"))
             self._biases[queries, heads] = bias.expand([bias.shape[0], heads, *bias.shape[2:]])
         return self._biases[queries, heads]
 
