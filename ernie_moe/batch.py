@@ -11,6 +11,13 @@ IGNORE_INDEX = -100  # a label position that is not trained on (prompts, images,
 CHOSEN, REJECTED = 1, 2  # Batch.pair_sides of a preference pair's two answers (0: the shared prompt, padding)
 
 
+def rows_with_pairs(labels: np.ndarray, pair_sides: np.ndarray) -> np.ndarray:
+    """``[rows]``: whether each row holds a preference pair whose two answers both have trained tokens (a filler row
+    of a short batch has none)."""
+    trained = labels != IGNORE_INDEX
+    return np.logical_and(*((trained & (pair_sides == side)).any(axis=1) for side in (CHOSEN, REJECTED)))
+
+
 @dataclass(frozen=True)
 class HostCounts:
     """What a step must know of a micro-batch before it runs (the loss's denominator, the throughput, the FLOPs),
@@ -23,12 +30,9 @@ class HostCounts:
 
     @classmethod
     def of(cls, labels: np.ndarray, token_type_ids: np.ndarray, pair_sides: np.ndarray | None = None) -> HostCounts:
-        trained = labels != IGNORE_INDEX
-        pairs = None
-        if pair_sides is not None:
-            pairs = int(np.logical_and(*((trained & (pair_sides == side)).any(axis=1)
-                                         for side in (CHOSEN, REJECTED))).sum())
-        return cls(int(trained.sum()), int((token_type_ids == 0).sum()), int((token_type_ids >= 1).sum()), pairs)
+        pairs = None if pair_sides is None else int(rows_with_pairs(labels, pair_sides).sum())
+        return cls(int((labels != IGNORE_INDEX).sum()), int((token_type_ids == 0).sum()),
+                   int((token_type_ids >= 1).sum()), pairs)
 
     @property
     def tokens(self) -> int:

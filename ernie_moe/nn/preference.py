@@ -149,13 +149,6 @@ class PreferenceLoss:
         return pair_figures(self.settings, policy, lengths, reference, self.reduce_sum)
 
 
-def holds_pair(labels: paddle.Tensor, sides: paddle.Tensor) -> paddle.Tensor:
-    """``[rows]``: whether each row holds a pair whose two answers both have trained tokens (a filler row of a
-    short batch has none)."""
-    trained = labels != IGNORE_INDEX
-    return paddle.logical_and(*(paddle.logical_and(trained, sides == side).any(axis=1) for side in (CHOSEN, REJECTED)))
-
-
 def preference_metrics(totals: np.ndarray, prefix: str) -> dict:
     """The figures of :data:`FIGURES` summed over pairs -> their means (``{prefix}loss``, ``{prefix}rewards_chosen``,
     ..., ``{prefix}reward_margin``, ``{prefix}reward_accuracy``); empty without pairs."""

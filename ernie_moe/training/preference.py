@@ -22,10 +22,10 @@ import numpy as np
 import paddle
 
 from .. import json_files
+from ..batch import rows_with_pairs
 from ..data import RowStream, rank_batches
 from ..finetune.lora import LoRALinear
 from ..model.parameter_kinds import is_router_bias
-from ..nn.preference import holds_pair
 
 
 class ReferenceModel:
@@ -112,7 +112,7 @@ class PrecomputedReference:
             for batch in group:
                 if batch.reference_logps is None:  # a pipeline stage before the last
                     continue
-                held = holds_pair(batch.labels, batch.pair_sides).numpy()
+                held = rows_with_pairs(batch.labels.numpy(), batch.pair_sides.numpy())
                 for key, value, real in zip(batch.pair_keys, batch.reference_logps.numpy(), held):
                     if real:
                         found[int(key)] = value.astype(np.float64).tolist()
