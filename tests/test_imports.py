@@ -13,7 +13,7 @@ FLOORS = [
     {"json_files"},
     {"batch", "timing", "host_reads", "cli", "faults", "config"},
     {"nn", "data"},
-    {"moe"},
+    {"moe", "objectives"},
     {"model"},
     {"parallel", "monitor"},
     {"checkpoint", "memory"},

@@ -18,7 +18,7 @@ from ernie_moe.data.loader import sample_encoder
 from ernie_moe.data.packing import make_row
 from ernie_moe.data.preference import PairEncoder, PreferenceJsonl
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
-from ernie_moe.nn.preference import LOSSES, PreferenceLoss, PreferenceSettings, pair_losses
+from ernie_moe.objectives.preference import LOSSES, PreferenceLoss, PreferenceSettings, pair_losses
 from ernie_moe.training.trainer import Trainer
 
 
@@ -123,14 +123,14 @@ def test_a_pair_row_gives_each_answer_the_log_probabilities_of_its_own_forward(t
     tok = build_tokenizer(cfg)
     train, _ = build_datasets(cfg)
     paddle.seed(0)
-    model = ErnieMoEForConditionalGeneration(cfg.model, preference=PreferenceLoss(PreferenceSettings()))
+    model = ErnieMoEForConditionalGeneration(cfg.model, objective=PreferenceLoss(PreferenceSettings()))
     model.eval()
     encoder = sample_encoder(tok, cfg, Counter())
     assert isinstance(encoder, PairEncoder)
     pairs = [train[i] for i in range(3)]
     batch = collate([encoder(pair) for pair in pairs])
     with paddle.no_grad():
-        figures = model(batch).pair_figures.numpy()
+        figures = model(batch).figures.numpy()
     for row, pair in enumerate(pairs):
         for column, side in ((2, pair.chosen), (3, pair.rejected)):
             alone = encoder.encoder.whole(side)
@@ -245,7 +245,7 @@ def test_the_first_step_starts_at_the_reference(tmp_path, fine_tuning):
                               "training.learning_rate=1e-2", "training.warmup_steps=0", *overrides))
     batches = trainer.next_micro_batches()
     first = trainer.train_step(batches).read()
-    assert first.pair_totals[0] == trainer.state.micro_batch_size * trainer.env.data_world
+    assert first.figures[0] == trainer.state.micro_batch_size * trainer.env.data_world
     np.testing.assert_allclose(first.lm_loss_sum / first.label_tokens, math.log(2), rtol=1e-5)
     start = [b.reference_logps.numpy() for b in batches]
     for _ in range(4):
@@ -256,7 +256,7 @@ def test_the_first_step_starts_at_the_reference(tmp_path, fine_tuning):
         np.testing.assert_allclose(after.reference_logps.numpy(), before, rtol=1e-5, atol=1e-4)
     trainer.runner.model.eval()
     with paddle.no_grad():
-        moved = trainer.model(again[0]).pair_figures.numpy()
+        moved = trainer.model(again[0]).figures.numpy()
     trainer.runner.model.train()
     assert np.abs(moved[:, 2:4] - start[0]).max() > 1e-2
     trainer.feed.close()
@@ -329,7 +329,7 @@ def test_the_dpo_loss_of_a_batch_equals_paddleformers(tmp_path, loss):
     paddleformers("make", "dense", tmp_path / "dense", cwd=tmp_path)
     folder = tmp_path / "dense" / "hf"
     _, model, _ = imported(folder)
-    model.preference = PreferenceLoss(PreferenceSettings(loss, beta=0.2, dpop_lambda=5.0))
+    model.objective = PreferenceLoss(PreferenceSettings(loss, beta=0.2, dpop_lambda=5.0))
     model.eval()
     rng = np.random.default_rng(5)
     pairs, rows = [], []
@@ -343,7 +343,7 @@ def test_the_dpo_loss_of_a_batch_equals_paddleformers(tmp_path, loss):
     batch.reference_logps = paddle.to_tensor(reference.astype(np.float32))
     with paddle.no_grad():
         out = model(batch)
-    figures = out.pair_figures.numpy()
+    figures = out.figures.numpy()
     np.savez(tmp_path / "pairs.npz", reference=reference, beta=0.2, loss_type=loss, dpop_lambda=5.0,
              **{f"{k}_{i}": v for i, pair in enumerate(pairs) for k, v in zip(("prompt", "chosen", "rejected"), pair)})
     paddleformers("dpo", folder, tmp_path / "pairs.npz", tmp_path / "theirs.npz", cwd=tmp_path)

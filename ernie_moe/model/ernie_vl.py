@@ -10,14 +10,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import paddle
 from paddle import nn
 
 from ..batch import Batch
 from ..nn.init import init_weights
-from ..nn.preference import PreferenceLoss
-from ..nn.recompute import recomputed
+from ..objectives import LanguageModelling, Objective, Predictions
 from .blocks import ImageFeatures, block_inputs, ordered_blocks, stable_names_of, tied_head
 from .decoder import DecoderLayer
 from .single_device import SingleDevicePlan
@@ -26,11 +24,11 @@ from .single_device import SingleDevicePlan
 class ModelOutput(NamedTuple):
     """A tuple, so that fleet's data-parallel wrapper finds the output tensors it tracks for backward."""
 
-    loss_sum: paddle.Tensor  # summed cross-entropy over label tokens
-    num_label_tokens: int  # (preference pairs: pairs)
+    loss_sum: paddle.Tensor  # the objective's loss, summed over its units (label tokens, pairs)
+    num_label_tokens: int  # the units of the loss (objectives.Objective.loss)
     router_loss: paddle.Tensor  # weighted router losses of every MoE layer, summed
     logits: paddle.Tensor | None = None
-    pair_figures: paddle.Tensor | None = None  # preference pairs: nn.preference.FIGURES of each row
+    figures: paddle.Tensor | None = None  # the objective's figures of each row (a reference pass: what it keeps)
 
 
 def step_sums(loss_sum: paddle.Tensor, router_loss: paddle.Tensor, *figures: paddle.Tensor) -> paddle.Tensor:
@@ -63,12 +61,12 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
     the exported names (``model.layers.3``, ``vision_model``, ...), so that ``named_parameters`` and
     ``state_dict`` read like PaddleFormers'; the wrapping blocks are kept in order beside them."""
 
-    def __init__(self, cfg, plan=None, loss_chunk: int = 0, preference: PreferenceLoss | None = None):
+    def __init__(self, cfg, plan=None, loss_chunk: int = 0, objective: Objective | None = None):
         super().__init__()
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # first, so that it does not depend on what gets built
         self.cfg = cfg
         self.loss_chunk = loss_chunk  # tokens per chunk of the head and loss (0: the whole sequence at once)
-        self.preference = preference  # the loss of preference pairs (training.stage: dpo)
+        self.objective = objective or LanguageModelling()  # what the loss is (training.stage)
         self.plan = plan or SingleDevicePlan(cfg.initializer_range)
         self.tied = tied_head(self.plan) if cfg.tie_word_embeddings else None
         self._ordered = tuple(spec.build() for spec in ordered_blocks(cfg, self.plan) if not spec.tied)
@@ -87,52 +85,27 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         """The blocks before the head: their output is ``(final hidden states, router loss)``."""
         return list(self._ordered if self.tied else self._ordered[:-1])
 
-    def forward(self, batch: Batch, return_logits: bool = False) -> ModelOutput:
+    def forward(self, batch: Batch, return_logits: bool = False, reference_pass: bool = False) -> ModelOutput:
+        """The objective's loss of ``batch``; ``return_logits``: with the whole logits; ``reference_pass``: the
+        figures are what the objective's reference pass keeps."""
         x = block_inputs(batch)
         for block in self.trunk():
             x = block(x)
         hidden, router_loss = x
-        if batch.pair_sides is not None:
-            token_losses = self._token_losses(hidden, batch.labels)
-            loss_sum, figures = self.preference(token_losses, batch.labels, batch.pair_sides, batch.reference_logps)
-            return ModelOutput(loss_sum, batch.host_counts().pairs, router_loss.sum(), pair_figures=figures)
-        num_label_tokens = batch.host_counts().label_tokens
-        if self.loss_chunk and not return_logits:
-            loss_sum = self._token_losses(hidden, batch.labels).sum()
-            return ModelOutput(loss_sum, num_label_tokens, router_loss.sum())
-        logits = self.head(hidden)
-        loss_sum = self.plan.cross_entropy_sum(logits, batch.labels)
-        return ModelOutput(loss_sum, num_label_tokens, router_loss.sum(), logits if return_logits else None)
+        predictions = Predictions(self.plan, self.head, hidden, batch.labels, self.loss_chunk,
+                                  self.training and not hidden.stop_gradient, keep_logits=return_logits)
+        objective, inputs = self.objective, self.objective.inputs(batch)
+        units = batch.host_counts().loss_units
+        if reference_pass:
+            figures = objective.reference(predictions, batch.labels, *inputs)
+            return ModelOutput(paddle.zeros([]), units, router_loss.sum(), figures=figures)
+        loss_sum, figures = objective.loss(predictions, batch.labels, *inputs)
+        return ModelOutput(loss_sum, units, router_loss.sum(), predictions.logits if return_logits else None, figures)
 
     def head(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Logits of the final hidden states (the last block, or the tied embedding's matrix)."""
         logits, _ = self.tied(self._ordered[0], (hidden, None)) if self.tied else self._ordered[-1]((hidden, None))
         return logits
-
-    def _token_losses(self, hidden: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
-        train = self.training and not hidden.stop_gradient
-        return token_losses(self.plan, self.head, hidden, labels, self.loss_chunk, train)
-
-
-def token_losses(plan, head, hidden: paddle.Tensor, labels: paddle.Tensor, chunk: int, train: bool) -> paddle.Tensor:
-    """Each position's cross-entropy ``[batch, seq]`` of the final hidden states (``head``: hidden -> logits);
-    with ``chunk``, over sequence chunks (``plan.loss_chunks``) whose logits are dropped after their loss in
-    training and computed again in the backward pass, so that at most one chunk's are held."""
-
-    def of(hidden_piece, label_piece):
-        return plan.token_cross_entropy(head(hidden_piece), label_piece)
-
-    if not chunk:
-        return of(hidden, labels)
-    parts, order = [], []
-    for rows, positions in plan.loss_chunks(labels.shape[1], chunk):
-        piece = hidden[:, rows], paddle.index_select(labels, paddle.to_tensor(positions), axis=1)
-        parts.append(recomputed(of, *piece) if train else of(*piece))
-        order.append(positions)
-    losses, order = paddle.concat(parts, axis=1), np.concatenate(order)
-    if (order == np.arange(len(order))).all():
-        return losses
-    return paddle.index_select(losses, paddle.to_tensor(np.argsort(order)), axis=1)  # back to sequence order
 
 
 class _Named(nn.Layer):

@@ -6,7 +6,6 @@ import numpy as np
 import paddle
 
 from ..data.packing import FIT_COUNTS
-from ..nn.preference import preference_metrics
 from ..timing import COMMUNICATION
 from .alerts import Alerts
 from .expert_balance import layer_windows, summarize
@@ -72,9 +71,10 @@ class TrainingMonitor:
             "data_wait_s": total("data_wait") / steps,  # the loop waiting for rows (data.num_workers hides it)
         }
         metrics.update(time_breakdown(results))
-        pairs = [r.pair_totals for r in results if r.pair_totals is not None]
-        if pairs:
-            metrics.update(preference_metrics(np.sum(pairs, axis=0), "dpo/"))
+        figures = [r.figures for r in results if r.figures is not None]
+        if figures:
+            objective = self.model.objective
+            metrics.update(objective.metrics(np.sum(figures, axis=0), f"{objective.name}/"))
         for moe in self.model.moe_layers():
             moe.stats.all_reduce(lambda t: self.env.all_reduce_sum(t, self.env.data_group))
         # every stage's layers reach rank 0

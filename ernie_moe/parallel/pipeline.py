@@ -25,72 +25,53 @@ from ..model.blocks import (
     tied_head,
 )
 from ..model.decoder import DecoderLayer
-from ..model.ernie_vl import BlockQueries, step_sums, token_losses
+from ..model.ernie_vl import BlockQueries, step_sums
 from ..nn.init import init_weights
-from ..nn.preference import LOGPS, PreferenceLoss
+from ..objectives import Objective, Predictions
 from ..timing import part
 
 
 class PipelineLoss(nn.Layer):
-    """Last stage: ``lm_loss_sum x scale + router losses`` per micro-batch (fleet divides by the number of
-    micro-batches; ``scale`` carries the token-count denominator times that number). Keeps the step's sums
-    for the logs and, in evaluation (labels with caption categories), each batch's predictions.
+    """Last stage: the objective's loss x scale + router losses per micro-batch (fleet divides by the number of
+    micro-batches; ``scale`` carries the loss's denominator times that number). Keeps the step's sums for the logs
+    and, in evaluation (labels with caption categories after the objective's inputs), each batch's predictions;
+    in a reference pass (``collect_reference``), what the objective keeps of each batch."""
 
-    With ``preference`` (labels with the pair sides and the reference log-probabilities) the loss is the pairs'
-    and their figures are summed; in the reference pass (``collect_reference``) each batch's log-probabilities are
-    kept for the training pass instead."""
-
-    def __init__(self, plan, preference: PreferenceLoss | None = None, chunk: int = 0):
+    def __init__(self, plan, objective: Objective, chunk: int = 0):
         super().__init__()
-        self.plan, self.preference = plan, preference
+        self.plan, self.objective = plan, objective
         self.chunk = chunk  # tokens per chunk of the head and loss: the stage then passes the hidden states on
         self.head = None  # with chunks, the last stage's head: hidden states -> logits (set once it is built)
         self.collect_reference = False
         self.reset()
 
     def reset(self) -> None:
-        self.sums = None  # the step's [loss, router losses, preference figures], on the device
+        self.sums = None  # the step's [loss, router losses, the objective's figures], on the device
         self.evaluated, self.references = [], []
-
-    def _add(self, *sums) -> None:
-        summed = step_sums(*sums)
-        self.sums = summed if self.sums is None else self.sums + summed
 
     def forward(self, outputs, labels):
         final, router_loss = outputs  # the logits, or with chunks the final hidden states
-        label_ids, scale = labels[0], labels[1]
-        if self.preference is not None:
-            return self._pairs(final, router_loss, *labels)
-        evaluating = len(labels) > 2  # what the runner scores: predictions need the whole logits
-        if self.chunk and not evaluating:
-            lm_sum = self._token_losses(final, label_ids).sum()
-        else:
-            logits = self.head(final) if self.chunk else final
-            lm_sum = self.plan.cross_entropy_sum(logits, label_ids)
-        self._add(lm_sum, router_loss)
-        if evaluating:
-            self.evaluated.append((self.plan.predict(logits), label_ids, labels[2].numpy(), float(lm_sum)))
-        return lm_sum * scale.sum() + router_loss.sum()
-
-    def _token_losses(self, final, label_ids):
-        head = self.head if self.chunk else (lambda logits: logits)
-        return token_losses(self.plan, head, final, label_ids, self.chunk, self.training and not final.stop_gradient)
-
-    def _pairs(self, final, router_loss, label_ids, scale, sides, reference):
-        loss_sum, figures = self.preference(self._token_losses(final, label_ids), label_ids, sides,
-                                            None if self.collect_reference else reference)
+        label_ids, scale, *inputs = labels
+        taken = len(self.objective.input_names)
+        inputs, scored = inputs[:taken], inputs[taken:]  # what the runner scores: predictions need the whole logits
+        predictions = Predictions(self.plan, self.head if self.chunk else (lambda logits: logits), final, label_ids,
+                                  self.chunk, self.training and not final.stop_gradient, keep_logits=bool(scored))
         if self.collect_reference:
-            self.references.append(figures[:, LOGPS])
-            return loss_sum
-        self._add(loss_sum, router_loss, figures.detach().sum(axis=0))
+            self.references.append(self.objective.reference(predictions, label_ids, *inputs))
+            return router_loss.sum() * 0.0
+        loss_sum, figures = self.objective.loss(predictions, label_ids, *inputs)
+        summed = step_sums(loss_sum, router_loss, *([] if figures is None else [figures.detach().sum(axis=0)]))
+        self.sums = summed if self.sums is None else self.sums + summed
+        if scored:
+            self.evaluated.append((self.plan.predict(predictions.logits), label_ids, scored[0].numpy(),
+                                   float(loss_sum)))
         return loss_sum * scale.sum() + router_loss.sum()
 
 
 class ErniePipeline(BlockQueries, PipelineLayer):
     """This rank's pipeline stages of the model's blocks."""
 
-    def __init__(self, cfg, plan, env, virtual_stages: int, preference: PreferenceLoss | None = None,
-                 loss_chunk: int = 0):
+    def __init__(self, cfg, plan, env, virtual_stages: int, objective: Objective, loss_chunk: int = 0):
         self.cfg, self.plan = cfg, plan
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # drawn before fleet reseeds per layer
         descs = []
@@ -101,7 +82,7 @@ class ErniePipeline(BlockQueries, PipelineLayer):
             else:
                 descs.append(LayerDesc(block.layer, *block.args, **block.kwargs))
         super().__init__(layers=descs, topology=env.hcg.topology(),
-                         loss_fn=PipelineLoss(plan, preference, loss_chunk), seg_method="layer:DecoderLayer",
+                         loss_fn=PipelineLoss(plan, objective, loss_chunk), seg_method="layer:DecoderLayer",
                          num_virtual_pipeline_stages=virtual_stages if virtual_stages > 1 else None)
         self.first_stage = env.hcg.get_stage_id() == 0
         if loss_chunk:
@@ -125,8 +106,8 @@ class ErniePipeline(BlockQueries, PipelineLayer):
         return self._loss_fn[0]
 
     @property
-    def preference(self) -> PreferenceLoss | None:
-        return self.loss.preference
+    def objective(self) -> Objective:
+        return self.loss.objective
 
     def forward(self, input, chunk_id=None):
         output = super().forward(input, chunk_id)
@@ -165,21 +146,18 @@ def _order(block) -> tuple:
     return _POSITION[type(block)], getattr(block, "layer_idx", 0)
 
 
-def stage_inputs(micro_batches, scored=None, scale: float | paddle.Tensor = 1.0) -> list:
-    """``[inputs, labels]`` for fleet's schedule: every field a list with one tensor per micro-batch.
-    ``scored``: each evaluation batch's caption categories, kept with its predictions by the loss. Pair batches
-    add their sides and reference log-probabilities (zeros before the reference pass has filled them)."""
+def stage_inputs(micro_batches, objective: Objective, scored=None, scale: float | paddle.Tensor = 1.0) -> list:
+    """``[inputs, labels]`` for fleet's schedule: every field a list with one tensor per micro-batch. The labels
+    are the label ids, the scale, the objective's inputs (placeholders for those not filled yet) and, in
+    evaluation, ``scored``: each batch's caption categories, kept with its predictions by the loss."""
     inputs = tuple(list(field) for field in zip(*(block_inputs(b) for b in micro_batches)))
     if isinstance(scale, paddle.Tensor):
         scale = scale.astype("float32").reshape([1])
     else:
         scale = paddle.full([1], scale, dtype="float32")
     labels = ([b.labels for b in micro_batches], [scale] * len(micro_batches))
-    if micro_batches[0].pair_sides is not None:
-        references = [b.reference_logps if b.reference_logps is not None
-                      else paddle.zeros([b.labels.shape[0], 2], dtype="float32") for b in micro_batches]
-        return [inputs, labels + ([b.pair_sides for b in micro_batches], references)]
-    return [inputs, labels + ((scored,) if scored is not None else ())]
+    loss_inputs = tuple(list(field) for field in zip(*(objective.inputs(b, placeholders=True) for b in micro_batches)))
+    return [inputs, labels + loss_inputs + ((scored,) if scored is not None else ())]
 
 
 # The private parts of fleet's PipelineParallel that the timing wraps. A Paddle release may rename them: the

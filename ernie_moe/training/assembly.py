@@ -3,7 +3,7 @@
 Each step is a small function; the order is the contract, and each step says why it stands where it does.
 
 1. ``build``: the plain model for this rank (the plan's parallel pieces, pipeline stages, expert weights marked
-   to stay out of fleet's broadcasts, the loss of preference pairs). Everything after transforms this model in
+   to stay out of fleet's broadcasts, the objective's loss). Everything after transforms this model in
    place.
 2. ``recompute``: which blocks drop their activations. Before the weights and LoRA, which wrap layers inside the
    blocks it routes through fleet's recompute, so the wrappers are part of what is recomputed.
@@ -15,7 +15,7 @@ Each step is a small function; the order is the contract, and each step says why
 6. ``quantize``: a LoRA run's frozen base linears to integers and scales (``training.quantize_base``), after
    the pairs, which wrap the layers by their weights, and before the cast, which would cast those weights.
 7. ``precision``: the cast to the AMP dtype, after every parameter (LoRA's included) exists.
-8. ``reference``: a preference run's reference model (``training.preference``), after the cast: it keeps the
+8. ``reference``: the objective's reference model (``training.preference``), after the cast: it keeps the
    weights the policy starts from as they will be computed with, and LoRA's adapters, which it switches off.
 9. ``grad_sync``: who averages which gradients over which ranks (``parallel.grad_sync``), after the cast, since
    fleet's reducer holds the parameters it syncs and their gradients' dtype, and once the trainable set is fixed.
@@ -35,7 +35,7 @@ from ..finetune.adapter_files import base_reference
 from ..finetune.quantize import quantize_base, refuse_a_quantized_base
 from ..model.recompute import apply_recompute
 from ..moe.experts import use_expert_matmul
-from ..nn.preference import PreferenceLoss, PreferenceSettings
+from ..objectives import Objective, build_objective
 from ..parallel.grad_sync import GradSync
 from ..timing import StepTimes
 from .ema import WeightAverage
@@ -65,7 +65,7 @@ def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
     """The model, runner and optimizer of a run, built step by step in the order above. ``state``: the training
     state (its recompute settings); ``load_weights(model, folder)`` loads a pretrained folder."""
     t = cfg.training
-    model = build(cfg, env, preference_loss(t, env))
+    model = build(cfg, env, build_objective(t, env))
     recompute(model, t, state)
     expert_matmul(model, t)
     if t.model_name_or_path:
@@ -84,21 +84,14 @@ def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
                      StepTimes(enabled=timed), ema)
 
 
-def build(cfg, env, preference: PreferenceLoss | None = None):
-    return build_model(cfg.model, env, cfg.training.loss_subbatch_seqlen, preference)
-
-
-def preference_loss(t, env) -> PreferenceLoss | None:
-    """``training.stage: dpo``'s loss; its sums over pairs on other data ranks (kto_pair) over the data group."""
-    if t.stage != "dpo":
-        return None
-    return PreferenceLoss(PreferenceSettings.of(t), lambda x: env.all_reduce_sum(x, env.data_group))
+def build(cfg, env, objective: Objective | None = None):
+    return build_model(cfg.model, env, cfg.training.loss_subbatch_seqlen, objective)
 
 
 def reference_model(model, t) -> ReferenceModel | PrecomputedReference | None:
-    """The reference of a preference loss that has one (a precomputed one is filled by the trainer, which has the
+    """The reference of an objective that has one (a precomputed one is filled by the trainer, which has the
     data)."""
-    if model.preference is None or not model.preference.settings.needs_reference:
+    if not model.objective.needs_reference:
         return None
     if t.dpo_reference == "precomputed":
         return PrecomputedReference()

@@ -21,7 +21,7 @@ from ..data import collate
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration, step_sums
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import describe
-from ..nn.preference import FIGURES, LOGPS, PreferenceLoss, preference_metrics
+from ..objectives import LanguageModelling, Objective
 from ..parallel import build_plan
 from ..parallel.grad_sync import GradSync
 from ..parallel.pipeline import ErniePipeline, stage_inputs, time_schedule_parts
@@ -30,16 +30,16 @@ from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
 from .preference import ReferenceModel
 
 
-def build_model(model_cfg, env, loss_chunk: int = 0, preference: PreferenceLoss | None = None):
+def build_model(model_cfg, env, loss_chunk: int = 0, objective: Objective | None = None):
     """The single-device model, or this rank's pipeline stages; expert weights that differ between ranks
     are marked so that fleet's parameter broadcasts leave them alone. ``loss_chunk``: tokens per chunk of
-    the LM head and loss (``training.loss_subbatch_seqlen``); ``preference``: the loss of
-    preference pairs (``training.stage: dpo``)."""
+    the LM head and loss (``training.loss_subbatch_seqlen``); ``objective``: what the loss is (default:
+    language modelling)."""
     plan = build_plan(model_cfg, env)
     if env.pp_group is not None:
-        model = ErniePipeline(model_cfg, plan, env, env.virtual_stages, preference, loss_chunk)
+        model = ErniePipeline(model_cfg, plan, env, env.virtual_stages, objective or LanguageModelling(), loss_chunk)
     else:
-        model = ErnieMoEForConditionalGeneration(model_cfg, plan, loss_chunk, preference)
+        model = ErnieMoEForConditionalGeneration(model_cfg, plan, loss_chunk, objective)
     if env.expert_group is not None:
         for name, param in model.named_parameters():
             if is_expert(name):
@@ -50,7 +50,7 @@ def build_model(model_cfg, env, loss_chunk: int = 0, preference: PreferenceLoss 
 def build_runner(model, env, precision, grad_sync: GradSync, timed: bool,
                  reference: ReferenceModel | None = None) -> PlainRunner | PipelineRunner:
     """The runner for ``model`` as :func:`build_model` built it for this layout; ``timed``: the step's time is
-    broken down (``logging.time_breakdown``); ``reference``: a preference run's reference model."""
+    broken down (``logging.time_breakdown``); ``reference``: the reference of an objective that has one."""
     runner = PipelineRunner if env.pp_group is not None else PlainRunner
     return runner(model, env, precision, grad_sync, timed, reference)
 
@@ -68,10 +68,9 @@ class PlainRunner:
     def forward_backward(self, micro_batches, scale, during_backward=contextlib.nullcontext) -> paddle.Tensor:
         """Accumulate gradients of ``loss_sum x scale + router loss / micro-batches`` (``scale``: the data ranks
         over the loss's denominator, a number or a device tensor); returns this rank's sums over its
-        micro-batches, on the device: ``[loss, router losses, preference figures of pair batches
-        (nn.preference.FIGURES)]``. ``during_backward``: a context for each backward pass (the data feed reads
-        ahead there)."""
-        self.reference_pass(micro_batches)  # a preference run's reference, before the policy's pass
+        micro-batches, on the device: ``[loss, router losses, the objective's figures]``. ``during_backward``: a
+        context for each backward pass (the data feed reads ahead there)."""
+        self.reference_pass(micro_batches)  # the objective's reference, before the policy's pass
         sums = []
         for i, batch in enumerate(micro_batches):
             with part("forward"), self.precision.autocast():
@@ -81,26 +80,31 @@ class PlainRunner:
                 self.grad_sync.expect_backward([loss])
             with part("backward"), during_backward():  # with parallel.overlap_grad_sync, the gradient all-reduce too
                 self.precision.scale(loss).backward()
-            figures = [] if out.pair_figures is None else [out.pair_figures.detach().sum(axis=0)]
+            figures = [] if out.figures is None else [out.figures.detach().sum(axis=0)]
             sums.append(step_sums(out.loss_sum, out.router_loss, *figures))
         return paddle.add_n(sums) if len(sums) > 1 else sums[0]
 
+    @property
+    def objective(self) -> Objective:
+        return self.model.objective
+
     def reference_pass(self, micro_batches) -> None:
-        """The reference log-probabilities of each pair batch's answers, into the batches (a preference run whose
-        loss has a reference: its model's pass, or the figures computed before the run, ``training.preference``)."""
+        """The reference figures of each batch, into the batches (an objective with a reference: the reference
+        model's pass, or the figures computed before the run, ``training.preference``)."""
         if self.reference is not None:
             with part("reference"):
                 self.reference.fill(self, micro_batches)
 
     @paddle.no_grad()
     def logps_pass(self, micro_batches) -> None:
-        """Each pair batch's answers' log-probabilities under the weights the model holds now, in evaluation mode,
-        into ``batch.reference_logps``."""
+        """What the objective's reference pass keeps of each batch (a preference pair's answers'
+        log-probabilities) under the weights the model holds now, in evaluation mode, into
+        ``batch.reference_logps``."""
         self.model.eval()
         try:
             with self.precision.autocast():
                 for batch in micro_batches:
-                    batch.reference_logps = self.model(batch).pair_figures[:, LOGPS]
+                    batch.reference_logps = self.model(batch, reference_pass=True).figures
         finally:
             self.model.train()
 
@@ -114,31 +118,31 @@ class PlainRunner:
         self.grad_sync.finish()
 
     def evaluate(self, batches, training_cfg) -> dict:
-        if self.model.preference is not None:
-            return self.evaluate_pairs(batches, training_cfg)
+        if self.objective.figures:
+            return self.evaluate_figures(batches, training_cfg)
         with self.precision.autocast():
             return evaluate(self.model, batches, self.env, training_cfg.max_eval_batches)
 
     @paddle.no_grad()
-    def evaluate_pairs(self, batches, training_cfg) -> dict:
-        """The preference figures of held-out pairs (``eval_loss``, ``eval_reward_accuracy``, ...): a reference
-        pass and a policy pass per group of micro-batches."""
+    def evaluate_figures(self, batches, training_cfg) -> dict:
+        """The objective's metrics of held-out data (for DPO ``eval_loss``, ``eval_reward_accuracy``, ...): a
+        reference pass and a policy pass per group of micro-batches."""
         t = training_cfg
         if t.max_eval_batches:
             batches = itertools.islice(batches, t.max_eval_batches)
-        totals = np.zeros(len(FIGURES))
+        totals = np.zeros(len(self.objective.figures))
         for micro in self.micro_batch_groups(batches, t):
             self.reference_pass(micro)
-            totals += self._pair_figures_of(micro)
-        return preference_metrics(self.env.all_reduce_sum(paddle.to_tensor(totals), self.env.data_group).numpy(),
-                                  "eval_")
+            totals += self._figures_of(micro)
+        totals = self.env.all_reduce_sum(paddle.to_tensor(totals), self.env.data_group).numpy()
+        return self.objective.metrics(totals, "eval_")
 
-    def _pair_figures_of(self, micro_batches) -> np.ndarray:
-        """The policy's preference figures of the micro-batches, summed over their pairs, in evaluation mode."""
+    def _figures_of(self, micro_batches) -> np.ndarray:
+        """The policy's figures of the micro-batches, summed over their rows, in evaluation mode."""
         self.model.eval()
         try:
             with self.precision.autocast():
-                return sum(self.model(batch).pair_figures.sum(axis=0).numpy() for batch in micro_batches)
+                return sum(self.model(batch).figures.sum(axis=0).numpy() for batch in micro_batches)
         finally:
             self.model.train()
 
@@ -175,7 +179,7 @@ class PipelineRunner(PlainRunner):
     def forward_backward(self, micro_batches, scale, during_backward=contextlib.nullcontext) -> paddle.Tensor:
         """What fleet's ``train_batch`` runs before its optimizer step; the sums come from the last stage. Its
         schedule mixes forward and backward passes: ``during_backward`` holds for all of it."""
-        self.reference_pass(micro_batches)  # a preference run's reference, before the policy's pass
+        self.reference_pass(micro_batches)  # the objective's reference, before the policy's pass
         loss = self.model.loss
         loss.reset()
         # fleet divides each micro-batch's loss by their number: the scale undoes it
@@ -185,7 +189,8 @@ class PipelineRunner(PlainRunner):
         scaler = self.precision if self.precision.loss_scale != 1.0 else None  # fleet calls .scale()
         # forward, backward, send/receive and bubble time themselves (time_schedule_parts); the rest is the schedule's
         with part("pipeline_schedule"), self.precision.autocast(), during_backward():
-            self.fleet_model.forward_backward_pipeline(stage_inputs(micro_batches, scale=scale), scaler)
+            self.fleet_model.forward_backward_pipeline(stage_inputs(micro_batches, self.objective, scale=scale),
+                                                         scaler)
         return self.sum_over_stages(self._last_stage_sums())
 
     def _last_stage_sums(self) -> paddle.Tensor:
@@ -193,12 +198,12 @@ class PipelineRunner(PlainRunner):
         loss = self.model.loss
         if loss.sums is not None:
             return loss.sums
-        return paddle.zeros([2 + (len(FIGURES) if self.model.preference is not None else 0)], dtype="float64")
+        return paddle.zeros([2 + len(self.objective.figures)], dtype="float64")
 
     @paddle.no_grad()
     def logps_pass(self, micro_batches) -> None:
-        """The log-probabilities through fleet's schedule, forward only: the last stage keeps each micro-batch's
-        (its loss reads them back in the training pass); the other stages' batches get None."""
+        """The reference pass through fleet's schedule, forward only: the last stage keeps each micro-batch's
+        figures (its loss reads them back in the training pass); the other stages' batches get None."""
         loss, schedule = self.model.loss, self.fleet_model
         loss.references, loss.collect_reference = [], True
         schedule.eval()
@@ -206,7 +211,7 @@ class PipelineRunner(PlainRunner):
             with self.precision.autocast():
                 if self.env.virtual_stages > 1:
                     schedule.set_virtual_pipeline_rank(0)
-                schedule.eval_batch(stage_inputs(micro_batches, scale=1.0), compute_loss=True)
+                schedule.eval_batch(stage_inputs(micro_batches, self.objective, scale=1.0), compute_loss=True)
         finally:
             schedule.train()
             loss.collect_reference = False
@@ -218,24 +223,28 @@ class PipelineRunner(PlainRunner):
         """Forward only through fleet's schedule; the last stage's loss function scores each batch. The
         schedule takes ``gradient_accumulation_steps`` micro-batches of the training shape at a time: short
         batches and the last group are filled with unlabelled copies."""
-        if self.model.preference is not None:
-            return self.evaluate_pairs(batches, training_cfg)
+        if self.objective.figures:
+            return self.evaluate_figures(batches, training_cfg)
         t, schedule, loss = training_cfg, self.fleet_model, self.model.loss
         steps, rows_per_batch = t.gradient_accumulation_steps, t.per_device_train_batch_size
         loss.reset()
         schedule.eval()  # the schedule then skips its shape checks on outputs that carry no gradient
         group: list = []
+
+        def run(group):
+            micro, scored = _filled(group, rows_per_batch)
+            schedule.eval_batch(stage_inputs(micro, self.objective, scored, scale=1.0), compute_loss=True)
+
         with self.precision.autocast():
             for i, rows in enumerate(batches):
                 if t.max_eval_batches and i >= t.max_eval_batches:
                     break
                 group.append(rows)
                 if len(group) == steps:
-                    schedule.eval_batch(stage_inputs(*_filled(group, rows_per_batch), scale=1.0), compute_loss=True)
+                    run(group)
                     group = []
             if group:
-                group += [None] * (steps - len(group))
-                schedule.eval_batch(stage_inputs(*_filled(group, rows_per_batch), scale=1.0), compute_loss=True)
+                run(group + [None] * (steps - len(group)))
         schedule.train()
         scores = [batch_scores(*evaluated) for evaluated in loss.evaluated]
         loss.reset()
@@ -245,7 +254,8 @@ class PipelineRunner(PlainRunner):
 
     def micro_batch_groups(self, batches, training_cfg):
         """Row batches as the schedule takes them: ``gradient_accumulation_steps`` micro-batches of the training
-        shape at a time, a short last group filled with unlabelled copies (which hold no pair)."""
+        shape at a time, a short last group filled with unlabelled copies (which add nothing to the objective's
+        figures)."""
         t, group = training_cfg, []
         for rows in batches:
             group.append(rows)
@@ -256,14 +266,14 @@ class PipelineRunner(PlainRunner):
             yield _filled(group + [None] * (t.gradient_accumulation_steps - len(group)),
                           t.per_device_train_batch_size)[0]
 
-    def _pair_figures_of(self, micro_batches) -> np.ndarray:
+    def _figures_of(self, micro_batches) -> np.ndarray:
         """The policy's figures through fleet's schedule, forward only (the last stage's, on every stage)."""
         loss, schedule = self.model.loss, self.fleet_model
         loss.reset()
         schedule.eval()
         try:
             with self.precision.autocast():
-                schedule.eval_batch(stage_inputs(micro_batches, scale=1.0), compute_loss=True)
+                schedule.eval_batch(stage_inputs(micro_batches, self.objective, scale=1.0), compute_loss=True)
         finally:
             schedule.train()
         totals = self.sum_over_stages(self._last_stage_sums())[2:].numpy()

@@ -51,8 +51,8 @@ class StepResult:
     data_wait: float = 0.0  # seconds of it spent waiting for the step's rows
     times: dict[str, float] = field(default_factory=dict)  # seconds of each timed part (``ernie_moe.timing``)
     memory_guard_rungs: int = 0  # rungs the memory guard took in this step
-    # *device* a preference step's nn.preference.FIGURES, summed over its pairs
-    pair_totals: list[float] | paddle.Tensor | None = None
+    # *device* the objective's figures (objectives.Objective.figures), summed over the step's rows
+    figures: list[float] | paddle.Tensor | None = None
 
     @property
     def skipped(self) -> bool:
@@ -73,10 +73,10 @@ def read_results(results: list[StepResult]) -> list[StepResult]:
     at = 0
     for result, name, value in pending:
         size = int(np.prod(value.shape))
-        setattr(result, name, values[at: at + size].tolist() if name == "pair_totals" else float(values[at]))
+        setattr(result, name, values[at: at + size].tolist() if name == "figures" else float(values[at]))
         at += size
     return results
 
 
 _DEVICE_FIGURES = ("lm_loss_sum", "label_tokens", "router_loss", "tokens", "grad_norm_expert", "grad_norm_non_expert",
-                   "pair_totals")
+                   "figures")

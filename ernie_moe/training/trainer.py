@@ -347,7 +347,7 @@ class Trainer:
             sums = env.all_reduce_sum(sums, env.data_group)
         return StepResult(lm_loss_sum=sums[0], label_tokens=label_tokens,
                           router_loss=sums[1] / (len(micro_batches) * env.data_world), tokens=tokens,
-                          pair_totals=sums[2:] if sums.shape[0] > 2 else None)
+                          figures=sums[2:] if sums.shape[0] > 2 else None)
 
     def evaluate(self) -> dict:
         """The held-out figures (``eval_*``), and the EMA's beside them (``ema_eval_*``) once it has started."""

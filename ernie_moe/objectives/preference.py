@@ -27,6 +27,8 @@ import paddle
 import paddle.nn.functional as F
 
 from ..batch import CHOSEN, IGNORE_INDEX, REJECTED
+from .base import Objective
+from .head import Predictions
 
 LOSSES = ("sigmoid", "ipo", "simpo", "kto_pair", "dpop")
 # the per-pair figures of a forward, in this order (summed over the pairs for the metrics); a row that holds no
@@ -136,17 +138,40 @@ def _mean_over_pairs(ratios: paddle.Tensor, valid: paddle.Tensor, reduce_sum) ->
     return totals[:2] / paddle.clip(totals[2], min=1.0)
 
 
-class PreferenceLoss:
-    """The loss of a batch of pairs from its token cross-entropies: what the model (and a pipeline's last stage)
-    computes in place of the summed LM loss. ``reduce_sum``: as in :func:`pair_losses`."""
+class PreferenceLoss(Objective):
+    """The DPO family's objective over a batch of pairs (a row each): the loss of each pair from its answers'
+    log-probabilities, in place of the summed LM loss; its figures are :data:`FIGURES`. ``reduce_sum``: as in
+    :func:`pair_losses`."""
+
+    name = "dpo"
+    figures = FIGURES
 
     def __init__(self, settings: PreferenceSettings, reduce_sum=None):
         self.settings, self.reduce_sum = settings, reduce_sum
 
-    def __call__(self, token_losses, labels, sides, reference) -> tuple[paddle.Tensor, paddle.Tensor]:
+    @property
+    def needs_reference(self) -> bool:
+        return self.settings.needs_reference
+
+    input_names = ("pair_sides", "reference_logps")  # the reference's log-probabilities: None before its pass
+
+    def inputs(self, batch, placeholders: bool = False) -> list:
+        sides, reference = batch.pair_sides, batch.reference_logps
+        if reference is None and placeholders:
+            reference = paddle.zeros([batch.labels.shape[0], 2], dtype="float32")
+        return [sides, reference]
+
+    def loss(self, predictions: Predictions, labels, sides, reference) -> tuple[paddle.Tensor, paddle.Tensor]:
         """(summed loss over the pairs, the figures ``[rows, len(FIGURES)]``)."""
-        policy, lengths = answer_logps(token_losses, labels, sides)
+        policy, lengths = answer_logps(predictions.per_position(), labels, sides)
         return pair_figures(self.settings, policy, lengths, reference, self.reduce_sum)
+
+    def reference(self, predictions: Predictions, labels, sides, reference=None) -> paddle.Tensor:
+        """The answers' log-probabilities ``[rows, 2]`` (0 in a row without a pair)."""
+        return self.loss(predictions, labels, sides, None)[1][:, LOGPS]
+
+    def metrics(self, totals: np.ndarray, prefix: str) -> dict:
+        return preference_metrics(totals, prefix)
 
 
 def preference_metrics(totals: np.ndarray, prefix: str) -> dict:

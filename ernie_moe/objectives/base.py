@@ -1,0 +1,47 @@
+"""The objective's interface, and language modelling: the summed cross-entropy of the label tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from .head import Predictions
+
+
+class Objective:
+    """What a batch's loss is, given the model's predictions.
+
+    ``figures`` names per-row figures the loss returns beside it (``[rows, len(figures)]``, detached): the step
+    sums them over its rows, the runner evaluates held-out data by them, and :meth:`metrics` turns their sums
+    into the logged means. An objective without figures is evaluated by its token scores (``training.evaluate``).
+    """
+
+    name = "lm"  # the metrics' prefix in training (``{name}/...``)
+    figures: tuple[str, ...] = ()
+    needs_reference = False  # whether a reference pass fills each batch's reference figures before the step
+
+    input_names: tuple[str, ...] = ()  # the batch's fields the loss reads besides its labels
+
+    def inputs(self, batch, placeholders: bool = False) -> list[paddle.Tensor | None]:
+        """The loss's inputs of ``batch`` (:attr:`input_names`); ``placeholders``: a tensor of the right shape
+        for one not filled yet (a pipeline carries tensors only, with the labels)."""
+        return [getattr(batch, name) for name in self.input_names]
+
+    def loss(self, predictions: Predictions, labels: paddle.Tensor,
+             *inputs: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+        """(the loss summed over its units: label tokens, pairs, ..., the figures of each row or None)."""
+        raise NotImplementedError
+
+    def reference(self, predictions: Predictions, labels: paddle.Tensor, *inputs: paddle.Tensor) -> paddle.Tensor:
+        """What a reference pass keeps of each row (for DPO the answers' log-probabilities), computed without the
+        reference's own inputs, which it is about to fill (``needs_reference``)."""
+        raise NotImplementedError(f"the {self.name} objective has no reference pass")
+
+    def metrics(self, totals: np.ndarray, prefix: str) -> dict:
+        """The figures summed over rows (and ranks) -> the metrics logged as ``{prefix}...``."""
+        return {}
+
+
+class LanguageModelling(Objective):
+    def loss(self, predictions: Predictions, labels: paddle.Tensor, *inputs: paddle.Tensor):
+        return predictions.summed(), None
