@@ -4,6 +4,8 @@
 fail at ``point``:
 
 - ``kill_during_save``: SIGKILL once the model files are written, before the optimizer state;
+- ``kill_during_background_write``: SIGKILL on the writer's thread of a save written in the background
+  (``training.async_save``), once it has written the model files, while training goes on;
 - ``kill_before_rename``: SIGKILL with the completion marker written but the folder not yet renamed;
 - ``disk_full``: the optimizer writer raises ``ENOSPC`` (No space left on device);
 - ``sigterm_during_save``: SIGTERM once the model files are written, as a scheduler's preemption would;

@@ -36,9 +36,13 @@ def test_resume_continues_bit_for_bit(tmp_path):
 
 
 def test_a_checkpoint_loads_into_other_layouts(tmp_path):
-    """Saved by tensor parallel with experts on the tensor ranks, resumed on one process and by expert parallel."""
+    """Saved by tensor parallel with experts on the tensor ranks, in the background (``training.async_save``: each
+    rank's writes finish on its own thread, the checkpoint completes when every rank's have), resumed on one
+    process and by expert parallel."""
     saved, _ = launch(tmp_path, 2, *COMMON, "training.per_device_train_batch_size=4",
-                      "parallel.tensor_parallel_degree=2", "parallel.moe_group=mp", name="tp2")
+                      "parallel.tensor_parallel_degree=2", "parallel.moe_group=mp", "training.async_save=true",
+                      name="tp2")
+    assert [c.path.name for c in scan(saved)] == ["checkpoint-3", "checkpoint-6"]
     checkpoint = f"training.resume_from_checkpoint={saved / 'checkpoint-3'}"
     one, _ = launch(tmp_path, 1, *COMMON, "training.per_device_train_batch_size=4", checkpoint, name="one")
     ep2, _ = launch(tmp_path, 2, *COMMON, "training.per_device_train_batch_size=2",
@@ -49,10 +53,12 @@ def test_a_checkpoint_loads_into_other_layouts(tmp_path):
 
 
 def test_sharded_optimizer_state_resumes_in_a_pipeline(tmp_path):
-    """Saved with optimizer sharding (each rank writes the states it owns), resumed by two pipeline stages."""
+    """Saved with optimizer sharding (each rank writes the states it owns, in the background), resumed by two
+    pipeline stages."""
     accumulate = [*COMMON, "training.gradient_accumulation_steps=2"]
     saved, _ = launch(tmp_path, 2, *accumulate, "training.per_device_train_batch_size=1",
-                      "parallel.sharding_parallel_degree=2", "parallel.sharding=stage1", name="sharding2")
+                      "parallel.sharding_parallel_degree=2", "parallel.sharding=stage1", "training.async_save=true",
+                      name="sharding2")
     assert len(list((saved / "checkpoint-3").glob("optimizer-*.safetensors"))) == 2
     pp2, _ = launch(tmp_path, 2, *accumulate, "training.per_device_train_batch_size=2",
                     "parallel.pipeline_parallel_degree=2",

@@ -254,13 +254,16 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("point", ["kill_during_save", "kill_before_rename"])
+@pytest.mark.parametrize("point", ["kill_during_save", "kill_before_rename", "kill_during_background_write"])
 @pytest.mark.slow
 def test_kill_9_during_a_save_resumes_exactly(tmp_path, uninterrupted, point):
-    """SIGKILL half-way through the save of step 6 (or with its marker written and the rename not done):
-    ``auto`` takes checkpoint-5 and the run ends as if never interrupted."""
+    """SIGKILL half-way through the save of step 6 (or with its marker written and the rename not done, or on the
+    thread writing it in the background, ``training.async_save``): ``auto`` takes checkpoint-5 and the run ends
+    as if never interrupted."""
     out = tmp_path / "run"
     args = ["training.max_steps=10", "training.save_steps=1", "training.save_total_limit=3"]
+    if point == "kill_during_background_write":
+        args.append("training.async_save=true")
     killed = train(out, *args, fault=f"{point}@6", check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert (out / "checkpoint-6.tmp").is_dir() and not (out / "checkpoint-6").exists()
@@ -429,6 +432,56 @@ def test_a_warm_restart_starts_the_schedule_afresh_from_a_finished_runs_weights(
     assert [lr[s] for s in range(7, 13)] == pytest.approx([fresh[s] for s in range(1, 7)], abs=1e-8)
 
 
+def test_a_save_in_the_background_writes_what_a_synchronous_save_writes(tmp_path):
+    """``training.async_save``: the model files and random states byte for byte as a synchronous save writes
+    them, the optimizer states tensor for tensor (their order in the file follows Paddle's parameter names, which
+    a second model in one process numbers on), each checkpoint complete (its files' digests verified against its
+    marker) and pruned as the limit says. The memory planner's host copy of the state is the size of the files."""
+    from ernie_moe.memory.estimate import estimate, sample_workload
+
+    runs = {}
+    for mode in ("false", "true"):
+        runs[mode] = tmp_path / mode
+        tr = trainer(runs[mode], "training.max_steps=5", "training.save_steps=2", "training.save_total_limit=2",
+                     f"training.async_save={mode}")
+        tr.train()
+        assert tr.pending_save is None and tr.last_checkpoint.step == 5
+    (planned,) = estimate(tr.cfg, sample_workload(tr.cfg, 1), 1)
+    tensors = sum(f.stat().st_size for f in tr.last_checkpoint.path.glob("*.safetensors"))
+    assert planned.save_copy == pytest.approx(tensors, rel=0.02)
+    assert [c.step for c in scan(runs["true"])] == [c.step for c in scan(runs["false"])] == [4, 5]
+    for step in (4, 5):
+        sync, background = (read(runs[mode] / f"checkpoint-{step}") for mode in ("false", "true"))
+        assert lineage.verify(background) is None
+        files = sorted(p.name for p in sync.path.iterdir() if p.suffix == ".safetensors" or p.name.startswith("rng"))
+        assert files and files == sorted(p.name for p in background.path.iterdir()
+                                         if p.suffix == ".safetensors" or p.name.startswith("rng"))
+        for name in files:
+            if name.startswith("optimizer"):
+                theirs, ours = load_file(str(sync.path / name)), load_file(str(background.path / name))
+                assert sorted(ours) == sorted(theirs)
+                for key in theirs:
+                    np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+            else:
+                assert (background.path / name).read_bytes() == (sync.path / name).read_bytes(), name
+
+
+def test_a_background_write_that_fails_fails_its_checkpoint_not_the_writer(tmp_path):
+    """A write error on the writer's thread (a vanished folder, an unexpected exception) is recorded for the save
+    it belongs to, as a synchronous write's is; the thread goes on with the next save's files."""
+    from ernie_moe.checkpoint.files import BackgroundWrites, WrittenFiles
+
+    writes = BackgroundWrites()
+    failed, broken, fine = WrittenFiles(writes), WrittenFiles(writes), WrittenFiles(writes)
+    failed.write(tmp_path / "missing" / "a.json", "{}")
+    broken.run(lambda: [][1])
+    fine.write(tmp_path / "b.json", "{}")
+    writes.wait()
+    assert isinstance(failed.error, FileNotFoundError) and not failed.digests
+    assert isinstance(broken.error, OSError) and "IndexError" in str(broken.error)
+    assert fine.error is None and set(fine.digests) == {"b.json"} and writes.idle()
+
+
 # ------------------------------------------------------------------------------------------ non-finite steps
 
 def trainer(tmp_path, *overrides):
@@ -437,13 +490,15 @@ def trainer(tmp_path, *overrides):
     return Trainer(load_config(CONFIG, [*SMALL, f"training.output_dir={tmp_path}", *overrides]))
 
 
-def test_a_streak_of_skipped_steps_saves_nothing_and_names_the_checkpoint_before_it(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_streak_of_skipped_steps_saves_nothing_and_names_the_checkpoint_before_it(tmp_path, async_save):
+    """Also with saves written in the background: the one being written when the run stops is completed first."""
     from test_precision import poison_gradients
 
     from ernie_moe.training.precision import NonFiniteGradients
 
     tr = trainer(tmp_path, "training.max_steps=8", "training.save_steps=1", "training.save_total_limit=1",
-                 "training.max_skipped_steps=3")
+                 "training.max_skipped_steps=3", f"training.async_save={async_save}")
     poison_gradients(tr, {3, 4, 5})
     with pytest.raises(NonFiniteGradients) as err:
         tr.train()

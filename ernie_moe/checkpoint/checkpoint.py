@@ -35,7 +35,7 @@ from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor, shard_of
 from .errors import CheckpointError
-from .files import WrittenFiles, sha256_of, sync_folder
+from .files import BackgroundWrites, WrittenFiles, sha256_of, sync_folder
 from .formats import read_weight_map
 from .lineage import MARKER, Checkpoint, Run, folder_for, marker_text, prune, read
 from .model_files import (
@@ -82,10 +82,12 @@ class TrainingParts:
     ema: object = None  # the EMA of the weights (training.ema.WeightAverage), or None
 
 
-def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent: Checkpoint | None) -> Checkpoint:
-    """Write the checkpoint of the state's step (every rank calls this), prune the run's lineage, return it.
-    A write error on any rank removes the half-written folder and raises :class:`CheckpointError` on every
-    rank. ``cfg`` is the run's config, saved with it; ``tokenizer`` is saved beside the model."""
+def start_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent: Checkpoint | None,
+                     background: BackgroundWrites | None = None) -> PendingCheckpoint:
+    """Start the checkpoint of the state's step (every rank calls this): the part that reads the training state,
+    the full tensors gathered to host memory and handed to the file writes, which run now or, with
+    ``background``, on its thread while training goes on. :meth:`PendingCheckpoint.finish` completes it.
+    ``cfg`` is the run's config, saved with it; ``tokenizer`` is saved beside the model."""
     step = parts.state.step
     root = Path(cfg.training.output_dir)
     final = folder_for(root, step, run)
@@ -93,7 +95,7 @@ def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent:
     if env.is_main and tmp.exists():
         shutil.rmtree(tmp, ignore_errors=True)  # a save interrupted earlier; what is left is overwritten
     _barrier(env)
-    written = WrittenFiles()
+    written = WrittenFiles(background)
     try:
         tmp.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -105,6 +107,7 @@ def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent:
         written.write(tmp / BASE_FILE, json.dumps(parts.base, indent=2))
     faults.hit("kill_during_save", step, env.rank)
     faults.hit("sigterm_during_save", step, env.rank)
+    written.run(lambda: faults.hit("kill_during_background_write", step, env.rank))
     _save_optimizer(parts, env, tmp, step, written)
     _save_ema(parts, env, tmp, written)
     written.write(tmp / f"rng_state-{env.rank:05d}.json", json.dumps(rng_state()))
@@ -114,24 +117,51 @@ def save_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent:
                  "loss_scaler": parts.scaler.state_dict(), "ema_updates": parts.ema.updates if parts.ema else 0,
                  "config": dataclasses.asdict(cfg)}
         written.write(tmp / "trainer_state.json", json.dumps(state, indent=2))
-    outcomes = env.all_gather_object((written.digests, f"{written.error}" if written.error else None))
-    error = None
-    if env.is_main:
-        error = next((f"rank {rank}: {e}" for rank, (_, e) in enumerate(outcomes) if e), None)
-        if error is None:
-            digests = {name: digest for files, _ in outcomes for name, digest in files.items()}
-            error = _complete(tmp, final, step, run, parent, digests)
+    return PendingCheckpoint(step, tmp, final, run, parent, written, root, cfg.training.save_total_limit)
+
+
+@dataclass
+class PendingCheckpoint:
+    """A save whose files are being written: complete once every rank's are (:meth:`finish`)."""
+
+    step: int
+    tmp: Path
+    final: Path
+    run: Run
+    parent: Checkpoint | None
+    written: WrittenFiles
+    root: Path
+    save_total_limit: int
+
+    def written_here(self) -> bool:
+        """Whether this rank's files are all written (or have failed)."""
+        return self.written.background is None or self.written.background.idle()
+
+    def finish(self, env) -> Checkpoint:
+        """Every rank calls this: wait for this rank's files, then the marker, the rename and the pruning, or on
+        a write error anywhere the partial folder removed and :class:`CheckpointError` raised on every rank."""
+        if self.written.background is not None:
+            self.written.background.wait()
+        written, tmp, final, parent = self.written, self.tmp, self.final, self.parent
+        outcomes = env.all_gather_object((written.digests, f"{written.error}" if written.error else None))
+        error = None
+        if env.is_main:
+            error = next((f"rank {rank}: {e}" for rank, (_, e) in enumerate(outcomes) if e), None)
+            if error is None:
+                digests = {name: digest for files, _ in outcomes for name, digest in files.items()}
+                error = _complete(tmp, final, self.step, self.run, parent, digests)
+            if error is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        error = env.all_gather_object(error)[0]
         if error is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    error = env.all_gather_object(error)[0]
-    if error is not None:
-        before = f"the previous checkpoint {parent.path} is intact" if parent else "no earlier checkpoint exists"
-        raise CheckpointError(f"saving {final.name} failed on {error}. The partial {tmp.name} was removed; {before}.")
-    saved = read(final)
-    if env.is_main:
-        prune(root, saved, cfg.training.save_total_limit)
-    _barrier(env)
-    return saved
+            before = f"the previous checkpoint {parent.path} is intact" if parent else "no earlier checkpoint exists"
+            raise CheckpointError(f"saving {final.name} failed on {error}. The partial {tmp.name} was removed; "
+                                  f"{before}.")
+        saved = read(final)
+        if env.is_main:
+            prune(self.root, saved, self.save_total_limit)
+        _barrier(env)
+        return saved
 
 
 def _complete(tmp: Path, final: Path, step: int, run: Run, parent: Checkpoint | None, digests: dict) -> str | None:
@@ -220,7 +250,7 @@ def _write_full_tensors(entries: list, env, directory: Path, kind: str, written:
     try:
         if step is not None:
             faults.hit("disk_full", step, env.rank)
-        file = SafetensorsWriter(directory / filename, specs, {"format": "pd"}) if specs else None
+        file = SafetensorsWriter(directory / filename, specs, {"format": "pd"}, written) if specs else None
     except OSError as err:
         written.fail(err)
     for name, param, value, writes in entries:

@@ -95,9 +95,13 @@ class SafetensorsWriter:
     """A safetensors file written one tensor at a time: the header (names, dtypes, shapes, offsets) is known
     beforehand, so no more than the tensor being written is held in memory. The bytes are hashed on the way
     out and synced on close; a write error is kept in ``error`` (and later writes skipped) instead of raised,
-    so the caller still takes part in the collectives around the writes."""
+    so the caller still takes part in the collectives around the writes.
 
-    def __init__(self, path: Path, specs: list[tuple[str, np.dtype, list[int]]], metadata: dict):
+    With ``written`` writing in the background (``checkpoint.files.BackgroundWrites``) the tensors are kept as
+    handed over (host copies) and the file is written on its thread at :meth:`close`."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, np.dtype, list[int]]], metadata: dict,
+                 written: WrittenFiles | None = None):
         header, offset = {"__metadata__": metadata}, 0
         for name, dtype, shape in specs:
             size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
@@ -112,13 +116,23 @@ class SafetensorsWriter:
         self.hash = hashlib.sha256()
         self.error: OSError | None = None
         self.file = None
-        try:
-            self.file = open(path, "wb")
-        except OSError as err:
-            self.error = err
+        # in the background: the header and tensors, in order, until close hands them to the writer's thread
+        self.pending: list | None = [] if written is not None and written.background is not None else None
+        if self.pending is None:
+            self._open()
         self._put(struct.pack("<Q", len(encoded)) + encoded)
 
-    def _put(self, data: bytes) -> None:
+    def _open(self) -> None:
+        try:
+            self.file = open(self.path, "wb")
+        except OSError as err:
+            self.error = err
+
+    def _put(self, data) -> None:
+        """``data``: bytes, or the bytes of a contiguous array."""
+        if self.pending is not None:
+            self.pending.append(data)
+            return
         if self.error is not None:
             return
         try:
@@ -131,11 +145,24 @@ class SafetensorsWriter:
         expected = self.expected.pop(0)
         if expected != (name, array.dtype, list(array.shape)):
             raise ValueError(f"tensor {name} {array.dtype} {list(array.shape)} written where {expected} was announced")
-        self._put(np.ascontiguousarray(array).tobytes())
+        self._put(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
     def close(self, written: WrittenFiles | None = None) -> None:
         """Flush and sync; record the file's digest (or the write error) in ``written``. Without ``written``
-        a write error is raised here."""
+        a write error is raised here. In the background this happens on the writer's thread."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            written.run(lambda: self._write_all(pending, written))
+            return
+        self._close(written)
+
+    def _write_all(self, pending: list, written: WrittenFiles) -> None:
+        self._open()
+        for data in pending:
+            self._put(data)
+        self._close(written)
+
+    def _close(self, written: WrittenFiles | None) -> None:
         if self.file is not None:
             try:
                 self.file.flush()
@@ -204,7 +231,7 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
     if writer is not None:
         out.mkdir(parents=True, exist_ok=True)
         filename = f"{stem}-{writer + 1:05d}-of-{writers:05d}.safetensors"
-        file = SafetensorsWriter(out / filename, specs, {"format": "pd"})
+        file = SafetensorsWriter(out / filename, specs, {"format": "pd"}, written)
     for name, param in named:
         tensor = full_tensor(param, tp_group)  # a collective over the tensor-parallel group: every rank calls it
         if name in mine:

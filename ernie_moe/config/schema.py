@@ -241,6 +241,10 @@ class TrainingConfig:
     eval_steps: int = opt(100, "evaluate every N steps and at the end; 0 = only at the end")
     save_steps: int = opt(0, "write output_dir/checkpoint-<step> every N steps (and at the end); 0 = only at the end")
     save_total_limit: int = opt(0, "keep the newest N checkpoints of the run's lineage; 0 = keep all")
+    async_save: bool = opt(False, "a save stops the step only to copy the state to host memory; a thread writes the "
+                                   "files (same format, completion marker last) while training goes on, and the "
+                                   "checkpoint completes at the first logging step after every rank has written; a "
+                                   "second save, a stop and the run's end wait for it")
     save_on_signal: bool = opt(True, "on SIGTERM or SIGINT (or the launcher gone), every rank finishes its step, "
                                       "saves a checkpoint and the run exits with code 4")
     final_model_format: str = choice("paddleformers", "paddleformers", "transformers",

@@ -114,6 +114,9 @@ class StageMemory:
     transient: float
     offloaded: bool = False  # the optimizer states visit the device for the update only, after the backward pass
     reference: float = 0.0  # a preference run's reference copy of the weights that train (full fine-tuning)
+    # host memory, not the device's: what an async save (training.async_save) copies before its files are written,
+    # at most the stage's weights and optimizer states whole (a writing rank gathers the tensor-parallel slices)
+    save_copy: float = 0.0
 
     @property
     def total(self) -> float:
@@ -352,11 +355,14 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         optimizer = states_per_param * (trainable[0] / sharding + trainable[1] / max(expert_replicas, 1))
         trainable_float32 = params.float32 - params.frozen_float32
         optimizer -= 4 * (trainable_float32 / sharding) if o2 else 0  # float32 weights need no master copy
+        # the EMA's float32 averages, split over the replicas of each weight (host when offloaded)
+        ema = 4 * (trainable[0] / data_world + trainable[1] / max(layout.expert_copies, 1)) if t.ema_decay else 0.0
+        save_copy = p.tensor_parallel_degree * (parameters + optimizer + ema) if t.async_save else 0.0
         if t.offload_optim:  # what visits at once: a bucket, or fleet's sharded share of the shared states whole
             shared_share = states_per_param * trainable[0] / sharding if p.sharding else 0.0
             optimizer = max(shared_share, min(optimizer - shared_share, OFFLOAD_BUCKET_BYTES))
-        elif t.ema_decay:  # the EMA's float32 averages, split over the replicas of each weight (host when offloaded)
-            optimizer += 4 * (trainable[0] / data_world + trainable[1] / max(layout.expert_copies, 1))
+        else:
+            optimizer += ema
         per_layer = [_layer_activations(m, p, t, layer, workload, capacity) for layer in layers]
         if layers:
             per_layer = [(attention_inputs(m, p, t, workload), 0.0)] + per_layer
@@ -381,5 +387,5 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         holds = t.stage == "dpo" and t.fine_tuning != "lora" and t.dpo_reference == "model" and t.dpo_loss != "simpo"
         reference = param_bytes * sum(trainable) if holds else 0.0
         out.append(StageMemory(stage, parameters, gradients, optimizer, inputs, activations, transient,
-                               t.offload_optim, reference))
+                               t.offload_optim, reference, save_copy))
     return out

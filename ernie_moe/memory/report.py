@@ -8,7 +8,8 @@ The device's size is ``--device-memory-gb``, else the config's ``training.device
 
 Prints, for one rank of each pipeline stage, the bytes of parameters (and a full fine-tune's preference reference
 copy of them), gradients, optimizer states, input batches, activations and the backward-pass transient, and whether
-the busiest stage fits the device. With ``--search`` it lists the layouts (tensor, pipeline, virtual stages,
+the busiest stage fits the device; with ``training.async_save``, the host memory a save's copy of the state takes.
+With ``--search`` it lists the layouts (tensor, pipeline, virtual stages,
 sharding, expert degree or the experts over the tensor ranks with sequence parallelism, recompute, micro-batch,
 optimizer offload, the loss over chunks) that fit, the fastest first by a rough estimate; with
 ``--smallest`` the fewest GPUs (a multiple of 8) on which one fits, and that layout. The micro-batch's make-up
@@ -101,6 +102,10 @@ def report(cfg, world: int, device_gb: float, run_search: bool, image_fraction: 
              f"{workload.patches} patches ({source})",
              table(stages, device)]
     ok = fits(stages, device)
+    copy = max(s.save_copy for s in stages)
+    if copy:
+        lines.append(f"async save (training.async_save): up to {size(copy)} of host memory on a writing rank for the "
+                     "copy of the state its files are written from")
     rung = cfg.training.memory_guard_capacity
     if rung:
         tighter = max(s.total for s in estimate(cfg, workload, data_world, capacity=rung))

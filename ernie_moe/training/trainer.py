@@ -22,9 +22,10 @@ from ..checkpoint import (
     claim_output_dir,
     load_checkpoint,
     resolve,
-    save_checkpoint,
     save_model,
+    start_checkpoint,
 )
+from ..checkpoint.files import BackgroundWrites
 from ..checkpoint.model_files import folder_config, inference_files
 from ..checkpoint.output_lock import release_output_dir
 from ..checkpoint.pretrained import format_report, load_pretrained
@@ -80,6 +81,8 @@ class Trainer:
         self.data_stats: Counter = Counter()  # skipped and fitted samples, the data/ metrics
         self.feed, self.eval_set = self._build_data()
         self.last_checkpoint = None  # the newest checkpoint of this run's lineage: a resume's source, then its saves
+        self.writes = BackgroundWrites() if t.async_save else None  # the thread that writes saves in the background
+        self.pending_save = None  # a save being written in the background (PendingCheckpoint)
         if t.resume_from_checkpoint:
             self._resume()
         self.best = BestModel(t, resumed=self.step > 0)
@@ -130,6 +133,7 @@ class Trainer:
                     for line in self.monitor.warnings if self.env.is_main else []:
                         bar.write(f"WARNING {line}")
                     window = []
+                    self._finish_save(wait=False)
                 if self.replicas.due(self.step):  # before the EMA's evaluation, which rewrites the replicas
                     self._check_replicas(f"after step {self.step}")
                 stopping_early = False
@@ -145,6 +149,7 @@ class Trainer:
                 if reason:
                     self._stop(reason, bar)
         bar.close()
+        self._finish_save()
         self.feed.close()
         last = max(self.step, first - 1)
         stopped_early = self.best.patience_spent and last < t.max_steps
@@ -180,9 +185,11 @@ class Trainer:
         """Stop after this step on request: a checkpoint of it (unless the step just saved one), the summary, then
         StopRequested for the run's exit code."""
         bar.close()
+        self._finish_save()
         saved = self.last_checkpoint is not None and self.last_checkpoint.step == self.step
         if not saved:
             self._save()
+            self._finish_save()
         where = self.last_checkpoint.path if self.last_checkpoint else "no checkpoint (the last steps were skipped)"
         self._write_summary({"status": "stopped", "steps": self.step, "reason": reason,
                              "checkpoint": str(where)})
@@ -196,6 +203,7 @@ class Trainer:
         try:
             return self.train_step()
         except NonFiniteGradients as err:
+            self._finish_save()  # its state is from before these steps
             where = (f"the newest checkpoint, saved before these steps, is {self.last_checkpoint.path}"
                      if self.last_checkpoint else "no checkpoint was saved before them")
             raise NonFiniteGradients(f"{err} ({where})") from None
@@ -209,8 +217,24 @@ class Trainer:
                 print(f"not saving at step {self.step}: the last {in_a_row} step(s) were skipped for non-finite "
                       "gradients", flush=True)
             return
-        self.last_checkpoint = save_checkpoint(self.parts, self.cfg, self.tokenizer, self.env, self.run,
-                                               self.last_checkpoint)
+        self._finish_save()  # a second save waits for the first
+        pending = start_checkpoint(self.parts, self.cfg, self.tokenizer, self.env, self.run, self.last_checkpoint,
+                                   self.writes)
+        if self.writes is None:
+            self.last_checkpoint = pending.finish(self.env)
+        else:
+            self.pending_save = pending
+
+    def _finish_save(self, wait: bool = True) -> None:
+        """Complete a save written in the background: now, waiting for this rank's files, or without ``wait``
+        only once every rank has written its files (each rank says whether it has: a collective)."""
+        pending = self.pending_save
+        if pending is None:
+            return
+        if not wait and not all(self.env.all_gather_object(pending.written_here())):
+            return
+        self.pending_save = None
+        self.last_checkpoint = pending.finish(self.env)
 
     def _next_rows(self) -> list:
         """This rank's rows of each micro-batch of the next step."""
