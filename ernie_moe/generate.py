@@ -7,7 +7,8 @@ the file, and prints one JSON line per answer naming its record (``line``, and `
 one). Images and videos are encoded as the folder's training encoded them (its ``preprocessor_config.json``;
 ``--config FILE``: a training config whose data section overrides it). Decoding is greedy unless
 ``--temperature`` is above 0, one forward per new token over a key/value cache, and stops at the end-of-sentence
-token. One process.
+token. Several prompts (``--messages``) are decoded side by side, ``--batch-size`` at a time (one forward per new
+token for all of them; each answer is the one its prompt gets alone). One process.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import sys
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
-from .cli import add_decoding_arguments, thinking_of
+from .cli import add_decoding_arguments, at_least_one, thinking_of
 from .config import ConfigError
 from .config.schema import DataConfig
 from .data.erniekit import record_thinking
 from .data.jsonl import images_of, load_image, load_video, local, parse_messages, parse_record
 from .data.packing import BadSample
 from .data.sample import Chunk, Sample
-from .generation import UsageError, check_room, folder_run_config, generate, load_model_folder, prompt_encoder
+from .generation import UsageError, check_room, folder_run_config, generate_batch, load_model_folder, prompt_encoder
 from .paths import not_a_file
 
 # a --messages file is read whole: far above any hand-written set of prompts
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
     source.add_argument("--prompt", help="a user turn")
     source.add_argument("--messages", help="JSONL: one {'images': [...], 'messages': [...]} conversation per line")
     add_decoding_arguments(parser, max_new_tokens=64)
+    parser.add_argument("--batch-size", type=at_least_one, default=8, help="prompts decoded side by side")
     args = parser.parse_args(argv)
     try:
         data = folder_run_config(args.model, args.config).data
@@ -97,12 +99,15 @@ def main(argv=None) -> int:
     except (BadSample, UsageError, CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"generate error: {err}", file=sys.stderr)
         return 2
-    for key, prompt in zip(keys, prompts):
-        out = generate(model, prompt, args.max_new_tokens, tokenizer.eos_id, args.temperature, args.top_p, args.seed,
-                       never=(cfg.im_patch_id,) if loaded.sees_images else (), tokens=tokenizer.vocab_size)
-        text = tokenizer.decode(out.ids)
-        answer = {**key, "text": text, "tokens": len(out.ids), "stop": out.stop} if key is not None else None
-        print(json.dumps(answer, ensure_ascii=False) if answer is not None else text, flush=True)
+    for start in range(0, len(prompts), args.batch_size):
+        group = prompts[start: start + args.batch_size]
+        outs = generate_batch(model, group, args.max_new_tokens, tokenizer.eos_id, args.temperature, args.top_p,
+                              [args.seed] * len(group), never=(cfg.im_patch_id,) if loaded.sees_images else (),
+                              tokens=tokenizer.vocab_size)
+        for key, out in zip(keys[start: start + args.batch_size], outs):
+            text = tokenizer.decode(out.ids)
+            answer = {**key, "text": text, "tokens": len(out.ids), "stop": out.stop} if key is not None else None
+            print(json.dumps(answer, ensure_ascii=False) if answer is not None else text, flush=True)
     return 0
 
 

@@ -80,6 +80,50 @@ def test_greedy_decoding_with_and_without_the_cache_agree():
     assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
 
 
+def side_by_side_prompts(cfg):
+    """Prompts of different lengths: an image and text, text alone, more text, two images and text."""
+    tokenizer = build_tokenizer(cfg)
+    encoder = Encoder(tokenizer, cfg.model, 64, "skip", cfg.data.max_image_side, Counter())
+    shapes = SyntheticShapes(0, "eval", 4, cfg.data.image_size)
+    samples = [Sample(shapes[0].images, [Chunk(image=0), *shapes[0].chunks[1:3]]),
+               Sample([], shapes[1].chunks[1:2]),
+               Sample([], shapes[2].chunks[1:4]),
+               Sample(shapes[3].images + shapes[0].images, [Chunk(image=0), Chunk(image=1), *shapes[3].chunks[1:2]])]
+    return [encoder.prompt(sample) for sample in samples]
+
+
+@pytest.mark.parametrize("kind", ["text_moe", "vl"])
+def test_prompts_decoded_side_by_side_get_the_answers_each_gets_alone(kind):
+    """Prompts of different lengths (padded on the left, padding seen by no row) with images: the first logits of
+    each row equal its own forward's; greedy answers token for token, with rows stopping at different steps (an
+    end-of-sentence token one row meets early), sampled answers with each row's seed, and the uncached reference,
+    all equal to each prompt decoded alone."""
+    from ernie_moe.generation.decoding import batch_inputs, generate_batch
+
+    cfg, model = built(kind)
+    prompts = side_by_side_prompts(cfg)
+    if kind == "text_moe":
+        prompts = [p for p in prompts if not p.patches]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    layers = cfg.model.num_hidden_layers
+    inputs, padding = batch_inputs(prompts, 588)
+    together = forward_cached(model, inputs, KVCache(layers, padding)).numpy()
+    for row, prompt in enumerate(prompts):
+        alone = forward_cached(model, prompt_inputs(prompt, 588), KVCache(layers)).numpy()[0]
+        np.testing.assert_allclose(together[row, padding[row]:], alone, atol=1e-5, rtol=1e-5)
+    never = (cfg.model.im_patch_id,)
+    alone = [generate(model, p, 10, eos_id=-1, never=never) for p in prompts]
+    eos = alone[1].ids[3]  # a token one answer meets early: that row stops there, the others go on
+    for temperature, seeds in ((0.0, None), (1.0, [5, 6, 7, 8][: len(prompts)])):
+        expected = [generate(model, p, 10, eos_id=eos, temperature=temperature, seed=(seeds or [0] * 4)[i],
+                             never=never) for i, p in enumerate(prompts)]
+        for use_cache in (True, False):
+            got = generate_batch(model, prompts, 10, eos_id=eos, temperature=temperature, seeds=seeds,
+                                 use_cache=use_cache, never=never)
+            assert got == expected, (temperature, use_cache)
+    assert {out.stop for out in expected} >= {"eos"} and any(len(out.ids) == 10 for out in expected)
+
+
 def test_sampling_keeps_to_the_nucleus():
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
     rng = np.random.default_rng(0)

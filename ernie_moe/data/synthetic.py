@@ -90,6 +90,8 @@ class SyntheticShapes:
         return self.sample(self.describe(index), draw=False)
 
     def __getitem__(self, index: int) -> Sample:
+        if not 0 <= index < self.size:  # also ends a for loop over the set, which would otherwise never stop
+            raise IndexError(f"sample {index} of {self.size}")
         return self.sample(self.describe(index))
 
     def sample(self, d: dict, draw: bool = True) -> Sample:

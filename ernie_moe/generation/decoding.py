@@ -1,4 +1,5 @@
-"""Greedy and sampled decoding, one forward per new token over a key/value cache."""
+"""Greedy and sampled decoding, one forward per new token over a key/value cache, for one prompt or several side by
+side (one forward per new token for all of them)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import paddle
 from ..data.packing import Encoded
 from .kv_cache import KVCache, forward_cached
 
+NO_TOKEN = -1  # the token type of padding: no expert takes it, no image is written there
+
 
 @dataclass
 class Generated:
@@ -18,20 +21,46 @@ class Generated:
     stop: str  # "eos", "length" (max_new_tokens), "positions" (max_position_embeddings) or "caller" (on_token)
 
 
+def batch_inputs(prompts: list[Encoded], channels: int) -> tuple[tuple, np.ndarray]:
+    """The first block's input tuple for ``prompts`` side by side, each padded on the left to the longest, and each
+    row's padding (its positions hold no token, and no row sees them: ``KVCache(padding=...)``)."""
+    longest = max(len(p) for p in prompts)
+    padding = np.array([longest - len(p) for p in prompts], dtype=np.int64)
+    ids = np.zeros([len(prompts), longest], np.int64)
+    types = np.full([len(prompts), longest], NO_TOKEN, np.int64)
+    positions = np.zeros([len(prompts), longest, 3], np.int64)
+    for row, (prompt, pad) in enumerate(zip(prompts, padding)):
+        ids[row, pad:], types[row, pad:], positions[row, pad:] = (prompt.input_ids, prompt.token_type_ids,
+                                                                   prompt.position_ids)
+    patches = [p for prompt in prompts for p in prompt.patches]
+    grids = [g for prompt in prompts for g in prompt.grids]
+    patches = np.concatenate(patches) if patches else np.zeros([0, channels], np.float32)
+    grids = np.stack(grids).reshape([-1, 3]) if grids else np.zeros([0, 3], np.int64)
+    inputs = (paddle.to_tensor(ids), paddle.to_tensor(types), paddle.to_tensor(positions),
+              paddle.full([len(prompts), longest], longest, dtype="int64"), paddle.to_tensor(patches),
+              paddle.to_tensor(grids))
+    return inputs, padding
+
+
 def prompt_inputs(prompt: Encoded, channels: int) -> tuple:
     """The first block's input tuple for one encoded prompt."""
-    patches = np.concatenate(prompt.patches) if prompt.patches else np.zeros([0, channels], np.float32)
-    grids = np.stack(prompt.grids).reshape([-1, 3]) if prompt.grids else np.zeros([0, 3], np.int64)
-    return (paddle.to_tensor(prompt.input_ids[None]), paddle.to_tensor(prompt.token_type_ids[None]),
-            paddle.to_tensor(prompt.position_ids[None]), paddle.full([1, len(prompt)], len(prompt), dtype="int64"),
-            paddle.to_tensor(patches), paddle.to_tensor(grids))
+    return batch_inputs([prompt], channels)[0]
+
+
+def tokens_inputs(tokens: list[int], positions: list[int], live: list[bool], channels: int) -> tuple:
+    """The input tuple of one new text token per row at its ``position`` (the same on the t, h and w axes); a row
+    that is no longer ``live`` gets a padding position."""
+    rows = len(tokens)
+    types = np.where(live, 0, NO_TOKEN).astype(np.int64)[:, None]
+    return (paddle.to_tensor(np.array(tokens, np.int64)[:, None]), paddle.to_tensor(types),
+            paddle.to_tensor(np.repeat(np.array(positions, np.int64)[:, None, None], 3, axis=2)),
+            paddle.ones([rows, 1], dtype="int64"), paddle.zeros([0, channels], dtype="float32"),
+            paddle.zeros([0, 3], dtype="int64"))
 
 
 def token_inputs(token: int, position: int, channels: int) -> tuple:
     """The input tuple of one new text token at ``position`` (the same on the t, h and w axes)."""
-    return (paddle.to_tensor([[token]]), paddle.zeros([1, 1], dtype="int64"),
-            paddle.full([1, 1, 3], position, dtype="int64"), paddle.ones([1, 1], dtype="int64"),
-            paddle.zeros([0, channels], dtype="float32"), paddle.zeros([0, 3], dtype="int64"))
+    return tokens_inputs([token], [position], [True], channels)
 
 
 def choose(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
@@ -55,34 +84,66 @@ def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperatu
     vocabulary larger than the tokenizer's: ids it cannot decode). ``use_cache=False`` runs the whole sequence
     again for every token (the reference the cache is checked against). ``on_token`` sees the new tokens so
     far after each one (a stream); returning True stops there (a stop string)."""
+    stream = None if on_token is None else (lambda row, new: on_token(new))
+    return generate_batch(model, [prompt], max_new_tokens, eos_id, temperature, top_p, [seed], use_cache, never,
+                          tokens, stream)[0]
+
+
+@paddle.no_grad()
+def generate_batch(model, prompts: list[Encoded], max_new_tokens: int, eos_id: int, temperature: float = 0.0,
+                   top_p: float = 1.0, seeds: list[int] | None = None, use_cache: bool = True,
+                   never: tuple[int, ...] = (), tokens: int | None = None,
+                   on_token: Callable[[int, list[int]], bool] | None = None) -> list[Generated]:
+    """:func:`generate` for several prompts side by side: one forward per new token for all of them, each row's
+    logits read back together. Each prompt's answer is the one :func:`generate` gives it alone (with its seed from
+    ``seeds``, default 0 each) where the MoE layers are dropless, as an evaluation's are unless ``moe_capacity``
+    sets an evaluation factor (the batch's tokens then set the capacity). ``on_token(row, new)``: as
+    :func:`generate`'s, per row."""
     channels = model.cfg.vision_config.in_channels * model.cfg.vision_config.patch_size ** 2
-    rng = np.random.default_rng(seed)
+    rngs = [np.random.default_rng(s) for s in (seeds or [0] * len(prompts))]
     limit = model.cfg.max_position_embeddings
-    position = int(prompt.position_ids.max()) + 1
-    cache = KVCache(model.cfg.num_hidden_layers)
-    logits = forward_cached(model, prompt_inputs(prompt, channels), cache)
-    new: list[int] = []
+    positions = [int(p.position_ids.max()) + 1 for p in prompts]
+    inputs, padding = batch_inputs(prompts, channels)
+    cache = KVCache(model.cfg.num_hidden_layers, padding)
+    logits = forward_cached(model, inputs, cache)
+    new: list[list[int]] = [[] for _ in prompts]
+    done: list[Generated | None] = [None] * len(prompts)
+    last = [0] * len(prompts)
     while True:
-        scores = logits[0, -1].astype("float32").numpy()
-        scores[list(never)] = -np.inf
+        scores = logits[:, -1].astype("float32").numpy()  # every row's, in one read
+        scores[:, list(never)] = -np.inf
         if tokens is not None:
-            scores[tokens:] = -np.inf
-        token = choose(scores, temperature, top_p, rng)
-        if token == eos_id:
-            return Generated(new, "eos")
-        new.append(token)
-        if on_token is not None and on_token(new):
-            return Generated(new, "caller")
-        if len(new) >= max_new_tokens:
-            return Generated(new, "length")
-        if position >= limit:
-            return Generated(new, "positions")
+            scores[:, tokens:] = -np.inf
+        for row, out in enumerate(done):
+            if out is None:
+                done[row] = _next(row, scores[row], new[row], temperature, top_p, rngs[row], eos_id, max_new_tokens,
+                                  positions[row] >= limit, on_token)
+                last[row] = new[row][-1] if new[row] else 0
+        if all(out is not None for out in done):
+            return done
+        live = [out is None for out in done]
         if use_cache:
-            logits = forward_cached(model, token_inputs(token, position, channels), cache)
+            logits = forward_cached(model, tokens_inputs(last, positions, live, channels), cache)
         else:
-            logits = forward_cached(model, prompt_inputs(_extended(prompt, new), channels),
-                                    KVCache(model.cfg.num_hidden_layers))
-        position += 1
+            whole, padding = batch_inputs([_extended(p, ids) for p, ids in zip(prompts, new)], channels)
+            logits = forward_cached(model, whole, KVCache(model.cfg.num_hidden_layers, padding))
+        positions = [p + 1 if alive else p for p, alive in zip(positions, live)]
+
+
+def _next(row: int, scores: np.ndarray, new: list[int], temperature: float, top_p: float, rng, eos_id: int,
+          max_new_tokens: int, at_last_position: bool, on_token) -> Generated | None:
+    """Choose one row's next token into ``new``; its :class:`Generated` once it stops, else None."""
+    token = choose(scores, temperature, top_p, rng)
+    if token == eos_id:
+        return Generated(new, "eos")
+    new.append(token)
+    if on_token is not None and on_token(row, new):
+        return Generated(new, "caller")
+    if len(new) >= max_new_tokens:
+        return Generated(new, "length")
+    if at_last_position:
+        return Generated(new, "positions")
+    return None
 
 
 def _extended(prompt: Encoded, tokens: list[int]) -> Encoded:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 
 from ..model.decoder import DecoderLayer
@@ -22,9 +23,22 @@ class LayerCache:
 
 
 class KVCache:
-    def __init__(self, num_layers: int):
+    """``padding``: each row's positions of padding before its prompt (several prompts decoded side by side), which
+    no row sees; None: none."""
+
+    def __init__(self, num_layers: int, padding: np.ndarray | None = None):
         self.layers = [LayerCache() for _ in range(num_layers)]
         self.length = 0  # tokens cached
+        self.padding = padding
+
+    def bounds(self, rows: int, new: int) -> RowBounds:
+        """Which keys the ``new`` tokens of each row see: every cached and new key up to itself, but padding."""
+        total = self.length + new
+        ends = np.full([rows, total], total, dtype=np.int64)
+        if self.padding is not None:
+            keys = np.arange(total)
+            ends = np.where(keys[None, :] < self.padding[:, None], keys[None, :], ends)  # seen by no row
+        return RowBounds(paddle.to_tensor(ends), first_row=self.length)
 
 
 @paddle.no_grad()
@@ -32,9 +46,9 @@ def forward_cached(model, inputs: tuple, cache: KVCache) -> paddle.Tensor:
     """Logits ``[batch, new tokens, vocab]`` of the single-device ``model`` for ``inputs`` (the first block's
     tuple, ``model.blocks.block_inputs``: one document per row), the new tokens seeing the cached ones;
     their keys and values join the cache. With an empty cache this is the model's own forward."""
-    past, new = cache.length, inputs[0].shape[1]
     # the new tokens are the last rows: each sees every cached token and the new ones up to itself
-    bounds = RowBounds(paddle.full([inputs[0].shape[0], past + new], past + new, dtype="int64"), first_row=past)
+    rows, new = inputs[0].shape
+    bounds = cache.bounds(rows, new)
     x = inputs
     for block in model.trunk():
         if isinstance(block, DecoderLayer):
