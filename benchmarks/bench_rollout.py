@@ -24,7 +24,7 @@ from ernie_moe.data import build_tokenizer
 from ernie_moe.data.packing import Encoder
 from ernie_moe.data.sample import Sample
 from ernie_moe.data.synthetic import SyntheticShapes
-from ernie_moe.generation import generate, generate_batch
+from ernie_moe.generation import Decoding, generate, generate_batch
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.parallel.cpu_fallbacks import reuse_freed_host_memory, use_avx2_math_on_amd
 
@@ -58,7 +58,7 @@ def main() -> None:
         best = {"batch": float("inf"), "alone": float("inf")}
         for _ in range(args.rounds):
             started = time.perf_counter()
-            together = generate_batch(model, group, args.new_tokens, eos_id=-1, never=never)
+            together = generate_batch(model, group, [Decoding(args.new_tokens)] * size, eos_id=-1, never=never)
             best["batch"] = min(best["batch"], time.perf_counter() - started)
             started = time.perf_counter()
             alone = [generate(model, p, args.new_tokens, eos_id=-1, never=never) for p in group]

@@ -26,7 +26,15 @@ from .data.erniekit import record_thinking
 from .data.jsonl import images_of, load_image, load_video, local, parse_messages, parse_record
 from .data.packing import BadSample
 from .data.sample import Chunk, Sample
-from .generation import UsageError, check_room, folder_run_config, generate_batch, load_model_folder, prompt_encoder
+from .generation import (
+    Decoding,
+    UsageError,
+    check_room,
+    folder_run_config,
+    generate_batch,
+    load_model_folder,
+    prompt_encoder,
+)
 from .paths import not_a_file
 
 # a --messages file is read whole: far above any hand-written set of prompts
@@ -101,9 +109,9 @@ def main(argv=None) -> int:
         return 2
     for start in range(0, len(prompts), args.batch_size):
         group = prompts[start: start + args.batch_size]
-        outs = generate_batch(model, group, args.max_new_tokens, tokenizer.eos_id, args.temperature, args.top_p,
-                              [args.seed] * len(group), never=(cfg.im_patch_id,) if loaded.sees_images else (),
-                              tokens=tokenizer.vocab_size)
+        decoding = Decoding(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+        outs = generate_batch(model, group, [decoding] * len(group), tokenizer.eos_id,
+                              never=(cfg.im_patch_id,) if loaded.sees_images else (), tokens=tokenizer.vocab_size)
         for key, out in zip(keys[start: start + args.batch_size], outs):
             text = tokenizer.decode(out.ids)
             answer = {**key, "text": text, "tokens": len(out.ids), "stop": out.stop} if key is not None else None

@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=at_least_one, default=Limits.max_tokens,
                         help="the most new tokens a request may ask for, and the default")
     parser.add_argument("--max-queue", type=bounded(int, 0), default=Limits.max_queue,
-                        help="requests waiting for the model beyond the one it answers; more get 503")
+                        help="requests held beyond one (being answered or waiting for the model's next turn); "
+                             "more get 503")
     add_thinking_argument(parser)
     args = parser.parse_args(argv)
     image_root = Path(args.image_root).resolve() if args.image_root else None

@@ -96,9 +96,10 @@ def side_by_side_prompts(cfg):
 def test_prompts_decoded_side_by_side_get_the_answers_each_gets_alone(kind):
     """Prompts of different lengths (padded on the left, padding seen by no row) with images: the first logits of
     each row equal its own forward's; greedy answers token for token, with rows stopping at different steps (an
-    end-of-sentence token one row meets early), sampled answers with each row's seed, and the uncached reference,
+    end-of-sentence token one row meets early, and each row's own length limit), sampled answers with each row's seed,
+    and the uncached reference,
     all equal to each prompt decoded alone."""
-    from ernie_moe.generation.decoding import batch_inputs, generate_batch
+    from ernie_moe.generation.decoding import Decoding, batch_inputs, generate_batch
 
     cfg, model = built(kind)
     prompts = side_by_side_prompts(cfg)
@@ -114,14 +115,14 @@ def test_prompts_decoded_side_by_side_get_the_answers_each_gets_alone(kind):
     never = (cfg.model.im_patch_id,)
     alone = [generate(model, p, 10, eos_id=-1, never=never) for p in prompts]
     eos = alone[1].ids[3]  # a token one answer meets early: that row stops there, the others go on
-    for temperature, seeds in ((0.0, None), (1.0, [5, 6, 7, 8][: len(prompts)])):
-        expected = [generate(model, p, 10, eos_id=eos, temperature=temperature, seed=(seeds or [0] * 4)[i],
-                             never=never) for i, p in enumerate(prompts)]
+    for temperature in (0.0, 1.0):
+        decodings = [Decoding(10 - row, temperature, seed=5 + row) for row in range(len(prompts))]
+        expected = [generate(model, p, d.max_new_tokens, eos_id=eos, temperature=temperature, seed=d.seed,
+                             never=never) for p, d in zip(prompts, decodings)]
         for use_cache in (True, False):
-            got = generate_batch(model, prompts, 10, eos_id=eos, temperature=temperature, seeds=seeds,
-                                 use_cache=use_cache, never=never)
+            got = generate_batch(model, prompts, decodings, eos_id=eos, use_cache=use_cache, never=never)
             assert got == expected, (temperature, use_cache)
-    assert {out.stop for out in expected} >= {"eos"} and any(len(out.ids) == 10 for out in expected)
+    assert {out.stop for out in expected} >= {"eos", "length"}
 
 
 def test_sampling_keeps_to_the_nucleus():

@@ -346,6 +346,63 @@ def test_the_terminal_chat_keeps_the_conversation_and_saves_a_record_that_trains
 
 
 @pytest.mark.slow
+def test_requests_that_wait_for_the_model_are_answered_together_each_as_if_alone(served):
+    """Three requests (other prompts, one with an image, other lengths, one sampled, one streamed) come while the
+    model is busy: its next turn answers the three side by side, each as it is answered alone. Of two waiting
+    requests, the one whose stream raises (a client gone) ends alone, with its error; the other is answered."""
+    from ernie_moe.data.jsonl import parse_messages
+    from ernie_moe.serving.chat_model import ChatModel, Sampling
+
+    chat = ChatModel(served[0])
+    square = np.asarray(Image.open(io.BytesIO(square_png())).convert("RGB"))
+    asks = [(PROMPT, [square], Sampling(max_new_tokens=12)), ("Describe it.", [], Sampling(max_new_tokens=6)),
+            ("What colour is the shape at the top?", [], Sampling(max_new_tokens=12, temperature=1.0, seed=4))]
+    prompts = []
+    for text, images, _ in asks:
+        content = [{"type": "image_url", "image_url": {"url": "square.png"}}] * len(images) + [
+            {"type": "text", "text": text}]
+        conversation, sources, _ = parse_messages([{"role": "user", "content": content}], [], [])
+        assert len(sources) == len(images)
+        prompts.append(chat.encode(conversation, images))
+    assert len({len(p) for p in prompts}) == 3
+    alone = [chat.reply(prompt, sampling) for prompt, (_, _, sampling) in zip(prompts, asks)]
+    assert chat.turns == {1: 3}
+
+    def together(calls):
+        """Each (prompt, sampling, on_text) asked from its own thread while the model is held, then let go."""
+        results = [None] * len(calls)
+
+        def one(i, call):
+            try:
+                results[i] = chat.reply(*call)
+            except Exception as err:  # noqa: BLE001
+                results[i] = err
+
+        threads = [threading.Thread(target=one, args=(i, call)) for i, call in enumerate(calls)]
+        with chat.lock:
+            for thread in threads:
+                thread.start()
+            while len(chat.queued) < len(calls):  # every request is waiting for the model
+                threads[0].join(0.05)
+        for thread in threads:
+            thread.join()
+        return results
+
+    pieces = []
+    answers = together([(prompt, sampling, pieces.append if i == 1 else None)
+                        for i, (prompt, (_, _, sampling)) in enumerate(zip(prompts, asks))])
+    assert chat.turns == {1: 3, 3: 1}
+    assert answers == alone and "".join(pieces) == alone[1].text
+
+    def gone(piece):
+        raise BrokenPipeError("the client hung up")
+
+    answers = together([(prompts[0], asks[0][2], gone), (prompts[2], asks[2][2], None)])
+    assert chat.turns == {1: 3, 3: 1, 2: 1}
+    assert isinstance(answers[0], BrokenPipeError) and answers[1] == alone[2]
+
+
+@pytest.mark.slow
 def test_a_full_queue_is_answered_503_and_a_client_that_hangs_up_stops_nothing(served):
     """In this process, so that the test can hold the model itself: with --max-queue 0, a request waiting for the
     model makes the next one a 503 (queue_full). A streaming client that closes its connection after the first

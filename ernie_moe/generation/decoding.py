@@ -15,6 +15,16 @@ from .kv_cache import KVCache, forward_cached
 NO_TOKEN = -1  # the token type of padding: no expert takes it, no image is written there
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How one prompt is continued."""
+
+    max_new_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
 @dataclass
 class Generated:
     ids: list[int]  # the new tokens, without the end-of-sentence token
@@ -85,22 +95,21 @@ def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperatu
     again for every token (the reference the cache is checked against). ``on_token`` sees the new tokens so
     far after each one (a stream); returning True stops there (a stop string)."""
     stream = None if on_token is None else (lambda row, new: on_token(new))
-    return generate_batch(model, [prompt], max_new_tokens, eos_id, temperature, top_p, [seed], use_cache, never,
-                          tokens, stream)[0]
+    return generate_batch(model, [prompt], [Decoding(max_new_tokens, temperature, top_p, seed)], eos_id, use_cache,
+                          never, tokens, stream)[0]
 
 
 @paddle.no_grad()
-def generate_batch(model, prompts: list[Encoded], max_new_tokens: int, eos_id: int, temperature: float = 0.0,
-                   top_p: float = 1.0, seeds: list[int] | None = None, use_cache: bool = True,
+def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos_id: int, use_cache: bool = True,
                    never: tuple[int, ...] = (), tokens: int | None = None,
                    on_token: Callable[[int, list[int]], bool] | None = None) -> list[Generated]:
-    """:func:`generate` for several prompts side by side: one forward per new token for all of them, each row's
-    logits read back together. Each prompt's answer is the one :func:`generate` gives it alone (with its seed from
-    ``seeds``, default 0 each) where the MoE layers are dropless, as an evaluation's are unless ``moe_capacity``
-    sets an evaluation factor (the batch's tokens then set the capacity). ``on_token(row, new)``: as
-    :func:`generate`'s, per row."""
+    """:func:`generate` for several prompts side by side, each with its own :class:`Decoding`: one forward per new
+    token for all of them, each row's logits read back together. Each prompt's answer is the one :func:`generate`
+    gives it alone where the MoE layers are dropless, as an evaluation's are unless ``moe_capacity`` sets an
+    evaluation factor (the batch's tokens then set the capacity). ``on_token(row, new)``: as :func:`generate`'s,
+    per row."""
     channels = model.cfg.vision_config.in_channels * model.cfg.vision_config.patch_size ** 2
-    rngs = [np.random.default_rng(s) for s in (seeds or [0] * len(prompts))]
+    rngs = [np.random.default_rng(d.seed) for d in decodings]
     limit = model.cfg.max_position_embeddings
     positions = [int(p.position_ids.max()) + 1 for p in prompts]
     inputs, padding = batch_inputs(prompts, channels)
@@ -116,7 +125,7 @@ def generate_batch(model, prompts: list[Encoded], max_new_tokens: int, eos_id: i
             scores[:, tokens:] = -np.inf
         for row, out in enumerate(done):
             if out is None:
-                done[row] = _next(row, scores[row], new[row], temperature, top_p, rngs[row], eos_id, max_new_tokens,
+                done[row] = _next(row, scores[row], new[row], decodings[row], rngs[row], eos_id,
                                   positions[row] >= limit, on_token)
                 last[row] = new[row][-1] if new[row] else 0
         if all(out is not None for out in done):
@@ -130,16 +139,16 @@ def generate_batch(model, prompts: list[Encoded], max_new_tokens: int, eos_id: i
         positions = [p + 1 if alive else p for p, alive in zip(positions, live)]
 
 
-def _next(row: int, scores: np.ndarray, new: list[int], temperature: float, top_p: float, rng, eos_id: int,
-          max_new_tokens: int, at_last_position: bool, on_token) -> Generated | None:
+def _next(row: int, scores: np.ndarray, new: list[int], decoding: Decoding, rng, eos_id: int, at_last_position: bool,
+          on_token) -> Generated | None:
     """Choose one row's next token into ``new``; its :class:`Generated` once it stops, else None."""
-    token = choose(scores, temperature, top_p, rng)
+    token = choose(scores, decoding.temperature, decoding.top_p, rng)
     if token == eos_id:
         return Generated(new, "eos")
     new.append(token)
     if on_token is not None and on_token(row, new):
         return Generated(new, "caller")
-    if len(new) >= max_new_tokens:
+    if len(new) >= decoding.max_new_tokens:
         return Generated(new, "length")
     if at_last_position:
         return Generated(new, "positions")

@@ -1,13 +1,15 @@
 """A model folder ready to answer conversations: what the server and the terminal chat share.
 
 Conversations come as the training JSONL's messages are read (``data.jsonl.parse_messages``), their images and
-videos decoded; they are encoded by the folder's training encoder and answered by ``generation.generate`` one
-request at a time (one model per process).
+videos decoded; they are encoded by the folder's training encoder and answered by ``generation.generate_batch``:
+the requests that wait while the model is busy are answered together in its next turn, side by side (one model per
+process).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,7 +17,18 @@ import numpy as np
 
 from ..data.packing import Encoded
 from ..data.sample import Sample
-from ..generation import UsageError, check_room, folder_run_config, generate, load_model_folder, prompt_encoder
+from ..generation import (
+    Decoding,
+    Generated,
+    UsageError,
+    check_room,
+    folder_run_config,
+    generate_batch,
+    load_model_folder,
+    prompt_encoder,
+)
+
+SIDE_BY_SIDE = 8  # requests answered together in one turn of the model, at most
 
 
 @dataclass
@@ -69,6 +82,16 @@ class TextStream:
             self.sent = final
 
 
+@dataclass(eq=False)
+class _Request:
+    prompt: Encoded
+    sampling: Sampling
+    stream: TextStream
+    out: Generated | None = None  # once answered
+    error: Exception | None = None  # what its stream raised (a client gone): that request alone ends
+    answered: bool = False
+
+
 class ChatModel:
     """``folder``: a final model, checkpoint, PaddleFormers ERNIE 4.5 folder or LoRA adapter; ``config_path``: a
     training config whose data section overrides the folder's processor settings."""
@@ -79,7 +102,10 @@ class ChatModel:
         self.model, self.tokenizer, self.cfg = loaded.model, loaded.tokenizer, loaded.cfg
         self.sees_images = loaded.sees_images
         self.encoder = prompt_encoder(self.tokenizer, self.cfg, self.data)
-        self.lock = threading.Lock()  # one generation at a time: the others wait their turn
+        self.lock = threading.Lock()  # held by the model's turn: the requests that come meanwhile wait for the next
+        self.queued: list[_Request] = []  # requests no turn has taken yet (under queue_lock)
+        self.queue_lock = threading.Lock()
+        self.turns: Counter = Counter()  # turns of the model by how many requests they answered
 
     def encode(self, conversation, images: list[np.ndarray], videos: list[np.ndarray] = ()) -> Encoded:
         """The prompt of ``conversation`` (``data.jsonl.parse_messages``'s, its images and videos decoded in
@@ -94,12 +120,47 @@ class ChatModel:
 
     def reply(self, prompt: Encoded, sampling: Sampling,
               on_text: Callable[[str], None] | None = None) -> Reply:
-        """Answer ``prompt``; ``on_text`` receives the answer piece by piece as it is generated."""
-        stream = TextStream(self.tokenizer, sampling.stop, on_text)
-        with self.lock:
-            out = generate(self.model, prompt, sampling.max_new_tokens, self.tokenizer.eos_id, sampling.temperature,
-                           sampling.top_p, sampling.seed, never=(self.cfg.im_patch_id,) if self.sees_images else (),
-                           tokens=self.tokenizer.vocab_size, on_token=stream)
-        text = stream.finish()
+        """Answer ``prompt``; ``on_text`` receives the answer piece by piece as it is generated. The caller that
+        gets the model answers every request waiting by then (up to SIDE_BY_SIDE, its own first) in one turn;
+        each answer is the one its prompt gets alone. What ``on_text`` raises ends this request only."""
+        request = _Request(prompt, sampling, TextStream(self.tokenizer, sampling.stop, on_text))
+        with self.queue_lock:
+            self.queued.append(request)
+        while not request.answered:
+            with self.lock:
+                with self.queue_lock:
+                    if request not in self.queued:  # taken by an earlier turn, which has answered it
+                        continue
+                    others = [r for r in self.queued if r is not request][: SIDE_BY_SIDE - 1]
+                    turn = [request, *others]
+                    self.queued = [r for r in self.queued if r not in turn]
+                self._answer(turn)
+        if request.error is not None:
+            raise request.error
+        text = request.stream.finish()
+        out = request.out
         finish = "stop" if out.stop in ("eos", "caller") else "length"
         return Reply(text, finish, len(prompt.input_ids), len(out.ids))
+
+    def _answer(self, turn: list[_Request]) -> None:
+        def on_token(row: int, ids: list[int]) -> bool:
+            request = turn[row]
+            try:
+                return request.stream(ids)
+            except Exception as err:  # noqa: BLE001 - the client's end: its request stops, the others go on
+                request.error = err
+                return True
+
+        decodings = [Decoding(r.sampling.max_new_tokens, r.sampling.temperature, r.sampling.top_p, r.sampling.seed)
+                     for r in turn]
+        try:
+            outs = generate_batch(self.model, [r.prompt for r in turn], decodings, self.tokenizer.eos_id,
+                                  never=(self.cfg.im_patch_id,) if self.sees_images else (),
+                                  tokens=self.tokenizer.vocab_size, on_token=on_token)
+        except Exception as err:  # noqa: BLE001 - every request of the turn hears of it
+            for request in turn:
+                request.error, request.answered = request.error or err, True
+            return
+        self.turns[len(turn)] += 1
+        for request, out in zip(turn, outs):
+            request.out, request.answered = out, True

@@ -1,7 +1,7 @@
 """The HTTP side of ``python -m ernie_moe.serve``: ``POST /v1/chat/completions`` (whole or streamed as server-sent
-events), ``GET /v1/models`` and the chat page at ``/``. Each connection has a thread; the model answers one
-request at a time, the rest wait (up to ``Limits.max_queue``, then 503). Every failure is answered in the API's
-error shape; none stops the server."""
+events), ``GET /v1/models`` and the chat page at ``/``. Each connection has a thread; the requests that wait for
+the model are answered together in its next turn (``ChatModel.reply``); at most ``Limits.max_queue`` + 1 are held
+at once, more get 503. Every failure is answered in the API's error shape; none stops the server."""
 
 from __future__ import annotations
 

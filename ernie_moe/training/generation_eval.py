@@ -19,7 +19,7 @@ import numpy as np
 import paddle
 
 from ..data.packing import BadSample, Encoded
-from ..generation import generate_batch
+from ..generation import Decoding, generate_batch
 from .evaluate import CATEGORIES, caption_accuracy
 
 SUMS = 3 + 2 * CATEGORIES  # answered, exact matches, F1 sum, then (scored, right) per category
@@ -89,8 +89,8 @@ def evaluate_by_generation(model, dataset, encoder, tokenizer, env, count: int, 
     group = []  # samples answered side by side, SIDE_BY_SIDE at a time
 
     def answer(group):
-        outs = generate_batch(model, [prompt for prompt, _, _ in group], max_new_tokens, tokenizer.eos_id,
-                              never=never, tokens=tokenizer.vocab_size)
+        outs = generate_batch(model, [prompt for prompt, _, _ in group], [Decoding(max_new_tokens)] * len(group),
+                              tokenizer.eos_id, never=never, tokens=tokenizer.vocab_size)
         return sum(answer_sums(out.ids, reference, scored, tokenizer.decode, tokenizer.eos_id)
                    for out, (_, reference, scored) in zip(outs, group))
 
