@@ -131,6 +131,37 @@ def test_a_folder_transformers_saves_gives_its_outputs_here_and_goes_back_bit_fo
         np.testing.assert_array_equal(again[n], theirs[n], err_msg=f"case {n}")
 
 
+def test_a_model_without_a_correction_bias_is_written_with_zeros_for_it(made, tmp_path):
+    """A model trained without the aux-loss-free bias (``moe_use_aux_free: false``), written in transformers' form:
+    zeros stand in for the bias transformers' model always holds, so it loads the folder with nothing missing
+    (nothing newly initialised), and gives this model's logits."""
+    import dataclasses
+
+    from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+
+    folder, hf = made
+    loaded = load_model_folder(hf, need_tokenizer=False)
+    cfg = dataclasses.replace(loaded.cfg, moe_use_aux_free=False)
+    model = ErnieMoEForConditionalGeneration(cfg)
+    model.eval()
+    weights = dict(loaded.model.stable_named_parameters())
+    for name, param in model.stable_named_parameters():
+        param.set_value(weights[name])
+    assert not any("correction_bias" in name for name, _ in model.stable_named_parameters())
+    out = tmp_path / "no_bias"
+    save_model(model, cfg, str(out), build_tokenizer(ernie_config(folder)), hf_layout=True, form="transformers")
+    biases = {n: v for n, v in tensors(out).items() if n.endswith("e_score_correction_bias")}
+    assert biases and all(v.shape == (2, 4) and not v.any() for v in biases.values())
+    ours, theirs, report = compare_on_conversations(out, folder, tmp_path / "cmp")
+    assert report["missing_keys"] == [] and report["unexpected_keys"] == []
+    encoder = Encoder(build_tokenizer(ernie_config(folder)), cfg, 4096, "skip", 448, Counter(),
+                      ernie_config(folder, *(f"data.{k}={v}" for k, v in BUDGET.items())).data.pixel_budget)
+    data = JsonlDataset(str(folder / "data.jsonl"))
+    for n in CASES:
+        np.testing.assert_allclose(ours[n], vl_logits(model, encoder(data[n]), bfloat16_pixels=False), atol=1e-5)
+        np.testing.assert_allclose(ours[n], theirs[n], rtol=0, atol=1e-4, err_msg=f"case {n}")
+
+
 def test_a_run_from_a_transformers_folder_ends_in_a_folder_transformers_reads(made, tmp_path):
     """Two fine-tuning steps from transformers' folder, final_model in its form: transformers loads it whole, with
     the run's pixel budget in its image processor, and gives our logits; the exporter writes the same tensors

@@ -227,6 +227,8 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
             # only its names and shapes after conversion are used
             empty = np.empty(full_shape(param), _saved_dtype(param.dtype))
             specs += [(n, a.dtype, list(a.shape)) for n, a in converted(name, empty)]
+    zeros = absent_correction_biases(model) if form == TRANSFORMERS and only is None and rank == lead else []
+    specs += [(name, array.dtype, list(array.shape)) for name, array in zeros]
     file = None
     if writer is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -238,6 +240,8 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
             full = tensor.numpy() if tensor.dtype in NUMPY_DTYPES else tensor.astype("float32").numpy()
             for part_name, part in converted(name, full):
                 file.write(part_name, part)
+    for name, array in zeros:
+        file.write(name, array)
     if file is not None:
         file.close(written)
     listing = [(writer, sorted(n for n, _, _ in specs), file.total if file is not None else 0)]
@@ -264,6 +268,14 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
             except OSError as err:
                 written.fail(err)
     return out
+
+
+def absent_correction_biases(model) -> list[tuple[str, np.ndarray]]:
+    """Zeros (no shift) as the aux-loss-free correction bias of each of this stage's MoE layers that has none:
+    transformers' ERNIE-4.5-VL always holds one, and would report it newly initialised."""
+    return [(f"model.layers.{moe.layer_idx}.mlp.moe_statics.e_score_correction_bias",
+             np.zeros([len(moe.router_counts), max(moe.router_counts)], np.float32))
+            for moe in model.moe_layers() if moe.moe_statics is None]
 
 
 def written_config(model_cfg, hf_layout: bool, source: dict | None, tokenizer, form: str = PADDLEFORMERS) -> dict:
