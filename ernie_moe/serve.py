@@ -18,7 +18,7 @@ from pathlib import Path
 from .checkpoint.errors import CheckpointError
 from .cli import add_thinking_argument, at_least_one, bounded, thinking_of
 from .config import ConfigError
-from .serving.chat_model import ChatModel
+from .serving.chat_model import SIDE_BY_SIDE, ChatModel
 from .serving.openai_api import Limits
 from .serving.server import ChatServer
 
@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-queue", type=bounded(int, 0), default=Limits.max_queue,
                         help="requests held beyond one (being answered or waiting for the model's next turn); "
                              "more get 503")
+    parser.add_argument("--batch-size", type=at_least_one, default=SIDE_BY_SIDE,
+                        help="requests the model answers side by side in one turn, at most")
     add_thinking_argument(parser)
     args = parser.parse_args(argv)
     image_root = Path(args.image_root).resolve() if args.image_root else None
@@ -45,7 +47,7 @@ def main(argv=None) -> int:
         print(f"serve error: --image-root '{args.image_root}' is not a folder", file=sys.stderr)
         return 2
     try:
-        chat = ChatModel(args.model, args.config)
+        chat = ChatModel(args.model, args.config, args.batch_size)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"serve error: {err}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from ..generation import (
     prompt_encoder,
 )
 
-SIDE_BY_SIDE = 8  # requests answered together in one turn of the model, at most
+SIDE_BY_SIDE = 8  # requests answered together in one turn of the model, at most (serve --batch-size)
 
 
 @dataclass
@@ -94,9 +94,10 @@ class _Request:
 
 class ChatModel:
     """``folder``: a final model, checkpoint, PaddleFormers ERNIE 4.5 folder or LoRA adapter; ``config_path``: a
-    training config whose data section overrides the folder's processor settings."""
+    training config whose data section overrides the folder's processor settings; ``side_by_side``: the most
+    requests one turn of the model answers."""
 
-    def __init__(self, folder, config_path=None):
+    def __init__(self, folder, config_path=None, side_by_side: int = SIDE_BY_SIDE):
         self.data = folder_run_config(folder, config_path).data
         loaded = load_model_folder(folder)
         self.model, self.tokenizer, self.cfg = loaded.model, loaded.tokenizer, loaded.cfg
@@ -106,6 +107,7 @@ class ChatModel:
         self.queued: list[_Request] = []  # requests no turn has taken yet (under queue_lock)
         self.queue_lock = threading.Lock()
         self.turns: Counter = Counter()  # turns of the model by how many requests they answered
+        self.side_by_side = side_by_side
 
     def encode(self, conversation, images: list[np.ndarray], videos: list[np.ndarray] = ()) -> Encoded:
         """The prompt of ``conversation`` (``data.jsonl.parse_messages``'s, its images and videos decoded in
@@ -121,7 +123,7 @@ class ChatModel:
     def reply(self, prompt: Encoded, sampling: Sampling,
               on_text: Callable[[str], None] | None = None) -> Reply:
         """Answer ``prompt``; ``on_text`` receives the answer piece by piece as it is generated. The caller that
-        gets the model answers every request waiting by then (up to SIDE_BY_SIDE, its own first) in one turn;
+        gets the model answers every request waiting by then (up to ``side_by_side``, its own first) in one turn;
         each answer is the one its prompt gets alone. What ``on_text`` raises ends this request only."""
         request = _Request(prompt, sampling, TextStream(self.tokenizer, sampling.stop, on_text))
         with self.queue_lock:
@@ -131,7 +133,7 @@ class ChatModel:
                 with self.queue_lock:
                     if request not in self.queued:  # taken by an earlier turn, which has answered it
                         continue
-                    others = [r for r in self.queued if r is not request][: SIDE_BY_SIDE - 1]
+                    others = [r for r in self.queued if r is not request][: self.side_by_side - 1]
                     turn = [request, *others]
                     self.queued = [r for r in self.queued if r not in turn]
                 self._answer(turn)
