@@ -117,7 +117,6 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
     logits = forward_cached(model, inputs, cache)
     new: list[list[int]] = [[] for _ in prompts]
     done: list[Generated | None] = [None] * len(prompts)
-    last = [0] * len(prompts)
     while True:
         scores = logits[:, -1].astype("float32").numpy()  # every row's, in one read
         scores[:, list(never)] = -np.inf
@@ -127,11 +126,11 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
             if out is None:
                 done[row] = _next(row, scores[row], new[row], decodings[row], rngs[row], eos_id,
                                   positions[row] >= limit, on_token)
-                last[row] = new[row][-1] if new[row] else 0
         if all(out is not None for out in done):
             return done
         live = [out is None for out in done]
         if use_cache:
+            last = [ids[-1] if ids else 0 for ids in new]  # a row stopped before its first token feeds padding
             logits = forward_cached(model, tokens_inputs(last, positions, live, channels), cache)
         else:
             whole, padding = batch_inputs([_extended(p, ids) for p, ids in zip(prompts, new)], channels)

@@ -40,11 +40,10 @@ class Reply:
 
 
 @dataclass(frozen=True)
-class Sampling:
+class Sampling(Decoding):
+    """A request's decoding, and the strings its answer ends before."""
+
     max_new_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
     stop: tuple[str, ...] = ()
 
 
@@ -153,11 +152,9 @@ class ChatModel:
                 request.error = err
                 return True
 
-        decodings = [Decoding(r.sampling.max_new_tokens, r.sampling.temperature, r.sampling.top_p, r.sampling.seed)
-                     for r in turn]
         try:
-            outs = generate_batch(self.model, [r.prompt for r in turn], decodings, self.tokenizer.eos_id,
-                                  never=(self.cfg.im_patch_id,) if self.sees_images else (),
+            outs = generate_batch(self.model, [r.prompt for r in turn], [r.sampling for r in turn],
+                                  self.tokenizer.eos_id, never=(self.cfg.im_patch_id,) if self.sees_images else (),
                                   tokens=self.tokenizer.vocab_size, on_token=on_token)
         except Exception as err:  # noqa: BLE001 - every request of the turn hears of it
             for request in turn:
