@@ -227,12 +227,17 @@ class Trainer:
 
     def _finish_save(self, wait: bool = True) -> None:
         """Complete a save written in the background: now, waiting for this rank's files, or without ``wait``
-        only once every rank has written its files (each rank says whether it has: a collective)."""
+        only once every rank has written its files (the ranks still writing are counted: one number summed over
+        the job, whatever its size)."""
         pending = self.pending_save
         if pending is None:
             return
-        if not wait and not all(self.env.all_gather_object(pending.written_here())):
-            return
+        if not wait:
+            writing = paddle.to_tensor([0.0 if pending.written_here() else 1.0])
+            if self.env.world_size > 1:
+                dist.all_reduce(writing)  # over every rank of the job
+            if float(writing):
+                return
         self.pending_save = None
         self.last_checkpoint = pending.finish(self.env)
 
