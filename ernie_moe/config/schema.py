@@ -213,6 +213,10 @@ class TrainingConfig:
     per_device_train_batch_size: int = opt(8, "packed rows per micro-batch per data-parallel rank")
     per_device_eval_batch_size: int = opt(16, "packed rows per evaluation batch")
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
+    global_batch_size: int = opt(0, "rows per optimizer step over all data-parallel ranks; when set, "
+                                    "gradient_accumulation_steps is derived from it (global / (per-device batch x "
+                                    "data ranks)), so the same config keeps the global batch at any world size; 0 = "
+                                    "per-device batch x gradient_accumulation_steps x data ranks")
     learning_rate: float = opt(3e-3, "peak learning rate")
     min_lr: float = opt(3e-4, "final learning rate of cosine / linear / wsd")
     lr_scheduler_type: str = choice("cosine", "cosine", "linear", "constant", "wsd", doc="schedule after warmup")

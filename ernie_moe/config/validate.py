@@ -186,7 +186,7 @@ def _check_training(cfg: Config) -> None:
     t = cfg.training
     _require(0 <= t.seed < 2 ** 32, f"training.seed ({t.seed}) must be between 0 and 2**32 - 1.")
     _require(t.adam_epsilon > 0, f"training.adam_epsilon must be positive, got {t.adam_epsilon}.")
-    for name in ("save_steps", "save_total_limit", "device_memory_gb", "loss_subbatch_seqlen"):
+    for name in ("save_steps", "save_total_limit", "device_memory_gb", "loss_subbatch_seqlen", "global_batch_size"):
         _require(getattr(t, name) >= 0, f"training.{name} cannot be negative, got {getattr(t, name)}.")
     _check_output_dir(t.output_dir)
     _require(not (t.bf16 and t.fp16), "training.bf16 and training.fp16 are both set; choose one.")

@@ -28,6 +28,7 @@ from pathlib import Path
 from ..cli import at_least_one, bounded
 from ..config import ConfigError, load_config
 from ..monitor.memory import MemoryMonitor
+from ..parallel.global_batch import for_world
 from ..parallel.layout import Layout
 from .estimate import Workload, estimate, sample_workload
 from .search import FIT_FRACTION, describe, fits, overrides, search, smallest_world
@@ -79,7 +80,8 @@ def table(stages, device_bytes: float) -> str:
 
 def planned(cfg, world: int, image_fraction: float = 0.5):
     """(per-stage estimates, the micro-batch's workload, where it comes from, its workload function) of the
-    configured layout on ``world`` ranks."""
+    configured layout on ``world`` ranks (its accumulation steps those ``training.global_batch_size`` gives)."""
+    cfg = for_world(cfg, world)
     data_world = Layout.of(cfg.parallel, world).data_world
     workload_for, source = workload_source(cfg, data_world, image_fraction)
     workload = workload_for(cfg.training.per_device_train_batch_size)
@@ -94,6 +96,7 @@ def default_world(cfg) -> int:
 
 def report(cfg, world: int, device_gb: float, run_search: bool, image_fraction: float = 0.5) -> tuple[str, bool]:
     """The printed plan and whether the configured layout fits."""
+    cfg = for_world(cfg, world)
     data_world = Layout.of(cfg.parallel, world).data_world
     stages, workload, source, workload_for = planned(cfg, world, image_fraction)
     device = device_gb * GIB
