@@ -17,6 +17,7 @@ def main(argv=None) -> int:
     from ernie_moe.checkpoint import CheckpointError
     from ernie_moe.config import ConfigError, load_config
     from ernie_moe.data import DataError
+    from ernie_moe.elastic.launch import mark_finished
     from ernie_moe.training.precision import NonFiniteGradients
     from ernie_moe.training.replica_check import ReplicasDiffer
     from ernie_moe.training.stop import EXIT_CODE, StopRequested
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
         return code
     if trainer.env.is_main:
         print(format_summary(summary), flush=True)
+    mark_finished()  # for python -m ernie_moe.elastic: the job ended because it was done
     return 0
 
 

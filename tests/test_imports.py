@@ -11,7 +11,7 @@ PACKAGE = ROOT / "ernie_moe"
 FLOORS = [
     {"paths"},
     {"json_files"},
-    {"batch", "timing", "host_reads", "cli", "faults", "config"},
+    {"batch", "timing", "host_reads", "cli", "faults", "config", "elastic"},
     {"nn", "data"},
     {"moe", "objectives"},
     {"model"},

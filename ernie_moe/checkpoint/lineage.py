@@ -23,6 +23,7 @@ from pathlib import Path
 import paddle.distributed as dist
 
 from ..config.errors import ConfigError
+from ..elastic.job import Attempt, JobRecord
 from ..json_files import UnreadableJSON, read_json
 from .errors import CheckpointError
 from .files import sha256_of
@@ -142,19 +143,21 @@ def verify(checkpoint: Checkpoint, env=None) -> str | None:
     return problem
 
 
-def resolve(resume_from: str, output_dir: str, env=None, warn=print) -> Checkpoint | None:
+def resolve(resume_from: str, output_dir: str, env=None, warn=print, runs: set[str] | None = None) -> Checkpoint | None:
     """The checkpoint ``training.resume_from_checkpoint`` names, verified. ``auto``: the newest checkpoint of
-    the newest run in ``output_dir`` (None when there is none), falling back along its lineage past damaged
-    ones; a path: that checkpoint, an error naming the damaged file (and the older one to use) otherwise."""
+    the newest run in ``output_dir`` (None when there is none), or of the newest of ``runs`` where given (an elastic
+    job's attempts), falling back along its lineage past damaged ones; a path: that checkpoint, an error naming the
+    damaged file (and the older one to use) otherwise."""
     if resume_from == "auto":
         found = scan(output_dir)
         folders = {p for p in Path(output_dir).glob(PREFIX + "*") if p.is_dir() and not p.name.endswith(".tmp")}
         for unread in sorted(folders - {c.path for c in found}):
             # a whole-looking folder whose marker cannot be read: passed over, and said so
             warn(f"WARNING {unread} has no readable {MARKER} marker (damaged, or not a checkpoint): passed over")
-        if not found:
+        heads = found if runs is None else [c for c in found if c.run_id in runs]
+        if not heads:
             return None
-        chain = lineage(found, found[-1])  # scan sorts by run start, then step
+        chain = lineage(found, heads[-1])  # scan sorts by run start, then step
         for i, candidate in enumerate(chain):
             problem = verify(candidate, env)
             if problem is None:
@@ -186,29 +189,34 @@ def _unverified_said(checkpoint: Checkpoint, warn) -> Checkpoint:
     return checkpoint
 
 
-def claim_output_dir(training_cfg, env) -> None:
+def claim_output_dir(training_cfg, env, job: JobRecord | None = None) -> list[Attempt]:
     """Take the output folder's lock (one job at a time, every run: fresh, resumed or overwriting; see
     ``output_lock``), then: a fresh run (no resume) may not write into a folder holding another run's
-    checkpoints, unless ``training.overwrite_output_dir`` says to remove them."""
+    checkpoints, unless ``training.overwrite_output_dir`` says to remove them. Under the elastic launcher
+    (``job``): the earlier attempts of the job, read once the lock is held (a restart when there are any, which
+    resumes what its job saved and is no fresh run); [] otherwise."""
     t = training_cfg
     root = Path(t.output_dir)
-    refused = None
+    refused, earlier = None, []
     if env.is_main:
         try:
-            lock_output_dir(root)
+            lock_output_dir(root, job.job if job else "")
+            earlier = job.attempts() if job else []
         except ConfigError as err:
             refused = str(err)
         except OSError as err:
             refused = f"training.output_dir '{root}' cannot be written: {err}"
     if env.world_size > 1:  # every rank stops with rank 0's line
-        refused = env.all_gather_object(refused)[0]
+        refused, earlier = env.all_gather_object((refused, earlier))[0]
     if refused:
         raise ConfigError(refused)
+    if earlier:
+        return earlier
     if t.resume_from_checkpoint or not root.is_dir():
-        return
+        return []
     existing = sorted(root.glob(PREFIX + "*"))
     if not existing:
-        return
+        return []
     if not t.overwrite_output_dir:
         raise ConfigError(f"training.output_dir '{root}' already holds checkpoints of an earlier run "
                           f"({', '.join(p.name for p in existing[:3])}{', ...' if len(existing) > 3 else ''}). "
@@ -221,3 +229,4 @@ def claim_output_dir(training_cfg, env) -> None:
               flush=True)
     if env.world_size > 1:
         dist.barrier()
+    return []

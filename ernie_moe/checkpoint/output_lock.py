@@ -5,6 +5,11 @@ holder's host, process id and start time written inside. The kernel releases the
 however it ends (kill -9 included), so a dead job leaves no stale lock; a second job (a fresh run, a resume or an
 overwrite) finds the lock taken and stops before it reads or removes anything, naming the holder. A process that
 already holds the lock (a run resumed in the same process) takes it again.
+
+A restart of an elastic job (the same job id, ``elastic.job``) takes the lock over from an earlier attempt of that
+job still holding it: a rank 0 orphaned when its launcher or node went away, blocked in a collective with peers that
+are gone. On the same host it is told to stop (SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`); on another host
+the restart waits up to :data:`REMOTE_WAIT_S` for it to let go. Any other job is still refused at once.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -20,10 +26,14 @@ from ..config.errors import ConfigError
 
 LOCK_FILE = ".run.lock"
 _HELD: dict[str, int] = {}  # resolved output folder -> the open lock file of this process
+STOP_GRACE_S = 30.0  # an earlier attempt told to stop has this long before SIGKILL (the launcher's own grace)
+REMOTE_WAIT_S = 120.0  # how long a restart waits for an earlier attempt on another host to let go
+POLL_S = 0.2
 
 
-def lock_output_dir(output_dir) -> None:
-    """Take ``output_dir``'s lock for this process, or raise ConfigError naming the job that holds it."""
+def lock_output_dir(output_dir, job: str = "", say=print) -> None:
+    """Take ``output_dir``'s lock for this process, or raise ConfigError naming the job that holds it. ``job``:
+    this process's elastic job id; a holder of the same job is an earlier attempt, whose lock is taken over."""
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     key = str(root.resolve())
@@ -31,15 +41,14 @@ def lock_output_dir(output_dir) -> None:
         return
     path = root / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise ConfigError(f"training.output_dir '{root}' is in use by a running job ({holder}): wait for it to end, "
-                          "or choose another output_dir.") from None
+    if not _try_lock(fd):
+        saved = _saved_holder(fd)
+        if not (job and saved.get("job") == job and _take_over(fd, saved, root, say)):
+            os.close(fd)
+            raise ConfigError(f"training.output_dir '{root}' is in use by a running job ({_describe(saved)}): wait "
+                              "for it to end, or choose another output_dir.")
     os.ftruncate(fd, 0)
-    os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+    os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": job,
                              "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
     os.fsync(fd)
     _HELD[key] = fd
@@ -52,10 +61,47 @@ def release_output_dir(output_dir) -> None:
         os.close(fd)
 
 
-def _holder(fd: int) -> str:
-    """Who holds the lock, as its file says (bounded: a holder's line is short)."""
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _take_over(fd: int, saved: dict, root: Path, say) -> bool:
+    """Wait for the earlier attempt in ``saved`` to let go of the lock, telling it to stop where it runs on this
+    host; whether the lock is now this process's."""
+    pid, local = saved.get("pid"), saved.get("host") == socket.gethostname()
+    say(f"taking over training.output_dir '{root}' from an earlier attempt of job {saved['job']} "
+        f"({_describe(saved)})", flush=True)
+    signals = [(signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)] if local else [(None, REMOTE_WAIT_S)]
+    for sig, wait in signals:
+        if sig is not None and isinstance(pid, int) and pid > 1 and pid != os.getpid():
+            try:
+                os.kill(pid, sig)
+            except OSError:  # gone already, or not ours to signal: the lock tells
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if _try_lock(fd):
+                return True
+            time.sleep(POLL_S)
+    return _try_lock(fd)
+
+
+def _saved_holder(fd: int) -> dict:
+    """What the holder wrote into the lock file (bounded: a holder's line is short); {} when unreadable."""
     try:
         saved = json.loads(os.pread(fd, 4096, 0).decode())
-        return f"host {saved['host']}, process {saved['pid']}, since {saved['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def _describe(saved: dict) -> str:
+    try:
+        job = f"job {saved['job']}, " if saved.get("job") else ""
+        return f"{job}host {saved['host']}, process {saved['pid']}, since {saved['started']}"
+    except KeyError:
         return "its holder did not say who it is"

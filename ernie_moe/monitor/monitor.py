@@ -15,9 +15,12 @@ from .metrics import MetricsLogger
 
 
 class TrainingMonitor:
-    def __init__(self, cfg, env, model, gather_stages, resumed_at: int = 0, optimizer_bytes=None):
-        """``optimizer_bytes()``: the bytes of this rank's optimizer states, reported per rank."""
+    def __init__(self, cfg, env, model, gather_stages, resumed_at: int = 0, optimizer_bytes=None,
+                 constants: dict | None = None):
+        """``optimizer_bytes()``: the bytes of this rank's optimizer states, reported per rank; ``constants``:
+        figures logged unchanged with every window (an elastic job's restarts and world size)."""
         self.env, self.model, self.gather_stages = env, model, gather_stages
+        self.constants = dict(constants or {})
         self.optimizer_bytes = optimizer_bytes
         self.enabled = cfg.logging.monitor
         self.logger = MetricsLogger(cfg.training.output_dir, cfg.logging.visualdl, env.is_main, resumed_at)
@@ -91,6 +94,7 @@ class TrainingMonitor:
             peak = max(v for k, v in memory.items() if k.startswith("memory/max_rank_"))
             self.warnings = self.alerts.check(step, scalars, peak)
         metrics.update({f"data/{k}" if k in FIT_COUNTS else f"data/skipped_{k}": v for k, v in data_stats.items()})
+        metrics.update(self.constants)
         self.logger.log(step, metrics)
         for tag, image in images.items():
             self.logger.image(tag, image, step)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import paddle
 import paddle.distributed as dist
@@ -45,6 +46,13 @@ class StopWatch:
 
     def _note(self, signum, frame) -> None:
         self.reason = self.reason or f"{signal.Signals(signum).name} received"
+
+    def hold(self, released, limit_s: float = 600.0) -> None:
+        """Wait until told to stop, the launcher is gone or ``released()`` (the fault ``hold_in_step``), at most
+        ``limit_s``; in short sleeps, so that a signal's handler runs."""
+        deadline = time.monotonic() + limit_s
+        while self.reason is None and os.getppid() == self.parent and not released() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def agreed(self) -> str | None:
         """Why the run stops after this step (on every rank alike), or None. Called by every rank each step."""

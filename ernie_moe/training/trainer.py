@@ -34,12 +34,14 @@ from ..data import DataError, RowStream, build_datasets, build_tokenizer, collat
 from ..data.feed import DataFeed
 from ..data.loader import sample_encoder, training_encoder
 from ..data.report import data_report, describe
+from ..elastic.job import Attempt, JobRecord, job_id, restart_history
 from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
 from ..host_reads import HostReadCounter
 from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
 from ..parallel import init_distributed
+from ..parallel.global_batch import for_world, global_batch
 from ..timing import part
 from .assembly import assemble
 from .best_model import BestModel
@@ -58,11 +60,13 @@ MAX_SKIPPED_FRACTION = 0.5
 
 class Trainer:
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        # under the elastic launcher: a restart keeps the global batch of the job's first attempt
+        job = JobRecord(cfg.training.output_dir, job_id()) if job_id() else None
+        self.cfg = cfg = for_world(cfg, dist.get_world_size(), job.first_global_batch() if job else 0)
         t = cfg.training
         self.env = init_distributed(cfg.parallel, t)
         check_memory(cfg, self.env)  # before the output folder is claimed: a layout that cannot fit writes nothing
-        claim_output_dir(t, self.env)
+        earlier = claim_output_dir(t, self.env, job)
         self.run = Run.begin(self.env)
         paddle.seed(t.seed)
         self.tokenizer = build_tokenizer(cfg)
@@ -83,11 +87,16 @@ class Trainer:
         self.last_checkpoint = None  # the newest checkpoint of this run's lineage: a resume's source, then its saves
         self.writes = BackgroundWrites() if t.async_save else None  # the thread that writes saves in the background
         self.pending_save = None  # a save being written in the background (PendingCheckpoint)
-        if t.resume_from_checkpoint:
-            self._resume()
+        if t.resume_from_checkpoint or earlier:
+            self._resume({a.run_id for a in earlier})
+        self.job, self.attempt, self.restarts = job, None, []
+        if job is not None:
+            self._begin_attempt(earlier)
         self.best = BestModel(t, resumed=self.step > 0)
+        job_figures = {"job/restarts": len(earlier), "job/world_size": self.env.world_size} if job else {}
         self.monitor = TrainingMonitor(cfg, self.env, self.model, self.runner.gather_stages, resumed_at=self.step,
-                                       optimizer_bytes=lambda: optimizer_state_bytes(self.optimizer))
+                                       optimizer_bytes=lambda: optimizer_state_bytes(self.optimizer),
+                                       constants=job_figures)
 
     @property
     def step(self) -> int:
@@ -126,6 +135,8 @@ class Trainer:
                 # tensors' shapes, a fused kernel is checked at its first call)
                 with reads.counting() if reads and self.step > first else contextlib.nullcontext():
                     window.append(self._guarded_step())
+                if faults.at("hold_in_step", self.step, self.env.rank):
+                    stop.hold(faults.released)
                 bar.update(1)
                 if self._ends_window():
                     metrics = self.monitor.end_window(self.step, read_results(window), self.data_stats)
@@ -276,7 +287,7 @@ class Trainer:
                 with part("data"):
                     batches = micro_batches or [collate(r) for r in rows]
                 result = self._step(batches)
-                for fault in ("sigterm_in_step", "launcher_killed"):
+                for fault in ("sigterm_in_step", "launcher_killed", "kill_in_step", "node_lost"):
                     faults.hit(fault, self.step, self.env.rank)
                 break
             except Exception as err:
@@ -439,13 +450,16 @@ class Trainer:
                 print(done, flush=True)
         return feed, eval_set
 
-    def _resume(self) -> None:
-        """Load the checkpoint ``training.resume_from_checkpoint`` names (``auto``: the newest of the newest
-        run in output_dir, if any) and move the data stream to where it stopped. The micro-batch and recompute
-        start again from the config (the memory guard steps down again where it must)."""
+    def _resume(self, job_runs: set[str]) -> None:
+        """Load the newest checkpoint of an elastic job's earlier attempts (``job_runs``), else the one
+        ``training.resume_from_checkpoint`` names (``auto``: the newest of the newest run in output_dir, if any),
+        and move the data stream to where it stopped. The micro-batch and recompute start again from the config
+        (the memory guard steps down again where it must)."""
         t = self.cfg.training
         say = print if self.env.is_main else (lambda *_, **__: None)
-        checkpoint = resolve(t.resume_from_checkpoint, t.output_dir, self.env, warn=say)
+        checkpoint = resolve("auto", t.output_dir, self.env, warn=say, runs=job_runs) if job_runs else None
+        if checkpoint is None and t.resume_from_checkpoint:
+            checkpoint = resolve(t.resume_from_checkpoint, t.output_dir, self.env, warn=say)
         if checkpoint is None:
             return
         saved = load_checkpoint(self.parts, checkpoint.path, self.env)
@@ -467,6 +481,20 @@ class Trainer:
         if step >= t.max_steps:
             say(f"nothing to train: the checkpoint is at step {step} and training.max_steps is {t.max_steps}; "
                 "raise training.max_steps to train further", flush=True)
+
+    def _begin_attempt(self, earlier: list[Attempt]) -> None:
+        """Record this start of the elastic job (rank 0) and say, on a restart, where it resumed and why."""
+        self.attempt = Attempt(len(earlier), self.env.world_size, global_batch(self.cfg, self.env.world_size),
+                               self.step, self.run.run_id)
+        self.restarts = restart_history([*earlier, self.attempt])
+        if not self.env.is_main:
+            return
+        self.job.begin(self.attempt)
+        if earlier:
+            t = self.cfg.training
+            print(f"restart {len(earlier)} of job {self.job.job}: step {self.step} on {self.env.world_size} "
+                  f"process(es), a global batch of {self.attempt.global_batch} rows in "
+                  f"{t.gradient_accumulation_steps} accumulation step(s); {self.restarts[-1]['why']}", flush=True)
 
     def _loss_denominator(self, label_tokens: paddle.Tensor) -> float | paddle.Tensor:
         t = self.cfg.training
@@ -541,8 +569,13 @@ class Trainer:
         return averaged
 
     def _write_summary(self, summary: dict) -> None:
-        if self.env.is_main:
-            (Path(self.cfg.training.output_dir) / "summary.json").write_text(json_files.dumps(summary, indent=2))
+        if not self.env.is_main:
+            return
+        if self.job is not None:
+            summary = {**summary, "job": self.job.job, "restarts": len(self.restarts),
+                       "restart_history": self.restarts}
+            self.job.end(self.attempt, summary["status"], summary["steps"], summary.get("reason", ""))
+        (Path(self.cfg.training.output_dir) / "summary.json").write_text(json_files.dumps(summary, indent=2))
 
 
 def device_bytes(training_cfg) -> float:

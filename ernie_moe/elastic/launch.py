@@ -1,0 +1,176 @@
+"""``python -m ernie_moe.elastic``: Paddle's elastic launcher, with what it leaves to its user done for them.
+
+``python -m ernie_moe.elastic --master etcd://HOST:PORT --job_id J [launcher options] run_trainer.py --config F``
+runs ``python -m paddle.distributed.launch`` with the same options, after:
+
+- checking that etcd answers and that its client is installed (one clear line otherwise, not a 16 s traceback);
+- setting what the launcher needs on a current Python stack: ``PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python``
+  (the ``etcd3`` client's generated code predates protobuf 4) and ``GRPC_ENABLE_FORK_SUPPORT=false`` (grpcio
+  >= 1.80 sometimes aborts a freshly forked worker otherwise);
+- passing the job id to the workers (``PADDLE_JOB_ID``; the launcher keeps ``--job_id`` to itself), which is what
+  makes each start of the trainer an attempt of the job (``elastic.job``), resumed on a restart;
+- ``--elastic_level 1`` unless given (a dead worker restarts the pod).
+
+Afterwards it says how the job ended. Paddle's launcher exits with code 0 when etcd dies under it, leaving its
+workers running; here that becomes a line naming etcd and exit code :data:`ETCD_LOST`. This process is the
+workers' subreaper, so those orphans (which stop after their step with a checkpoint when their launcher is gone)
+are waited for before it exits. Paddle is not imported here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.util import find_spec
+from pathlib import Path
+
+from .job import JOB_VARIABLE
+
+FINISHED_VARIABLE = "ERNIE_MOE_ELASTIC_FINISHED"  # a folder where a worker that finishes the run says so
+USAGE = 2  # a command that cannot start
+ETCD_LOST = 3  # etcd went away while the job ran
+STOPPED = 4  # a worker's code for "stopped on request, checkpoint saved" (training.stop.EXIT_CODE)
+ORPHAN_WAIT_S = 300.0  # how long the workers a dead launcher left may take to save and stop
+PR_SET_CHILD_SUBREAPER = 36
+ENVIRONMENT = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python", "GRPC_ENABLE_FORK_SUPPORT": "false"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    master, job = _option(args, "--master"), _option(args, "--job_id") or os.environ.get(JOB_VARIABLE, "")
+    problem = _problem(master, job)
+    if problem:
+        print(f"elastic: {problem}", file=sys.stderr)
+        return USAGE
+    host, port = _address(master)
+    args = _without(args, "--job_id")
+    if _option(args, "--elastic_level") is None:
+        args = ["--elastic_level", "1", *args]
+    finished = Path(tempfile.mkdtemp(prefix="ernie_moe_elastic_"))
+    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in ENVIRONMENT.items()},
+           JOB_VARIABLE: job, FINISHED_VARIABLE: str(finished)}
+    _become_subreaper()
+    launcher = subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", *args], env=env)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the launcher stops its workers, which save and exit
+        signal.signal(sig, lambda signum, frame: launcher.send_signal(signum))
+    code = launcher.wait()
+    orphans = _wait_for_orphans()
+    done = any(finished.iterdir())
+    shutil.rmtree(finished, ignore_errors=True)
+    if done:
+        return 0
+    left = ""
+    if orphans:
+        saved = all(c == STOPPED for c in orphans)
+        left = (f"; the {len(orphans)} worker(s) it left " +
+                ("saved a checkpoint and stopped" if saved else f"ended with exit codes {orphans}"))
+    if not _answers(host, port):
+        print(f"elastic: job {job} did not finish: etcd at {host}:{port} stopped answering and Paddle's launcher gave "
+              f"up (exit code {code}){left}. Start etcd again and run the same command to resume the job.",
+              file=sys.stderr)
+        return ETCD_LOST
+    if code < 0:
+        print(f"elastic: job {job} failed: the launcher was killed by signal {-code}{left}", file=sys.stderr)
+        return 128 - code  # as a shell reports it
+    if code != 0:
+        print(f"elastic: job {job} failed: the launcher exited with code {code} (its restarts, --max_restart, spent, "
+              f"or a worker's error: see the workers' logs in --log_dir){left}", file=sys.stderr)
+        return code
+    print(f"elastic: job {job} did not finish: the launcher ended without a worker finishing the run{left}.",
+          file=sys.stderr)
+    return 1
+
+
+def mark_finished() -> None:
+    """Called by a worker whose run finished, so that the command above can tell a finished job from a launcher
+    that gave up; nothing outside it."""
+    folder = os.environ.get(FINISHED_VARIABLE)
+    if folder and os.path.isdir(folder):
+        Path(folder, f"finished-{os.getpid()}").touch()
+
+
+def _problem(master: str | None, job: str) -> str | None:
+    if not master or not master.startswith("etcd://"):
+        return ("needs --master etcd://HOST:PORT: Paddle's launcher restarts nothing without an etcd master "
+                "(docs/elastic.md says how to start one)")
+    if not job:
+        return "needs --job_id NAME: the same name on every node and every start of the job, used by no other job"
+    if find_spec("etcd3") is None:
+        return "the etcd client is not installed: pip install -e '.[elastic]' (or: pip install etcd3==0.12.0)"
+    host, port = _address(master)
+    if port is None:
+        return f"--master {master} names no port: etcd://HOST:PORT"
+    if not _answers(host, port):
+        return (f"cannot reach etcd at {host}:{port}: start it (docs/elastic.md) or correct --master; the launcher "
+                "would fail there after 16 s")
+    return None
+
+
+def _address(master: str) -> tuple[str, int | None]:
+    host, _, port = master[len("etcd://"):].split(",")[0].rstrip("/").rpartition(":")
+    return (host or "127.0.0.1"), (int(port) if port.isdigit() else None)
+
+
+def _answers(host: str, port: int, timeout: float = 5.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _option(args: list[str], name: str) -> str | None:
+    """The value of ``name`` among the launcher's options (before the training script), or None."""
+    for i, arg in enumerate(args):
+        if arg.endswith(".py"):
+            return None
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg[len(name) + 1:]
+    return None
+
+
+def _without(args: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+        elif any(a.endswith(".py") for a in args[:i]):
+            out.append(arg)
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
+def _become_subreaper() -> None:
+    """Workers orphaned by their launcher become this process's children (Linux), to be waited for."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _wait_for_orphans() -> list[int]:
+    """Wait (bounded) for the workers a dead launcher left behind; their exit codes."""
+    codes: list[int] = []
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid:
+            codes.append(os.waitstatus_to_exitcode(status))
+        else:
+            time.sleep(0.2)
+    return codes
