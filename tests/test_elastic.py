@@ -19,7 +19,7 @@ from conftest import ROOT
 from test_faults import CONFIG, SMALL, losses, train
 
 from ernie_moe import faults
-from ernie_moe.checkpoint.output_lock import lock_output_dir, release_output_dir
+from ernie_moe.checkpoint.output_lock import lock_output_dir, note_attempt, release_output_dir
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.elastic import launch
 from ernie_moe.elastic.job import JOB_VARIABLE, RECORD, Attempt, JobRecord, restart_history, why_restarted
@@ -129,6 +129,11 @@ def test_a_restart_of_the_same_job_takes_the_lock_over_and_any_other_job_is_refu
         assert said and said[0].startswith(f"taking over training.output_dir '{tmp_path}' from an earlier attempt "
                                            f"of job j (job j, host ")
         assert json.loads((tmp_path / ".run.lock").read_text())["pid"] == os.getpid()
+        note_attempt(tmp_path, 3)  # what a restart adds once it has read the job's record
+        assert json.loads((tmp_path / ".run.lock").read_text())["attempt"] == 3
+        refused = subprocess.run([sys.executable, "-c", HOLD_AS, str(tmp_path), "k", "-"], text=True,
+                                 capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+        assert refused.returncode == 1 and "in use by a running job (job j, attempt 3, host" in refused.stderr
     finally:
         holder.kill()
         release_output_dir(tmp_path)
@@ -264,7 +269,8 @@ def test_a_worker_killed_mid_run_restarts_the_job_which_ends_with_the_uninterrup
     try:
         wait_for(lambda: (tmp_path / "hold_in_step").exists(), [job], BOUND_S, "the job to reach step 2")
         other = train(tmp_path / "out", *JOB, check=False)
-        assert other.returncode == 2 and "is in use by a running job (job j, host" in other.stderr, other.stderr
+        assert other.returncode == 2 and "is in use by a running job (job j, attempt 0, host" in other.stderr, \
+            other.stderr
         (tmp_path / "release").touch()
         assert job.wait(timeout=BOUND_S) == 0, said(tmp_path, "node")[-4000:]
     finally:

@@ -27,7 +27,7 @@ from ..elastic.job import Attempt, JobRecord
 from ..json_files import UnreadableJSON, read_json
 from .errors import CheckpointError
 from .files import sha256_of
-from .output_lock import lock_output_dir
+from .output_lock import lock_output_dir, note_attempt
 
 MARKER = "COMPLETE"
 PREFIX = "checkpoint-"
@@ -202,6 +202,8 @@ def claim_output_dir(training_cfg, env, job: JobRecord | None = None) -> list[At
         try:
             lock_output_dir(root, job.job if job else "")
             earlier = job.attempts() if job else []
+            if job:
+                note_attempt(root, len(earlier))
         except ConfigError as err:
             refused = str(err)
         except OSError as err:

@@ -54,6 +54,17 @@ def lock_output_dir(output_dir, job: str = "", say=print) -> None:
     _HELD[key] = fd
 
 
+def note_attempt(output_dir, attempt: int) -> None:
+    """Add the elastic job's attempt number to the holder's line of a lock this process holds."""
+    fd = _HELD.get(str(Path(output_dir).resolve()))
+    if fd is None:
+        return
+    saved = _saved_holder(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({**saved, "attempt": attempt}).encode(), 0)
+    os.fsync(fd)
+
+
 def release_output_dir(output_dir) -> None:
     """Let go of ``output_dir``'s lock (the end of a run); nothing when this process does not hold it."""
     fd = _HELD.pop(str(Path(output_dir).resolve()), None)
@@ -102,6 +113,7 @@ def _saved_holder(fd: int) -> dict:
 def _describe(saved: dict) -> str:
     try:
         job = f"job {saved['job']}, " if saved.get("job") else ""
+        job += f"attempt {saved['attempt']}, " if "attempt" in saved else ""
         return f"{job}host {saved['host']}, process {saved['pid']}, since {saved['started']}"
     except KeyError:
         return "its holder did not say who it is"
