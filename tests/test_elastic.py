@@ -304,8 +304,22 @@ def test_a_node_joining_and_a_node_lost_resize_the_job_which_keeps_its_global_ba
         for node in (a, b):
             if node is not None:
                 node.kill()
+    record = (tmp_path / "out" / RECORD).read_text() if (tmp_path / "out" / RECORD).exists() else ""
+    with_logs(lambda: check_resized(tmp_path, codes, uninterrupted),
+              f"{record}\n--- a\n{said(tmp_path, 'a')[-6000:]}\n--- b\n{said(tmp_path, 'b')[-6000:]}")
+
+
+def with_logs(check, logs):
+    """``check()``, its failure shown with the logs that explain it."""
+    try:
+        check()
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{logs}") from None
+
+
+def check_resized(tmp_path, codes, uninterrupted):
     # the lost node's command says its launcher was killed; the survivor's finished the job
-    assert sorted(codes) == [0, 128 + signal.SIGKILL], said(tmp_path, "a")[-3000:] + said(tmp_path, "b")[-3000:]
+    assert sorted(codes) == [0, 128 + signal.SIGKILL]
     lost = said(tmp_path, "ab"[codes.index(128 + signal.SIGKILL)])
     assert "elastic: job j failed: the launcher was killed by signal 9" in lost
     attempts = JobRecord(tmp_path / "out", "j").attempts()
@@ -338,3 +352,21 @@ def test_etcd_going_away_ends_the_command_with_a_line_naming_it_after_the_worker
     assert (tmp_path / "out" / "checkpoint-2" / "COMPLETE").is_file()
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["status"] == "stopped"
 
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_command_stops_the_job_with_its_step_saved(tmp_path, etcd):
+    """A scheduler's preemption reaches the command: the launcher stops its worker, which saves its step; the
+    command exits 4, as the trainer does when it stops on a signal."""
+    job = start_elastic(tmp_path, "node", etcd, "--nnodes", "1", "--nproc_per_node", "1", fault="hold_in_step@2")
+    try:
+        wait_for(lambda: (tmp_path / "hold_in_step").exists(), [job], BOUND_S, "the job to reach step 2")
+        job.send_signal(signal.SIGTERM)
+        code = job.wait(timeout=BOUND_S)
+    finally:
+        job.kill()
+    output = said(tmp_path, "node")
+    assert code == EXIT_CODE, output[-4000:]
+    assert "elastic: job j stopped on SIGTERM: the launcher stopped its workers, which save their step" in output
+    assert (tmp_path / "out" / "checkpoint-2" / "COMPLETE").is_file()
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["status"] == "stopped"

@@ -58,8 +58,14 @@ def main(argv: list[str] | None = None) -> int:
            JOB_VARIABLE: job, FINISHED_VARIABLE: str(finished)}
     _become_subreaper()
     launcher = subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", *args], env=env)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # the launcher stops its workers, which save and exit
-        signal.signal(sig, lambda signum, frame: launcher.send_signal(signum))
+    told: list[str] = []
+
+    def forward(signum, frame):  # the launcher stops its workers, which save their step and exit
+        told.append(signal.Signals(signum).name)
+        launcher.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
     code = launcher.wait()
     orphans = _wait_for_orphans()
     done = any(finished.iterdir())
@@ -71,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         saved = all(c == STOPPED for c in orphans)
         left = (f"; the {len(orphans)} worker(s) it left " +
                 ("saved a checkpoint and stopped" if saved else f"ended with exit codes {orphans}"))
+    if told:
+        print(f"elastic: job {job} stopped on {told[0]}: the launcher stopped its workers, which save their step; run "
+              "the same command to resume the job.", file=sys.stderr)
+        return STOPPED
     if not _answers(host, port):
         print(f"elastic: job {job} did not finish: etcd at {host}:{port} stopped answering and Paddle's launcher gave "
               f"up (exit code {code}){left}. Start etcd again and run the same command to resume the job.",
