@@ -104,11 +104,12 @@ HOLD_AS = ("import signal, sys\nfrom ernie_moe.checkpoint.output_lock import loc
            "lock_output_dir(sys.argv[1], sys.argv[2])\nprint('locked', flush=True)\nsys.stdin.read()\n")
 
 
-def hold_as(folder, job, deaf=False):
-    """A process holding ``folder``'s lock as an attempt of ``job`` (ignoring SIGTERM when ``deaf``)."""
+def hold_as(folder, job, deaf=False, environment=None):
+    """A process holding ``folder``'s lock as an attempt of ``job`` (ignoring SIGTERM when ``deaf``), with
+    ``PADDLE_JOB_ID=<environment>`` (default: ``job``) in its environment."""
     holder = subprocess.Popen([sys.executable, "-c", HOLD_AS, str(folder), job, "deaf" if deaf else "-"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                              env=dict(os.environ, PYTHONPATH=str(ROOT), **{JOB_VARIABLE: environment or job}))
     assert holder.stdout.readline().strip() == "locked"
     return holder
 
@@ -137,6 +138,19 @@ def test_a_restart_of_the_same_job_takes_the_lock_over_and_any_other_job_is_refu
     finally:
         holder.kill()
         release_output_dir(tmp_path)
+
+
+def test_a_holder_whose_environment_is_not_the_job_s_is_waited_for_never_signalled(tmp_path, monkeypatch):
+    """The lock's line names job j, but the process of that number is no worker of j (a process number reused):
+    the restart waits for the lock (here 1 s) instead of signalling it, then stops naming the holder."""
+    monkeypatch.setattr("ernie_moe.checkpoint.output_lock.REMOTE_WAIT_S", 1.0)
+    holder = hold_as(tmp_path, "j", environment="another")
+    try:
+        with pytest.raises(ConfigError, match=f"in use by a running job \\(job j, host .*process {holder.pid}"):
+            lock_output_dir(tmp_path, "j", say=lambda *_, **__: None)
+        assert holder.poll() is None
+    finally:
+        holder.kill()
 
 
 # ---------------------------------------------------------------------------------- the command, before Paddle

@@ -8,8 +8,9 @@ already holds the lock (a run resumed in the same process) takes it again.
 
 A restart of an elastic job (the same job id, ``elastic.job``) takes the lock over from an earlier attempt of that
 job still holding it: a rank 0 orphaned when its launcher or node went away, blocked in a collective with peers that
-are gone. On the same host it is told to stop (SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`); on another host
-the restart waits up to :data:`REMOTE_WAIT_S` for it to let go. Any other job is still refused at once.
+are gone. On the same host, where its environment shows it is a worker of the job, it is told to stop (SIGTERM, then
+SIGKILL after :data:`STOP_GRACE_S`); otherwise the restart waits up to :data:`REMOTE_WAIT_S` for it to let go. Any
+other job is still refused at once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from ..config.errors import ConfigError
+from ..elastic.job import JOB_VARIABLE
 
 LOCK_FILE = ".run.lock"
 _HELD: dict[str, int] = {}  # resolved output folder -> the open lock file of this process
@@ -83,15 +85,17 @@ def _try_lock(fd: int) -> bool:
 def _take_over(fd: int, saved: dict, root: Path, say) -> bool:
     """Wait for the earlier attempt in ``saved`` to let go of the lock, telling it to stop where it runs on this
     host; whether the lock is now this process's."""
-    pid, local = saved.get("pid"), saved.get("host") == socket.gethostname()
+    pid = saved.get("pid")
     say(f"taking over training.output_dir '{root}' from an earlier attempt of job {saved['job']} "
         f"({_describe(saved)})", flush=True)
-    signals = [(signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)] if local else [(None, REMOTE_WAIT_S)]
+    # signalled only when this host's process of that number is one of the job's (a number may be reused)
+    ours = saved.get("host") == socket.gethostname() and _runs_job(pid, saved["job"])
+    signals = [(signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)] if ours else [(None, REMOTE_WAIT_S)]
     for sig, wait in signals:
-        if sig is not None and isinstance(pid, int) and pid > 1 and pid != os.getpid():
+        if sig is not None:
             try:
                 os.kill(pid, sig)
-            except OSError:  # gone already, or not ours to signal: the lock tells
+            except OSError:  # gone already: the lock tells
                 pass
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
@@ -99,6 +103,18 @@ def _take_over(fd: int, saved: dict, root: Path, say) -> bool:
                 return True
             time.sleep(POLL_S)
     return _try_lock(fd)
+
+
+def _runs_job(pid, job: str) -> bool:
+    """Whether process ``pid`` of this host is a worker of elastic job ``job`` (its environment says so)."""
+    if not isinstance(pid, int) or pid <= 1 or pid == os.getpid():
+        return False
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read(1 << 20).split(b"\0")
+    except OSError:
+        return False
+    return f"{JOB_VARIABLE}={job}".encode() in environ
 
 
 def _saved_holder(fd: int) -> dict:
