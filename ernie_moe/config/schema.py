@@ -268,6 +268,13 @@ class TrainingConfig:
                                      "scores caption words, eval_generate_caption_accuracy")
     eval_generate_samples: int = opt(0, "held-out samples answered at each evaluation; 0 = all of them")
     eval_generate_max_new_tokens: int = opt(64, "the longest answer generated")
+    rewards: list[str] = opt([], "rewards a program can check, scored on every answer of the evaluation by "
+                                 "generation (eval_generate_reward_<name>, and their weighted sum "
+                                 "eval_generate_reward): exact_match, containment, numeric, think_format, regex "
+                                 "(training.reward_pattern), or 'module:function' (answer, reference) -> float, your "
+                                 "own Python code, run by the trainer")
+    reward_weights: list[float] = opt([], "one weight per reward in the sum; empty = 1 each")
+    reward_pattern: str = opt("", "the regular expression the 'regex' reward searches the answer for")
     save_best_metric: str = opt("", "an evaluation figure (eval_loss, eval_caption_accuracy, "
                                     "eval_generate_exact_match, ema_eval_loss, ...): each evaluation that improves it "
                                     "writes output_dir/best_model (lower is better for a name ending in 'loss', "

@@ -182,8 +182,24 @@ def _is_font(path: str) -> bool:
     return True
 
 
+def _check_rewards(t) -> None:
+    _require(not t.reward_weights or len(t.reward_weights) == len(t.rewards),
+             f"training.reward_weights has {len(t.reward_weights)} weight(s) for {len(t.rewards)} reward(s): give one "
+             "per reward, or none (1 each).")
+    _require(not t.rewards or t.eval_generate, "training.rewards are scored on the answers of the evaluation by "
+                                               "generation: set training.eval_generate=true.")
+    if "regex" in t.rewards:
+        _require(bool(t.reward_pattern), "training.rewards names 'regex': set training.reward_pattern.")
+        try:
+            re.compile(t.reward_pattern)
+        except re.error as err:
+            raise ConfigError(f"training.reward_pattern {t.reward_pattern!r} is not a regular expression: {err}.") \
+                from None
+
+
 def _check_training(cfg: Config) -> None:
     t = cfg.training
+    _check_rewards(t)
     _require(0 <= t.seed < 2 ** 32, f"training.seed ({t.seed}) must be between 0 and 2**32 - 1.")
     _require(t.adam_epsilon > 0, f"training.adam_epsilon must be positive, got {t.adam_epsilon}.")
     for name in ("save_steps", "save_total_limit", "device_memory_gb", "loss_subbatch_seqlen", "global_batch_size"):

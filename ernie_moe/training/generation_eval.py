@@ -5,7 +5,9 @@ what precedes it the prompt; the greedy answer is scored against it.
 - ``eval_generate_token_f1``: the mean F1 of the answer's words against the reference's (SQuAD's measure);
 - ``eval_generate_caption_accuracy[_<word type>]``: on data that scores caption words (the synthetic task), the
   scored reference tokens the answer has at the same place, so it reads beside the teacher-forced
-  ``eval_caption_accuracy``.
+  ``eval_caption_accuracy``;
+- ``eval_generate_reward_<name>`` and their weighted sum ``eval_generate_reward``: the rewards ``training.rewards``
+  names (``objectives.rewards``), the mean over the answers.
 
 Every data-parallel rank answers its share of the samples with the whole model, several side by side (each answer
 the one its prompt gets alone); the sums are all-reduced.
@@ -14,12 +16,14 @@ the one its prompt gets alone); the sums are all-reduced.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 import paddle
 
 from ..data.packing import BadSample, Encoded
 from ..generation import Decoding, generate_batch
+from ..objectives.rewards import Reward
 from .evaluate import CATEGORIES, caption_accuracy
 
 SUMS = 3 + 2 * CATEGORIES  # answered, exact matches, F1 sum, then (scored, right) per category
@@ -54,36 +58,45 @@ def token_f1(answer: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def answer_sums(generated: list[int], reference: np.ndarray, scored: np.ndarray, decode, eos_id: int) -> np.ndarray:
-    """One sample's contribution to :data:`SUMS`."""
+def answer_sums(generated: list[int], reference: np.ndarray, scored: np.ndarray, decode, eos_id: int,
+                rewards: Sequence[Reward] = ()) -> np.ndarray:
+    """One sample's contribution to :data:`SUMS`, then each reward's score."""
     if len(reference) and reference[-1] == eos_id:
         reference, scored = reference[:-1], scored[:-1]
-    answer, expected = " ".join(decode(generated).split()), " ".join(decode(reference.tolist()).split())
-    sums = np.zeros(SUMS)
+    text, expected_text = decode(generated), decode(reference.tolist())
+    answer, expected = " ".join(text.split()), " ".join(expected_text.split())
+    sums = np.zeros(SUMS + len(rewards))
+    sums[SUMS:] = [reward(text, expected_text) for reward in rewards]
     sums[:3] = 1.0, float(answer == expected), token_f1(answer, expected)
     placed = np.full(len(reference), -1)
     placed[: min(len(generated), len(reference))] = generated[: len(reference)]
     sums[3: 3 + CATEGORIES] = np.bincount(scored, minlength=CATEGORIES)
-    sums[3 + CATEGORIES:] = np.bincount(scored[placed == reference], minlength=CATEGORIES)
+    sums[3 + CATEGORIES: SUMS] = np.bincount(scored[placed == reference], minlength=CATEGORIES)
     return sums
 
 
-def generation_metrics(sums: np.ndarray) -> dict:
+def generation_metrics(sums: np.ndarray, rewards: Sequence[Reward] = ()) -> dict:
     answered = sums[0]
     if not answered:
         return {}
     result = {"eval_generate_exact_match": sums[1] / answered, "eval_generate_token_f1": sums[2] / answered,
               "eval_generate_answers": answered}
-    return {**result, **caption_accuracy(sums[3: 3 + CATEGORIES], sums[3 + CATEGORIES:],
+    scores = sums[SUMS: SUMS + len(rewards)] / answered
+    result.update({f"eval_generate_reward_{reward.name}": score for reward, score in zip(rewards, scores)})
+    if rewards:
+        result["eval_generate_reward"] = float(sum(r.weight * score for r, score in zip(rewards, scores)))
+    return {**result, **caption_accuracy(sums[3: 3 + CATEGORIES], sums[3 + CATEGORIES: SUMS],
                                          "eval_generate_caption_accuracy")}
 
 
 @paddle.no_grad()
-def evaluate_by_generation(model, dataset, encoder, tokenizer, env, count: int, max_new_tokens: int) -> dict:
-    """Greedy answers to the first ``count`` samples of ``dataset`` (0 = all), this rank's share of them."""
+def evaluate_by_generation(model, dataset, encoder, tokenizer, env, count: int, max_new_tokens: int,
+                           rewards: Sequence[Reward] = ()) -> dict:
+    """Greedy answers to the first ``count`` samples of ``dataset`` (0 = all), this rank's share of them, scored
+    (and by ``rewards``)."""
     was_training = model.training
     model.eval()
-    sums = np.zeros(SUMS)
+    sums = np.zeros(SUMS + len(rewards))
     skipped = Counter()
     never = (model.cfg.im_patch_id,)  # images come from the prompt
     group = []  # samples answered side by side, SIDE_BY_SIDE at a time
@@ -91,7 +104,7 @@ def evaluate_by_generation(model, dataset, encoder, tokenizer, env, count: int, 
     def answer(group):
         outs = generate_batch(model, [prompt for prompt, _, _ in group], [Decoding(max_new_tokens)] * len(group),
                               tokenizer.eos_id, never=never, tokens=tokenizer.vocab_size)
-        return sum(answer_sums(out.ids, reference, scored, tokenizer.decode, tokenizer.eos_id)
+        return sum(answer_sums(out.ids, reference, scored, tokenizer.decode, tokenizer.eos_id, rewards)
                    for out, (_, reference, scored) in zip(outs, group))
 
     for index in range(env.data_rank, count or len(dataset), env.data_world):
@@ -112,7 +125,7 @@ def evaluate_by_generation(model, dataset, encoder, tokenizer, env, count: int, 
     if was_training:
         model.train()
     totals = env.all_reduce_sum(paddle.to_tensor(np.append(sums, sum(skipped.values()))), env.data_group).numpy()
-    result = generation_metrics(totals[:-1])
+    result = generation_metrics(totals[:-1], rewards)
     if totals[-1]:
         result["eval_generate_skipped"] = totals[-1]
     return result

@@ -40,6 +40,7 @@ from ..finetune.lora import LoRASettings
 from ..host_reads import HostReadCounter
 from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
+from ..objectives.rewards import build_rewards
 from ..parallel import init_distributed
 from ..parallel.global_batch import for_world, global_batch
 from ..timing import part
@@ -66,6 +67,7 @@ class Trainer:
         t = cfg.training
         self.env = init_distributed(cfg.parallel, t)
         check_memory(cfg, self.env)  # before the output folder is claimed: a layout that cannot fit writes nothing
+        self.rewards = build_rewards(t)  # the user's reward functions imported, before anything is written
         earlier = claim_output_dir(t, self.env, job)
         self.run = Run.begin(self.env)
         paddle.seed(t.seed)
@@ -425,7 +427,7 @@ class Trainer:
                 result.update(evaluate_by_generation(self.model, self.eval_set,
                                                      training_encoder(self.tokenizer, self.cfg, Counter()),
                                                      self.tokenizer, self.env, t.eval_generate_samples,
-                                                     t.eval_generate_max_new_tokens))
+                                                     t.eval_generate_max_new_tokens, self.rewards))
         if not result and warn and self.env.is_main:
             print(f"WARNING the held-out data gave nothing to evaluate (skipped samples: {dict(skipped) or 'none'})",
                   flush=True)
