@@ -136,30 +136,35 @@ def _answers(host: str, port: int, timeout: float = 5.0) -> bool:
         return False
 
 
+def _split(args: list[str]) -> tuple[list[str], list[str]]:
+    """(the launcher's options, the training script and its own arguments): the script is the first ``.py``."""
+    script = next((i for i, arg in enumerate(args) if arg.endswith(".py")), len(args))
+    return args[:script], args[script:]
+
+
 def _option(args: list[str], name: str) -> str | None:
     """The value of ``name`` among the launcher's options (before the training script), or None."""
-    for i, arg in enumerate(args):
-        if arg.endswith(".py"):
-            return None
-        if arg == name and i + 1 < len(args):
-            return args[i + 1]
+    options, _ = _split(args)
+    for i, arg in enumerate(options):
+        if arg == name and i + 1 < len(options):
+            return options[i + 1]
         if arg.startswith(name + "="):
             return arg[len(name) + 1:]
     return None
 
 
 def _without(args: list[str], name: str) -> list[str]:
-    out, skip = [], False
-    for i, arg in enumerate(args):
+    """``args`` without the launcher's option ``name`` (and its value); the script's own arguments untouched."""
+    options, script = _split(args)
+    kept, skip = [], False
+    for arg in options:
         if skip:
             skip = False
-        elif any(a.endswith(".py") for a in args[:i]):
-            out.append(arg)
         elif arg == name:
             skip = True
         elif not arg.startswith(name + "="):
-            out.append(arg)
-    return out
+            kept.append(arg)
+    return kept + script
 
 
 def _become_subreaper() -> None:
