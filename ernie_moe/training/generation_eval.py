@@ -23,7 +23,7 @@ import paddle
 
 from ..data.packing import BadSample, Encoded
 from ..generation import Decoding, generate_batch
-from ..objectives.rewards import Reward
+from ..objectives.rewards import Reward, exact_match
 from .evaluate import CATEGORIES, caption_accuracy
 
 SUMS = 3 + 2 * CATEGORIES  # answered, exact matches, F1 sum, then (scored, right) per category
@@ -63,11 +63,10 @@ def answer_sums(generated: list[int], reference: np.ndarray, scored: np.ndarray,
     """One sample's contribution to :data:`SUMS`, then each reward's score."""
     if len(reference) and reference[-1] == eos_id:
         reference, scored = reference[:-1], scored[:-1]
-    text, expected_text = decode(generated), decode(reference.tolist())
-    answer, expected = " ".join(text.split()), " ".join(expected_text.split())
+    text, expected = decode(generated), decode(reference.tolist())
     sums = np.zeros(SUMS + len(rewards))
-    sums[SUMS:] = [reward(text, expected_text) for reward in rewards]
-    sums[:3] = 1.0, float(answer == expected), token_f1(answer, expected)
+    sums[SUMS:] = [reward(text, expected) for reward in rewards]
+    sums[:3] = 1.0, exact_match(text, expected), token_f1(text, expected)  # both read words, whatever the spacing
     placed = np.full(len(reference), -1)
     placed[: min(len(generated), len(reference))] = generated[: len(reference)]
     sums[3: 3 + CATEGORIES] = np.bincount(scored, minlength=CATEGORIES)
