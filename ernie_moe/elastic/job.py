@@ -16,7 +16,7 @@ import json
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 JOB_VARIABLE = "PADDLE_JOB_ID"
@@ -79,9 +79,9 @@ class JobRecord:
 
     def begin(self, attempt: Attempt) -> None:
         attempt.host, attempt.started = socket.gethostname(), time.strftime("%Y-%m-%d %H:%M:%S")
-        fields = {k: v for k, v in asdict(attempt).items() if k not in ("number", "started", "ended", "end_step",
-                                                                         "reason")}
-        self._append({"event": "start", "attempt": attempt.number, "time": attempt.started, **fields})
+        self._append({"event": "start", "attempt": attempt.number, "time": attempt.started,
+                      "world_size": attempt.world_size, "global_batch": attempt.global_batch, "step": attempt.step,
+                      "run_id": attempt.run_id, "host": attempt.host})
 
     def end(self, attempt: Attempt, status: str, step: int, reason: str = "") -> None:
         self._append({"event": "end", "attempt": attempt.number, "status": status, "step": step, "reason": reason,
