@@ -26,23 +26,20 @@ class HostCounts:
     label_tokens: int  # positions with a label
     text_tokens: int
     vision_tokens: int  # image and video tokens
+    answers: int  # rows with at least one label (an RL batch's sampled answers)
     pairs: int | None = None  # rows holding a preference pair whose two answers both have trained tokens
 
     @classmethod
     def of(cls, labels: np.ndarray, token_type_ids: np.ndarray, pair_sides: np.ndarray | None = None) -> HostCounts:
         pairs = None if pair_sides is None else int(rows_with_pairs(labels, pair_sides).sum())
-        return cls(int((labels != IGNORE_INDEX).sum()), int((token_type_ids == 0).sum()),
-                   int((token_type_ids >= 1).sum()), pairs)
+        labelled = labels != IGNORE_INDEX
+        return cls(int(labelled.sum()), int((token_type_ids == 0).sum()), int((token_type_ids >= 1).sum()),
+                   int(labelled.any(axis=1).sum()), pairs)
 
     @property
     def tokens(self) -> int:
         """Text and image tokens (not padding)."""
         return self.text_tokens + self.vision_tokens
-
-    @property
-    def loss_units(self) -> int:
-        """What the loss is a mean over: label tokens, or the pairs of a preference batch."""
-        return self.label_tokens if self.pairs is None else self.pairs
 
 
 @dataclass
@@ -62,6 +59,12 @@ class Batch:
     pair_sides: paddle.Tensor | None = None
     reference_logps: paddle.Tensor | None = None
     pair_keys: np.ndarray | None = None  # each row's pair's key (data.packing.Row.pair_key)
+    # sampled answers (training.stage: grpo, training.rollouts): each row's advantage [batch], the sampling
+    # policy's log-probability of each label [batch, seq], and the experts each token went to when it was sampled
+    # [batch, moe layers, seq, k] (moe.replay; None without router replay)
+    advantages: paddle.Tensor | None = None
+    old_logps: paddle.Tensor | None = None
+    routes: paddle.Tensor | None = None
     counts: HostCounts | None = None  # counted by ``collate``; None in a batch made by hand
 
     def host_counts(self) -> HostCounts:

@@ -95,7 +95,7 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         predictions = Predictions(self.plan, self.head, hidden, batch.labels, self.loss_chunk,
                                   self.training and not hidden.stop_gradient, keep_logits=return_logits)
         objective, inputs = self.objective, self.objective.inputs(batch)
-        units = batch.host_counts().loss_units
+        units = objective.units(batch.host_counts())
         if reference_pass:
             figures = objective.reference(predictions, batch.labels, *inputs)
             return ModelOutput(paddle.zeros([]), units, router_loss.sum(), figures=figures)

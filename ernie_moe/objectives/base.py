@@ -22,6 +22,15 @@ class Objective:
 
     input_names: tuple[str, ...] = ()  # the batch's fields the loss reads besides its labels
 
+    @property
+    def evaluates_figures(self) -> bool:
+        """Whether held-out data is evaluated by the figures (else by its token scores)."""
+        return bool(self.figures)
+
+    def units(self, counts) -> int:
+        """What the loss is a mean over, counted in a micro-batch's ``batch.HostCounts``: its label tokens."""
+        return counts.label_tokens
+
     def inputs(self, batch, placeholders: bool = False) -> list[paddle.Tensor | None]:
         """The loss's inputs of ``batch`` (:attr:`input_names`); ``placeholders``: a tensor of the right shape
         for one not filled yet (a pipeline carries tensors only, with the labels)."""

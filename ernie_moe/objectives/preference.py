@@ -155,6 +155,10 @@ class PreferenceLoss(Objective):
 
     input_names = ("pair_sides", "reference_logps")  # the reference's log-probabilities: None before its pass
 
+    def units(self, counts) -> int:
+        """The pairs."""
+        return counts.pairs
+
     def inputs(self, batch, placeholders: bool = False) -> list:
         sides, reference = batch.pair_sides, batch.reference_logps
         if reference is None and placeholders:

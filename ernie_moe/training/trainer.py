@@ -378,7 +378,8 @@ class Trainer:
         device (read once per logging window)."""
         env = self.env
         counts = [b.host_counts() for b in micro_batches]  # from the host: nothing to wait for
-        local = paddle.to_tensor([sum(c.loss_units for c in counts), sum(c.tokens for c in counts)], dtype="float64")
+        units = self.runner.objective.units
+        local = paddle.to_tensor([sum(units(c) for c in counts), sum(c.tokens for c in counts)], dtype="float64")
         with part("step_reduce"):
             label_tokens, tokens = env.all_reduce_sum(local, env.data_group).unbind()
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks;
