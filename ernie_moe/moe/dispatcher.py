@@ -34,6 +34,7 @@ class DispatchState:
     routed: paddle.Tensor  # [experts] copies each expert was chosen for (before capacity)
     kept: paddle.Tensor  # [experts] copies each expert processes
     k: int  # choices per token: at most this many copies of a token come back
+    kept_pairs: paddle.Tensor | None = None  # indices of the kept choices among the k-major flattened ones
 
 
 class LocalDispatcher:
@@ -44,11 +45,13 @@ class LocalDispatcher:
         # ERNIE's rule when capacity drops a choice: the token's kept weights are renormalised to sum to 1
         self.renormalize_kept = renormalize_kept
 
-    def route(self, token_index, expert_ids, weights, num_experts: int, capacity, num_rows: int) -> Choices:
+    def route(self, token_index, expert_ids, weights, num_experts: int, capacity, num_rows: int,
+              keep: paddle.Tensor | None = None) -> Choices:
         """Flatten the choices and keep those within capacity, sorted by expert.
 
         ``expert_ids``/``weights`` are ``[tokens, k]``; ``capacity`` ``[experts]`` or None for dropless;
-        ``num_rows``: the rows of the hidden state that ``token_index`` points into.
+        ``num_rows``: the rows of the hidden state that ``token_index`` points into; ``keep`` ``[tokens, k]``: the
+        choices kept, in place of a capacity (a replayed routing, ``moe.replay``).
         Choices are ordered k-major, so every token's first choice claims a slot before any second choice.
         With ``renormalize_kept`` each token's kept weights are divided by their sum (at least 1e-12).
         """
@@ -58,21 +61,25 @@ class LocalDispatcher:
         flat_weight = weights.T.flatten()
         order, sorted_expert, routed, rank_in_expert = kernels.ranks_within_groups(flat_expert, num_experts)
         kept = routed
-        if capacity is not None:
-            order = paddle.masked_select(order, rank_in_expert < paddle.gather(capacity, sorted_expert))
+        if keep is not None or capacity is not None:
+            if keep is not None:
+                order = paddle.masked_select(order, paddle.gather(keep.T.flatten(), order))
+            else:
+                order = paddle.masked_select(order, rank_in_expert < paddle.gather(capacity, sorted_expert))
             kept = paddle.bincount(paddle.gather(flat_expert, order), minlength=num_experts)
+            routed = kept if keep is not None else routed  # a replay's dropped choices routed nowhere
             if self.renormalize_kept and flat_token.shape[0]:
                 totals = paddle.index_add(paddle.zeros([num_rows], flat_weight.dtype),
                                           paddle.gather(flat_token, order), 0, paddle.gather(flat_weight, order))
                 flat_weight = flat_weight / paddle.clip(paddle.gather(totals, flat_token), min=1e-12)
         return Choices(flat_token, flat_weight, flat_expert, order, routed, kept)
 
-    def dispatch(self, x, token_index, expert_ids, weights, num_experts: int, capacity):
+    def dispatch(self, x, token_index, expert_ids, weights, num_experts: int, capacity, keep=None):
         """The ``x`` rows of this process's experts, sorted by expert, and the row count of each expert; see
         :meth:`route` for the arguments."""
-        c = self.route(token_index, expert_ids, weights, num_experts, capacity, x.shape[0])
+        c = self.route(token_index, expert_ids, weights, num_experts, capacity, x.shape[0], keep)
         state = DispatchState(paddle.gather(c.token, c.order), paddle.gather(c.weight, c.order), c.routed, c.kept,
-                              expert_ids.shape[1])
+                              expert_ids.shape[1], kept_pairs=c.order)
         return paddle.gather(x, state.token_index), host_reads.read(c.kept, "expert_rows").tolist(), state
 
     def combine(self, expert_rows: paddle.Tensor, state: DispatchState, num_rows: int) -> paddle.Tensor:

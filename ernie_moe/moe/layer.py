@@ -9,6 +9,7 @@ from ..nn.layers import SwiGLUMLP
 from ..nn.recompute import replaying
 from .experts import Experts
 from .losses import orthogonal_loss
+from .replay import DROPPED, record_of
 from .router import Router
 from .stats import ExpertStats
 
@@ -71,6 +72,9 @@ class MoELayer(nn.Layer):
         self.dispatcher = plan.dispatcher(counts, renormalize_kept=cfg.moe_norm_gate_logits)
         self.reduce_router_stats = plan.router_stats_reduce()
         self.stats = ExpertStats(self.router_counts)
+        # router replay (moe.replay): the routing imposed on this forward's tokens, and where to record it
+        self.routes_in: paddle.Tensor | None = None
+        self.routes_out: list[paddle.Tensor] | None = None
 
     def _weight_modality(self, group: int) -> int:
         modality = self.group_modality[group]
@@ -82,9 +86,12 @@ class MoELayer(nn.Layer):
         flat = x.reshape([-1, shape[-1]])
         tokens = [self._tokens_of(token_type_ids.flatten(), modality) for modality in self.group_modality]
         (token_index, expert_ids, weights), router_loss = self._route(flat, tokens)
+        keep = None if self.routes_in is None else paddle.gather(self.routes_in, token_index) != DROPPED
         # Dispatch even without routed tokens: expert-parallel ranks exchange rows in every layer.
         rows, counts, state = self.dispatcher.dispatch(flat, token_index, expert_ids, weights, self.num_experts,
-                                                       self._capacities(tokens))
+                                                       None if keep is not None else self._capacities(tokens), keep)
+        if self.routes_out is not None and not replaying():
+            self.routes_out.append(record_of(state.kept_pairs, token_index, expert_ids, flat.shape[0]))
         expert_rows, idle_zero = self.experts(rows, counts)
         out = self.dispatcher.combine(expert_rows, state, flat.shape[0])
         if idle_zero is not None:
@@ -115,7 +122,7 @@ class MoELayer(nn.Layer):
                 bias = None
                 if self.moe_statics is not None:
                     bias = self.moe_statics.e_score_correction_bias[g, : self.router_counts[g]]
-                routing = self.gate(flat, token_index, g, bias)
+                routing = self.gate(flat, token_index, g, bias, self._replayed(token_index, g))
                 routed.append((token_index, routing.expert_ids + self.expert_offsets[g], routing.weights))
             group_losses = self.gate.losses(routing, g, reduce)
             for name, value in group_losses.items():
@@ -124,6 +131,13 @@ class MoELayer(nn.Layer):
                 self.stats.record_losses(g, group_losses)
         token_index, expert_ids, weights = (paddle.concat(list(part)) for part in zip(*routed))
         return (token_index, expert_ids, weights), router_loss
+
+    def _replayed(self, token_index: paddle.Tensor, group: int) -> paddle.Tensor | None:
+        """The local expert ids replay imposes on the group's tokens (< 0: the router's own choice)."""
+        if self.routes_in is None:
+            return None
+        ids = paddle.gather(self.routes_in, token_index)
+        return paddle.where(ids >= 0, ids - self.expert_offsets[group], ids)
 
     def _capacities(self, tokens: list[paddle.Tensor]) -> paddle.Tensor | None:
         """Each expert's capacity for this batch ([experts]), or None when dropless. PaddleFormers' rule: a batch

@@ -48,7 +48,8 @@ class Router(nn.Layer):
         return getattr(self, self.weight_name(group))
 
     def forward(self, x: paddle.Tensor, token_index: paddle.Tensor, group: int,
-                correction_bias: paddle.Tensor | None) -> GroupRouting:
+                correction_bias: paddle.Tensor | None, replay: paddle.Tensor | None = None) -> GroupRouting:
+        """``replay [n, k]``: local expert ids imposed where >= 0 (router replay); elsewhere the top-k choice."""
         # The router runs in float32 even under AMP: small logit errors flip top-k choices.
         # token_index lists rows in order, so when it lists them all (a text-only batch) it is every row: no copy
         h = (x if token_index.shape[0] == x.shape[0] else paddle.gather(x, token_index)).astype("float32")
@@ -57,6 +58,8 @@ class Router(nn.Layer):
         probs = F.softmax(logits, axis=-1) if self.gate_act == "softmax" else F.sigmoid(logits)
         scores = probs if correction_bias is None else probs + correction_bias
         _, expert_ids = paddle.topk(scores, self.k, axis=-1)
+        if replay is not None:
+            expert_ids = paddle.where(replay >= 0, replay.astype(expert_ids.dtype), expert_ids)
         weights = paddle.take_along_axis(probs, expert_ids, axis=-1)
         if self.renormalize:
             weights = weights / paddle.clip(weights.sum(axis=-1, keepdim=True), min=1e-12)

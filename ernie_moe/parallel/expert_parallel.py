@@ -54,20 +54,21 @@ class _ByOwner(LocalDispatcher):
         self.local = sum(counts) // self.size
         self.position = paddle.to_tensor(rank_major_order(counts, self.size))
 
-    def route_by_owner(self, token_index, expert_ids, weights, num_experts, capacity, num_rows):
-        """Returns (token rows, weights, routed, kept, choices per [owner rank x local expert])."""
-        c = self.route(token_index, expert_ids, weights, num_experts, capacity, num_rows)
+    def route_by_owner(self, token_index, expert_ids, weights, num_experts, capacity, num_rows, keep=None):
+        """Returns (token rows, weights, routed, kept, choices per [owner rank x local expert], the kept choices'
+        indices among the flattened ones)."""
+        c = self.route(token_index, expert_ids, weights, num_experts, capacity, num_rows, keep)
         position = paddle.gather(self.position, paddle.gather(c.expert, c.order))
         regroup = paddle.argsort(position, stable=True)
         order = paddle.gather(c.order, regroup)
         per_slot = paddle.bincount(paddle.gather(position, regroup), minlength=num_experts)
-        return paddle.gather(c.token, order), paddle.gather(c.weight, order), c.routed, c.kept, per_slot
+        return paddle.gather(c.token, order), paddle.gather(c.weight, order), c.routed, c.kept, per_slot, c.order
 
 
 class ExpertParallelDispatcher(_ByOwner):
-    def dispatch(self, x, token_index, expert_ids, weights, num_experts, capacity):
-        rows, row_weights, routed, kept, per_slot = self.route_by_owner(
-            token_index, expert_ids, weights, num_experts, capacity, x.shape[0])
+    def dispatch(self, x, token_index, expert_ids, weights, num_experts, capacity, keep=None):
+        rows, row_weights, routed, kept, per_slot, kept_pairs = self.route_by_owner(
+            token_index, expert_ids, weights, num_experts, capacity, x.shape[0], keep)
         table: list[paddle.Tensor] = []
         dist.all_gather(table, per_slot, group=self.group)
         counts = host_reads.read(paddle.stack(table), "expert_rows").reshape(self.size, self.size, self.local)
@@ -82,8 +83,8 @@ class ExpertParallelDispatcher(_ByOwner):
         expert_major = [np.arange(starts[s, e], starts[s, e] + mine[s, e])
                         for e in range(self.local) for s in range(self.size)]
         index = paddle.to_tensor(np.concatenate(expert_major) if expert_major else np.zeros([0], np.int64))
-        state = ExpertParallelState(rows, row_weights, routed, kept, expert_ids.shape[1], send_splits,
-                                     recv_splits, index)
+        state = ExpertParallelState(rows, row_weights, routed, kept, expert_ids.shape[1], kept_pairs,
+                                    send_splits, recv_splits, index)
         inputs = paddle.gather(received, index) if received.shape[0] else received
         return inputs, mine.sum(axis=0).tolist(), state
 
@@ -107,9 +108,9 @@ class TensorParallelExpertDispatcher(_ByOwner):
     keeps the router's gradient complete on every rank.
     """
 
-    def dispatch(self, x, token_index, expert_ids, weights, num_experts, capacity):
-        rows, row_weights, routed, kept, per_slot = self.route_by_owner(
-            token_index, expert_ids, weights, num_experts, capacity, x.shape[0])
+    def dispatch(self, x, token_index, expert_ids, weights, num_experts, capacity, keep=None):
+        rows, row_weights, routed, kept, per_slot, kept_pairs = self.route_by_owner(
+            token_index, expert_ids, weights, num_experts, capacity, x.shape[0], keep)
         seen: list[paddle.Tensor] = []
         dist.all_gather(seen, per_slot, group=self.group)
         seen = host_reads.read(paddle.stack(seen), "expert_rows")
@@ -122,7 +123,7 @@ class TensorParallelExpertDispatcher(_ByOwner):
         mine = rows[start: start + int(per_rank[self.rank].sum())]
         # Only this rank's experts use these rows: their input gradient is summed over the ranks.
         inputs = paddle.gather(CopyToGroup.apply(x, self.group), mine)
-        state = TensorParallelExpertState(rows, row_weights, routed, kept, expert_ids.shape[1],
+        state = TensorParallelExpertState(rows, row_weights, routed, kept, expert_ids.shape[1], kept_pairs,
                                           per_rank.sum(axis=1).tolist())
         return inputs, per_rank[self.rank].tolist(), state
 
