@@ -34,6 +34,9 @@ DECLARED = {
                     "(a maximum over the ranks; a single process compares on the host)",
     "host_inputs": "a tensor made on the host and kept there (the images' grid, which plans the vision blocks' "
                    "work): no wait for the device",
+    "decoding": "sampling answers (training.stage: grpo, in the steps that start a rollout): each new token's "
+                "logits for the host's sampler, once per new token, and the routing each forward recorded",
+    "rollout": "whether any data rank still misses groups after a round of prompts: once per round of a rollout",
 }
 TENSOR_READS = ("numpy", "item", "tolist", "__float__", "__int__", "__bool__", "__index__")
 _PADDLE = str(Path(paddle.__file__).parent / "base")  # paddle's own tensor plumbing, which a read passes through

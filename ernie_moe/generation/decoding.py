@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from .. import host_reads
 from ..data.packing import Encoded
 from .kv_cache import KVCache, forward_cached
 
@@ -29,6 +30,9 @@ class Decoding:
 class Generated:
     ids: list[int]  # the new tokens, without the end-of-sentence token
     stop: str  # "eos", "length" (max_new_tokens), "positions" (max_position_embeddings) or "caller" (on_token)
+    # with ``with_logps``: each chosen token's log-probability under logits / temperature (the whole vocabulary,
+    # before top-p), the end-of-sentence token's last when it stopped there
+    logps: list[float] | None = None
 
 
 def batch_inputs(prompts: list[Encoded], channels: int) -> tuple[tuple, np.ndarray]:
@@ -73,6 +77,13 @@ def token_inputs(token: int, position: int, channels: int) -> tuple:
     return tokens_inputs([token], [position], [True], channels)
 
 
+def token_logp(logits: np.ndarray, token: int, temperature: float) -> float:
+    """``log softmax(logits / temperature)[token]`` (temperature 0 reads as 1), in float64."""
+    scaled = logits.astype(np.float64) / (temperature if temperature > 0 else 1.0)
+    top = scaled.max()
+    return float(scaled[token] - top - np.log(np.exp(scaled - top).sum()))
+
+
 def choose(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
     """The next token: the most likely at temperature 0, else drawn from the ``top_p`` nucleus."""
     if temperature <= 0:
@@ -102,12 +113,13 @@ def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperatu
 @paddle.no_grad()
 def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos_id: int, use_cache: bool = True,
                    never: tuple[int, ...] = (), tokens: int | None = None,
-                   on_token: Callable[[int, list[int]], bool] | None = None) -> list[Generated]:
+                   on_token: Callable[[int, list[int]], bool] | None = None,
+                   with_logps: bool = False) -> list[Generated]:
     """:func:`generate` for several prompts side by side, each with its own :class:`Decoding`: one forward per new
     token for all of them, each row's logits read back together. Each prompt's answer is the one :func:`generate`
     gives it alone where the MoE layers are dropless, as an evaluation's are unless ``moe_capacity`` sets an
     evaluation factor (the batch's tokens then set the capacity). ``on_token(row, new)``: as :func:`generate`'s,
-    per row."""
+    per row; ``with_logps``: each answer with its tokens' log-probabilities (:attr:`Generated.logps`)."""
     channels = model.cfg.vision_config.in_channels * model.cfg.vision_config.patch_size ** 2
     rngs = [np.random.default_rng(d.seed) for d in decodings]
     limit = model.cfg.max_position_embeddings
@@ -116,16 +128,18 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
     cache = KVCache(model.cfg.num_hidden_layers, padding)
     logits = forward_cached(model, inputs, cache)
     new: list[list[int]] = [[] for _ in prompts]
+    logps: list[list[float] | None] = [[] if with_logps else None for _ in prompts]
     done: list[Generated | None] = [None] * len(prompts)
     while True:
-        scores = logits[:, -1].astype("float32").numpy()  # every row's, in one read
+        raw = host_reads.read(logits[:, -1].astype("float32"), "decoding")  # every row's, in one read
+        scores = raw.copy()  # what may be chosen; a log-probability is the model's, over the whole vocabulary
         scores[:, list(never)] = -np.inf
         if tokens is not None:
             scores[:, tokens:] = -np.inf
         for row, out in enumerate(done):
             if out is None:
-                done[row] = _next(row, scores[row], new[row], decodings[row], rngs[row], eos_id,
-                                  positions[row] >= limit, on_token)
+                done[row] = _next(row, scores[row], raw[row], new[row], logps[row], decodings[row], rngs[row],
+                                  eos_id, positions[row] >= limit, on_token)
         if all(out is not None for out in done):
             return done
         live = [out is None for out in done]
@@ -138,19 +152,22 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
         positions = [p + 1 if alive else p for p, alive in zip(positions, live)]
 
 
-def _next(row: int, scores: np.ndarray, new: list[int], decoding: Decoding, rng, eos_id: int, at_last_position: bool,
-          on_token) -> Generated | None:
-    """Choose one row's next token into ``new``; its :class:`Generated` once it stops, else None."""
+def _next(row: int, scores: np.ndarray, logits: np.ndarray, new: list[int], logps: list[float] | None,
+          decoding: Decoding, rng, eos_id: int, at_last_position: bool, on_token) -> Generated | None:
+    """Choose one row's next token from ``scores`` into ``new`` (and its log-probability under ``logits`` into
+    ``logps``, unless None); its :class:`Generated` once it stops, else None."""
     token = choose(scores, decoding.temperature, decoding.top_p, rng)
+    if logps is not None:
+        logps.append(token_logp(logits, token, decoding.temperature))
     if token == eos_id:
-        return Generated(new, "eos")
+        return Generated(new, "eos", logps)
     new.append(token)
     if on_token is not None and on_token(row, new):
-        return Generated(new, "caller")
+        return Generated(new, "caller", logps)
     if len(new) >= decoding.max_new_tokens:
-        return Generated(new, "length")
+        return Generated(new, "length", logps)
     if at_last_position:
-        return Generated(new, "positions")
+        return Generated(new, "positions", logps)
     return None
 
 
