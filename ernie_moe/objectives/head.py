@@ -30,6 +30,10 @@ class Predictions:
         self.logits = self.head(self.final)
         return self.plan.cross_entropy_sum(self.logits, self.labels)
 
+    def scaled(self, factor: float) -> Predictions:
+        """The same head over ``final x factor``: logits times ``factor`` (the head is linear, without a bias)."""
+        return Predictions(self.plan, self.head, self.final * factor, self.labels, self.chunk, self.train)
+
     def per_position(self) -> paddle.Tensor:
         """Each position's cross-entropy ``[batch, seq]`` (0 where the label is ignored)."""
         return token_losses(self.plan, self.head, self.final, self.labels, self.chunk, self.train)

@@ -1,0 +1,166 @@
+"""Policy-gradient losses over sampled answers: GRPO and its family, from each answer token's log-probability.
+
+A prompt's ``G`` answers form a group. With answer i's reward ``r_i`` and, per answer token t, the policy's
+log-probability ``logp``, the sampling policy's ``old`` and the reference model's ``ref``:
+
+- advantage ``A_i = (r_i - mean(r)) / (std(r) + 1e-6)`` over the group (std with Bessel's correction, as veRL and
+  TRL take it); Dr. GRPO (Liu et al. 2025) keeps ``r_i - mean(r)``
+- ratio ``rho = exp(logp - old)``; token loss ``-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)`` plus
+  ``beta k3`` with the KL estimator ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman)
+- ``grpo`` (Shao et al. 2024): the mean over the answer's tokens, then over the answers
+- ``dr_grpo``: the sum over the answer's tokens divided by one constant (the rollout's token limit), then the mean
+  over the answers
+- ``dapo`` (Yu et al. 2025): the mean over every answer token of the batch (its clip-higher: ``eps_high`` above
+  ``eps_low``; its dynamic sampling lives in the rollouts)
+- ``gspo`` (Zheng et al. 2025): one ratio per answer, ``s_i = exp(mean_t(logp - old))``, answer loss
+  ``-min(s A, clip(s, 1 - eps_low, 1 + eps_high) A)`` plus ``beta`` times the answer's mean k3; the mean over
+  the answers
+
+The loss is summed here over its units (answers, or answer tokens for ``dapo``); the step divides by their count
+over every micro-batch and rank (:meth:`PolicyGradient.units`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+from ..batch import IGNORE_INDEX
+from .base import Objective
+from .head import Predictions
+
+LOSSES = ("grpo", "dr_grpo", "dapo", "gspo")
+STD_EPS = 1e-6
+# the per-answer figures of a forward (summed over the answers for the metrics); a row without an answer has zeros
+FIGURES = ("answers", "loss", "kl", "clipped", "tokens", "ratio", "logp")
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    loss: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_beta: float = 0.0
+    temperature: float = 1.0  # the rollout's: the loss reads logits / temperature, as the sampler drew from them
+    max_new_tokens: int = 64  # Dr. GRPO's constant
+
+    @classmethod
+    def of(cls, training_cfg) -> PolicySettings:
+        t = training_cfg
+        return cls(t.rl_loss, t.rl_clip_low, t.rl_clip_high, t.rl_kl_beta, t.rl_temperature, t.rl_max_new_tokens)
+
+    @property
+    def per_answer(self) -> bool:
+        """Whether the loss is a mean over answers (else over answer tokens)."""
+        return self.loss != "dapo"
+
+
+def group_advantages(rewards: np.ndarray, group: int, scale: bool = True) -> np.ndarray:
+    """Each answer's advantage from the rewards of consecutive groups of ``group`` answers (float64)."""
+    r = np.asarray(rewards, np.float64).reshape([-1, group])
+    centred = r - r.mean(axis=1, keepdims=True)
+    if scale:
+        centred = centred / (r.std(axis=1, ddof=1, keepdims=True) + STD_EPS)
+    return centred.reshape(-1)
+
+
+def policy_losses(settings: PolicySettings, logp: paddle.Tensor, old: paddle.Tensor, advantages: paddle.Tensor,
+                  mask: paddle.Tensor, reference: paddle.Tensor | None = None) -> tuple[paddle.Tensor, dict]:
+    """(the loss summed over its units, per-answer figures ``{name: [rows]}`` detached) from per-token
+    ``logp``, ``old``, ``reference`` and ``mask`` (1 on answer tokens) ``[rows, seq]`` and ``advantages [rows]``."""
+    s = settings
+    if s.loss not in LOSSES:
+        raise ValueError(f"unknown policy loss {s.loss!r}; one of {', '.join(LOSSES)}")
+    logp, old, mask = logp.astype("float32"), old.astype("float32"), mask.astype("float32")
+    tokens = mask.sum(axis=1)
+    per_token = paddle.clip(tokens, min=1.0)
+    a = advantages.astype("float32")[:, None]
+    log_ratio = (logp - old) * mask
+    kl = paddle.zeros_like(logp)
+    if reference is not None and s.kl_beta:
+        gap = (reference.astype("float32") - logp) * mask
+        kl = (paddle.exp(gap) - gap - 1.0) * mask
+    if s.loss == "gspo":
+        ratio = paddle.exp(log_ratio.sum(axis=1) / per_token)[:, None]  # one per answer, for each of its tokens
+        clipped = paddle.clip(ratio, 1.0 - s.clip_low, 1.0 + s.clip_high)
+        losses = -paddle.minimum(ratio * a, clipped * a)[:, 0] + s.kl_beta * kl.sum(axis=1) / per_token
+    else:
+        ratio = paddle.exp(log_ratio)
+        clipped = paddle.clip(ratio, 1.0 - s.clip_low, 1.0 + s.clip_high)
+        summed = ((-paddle.minimum(ratio * a, clipped * a) + s.kl_beta * kl) * mask).sum(axis=1)
+        divisor = {"grpo": per_token, "dr_grpo": float(s.max_new_tokens), "dapo": 1.0}[s.loss]
+        losses = summed / divisor
+    answers = (tokens > 0).astype("float32")
+    losses = losses * answers
+    clipped_tokens = ((ratio * a > clipped * a).astype("float32") * mask).sum(axis=1)
+    figures = {"answers": answers, "loss": losses.detach(), "kl": kl.sum(axis=1).detach(),
+               "clipped": clipped_tokens.detach(), "tokens": tokens,
+               "ratio": (ratio.expand_as(mask) * mask).sum(axis=1).detach(), "logp": (logp * mask).sum(axis=1).detach()}
+    return losses.sum(), figures
+
+
+def answer_token_logps(predictions: Predictions, temperature: float) -> paddle.Tensor:
+    """Each position's log-probability of its label ``[rows, seq]`` under ``logits / temperature`` (0 where the
+    label is ignored). The head is linear, so the hidden states are divided instead of the logits."""
+    if temperature != 1.0:
+        predictions = predictions.scaled(1.0 / temperature)
+    return -predictions.per_position().astype("float32")
+
+
+class PolicyGradient(Objective):
+    """The GRPO family's objective over a batch of sampled answers (a row each: prompt, then answer tokens with
+    labels); inputs: each row's advantage, the sampling policy's token log-probabilities, and the reference's
+    (``[rows, seq]``; None until its pass, and unused without ``kl_beta``)."""
+
+    name = "rl"
+    figures = FIGURES
+    input_names = ("advantages", "old_logps", "reference_logps")
+
+    def __init__(self, settings: PolicySettings):
+        self.settings = settings
+
+    # held-out data holds the samples' own answers: scored as language modelling (eval_loss, ...), and by the
+    # rewards on answers generated to its prompts (training.eval_generate)
+    evaluates_figures = False
+
+    def units(self, counts) -> int:
+        """The answers, or their tokens (dapo)."""
+        return counts.answers if self.settings.per_answer else counts.label_tokens
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.settings.kl_beta > 0
+
+    def inputs(self, batch, placeholders: bool = False) -> list:
+        reference = batch.reference_logps
+        if reference is None and placeholders:
+            reference = paddle.zeros(batch.labels.shape, dtype="float32")
+        return [batch.advantages, batch.old_logps, reference]
+
+    def loss(self, predictions: Predictions, labels, advantages, old_logps, reference):
+        """(the loss summed over its units, the figures ``[rows, len(FIGURES)]``); a batch without advantages
+        (held-out samples with their own answers) gives its summed cross-entropy and no figures."""
+        if advantages is None:
+            return predictions.summed(), None
+        logp = answer_token_logps(predictions, self.settings.temperature)
+        mask = labels != IGNORE_INDEX
+        total, figures = policy_losses(self.settings, logp, old_logps, advantages, mask, reference)
+        return total, paddle.stack([figures[name] for name in FIGURES], axis=1)
+
+    def reference(self, predictions: Predictions, labels, advantages, old_logps, reference=None) -> paddle.Tensor:
+        """The answer tokens' log-probabilities ``[rows, seq]`` under the reference."""
+        return answer_token_logps(predictions, self.settings.temperature)
+
+    def metrics(self, totals: np.ndarray, prefix: str) -> dict:
+        """``{prefix}loss`` (per answer, or per token for dapo), ``kl`` (per token), ``clip_fraction``, the mean
+        ``ratio``, ``response_length`` and the answers' mean log-probability per token."""
+        sums = dict(zip(FIGURES, (float(v) for v in totals)))
+        answers, tokens = sums["answers"], max(sums["tokens"], 1.0)
+        if not answers:
+            return {}
+        loss = sums["loss"] / (answers if self.settings.per_answer else tokens)
+        return {f"{prefix}loss": loss, f"{prefix}kl": sums["kl"] / tokens,
+                f"{prefix}clip_fraction": sums["clipped"] / tokens, f"{prefix}ratio": sums["ratio"] / tokens,
+                f"{prefix}response_length": sums["tokens"] / answers, f"{prefix}logp": sums["logp"] / tokens}
