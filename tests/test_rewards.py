@@ -8,7 +8,15 @@ import pytest
 from conftest import ROOT
 
 from ernie_moe.config import ConfigError, load_config
-from ernie_moe.objectives.rewards import build_rewards, containment, exact_match, last_number, numeric, think_format
+from ernie_moe.objectives.rewards import (
+    build_rewards,
+    containment,
+    exact_match,
+    last_number,
+    numeric,
+    think_format,
+    word_accuracy,
+)
 from ernie_moe.training.generation_eval import SUMS, answer_sums, generation_metrics
 
 CONFIG = ROOT / "configs" / "vl_moe.yaml"
@@ -29,6 +37,9 @@ def test_each_built_in_reward_on_answers_written_by_hand():
     assert think_format("<think>\nadd them\n</think>\n\n7", "7") == 1
     assert think_format("<think>add them</think>", "7") == 0  # no answer after the thoughts
     assert think_format("7 <think>late</think> 7", "7") == 0
+    assert word_accuracy("a red  square at the top", "a blue square at the top left") == pytest.approx(5 / 7)
+    assert word_accuracy("red a square", "a red square") == pytest.approx(1 / 3)  # at the same place only
+    assert word_accuracy("", "") == 1 and word_accuracy("words", "") == 0 and word_accuracy("", "a b") == 0
 
 
 def test_the_weighted_sum_of_the_rewards_is_logged_beside_each_one(tmp_path, monkeypatch):

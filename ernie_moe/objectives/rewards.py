@@ -5,6 +5,8 @@ generation logs each one's mean and their weighted sum. Built-ins:
 
 - ``exact_match``: 1 when the answer's text equals the reference's (whitespace normalised);
 - ``containment``: 1 when the reference's text appears in the answer's;
+- ``word_accuracy``: the share of the reference's words the answer has at the same place (a caption's words
+  right);
 - ``numeric``: 1 when the answer's last number equals the reference's last number (relative 1e-6; thousands
   separators ignored);
 - ``regex``: 1 when ``training.reward_pattern`` matches somewhere in the answer;
@@ -41,6 +43,13 @@ def containment(answer: str, reference: str) -> float:
     return float(normalised(reference) in normalised(answer))
 
 
+def word_accuracy(answer: str, reference: str) -> float:
+    expected, got = reference.split(), answer.split()
+    if not expected:
+        return float(not got)
+    return sum(a == b for a, b in zip(got, expected)) / len(expected)
+
+
 def last_number(text: str) -> float | None:
     found = _NUMBER.findall(text)
     if not found:
@@ -63,7 +72,8 @@ def think_format(answer: str, reference: str) -> float:
 
 
 BUILT_IN: dict[str, Callable[[str, str], float]] = {
-    "exact_match": exact_match, "containment": containment, "numeric": numeric, "think_format": think_format}
+    "exact_match": exact_match, "containment": containment, "word_accuracy": word_accuracy, "numeric": numeric,
+    "think_format": think_format}
 
 
 @dataclass(frozen=True)
