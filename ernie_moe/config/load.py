@@ -168,8 +168,10 @@ def build(cls, raw, where: str):
         if dataclasses.is_dataclass(hint):
             values[key] = build(hint, value if value is not None else {}, name)
             continue
-        values[key] = _coerce(value, hint, name)
         choices = fields[key].metadata.get("choices")
+        if value is False and choices and "off" in choices:
+            value = "off"  # YAML 1.1 reads a bare off as false
+        values[key] = _coerce(value, hint, name)
         if choices and values[key] not in choices:
             options = ", ".join(repr(c) for c in choices)
             raise ConfigError(f"{name} = {value!r} is not one of {options}.")

@@ -270,7 +270,8 @@ class TrainingConfig:
     eval_generate_max_new_tokens: int = opt(64, "the longest answer generated")
     rewards: list[str] = opt([], "rewards a program can check, scored on every answer of the evaluation by "
                                  "generation (eval_generate_reward_<name>, and their weighted sum "
-                                 "eval_generate_reward): exact_match, containment, numeric, think_format, regex "
+                                 "eval_generate_reward) and, in the grpo stage, on every sampled answer: "
+                                 "exact_match, containment, word_accuracy, numeric, think_format, regex "
                                  "(training.reward_pattern), or 'module:function' (answer, reference) -> float, your "
                                  "own Python code, run by the trainer")
     reward_weights: list[float] = opt([], "one weight per reward in the sum; empty = 1 each")
@@ -343,8 +344,10 @@ class TrainingConfig:
     model_name_or_path: str = opt("", "start from this ERNIE 4.5 checkpoint folder (PaddleFormers, ERNIE Paddle or "
                                       "PaddleNLP form); its config.json gives the model, the model section "
                                       "overrides it; empty = random weights")
-    stage: str = choice("sft", "sft", "dpo", doc="what the run learns from: supervised answers, or preference pairs "
-                                                 "(a prompt with a chosen and a rejected answer; see dpo_*)")
+    stage: str = choice("sft", "sft", "dpo", "grpo",
+                        doc="what the run learns from: supervised answers, preference pairs (a prompt with a chosen "
+                            "and a rejected answer; see dpo_*), or answers the model samples to prompts, scored by "
+                            "training.rewards (reinforcement learning; see rl_*)")
     dpo_loss: str = choice("sigmoid", "sigmoid", "ipo", "simpo", "kto_pair", "dpop",
                            doc="dpo: the preference loss (DPO's sigmoid, IPO, SimPO, paired KTO, DPO-Positive)")
     dpo_beta: float = opt(0.1, "dpo: beta, the strength of the tie to the reference model (SimPO: the reward "
@@ -361,6 +364,24 @@ class TrainingConfig:
                                     "the policy (LoRA: the base, its adapters switched off), or computed for every "
                                     "pair in one pass before the first step and kept in the output folder (no "
                                     "reference weights held)")
+    rl_loss: str = choice("grpo", "grpo", "dr_grpo", "dapo", "gspo",
+                          doc="grpo: the policy loss (GRPO; Dr. GRPO: no per-group std, a constant divisor; DAPO: a "
+                              "mean over every answer token; GSPO: one clipped ratio per answer, suited to MoE)")
+    rl_group_size: int = opt(4, "grpo: answers sampled per prompt (a group; advantages are relative within it)")
+    rl_updates_per_rollout: int = opt(1, "grpo: optimizer steps each rollout serves, one mini-batch of its answers "
+                                         "each (the sampling policy's log-probabilities kept for all of them)")
+    rl_temperature: float = opt(1.0, "grpo: the sampling temperature; the loss reads the logits divided by it too")
+    rl_top_p: float = opt(1.0, "grpo: sample from the smallest set of tokens holding this much probability")
+    rl_max_new_tokens: int = opt(16, "grpo: the longest answer sampled (Dr. GRPO divides by it)")
+    rl_clip_low: float = opt(0.2, "grpo: the ratio's lower clip, 1 - this (GSPO: about 3e-4)")
+    rl_clip_high: float = opt(0.2, "grpo: the ratio's upper clip, 1 + this (DAPO's clip-higher: 0.28; GSPO: 4e-4)")
+    rl_kl_beta: float = opt(0.0, "grpo: weight of the k3 KL estimate to the reference model (0: no reference held)")
+    rl_dynamic_sampling: bool = opt(False, "grpo: DAPO's dynamic sampling: groups whose answers all score the same "
+                                           "are dropped and more prompts sampled in their place")
+    router_replay: str = choice("rollout", "rollout", "off",
+                                doc="grpo: the experts each token went to when it was sampled are imposed in the "
+                                    "update (rollout), so the ratio measures the policy and not routing flips "
+                                    "(capacity, a moved correction bias); off: the update routes afresh")
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,9 @@ def _check_rewards(t) -> None:
     _require(not t.reward_weights or len(t.reward_weights) == len(t.rewards),
              f"training.reward_weights has {len(t.reward_weights)} weight(s) for {len(t.rewards)} reward(s): give one "
              "per reward, or none (1 each).")
-    _require(not t.rewards or t.eval_generate, "training.rewards are scored on the answers of the evaluation by "
-                                               "generation: set training.eval_generate=true.")
+    _require(not t.rewards or t.eval_generate or t.stage == "grpo",
+             "training.rewards are scored on the answers of the evaluation by generation: set "
+             "training.eval_generate=true.")
     if "regex" in t.rewards:
         _require(bool(t.reward_pattern), "training.rewards names 'regex': set training.reward_pattern.")
         try:
@@ -259,6 +260,7 @@ def _check_training(cfg: Config) -> None:
              "final_model with python -m ernie_moe.generate instead.")
     _check_fine_tuning(t)
     _check_preference(cfg)
+    _check_rl(cfg)
 
 
 def _check_preference(cfg: Config) -> None:
@@ -274,6 +276,35 @@ def _check_preference(cfg: Config) -> None:
                                   "held-out pairs (eval_reward_accuracy): set training.eval_generate=false.")
     _require(not t.token_balance_loss, "training.token_balance_loss divides by tokens; a preference run's loss is "
                                        "a mean over pairs: set training.token_balance_loss=false.")
+
+
+def _check_rl(cfg: Config) -> None:
+    t, p = cfg.training, cfg.parallel
+    if t.stage != "grpo":
+        return
+    _require(bool(t.rewards), "training.stage grpo learns from rewards: name at least one in training.rewards (for "
+                              "example word_accuracy, exact_match, or your module:function).")
+    _require(t.rl_group_size >= 2, f"training.rl_group_size ({t.rl_group_size}) must be at least 2: advantages "
+                                   "compare the answers of a group.")
+    rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
+    _require(t.rl_updates_per_rollout >= 1 and rows % t.rl_group_size == 0,
+             f"training.rl_updates_per_rollout must be at least 1, and a step's rows on each data rank "
+             f"(per_device_train_batch_size x gradient_accumulation_steps = {rows}) whole groups of "
+             f"training.rl_group_size ({t.rl_group_size}).")
+    _require(t.rl_temperature > 0 and 0 < t.rl_top_p <= 1,
+             f"training.rl_temperature ({t.rl_temperature}) must be positive and training.rl_top_p ({t.rl_top_p}) in "
+             "(0, 1].")
+    _require(1 <= t.rl_max_new_tokens < cfg.data.max_seq_len,
+             f"training.rl_max_new_tokens ({t.rl_max_new_tokens}) must be at least 1 and leave room for a prompt in "
+             f"data.max_seq_len ({cfg.data.max_seq_len}).")
+    _require(0 <= t.rl_clip_low < 1 and t.rl_clip_high >= 0 and t.rl_kl_beta >= 0,
+             "training.rl_clip_low must be in [0, 1), training.rl_clip_high and training.rl_kl_beta cannot be "
+             "negative.")
+    _require(p.tensor_parallel_degree == 1 and p.pipeline_parallel_degree == 1 and p.expert_parallel_degree == 1,
+             "training.stage grpo samples its answers on each data-parallel rank with the whole model; it runs with "
+             "data parallelism (and sharding) only for now, not with tensor, pipeline or expert parallelism.")
+    _require(not t.token_balance_loss, "training.token_balance_loss divides by tokens; the GRPO family's losses are "
+                                       "normalised as training.rl_loss says: set training.token_balance_loss=false.")
 
 
 def _check_fine_tuning(t) -> None:

@@ -161,6 +161,10 @@ class DataFeed:
         (self.stream if self.plan is None else self.plan).load_state_dict(state)
         self.rows_read = rows
 
+    def window_metrics(self, elapsed: float) -> dict:
+        """The feed's own figures of a logging window: none (the skipped samples are counted in ``stats``)."""
+        return {}
+
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()

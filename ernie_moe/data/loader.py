@@ -267,6 +267,13 @@ def rank_share(batch: list, rank: int, world: int) -> list:
     return batch[rank * per_rank: (rank + 1) * per_rank]
 
 
+def _stacked(rows: list[Row], field: str, dtype) -> paddle.Tensor | None:
+    """The rows' ``field`` stacked into one tensor, or None where the rows do not have it."""
+    if getattr(rows[0], field) is None:
+        return None
+    return paddle.to_tensor(np.stack([np.asarray(getattr(r, field), dtype) for r in rows]))
+
+
 def collate(rows: list[Row]) -> Batch:
     patches = [p for row in rows for p in row.patches]
     grids = [g for row in rows for g in row.grids]
@@ -283,5 +290,8 @@ def collate(rows: list[Row]) -> Batch:
         grid_thw=np.stack(grids) if grids else np.zeros([0, 3], np.int64),
         pair_sides=paddle.to_tensor(sides) if sides is not None else None,
         pair_keys=np.array([r.pair_key for r in rows], np.int64) if sides is not None else None,
+        advantages=_stacked(rows, "advantage", np.float32),
+        old_logps=_stacked(rows, "old_logps", np.float32),
+        routes=_stacked(rows, "routes", np.int32),
         counts=HostCounts.of(labels, types, sides),
     )

@@ -234,6 +234,11 @@ class Row:
     grids: list[np.ndarray]
     pair_sides: np.ndarray | None = None  # a preference pair's row: 1 chosen answer, 2 rejected, 0 prompt (Batch)
     pair_key: int = 0  # a pair's sample index in its data set (held out: -1 - index), for precomputed figures
+    # a sampled answer's row (training.stage: grpo): its advantage, the sampling policy's log-probability of each
+    # label, the experts each token went to ([moe layers, seq, k], moe.replay)
+    advantage: float | None = None
+    old_logps: np.ndarray | None = None
+    routes: np.ndarray | None = None
 
     def unpadded(self) -> Encoded:
         """The row's tokens before its padding as one encoded sample (the trained tokens those with a label)."""

@@ -113,7 +113,8 @@ class StageMemory:
     activations: float
     transient: float
     offloaded: bool = False  # the optimizer states visit the device for the update only, after the backward pass
-    reference: float = 0.0  # a preference run's reference copy of the weights that train (full fine-tuning)
+    reference: float = 0.0  # a preference (or KL-tied RL) run's reference copy of the weights that train
+    rollout: float = 0.0  # a GRPO rollout's key/value cache: held while sampling, outside the forward and backward
     # host memory, not the device's: what an async save (training.async_save) copies before its files are written,
     # at most the stage's weights and optimizer states whole (a writing rank gathers the tensor-parallel slices)
     save_copy: float = 0.0
@@ -121,9 +122,16 @@ class StageMemory:
     @property
     def total(self) -> float:
         steady = self.parameters + self.reference + self.gradients + self.inputs
+        passes = max(self.activations + self.transient, self.rollout)  # sampling and training take turns
         if self.offloaded:
-            return steady + max(self.optimizer, self.activations + self.transient)
-        return steady + self.optimizer + self.activations + self.transient
+            return steady + max(self.optimizer, passes)
+        return steady + self.optimizer + passes
+
+
+def rollout_rows(training) -> int:
+    """A GRPO rollout's rows on one data rank: every optimizer step it serves takes its share."""
+    t = training
+    return t.per_device_train_batch_size * t.gradient_accumulation_steps * t.rl_updates_per_rollout
 
 
 def uses_flash_attention(training) -> bool:
@@ -383,9 +391,19 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         activations = act_scale * kept * in_flight(p, t, stage)
         transient = act_scale * transient
         inputs = data_inputs * t.gradient_accumulation_steps
-        # a full fine-tune's preference reference: the trained weights as they started (LoRA's is its base)
-        holds = t.stage == "dpo" and t.fine_tuning != "lora" and t.dpo_reference == "model" and t.dpo_loss != "simpo"
+        rollout = 0.0
+        if t.stage == "grpo":  # a rollout's rows, kept for its updates, and its decoding's key/value cache
+            rows, length = rollout_rows(t), cfg.data.max_seq_len
+            replayed = sum(1 for i in range(m.num_hidden_layers) if m.moe_modalities_at(i))
+            replayed *= m.moe_k if t.router_replay == "rollout" else 0
+            inputs = rows * (data_inputs / t.per_device_train_batch_size + length * 4 * (1 + replayed))
+            heads = max(m.num_key_value_heads // p.tensor_parallel_degree, 1)
+            rollout = 2 * (2 if low else 4) * rows * length * len(layers) * heads * m.head_dim  # keys and values
+        # a full fine-tune's reference: the trained weights as they started (LoRA's is its base)
+        holds = t.fine_tuning != "lora" and (
+            (t.stage == "dpo" and t.dpo_reference == "model" and t.dpo_loss != "simpo")
+            or (t.stage == "grpo" and t.rl_kl_beta > 0))
         reference = param_bytes * sum(trainable) if holds else 0.0
         out.append(StageMemory(stage, parameters, gradients, optimizer, inputs, activations, transient,
-                               t.offload_optim, reference, save_copy))
+                               t.offload_optim, reference, rollout, save_copy))
     return out

@@ -67,7 +67,8 @@ def workload_source(cfg, data_world: int, image_fraction: float):
 
 def table(stages, device_bytes: float) -> str:
     columns = ("parameters", *(("reference",) if any(s.reference for s in stages) else ()), "gradients", "optimizer",
-               "inputs", "activations", "transient", "total")
+               "inputs", "activations", "transient", *(("rollout",) if any(s.rollout for s in stages) else ()),
+               "total")
     lines = ["stage " + " ".join(f"{c:>12}" for c in columns)]
     for s in stages:
         lines.append(f"{s.stage:>5} " + " ".join(f"{size(getattr(s, c)):>12}" for c in columns))

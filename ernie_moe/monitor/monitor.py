@@ -44,9 +44,9 @@ class TrainingMonitor:
         """The step's memory peak in bytes."""
         return self.memory.step_peak()
 
-    def end_window(self, step: int, results: list, data_stats) -> dict:
+    def end_window(self, step: int, results: list, data_stats, feed_metrics: dict | None = None) -> dict:
         """Log the metrics of the window's step results, read to the host (``StepResult.read``; rank 0 writes,
-        every rank takes part in the reductions) and return them."""
+        every rank takes part in the reductions), with the feed's figures (a rollout's rewards), and return them."""
         steps = len(results)
         updated = [r for r in results if not r.skipped]  # gradient norms of skipped steps are not finite
 
@@ -94,6 +94,7 @@ class TrainingMonitor:
             peak = max(v for k, v in memory.items() if k.startswith("memory/max_rank_"))
             self.warnings = self.alerts.check(step, scalars, peak)
         metrics.update({f"data/{k}" if k in FIT_COUNTS else f"data/skipped_{k}": v for k, v in data_stats.items()})
+        metrics.update(feed_metrics or {})
         metrics.update(self.constants)
         self.logger.log(step, metrics)
         for tag, image in images.items():

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from .base import LanguageModelling, Objective
 from .head import Predictions, token_losses
+from .policy import PolicyGradient, PolicySettings
 from .preference import PreferenceLoss, PreferenceSettings
 
-__all__ = ["LanguageModelling", "Objective", "PreferenceLoss", "Predictions", "build_objective", "token_losses"]
+__all__ = ["LanguageModelling", "Objective", "PolicyGradient", "PreferenceLoss", "Predictions", "build_objective",
+           "token_losses"]
 
 
 def build_objective(training_cfg, env) -> Objective:
-    """``training.stage``'s objective: language modelling (pretraining, SFT) or the DPO family (``dpo``), whose
-    sums over the pairs of other data ranks (kto_pair) run over the data group."""
+    """``training.stage``'s objective: language modelling (pretraining, SFT), the DPO family (``dpo``), whose
+    sums over the pairs of other data ranks (kto_pair) run over the data group, or the GRPO family (``grpo``)."""
+    if training_cfg.stage == "grpo":
+        return PolicyGradient(PolicySettings.of(training_cfg))
     if training_cfg.stage != "dpo":
         return LanguageModelling()
     return PreferenceLoss(PreferenceSettings.of(training_cfg), lambda x: env.all_reduce_sum(x, env.data_group))

@@ -93,7 +93,7 @@ def reference_model(model, t) -> ReferenceModel | PrecomputedReference | None:
     data)."""
     if not model.objective.needs_reference:
         return None
-    if t.dpo_reference == "precomputed":
+    if t.stage == "dpo" and t.dpo_reference == "precomputed":
         return PrecomputedReference()
     return ReferenceModel(model, lora=t.fine_tuning == "lora")
 

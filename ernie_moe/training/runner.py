@@ -20,6 +20,7 @@ from ..batch import IGNORE_INDEX
 from ..data import collate
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration, step_sums
 from ..model.parameter_kinds import is_expert
+from ..moe.replay import replayed
 from ..nn.param_spec import describe
 from ..objectives import LanguageModelling, Objective
 from ..parallel import build_plan
@@ -73,13 +74,14 @@ class PlainRunner:
         self.reference_pass(micro_batches)  # the objective's reference, before the policy's pass
         sums = []
         for i, batch in enumerate(micro_batches):
-            with part("forward"), self.precision.autocast():
-                out = self.model(batch)
-            loss = out.loss_sum * scale + out.router_loss / len(micro_batches)
-            if i == len(micro_batches) - 1:  # the backward that ends the step syncs as it goes
-                self.grad_sync.expect_backward([loss])
-            with part("backward"), during_backward():  # with parallel.overlap_grad_sync, the gradient all-reduce too
-                self.precision.scale(loss).backward()
+            with replayed(self.model, batch.routes):  # the sampled routing, in the backward's recompute too
+                with part("forward"), self.precision.autocast():
+                    out = self.model(batch)
+                loss = out.loss_sum * scale + out.router_loss / len(micro_batches)
+                if i == len(micro_batches) - 1:  # the backward that ends the step syncs as it goes
+                    self.grad_sync.expect_backward([loss])
+                with part("backward"), during_backward():  # overlap_grad_sync: the gradient all-reduce too
+                    self.precision.scale(loss).backward()
             figures = [] if out.figures is None else [out.figures.detach().sum(axis=0)]
             sums.append(step_sums(out.loss_sum, out.router_loss, *figures))
         return paddle.add_n(sums) if len(sums) > 1 else sums[0]
@@ -118,7 +120,7 @@ class PlainRunner:
         self.grad_sync.finish()
 
     def evaluate(self, batches, training_cfg) -> dict:
-        if self.objective.figures:
+        if self.objective.evaluates_figures:
             return self.evaluate_figures(batches, training_cfg)
         with self.precision.autocast():
             return evaluate(self.model, batches, self.env, training_cfg.max_eval_batches)
@@ -223,7 +225,7 @@ class PipelineRunner(PlainRunner):
         """Forward only through fleet's schedule; the last stage's loss function scores each batch. The
         schedule takes ``gradient_accumulation_steps`` micro-batches of the training shape at a time: short
         batches and the last group are filled with unlabelled copies."""
-        if self.objective.figures:
+        if self.objective.evaluates_figures:
             return self.evaluate_figures(batches, training_cfg)
         t, schedule, loss = training_cfg, self.fleet_model, self.model.loss
         steps, rows_per_batch = t.gradient_accumulation_steps, t.per_device_train_batch_size

@@ -52,6 +52,7 @@ from .optimizer import clip_gradients, gradient_norms, optimizer_state_bytes
 from .precision import NonFiniteGradients
 from .preference import PrecomputedReference
 from .replica_check import ReplicaCheck, ReplicasDiffer
+from .rollouts import RolloutFeed
 from .state import StepResult, TrainingState, read_results
 from .stop import StopRequested, StopWatch
 
@@ -141,7 +142,9 @@ class Trainer:
                     stop.hold(faults.released)
                 bar.update(1)
                 if self._ends_window():
-                    metrics = self.monitor.end_window(self.step, read_results(window), self.data_stats)
+                    results = read_results(window)
+                    metrics = self.monitor.end_window(self.step, results, self.data_stats,
+                                                      self.feed.window_metrics(sum(r.time for r in results)))
                     bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
                     for line in self.monitor.warnings if self.env.is_main else []:
                         bar.write(f"WARNING {line}")
@@ -436,12 +439,16 @@ class Trainer:
         return {**result, **{f"eval_skipped_{reason}": count for reason, count in sorted(skipped.items())}}
 
     # -------------------------------------------------------------- helpers
-    def _build_data(self) -> tuple[DataFeed, object]:
-        """The training feed and the held-out set; the data report; a preference run's precomputed reference,
-        with the starting weights (before a resume loads others)."""
+    def _build_data(self) -> tuple[DataFeed | RolloutFeed, object]:
+        """The training feed (the GRPO stage's: rollouts of the policy) and the held-out set; the data report; a
+        preference run's precomputed reference, with the starting weights (before a resume loads others)."""
         cfg = self.cfg
         train_set, eval_set = build_datasets(cfg)
-        feed = DataFeed(train_set, self.tokenizer, cfg, self.env, self.data_stats)
+        if cfg.training.stage == "grpo":
+            feed = RolloutFeed(train_set, self.model, self.tokenizer, cfg, self.env, self.precision, self.rewards,
+                               self.data_stats)
+        else:
+            feed = DataFeed(train_set, self.tokenizer, cfg, self.env, self.data_stats)
         feed.gate()  # the reader's Python waits for the backward passes, so the forward's is not held up
         if self.env.is_main and cfg.data.report_samples:
             self._report_data(train_set)
