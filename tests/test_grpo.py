@@ -117,7 +117,7 @@ def test_token_logp_is_numpys_log_softmax():
     (["training.rl_group_size=3"], "whole groups"),
     (["training.rl_temperature=0"], "rl_temperature"),
     (["training.rl_max_new_tokens=40"], "leave room"),
-    (["parallel.tensor_parallel_degree=2"], "data parallelism"),
+    (["parallel.pipeline_parallel_degree=2"], "pipeline stages"),
     (["training.token_balance_loss=true"], "token_balance_loss"),
 ])
 def test_grpo_settings_are_checked(overrides, message):
@@ -205,7 +205,11 @@ LAUNCHED = ["data.max_seq_len=40", "training.max_steps=4", "logging.logging_step
             "training.rl_group_size=2", "training.gradient_accumulation_steps=1", "training.rl_updates_per_rollout=2",
             "training.rl_kl_beta=0.05", "training.rl_loss=gspo", "training.rl_clip_low=0.05",
             "training.rl_clip_high=0.05", "logging.count_host_reads=true", "model.global_aux_loss=true"]
-LAUNCH_LAYOUTS = {"dp2": [], "dp2_lora": ["training.fine_tuning=lora", "training.lora_rank=4"]}
+# name: (processes, data ranks, overrides)
+LAUNCH_LAYOUTS = {"dp2": (2, 2, []), "dp2_lora": (2, 2, ["training.fine_tuning=lora", "training.lora_rank=4"]),
+                  "tp2": (2, 1, ["parallel.tensor_parallel_degree=2"]),
+                  "tp2_moe_mp": (2, 1, ["parallel.tensor_parallel_degree=2", "parallel.moe_group=mp"]),
+                  "ep2": (2, 2, ["parallel.expert_parallel_degree=2"])}
 
 
 def tensors(folder) -> dict:
@@ -222,19 +226,36 @@ def base(tmp_path_factory):
     return out / "final_model"
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, base):
+    """The single-process runs, one per start (the base, or LoRA on it), each made once for the module."""
+    runs = {}
+
+    def get(start: tuple[str, ...]):
+        if start not in runs:
+            runs[start], _ = launch(tmp_path_factory.mktemp("one"), 1, *LAUNCHED, *start,
+                                    "training.per_device_train_batch_size=4", name="one")
+        return runs[start]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAUNCH_LAYOUTS))
-def test_a_data_parallel_grpo_run_equals_one_process(tmp_path, base, layout):
-    """Two data ranks, each sampling its share of every rollout: the same rollouts (rewards), losses, KL, clip
-    fractions, gradient norms and trained weights as one process over the whole batch; every host read a step
-    makes is a declared one."""
+def test_a_grpo_layout_equals_one_process(tmp_path, base, one_process, layout):
+    """Data ranks each sampling their share of every rollout, tensor-parallel ranks sampling in step from the
+    gathered vocabulary, expert-parallel ranks decoding in step while any of them still decodes: the same
+    rollouts (rewards, answer lengths), losses, KL, ratios, clip fractions, gradient norms and trained weights as
+    one process over the whole batch; every host read a step makes is a declared one."""
     from test_e2e import records
 
     from ernie_moe.host_reads import DECLARED
 
-    extra = [f"training.model_name_or_path={base}", *LAUNCH_LAYOUTS[layout]]
-    one, _ = launch(tmp_path, 1, *LAUNCHED, *extra, "training.per_device_train_batch_size=4", name="one")
-    two, _ = launch(tmp_path, 2, *LAUNCHED, *extra, "training.per_device_train_batch_size=2", name="two")
+    nproc, data_ranks, overrides = LAUNCH_LAYOUTS[layout]
+    start = (f"training.model_name_or_path={base}", *(o for o in overrides if "lora" in o))
+    one = one_process(start)
+    two, _ = launch(tmp_path, nproc, *LAUNCHED, *start, *overrides,
+                    f"training.per_device_train_batch_size={4 // data_ranks}", name="two")
     runs = [[r for r in records(out) if "loss" in r] for out in (one, two)]
     assert len(runs[1]) == 4
     for key in ("loss", "rl/loss", "rl/kl", "rl/clip_fraction", "rl/ratio", "rl/response_length", "rollout/reward",

@@ -114,12 +114,15 @@ def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperatu
 def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos_id: int, use_cache: bool = True,
                    never: tuple[int, ...] = (), tokens: int | None = None,
                    on_token: Callable[[int, list[int]], bool] | None = None,
-                   with_logps: bool = False) -> list[Generated]:
+                   with_logps: bool = False, lockstep: Callable[[bool], bool] | None = None) -> list[Generated]:
     """:func:`generate` for several prompts side by side, each with its own :class:`Decoding`: one forward per new
     token for all of them, each row's logits read back together. Each prompt's answer is the one :func:`generate`
     gives it alone where the MoE layers are dropless, as an evaluation's are unless ``moe_capacity`` sets an
     evaluation factor (the batch's tokens then set the capacity). ``on_token(row, new)``: as :func:`generate`'s,
-    per row; ``with_logps``: each answer with its tokens' log-probabilities (:attr:`Generated.logps`)."""
+    per row; ``with_logps``: each answer with its tokens' log-probabilities (:attr:`Generated.logps`);
+    ``lockstep(finished)``: whether any of the processes that run every forward together (an expert-parallel
+    group exchanging tokens) has not finished, told whether this one has; a finished one feeds padding until all
+    have."""
     channels = model.cfg.vision_config.in_channels * model.cfg.vision_config.patch_size ** 2
     rngs = [np.random.default_rng(d.seed) for d in decodings]
     limit = model.cfg.max_position_embeddings
@@ -131,7 +134,7 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
     logps: list[list[float] | None] = [[] if with_logps else None for _ in prompts]
     done: list[Generated | None] = [None] * len(prompts)
     while True:
-        raw = host_reads.read(logits[:, -1].astype("float32"), "decoding")  # every row's, in one read
+        raw = host_reads.read(model.plan.full_logits(logits[:, -1]).astype("float32"), "decoding")  # every row's
         scores = raw.copy()  # what may be chosen; a log-probability is the model's, over the whole vocabulary
         scores[:, list(never)] = -np.inf
         if tokens is not None:
@@ -140,7 +143,8 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
             if out is None:
                 done[row] = _next(row, scores[row], raw[row], new[row], logps[row], decodings[row], rngs[row],
                                   eos_id, positions[row] >= limit, on_token)
-        if all(out is not None for out in done):
+        finished = all(out is not None for out in done)
+        if not (lockstep(finished) if lockstep is not None else not finished):
             return done
         live = [out is None for out in done]
         if use_cache:

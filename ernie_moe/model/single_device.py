@@ -86,6 +86,10 @@ class SingleDevicePlan:
     def dispatcher(self, expert_counts: list[int], renormalize_kept: bool = False) -> LocalDispatcher:
         return LocalDispatcher(renormalize_kept)
 
+    def full_logits(self, logits: paddle.Tensor) -> paddle.Tensor:
+        """Logits over the whole vocabulary (a sampler draws from them)."""
+        return logits
+
     def predict(self, logits: paddle.Tensor) -> paddle.Tensor:
         """The most likely token id at each position."""
         return logits.argmax(axis=-1)

@@ -123,6 +123,11 @@ class ParallelPlan(SingleDevicePlan):
             return TensorParallelExpertDispatcher(expert_counts, self.expert_group, renormalize_kept)
         return ExpertParallelDispatcher(expert_counts, self.expert_group, renormalize_kept)
 
+    def full_logits(self, logits):
+        if self.tp_group is None:
+            return super().full_logits(logits)
+        return GatherAlong.apply(logits, -1, self.tp_group, False)  # each rank holds a slice of the vocabulary
+
     def predict(self, logits):
         if self.tp_group is None:
             return super().predict(logits)

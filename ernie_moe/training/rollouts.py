@@ -75,6 +75,10 @@ class RolloutFeed:
         self.encoder = training_encoder(tokenizer, cfg, Counter())
         self.group_size, self.length = t.rl_group_size, cfg.data.max_seq_len
         self.replay = t.router_replay == "rollout" and bool(model.moe_layers())
+        # expert-parallel ranks exchange their tokens in every MoE forward: they decode in step, and sample every
+        # round, full or not
+        self.exchange = env.expert_group if env.expert_group is not None and not model.plan.experts_on_tp_ranks \
+            else None
         self.prompts_read = 0  # global prompt slots taken so far
         self.pending: list[Row] = []  # this rank's rows of the rollout being trained on
         self.window: Counter = Counter()  # the rollouts' sums since the last logging window
@@ -148,7 +152,8 @@ class RolloutFeed:
         # every rank takes every round, full or not: the position stays the same everywhere
         slots = [slot for _ in range(updates) for slot in self._round(per_step)]
         for _ in range(MAX_ROUNDS):
-            for group in self._sample(self._prompts(slots)) if len(kept) < want else []:
+            sampled = self._sample(self._prompts(slots)) if len(kept) < want or self.exchange else []
+            for group in sampled if len(kept) < want else []:
                 self.window["groups"] += 1
                 self.window["equal_groups"] += group.equal
                 (spare if dynamic and group.equal else kept).append(group)
@@ -197,6 +202,13 @@ class RolloutFeed:
         order = np.random.default_rng([self.cfg.training.seed, slot // n]).permutation(n)
         return int(order[slot % n])
 
+    def lockstep(self, finished: bool) -> bool:
+        """Whether a rank of this one's expert-parallel group has not finished decoding (generate_batch)."""
+        if self.exchange is None:
+            return not finished
+        going = paddle.to_tensor([0 if finished else 1], dtype="int64")
+        return bool(host_reads.read(self.env.all_reduce_sum(going, self.exchange), "decoding"))
+
     def _anyone_missing(self, missing: int) -> bool:
         """Whether some data rank still misses groups (every rank takes the next round together)."""
         short = paddle.to_tensor([max(missing, 0)], dtype="int64")
@@ -208,6 +220,10 @@ class RolloutFeed:
     def _sample(self, prompts: list[Prompt]) -> list[Group]:
         """``rl_group_size`` answers to each prompt, side by side, scored."""
         if not prompts:
+            if self.exchange is not None:
+                raise DataError("a round of prompts left this data rank none to sample, and with expert "
+                                "parallelism every rank of the group decodes in step; see the data/skipped_rollout_* "
+                                "counts")
             return []
         t, g = self.cfg.training, self.group_size
         encoded = [p.encoded for p in prompts for _ in range(g)]
@@ -219,7 +235,7 @@ class RolloutFeed:
             with recording(self.model) if self.replay else nullcontext() as records, self.precision.autocast():
                 answers = generate_batch(self.model, encoded, decodings, self.tokenizer.eos_id,
                                          never=(self.model.cfg.im_patch_id,), tokens=self.tokenizer.vocab_size,
-                                         with_logps=True)
+                                         with_logps=True, lockstep=self.lockstep)
         finally:
             self.model.train(was_training)
         routes: list[np.ndarray | None] = [None] * len(answers)
