@@ -117,7 +117,8 @@ def test_token_logp_is_numpys_log_softmax():
     (["training.rl_group_size=3"], "whole groups"),
     (["training.rl_temperature=0"], "rl_temperature"),
     (["training.rl_max_new_tokens=40"], "leave room"),
-    (["parallel.pipeline_parallel_degree=2"], "pipeline stages"),
+    (["parallel.tensor_parallel_degree=2", "parallel.sequence_parallel=true", "parallel.moe_group=mp"],
+     "sequence parallelism"),
     (["training.token_balance_loss=true"], "token_balance_loss"),
 ])
 def test_grpo_settings_are_checked(overrides, message):
@@ -202,14 +203,22 @@ def test_grpo_raises_the_reward_of_a_weak_captioner(tmp_path):
 # reference, replayed routing, the host reads counted
 LAUNCHED = ["data.max_seq_len=40", "training.max_steps=4", "logging.logging_steps=1", "training.eval_steps=4",
             "data.num_eval_samples=4", "training.stage=grpo", "training.rewards=[word_accuracy]",
-            "training.rl_group_size=2", "training.gradient_accumulation_steps=1", "training.rl_updates_per_rollout=2",
+            "training.rl_group_size=2", "training.rl_updates_per_rollout=2",
             "training.rl_kl_beta=0.05", "training.rl_loss=gspo", "training.rl_clip_low=0.05",
             "training.rl_clip_high=0.05", "logging.count_host_reads=true", "model.global_aux_loss=true"]
-# name: (processes, data ranks, overrides)
-LAUNCH_LAYOUTS = {"dp2": (2, 2, []), "dp2_lora": (2, 2, ["training.fine_tuning=lora", "training.lora_rank=4"]),
-                  "tp2": (2, 1, ["parallel.tensor_parallel_degree=2"]),
-                  "tp2_moe_mp": (2, 1, ["parallel.tensor_parallel_degree=2", "parallel.moe_group=mp"]),
-                  "ep2": (2, 2, ["parallel.expert_parallel_degree=2"])}
+# name: (processes, data ranks, overrides, overrides shared with one process); a pipeline accumulates micro-batches
+# and is compared with one process accumulating the same ones (the router losses' statistics are per micro-batch)
+ACCUMULATE = ("training.gradient_accumulation_steps=2",)
+LAUNCH_LAYOUTS = {"dp2": (2, 2, [], ()),
+                  "dp2_lora": (2, 2, [], ("training.fine_tuning=lora", "training.lora_rank=4")),
+                  "tp2": (2, 1, ["parallel.tensor_parallel_degree=2"], ()),
+                  "tp2_moe_mp": (2, 1, ["parallel.tensor_parallel_degree=2", "parallel.moe_group=mp"], ()),
+                  "ep2": (2, 2, ["parallel.expert_parallel_degree=2"], ()),
+                  "pp2": (2, 1, ["parallel.pipeline_parallel_degree=2"], ACCUMULATE),
+                  "pp2_recompute": (2, 1, ["parallel.pipeline_parallel_degree=2", "training.recompute=true"],
+                                    ACCUMULATE),
+                  "tp2_pp2": (4, 1, ["parallel.tensor_parallel_degree=2", "parallel.pipeline_parallel_degree=2"],
+                              ACCUMULATE)}
 
 
 def tensors(folder) -> dict:
@@ -228,14 +237,16 @@ def base(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, base):
-    """The single-process runs, one per start (the base, or LoRA on it), each made once for the module."""
+    """The single-process runs, one per set of shared overrides (LoRA, accumulation), each made once."""
     runs = {}
 
-    def get(start: tuple[str, ...]):
-        if start not in runs:
-            runs[start], _ = launch(tmp_path_factory.mktemp("one"), 1, *LAUNCHED, *start,
-                                    "training.per_device_train_batch_size=4", name="one")
-        return runs[start]
+    def get(shared: tuple[str, ...]):
+        if shared not in runs:
+            rows = 4 // (2 if ACCUMULATE[0] in shared else 1)
+            runs[shared], _ = launch(tmp_path_factory.mktemp("one"), 1, *LAUNCHED,
+                                     f"training.model_name_or_path={base}", *shared,
+                                     f"training.per_device_train_batch_size={rows}", name="one")
+        return runs[shared]
 
     return get
 
@@ -244,18 +255,19 @@ def one_process(tmp_path_factory, base):
 @pytest.mark.parametrize("layout", list(LAUNCH_LAYOUTS))
 def test_a_grpo_layout_equals_one_process(tmp_path, base, one_process, layout):
     """Data ranks each sampling their share of every rollout, tensor-parallel ranks sampling in step from the
-    gathered vocabulary, expert-parallel ranks decoding in step while any of them still decodes: the same
+    gathered vocabulary, expert-parallel ranks decoding in step while any of them still decodes, pipeline stages
+    decoding stage by stage and replaying the routes in the schedule's order (through recomputes too): the same
     rollouts (rewards, answer lengths), losses, KL, ratios, clip fractions, gradient norms and trained weights as
     one process over the whole batch; every host read a step makes is a declared one."""
     from test_e2e import records
 
     from ernie_moe.host_reads import DECLARED
 
-    nproc, data_ranks, overrides = LAUNCH_LAYOUTS[layout]
-    start = (f"training.model_name_or_path={base}", *(o for o in overrides if "lora" in o))
-    one = one_process(start)
-    two, _ = launch(tmp_path, nproc, *LAUNCHED, *start, *overrides,
-                    f"training.per_device_train_batch_size={4 // data_ranks}", name="two")
+    nproc, data_ranks, overrides, shared = LAUNCH_LAYOUTS[layout]
+    one = one_process(shared)
+    rows = 4 // data_ranks // (2 if ACCUMULATE[0] in shared else 1)
+    two, _ = launch(tmp_path, nproc, *LAUNCHED, f"training.model_name_or_path={base}", *shared, *overrides,
+                    f"training.per_device_train_batch_size={rows}", name="two")
     runs = [[r for r in records(out) if "loss" in r] for out in (one, two)]
     assert len(runs[1]) == 4
     for key in ("loss", "rl/loss", "rl/kl", "rl/clip_fraction", "rl/ratio", "rl/response_length", "rollout/reward",

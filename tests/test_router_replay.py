@@ -3,6 +3,8 @@ where its own capacity or a moved correction bias would route them differently."
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import paddle
 from test_moe import inputs, make_layer
@@ -15,13 +17,20 @@ def differ(a, b) -> bool:
     return np.abs(a - b).max() > 0.1 * np.abs(b).max()
 
 
+def impose(layer, *routes):
+    """The routes of the layer's next forwards, in order (what ``moe.replay.replayed`` sets)."""
+    layer.routes_in, layer.routes_recomputed = deque(routes), deque()
+
+
 def forward(layer, x, types, routes_in=None, record=False):
-    layer.routes_in, layer.routes_out = routes_in, ([] if record else None)
+    if routes_in is not None:
+        impose(layer, routes_in)
+    layer.routes_out = [] if record else None
     try:
         out, _ = layer(paddle.to_tensor(x), paddle.to_tensor(types))
         return out.numpy(), (layer.routes_out[0] if record else None)
     finally:
-        layer.routes_in = layer.routes_out = None
+        layer.routes_in = layer.routes_recomputed = layer.routes_out = None
 
 
 def test_replay_keeps_the_recorded_drops_where_capacity_would_keep_them():
@@ -53,12 +62,12 @@ def test_replay_holds_the_routing_when_the_correction_bias_moves():
     moved, _ = forward(layer, x, types)
     assert differ(moved, sampled)
     x_in = paddle.to_tensor(x, stop_gradient=False)
-    layer.routes_in = record
+    impose(layer, record)
     try:
         out, loss = layer(x_in, paddle.to_tensor(types))
         (out.square().sum() + loss).backward()
     finally:
-        layer.routes_in = None
+        layer.routes_in = layer.routes_recomputed = None
     np.testing.assert_allclose(out.numpy(), sampled, rtol=1e-5, atol=1e-9)
     assert float(layer.gate.weight.grad.abs().sum()) > 0  # the mixing weights still train the router
 

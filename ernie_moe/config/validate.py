@@ -300,10 +300,10 @@ def _check_rl(cfg: Config) -> None:
     _require(0 <= t.rl_clip_low < 1 and t.rl_clip_high >= 0 and t.rl_kl_beta >= 0,
              "training.rl_clip_low must be in [0, 1), training.rl_clip_high and training.rl_kl_beta cannot be "
              "negative.")
-    _require(p.pipeline_parallel_degree == 1 and not p.sequence_parallel,
-             "training.stage grpo samples its answers one token at a time through the whole model on each rank: it "
-             "runs with data, tensor and expert parallelism and sharding, not yet with pipeline stages or sequence "
-             "parallelism (a new token's sequence cannot be split).")
+    _require(p.virtual_pp_degree <= 1 and not p.sequence_parallel,
+             "training.stage grpo samples its answers one token at a time through the model's stages: it runs with "
+             "data, tensor, pipeline and expert parallelism and sharding, not with interleaved pipeline stages "
+             "(parallel.virtual_pp_degree) or sequence parallelism (a new token's sequence cannot be split).")
     _require(not t.token_balance_loss, "training.token_balance_loss divides by tokens; the GRPO family's losses are "
                                        "normalised as training.rl_loss says: set training.token_balance_loss=false.")
 

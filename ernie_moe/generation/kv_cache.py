@@ -43,14 +43,15 @@ class KVCache:
 
 @paddle.no_grad()
 def forward_cached(model, inputs: tuple, cache: KVCache) -> paddle.Tensor:
-    """Logits ``[batch, new tokens, vocab]`` of the single-device ``model`` for ``inputs`` (the first block's
-    tuple, ``model.blocks.block_inputs``: one document per row), the new tokens seeing the cached ones;
-    their keys and values join the cache. With an empty cache this is the model's own forward."""
+    """Logits ``[batch, new tokens, vocab]`` of ``model`` for ``inputs`` (the first block's tuple,
+    ``model.blocks.block_inputs``: one document per row), the new tokens seeing the cached ones; their keys and
+    values join the cache. With an empty cache this is the model's own forward. A pipeline stage runs its own
+    blocks, and every stage returns the last stage's logits of the last new token (``[batch, 1, vocab]``)."""
     # the new tokens are the last rows: each sees every cached token and the new ones up to itself
     rows, new = inputs[0].shape
     bounds = cache.bounds(rows, new)
-    x = inputs
-    for block in model.trunk():
+    x = model.decoding_input(inputs)
+    for block in model.decoding_blocks():
         if isinstance(block, DecoderLayer):
             hidden, router_loss, token_type_ids, position_ids, key_ends = x
             angles = block.attention_inputs.angles(position_ids)
@@ -59,4 +60,4 @@ def forward_cached(model, inputs: tuple, cache: KVCache) -> paddle.Tensor:
         else:
             x = block(x)
     cache.length += new
-    return model.head(x[0])
+    return model.decoding_output(x)

@@ -107,6 +107,17 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         logits, _ = self.tied(self._ordered[0], (hidden, None)) if self.tied else self._ordered[-1]((hidden, None))
         return logits
 
+    # decoding over a key/value cache (generation.kv_cache.forward_cached): what new tokens enter, the blocks
+    # they pass, and the logits that come out; a pipeline stage answers these for its part
+    def decoding_input(self, inputs: tuple) -> tuple:
+        return inputs
+
+    def decoding_blocks(self) -> list:
+        return self.trunk()
+
+    def decoding_output(self, x: tuple) -> paddle.Tensor:
+        return self.head(x[0])
+
 
 class _Named(nn.Layer):
     """Holds layers under the names given."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import paddle
 from paddle import nn
 
@@ -72,8 +74,10 @@ class MoELayer(nn.Layer):
         self.dispatcher = plan.dispatcher(counts, renormalize_kept=cfg.moe_norm_gate_logits)
         self.reduce_router_stats = plan.router_stats_reduce()
         self.stats = ExpertStats(self.router_counts)
-        # router replay (moe.replay): the routing imposed on this forward's tokens, and where to record it
-        self.routes_in: paddle.Tensor | None = None
+        # router replay (moe.replay): the routing imposed on the forwards to come, in order (and again on their
+        # recomputes), and where to record this layer's
+        self.routes_in: deque | None = None
+        self.routes_recomputed: deque | None = None
         self.routes_out: list[paddle.Tensor] | None = None
 
     def _weight_modality(self, group: int) -> int:
@@ -85,8 +89,9 @@ class MoELayer(nn.Layer):
         shape = x.shape
         flat = x.reshape([-1, shape[-1]])
         tokens = [self._tokens_of(token_type_ids.flatten(), modality) for modality in self.group_modality]
-        (token_index, expert_ids, weights), router_loss = self._route(flat, tokens)
-        keep = None if self.routes_in is None else paddle.gather(self.routes_in, token_index) != DROPPED
+        routes = self._imposed_routes()
+        (token_index, expert_ids, weights), router_loss = self._route(flat, tokens, routes)
+        keep = None if routes is None else paddle.gather(routes, token_index) != DROPPED
         # Dispatch even without routed tokens: expert-parallel ranks exchange rows in every layer.
         rows, counts, state = self.dispatcher.dispatch(flat, token_index, expert_ids, weights, self.num_experts,
                                                        None if keep is not None else self._capacities(tokens), keep)
@@ -102,7 +107,17 @@ class MoELayer(nn.Layer):
             out = out + self.shared_experts(flat)
         return out.reshape(shape), router_loss
 
-    def _route(self, flat: paddle.Tensor, tokens: list[paddle.Tensor]):
+    def _imposed_routes(self) -> paddle.Tensor | None:
+        """This forward's replayed routing ``[tokens, k]`` (moe.replay.replayed), or None."""
+        if self.routes_in is None:
+            return None
+        if replaying():  # a recompute routes as its forward did
+            return self.routes_recomputed.popleft()
+        routes = self.routes_in.popleft()
+        self.routes_recomputed.append(routes)
+        return routes
+
+    def _route(self, flat: paddle.Tensor, tokens: list[paddle.Tensor], routes: paddle.Tensor | None):
         """Each group's tokens through its router: ((token rows, global expert ids, weights) of every routed
         token, the weighted router loss). Losses and statistics are recorded once, not again in a recompute."""
         k = self.gate.k
@@ -122,7 +137,7 @@ class MoELayer(nn.Layer):
                 bias = None
                 if self.moe_statics is not None:
                     bias = self.moe_statics.e_score_correction_bias[g, : self.router_counts[g]]
-                routing = self.gate(flat, token_index, g, bias, self._replayed(token_index, g))
+                routing = self.gate(flat, token_index, g, bias, self._replayed(routes, token_index, g))
                 routed.append((token_index, routing.expert_ids + self.expert_offsets[g], routing.weights))
             group_losses = self.gate.losses(routing, g, reduce)
             for name, value in group_losses.items():
@@ -132,11 +147,11 @@ class MoELayer(nn.Layer):
         token_index, expert_ids, weights = (paddle.concat(list(part)) for part in zip(*routed))
         return (token_index, expert_ids, weights), router_loss
 
-    def _replayed(self, token_index: paddle.Tensor, group: int) -> paddle.Tensor | None:
-        """The local expert ids replay imposes on the group's tokens (< 0: the router's own choice)."""
-        if self.routes_in is None:
+    def _replayed(self, routes: paddle.Tensor | None, token_index: paddle.Tensor, group: int) -> paddle.Tensor | None:
+        """The local expert ids ``routes`` impose on the group's tokens (< 0: the router's own choice)."""
+        if routes is None:
             return None
-        ids = paddle.gather(self.routes_in, token_index)
+        ids = paddle.gather(routes, token_index)
         return paddle.where(ids >= 0, ids - self.expert_offsets[group], ids)
 
     def _capacities(self, tokens: list[paddle.Tensor]) -> paddle.Tensor | None:

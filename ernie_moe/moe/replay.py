@@ -13,6 +13,7 @@ replayed layer runs without capacity: the record says which choices were kept.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -45,22 +46,25 @@ def recording(model) -> Iterator[dict[int, list[paddle.Tensor]]]:
 
 
 @contextmanager
-def replayed(model, routes: paddle.Tensor | None) -> Iterator[None]:
-    """Inside, the MoE layers route the tokens of a ``[rows, seq]`` batch as ``routes`` ``[rows, moe layers, seq,
-    k]`` says (None: as their routers choose). It must span the backward pass too, where a recomputed forward
-    routes again."""
-    if routes is None:
+def replayed(model, routes: list[paddle.Tensor | None]) -> Iterator[None]:
+    """Inside, the MoE layers route the tokens of the micro-batches to come, one forward each in this order (a
+    pipeline's schedule runs them so), as their ``routes`` ``[rows, moe layers, seq, k]`` say (None: as their
+    routers choose). It must span the backward passes too, where a recomputed forward routes again, in the same
+    order."""
+    if all(r is None for r in routes):
         yield
         return
     layers = model.moe_layers()
     ordinal = {layer_idx: i for i, layer_idx in enumerate(moe_layer_ids(model.cfg))}
     for layer in layers:
-        layer.routes_in = routes[:, ordinal[layer.layer_idx]].reshape([-1, routes.shape[-1]])
+        i = ordinal[layer.layer_idx]
+        layer.routes_in = deque(None if r is None else r[:, i].reshape([-1, r.shape[-1]]) for r in routes)
+        layer.routes_recomputed = deque()
     try:
         yield
     finally:
         for layer in layers:
-            layer.routes_in = None
+            layer.routes_in = layer.routes_recomputed = None
 
 
 def record_of(kept_pairs: paddle.Tensor, token_index: paddle.Tensor, expert_ids: paddle.Tensor,
@@ -79,7 +83,8 @@ def record_of(kept_pairs: paddle.Tensor, token_index: paddle.Tensor, expert_ids:
 
 def rows_of_generation(records: dict[int, list[paddle.Tensor]], layer_ids: list[int], rows: int,
                        padding: np.ndarray, answers: list[int], length: int) -> np.ndarray:
-    """Generation's records as the routes of the training rows it gives: ``[rows, moe layers, length, k]`` int32.
+    """Generation's records (of this process's MoE layers) as the routes of the training rows it gives: ``[rows,
+    moe layers, length, k]`` int32.
 
     The first forward ran the prompts side by side, each left-padded by ``padding[row]``; every later forward one
     new token per row (the j-th: each row's answer token j). A row's training sequence is its prompt, then its
@@ -88,6 +93,8 @@ def rows_of_generation(records: dict[int, list[paddle.Tensor]], layer_ids: list[
     k = next(iter(records.values()))[0].shape[-1]
     out = np.full([rows, len(layer_ids), length, k], NOT_RECORDED, np.int32)
     for i, layer_idx in enumerate(layer_ids):
+        if layer_idx not in records:  # another pipeline stage's layer
+            continue
         forwards = [host_reads.read(r, "decoding") for r in records[layer_idx]]
         prompt = forwards[0].reshape([rows, -1, k])
         steps = forwards[1:]

@@ -10,6 +10,7 @@ every stage starts as in the single-device model.
 from __future__ import annotations
 
 import paddle
+import paddle.distributed as dist
 from paddle import nn
 from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, SharedLayerDesc
 
@@ -85,6 +86,7 @@ class ErniePipeline(BlockQueries, PipelineLayer):
                          loss_fn=PipelineLoss(plan, objective, loss_chunk), seg_method="layer:DecoderLayer",
                          num_virtual_pipeline_stages=virtual_stages if virtual_stages > 1 else None)
         self.first_stage = env.hcg.get_stage_id() == 0
+        self.hcg, self.pp_group = env.hcg, env.pp_group
         if loss_chunk:
             self._hand_the_head_to_the_loss()
         init_weights(self.stable_named_parameters(include_tied_copy=True), seed)
@@ -120,6 +122,36 @@ class ErniePipeline(BlockQueries, PipelineLayer):
                                                                            paddle.bfloat16):
                     tensor.stop_gradient = False
         return output
+
+    # decoding over a key/value cache, stage by stage (generation.kv_cache.forward_cached): each stage receives the
+    # previous one's hidden states, runs its blocks and sends them on; the last stage's logits of the last new
+    # token go to every stage, so that every stage samples the same tokens and decodes in step
+    def decoding_input(self, inputs: tuple) -> tuple:
+        if self.first_stage:
+            return inputs
+        ids, token_type_ids, position_ids, key_ends = inputs[:4]
+        hidden = paddle.empty([*ids.shape, self.cfg.hidden_size], dtype="float32")
+        dist.recv(hidden, src=self._stage_rank(-1), group=self.pp_group)
+        return hidden, paddle.zeros([1], dtype="float32"), token_type_ids, position_ids, key_ends
+
+    def decoding_blocks(self) -> list:
+        return list(self.run_function)
+
+    def decoding_output(self, x: tuple) -> paddle.Tensor:
+        stage, stages = self.hcg.get_stage_id(), self.hcg.get_pipe_parallel_world_size()
+        if stage < stages - 1:
+            dist.send(x[0].astype("float32").contiguous(), dst=self._stage_rank(1), group=self.pp_group)
+            vocabulary = self.cfg.vocab_size // self.hcg.get_model_parallel_world_size()  # this tensor rank's slice
+            logits = paddle.empty([x[0].shape[0], 1, vocabulary], dtype="float32")
+        else:
+            hidden = x[0][:, -1:]
+            logits = (self.loss.head(hidden) if self.loss.head is not None else hidden).astype("float32").contiguous()
+        dist.broadcast(logits, src=self.hcg.get_rank_from_stage(stages - 1), group=self.pp_group)
+        return logits
+
+    def _stage_rank(self, step: int) -> int:
+        """The global rank of the stage ``step`` after this one (of the same data and tensor ranks)."""
+        return self.hcg.get_rank_from_stage(self.hcg.get_stage_id() + step)
 
     def blocks(self) -> list[nn.Layer]:
         return sorted((layer for layer in self.sublayers() if is_block(layer)), key=_order)

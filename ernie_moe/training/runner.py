@@ -74,7 +74,7 @@ class PlainRunner:
         self.reference_pass(micro_batches)  # the objective's reference, before the policy's pass
         sums = []
         for i, batch in enumerate(micro_batches):
-            with replayed(self.model, batch.routes):  # the sampled routing, in the backward's recompute too
+            with replayed(self.model, [batch.routes]):  # the sampled routing, in the backward's recompute too
                 with part("forward"), self.precision.autocast():
                     out = self.model(batch)
                 loss = out.loss_sum * scale + out.router_loss / len(micro_batches)
@@ -190,7 +190,10 @@ class PipelineRunner(PlainRunner):
             self.fleet_model.set_virtual_pipeline_rank(0)
         scaler = self.precision if self.precision.loss_scale != 1.0 else None  # fleet calls .scale()
         # forward, backward, send/receive and bubble time themselves (time_schedule_parts); the rest is the schedule's
-        with part("pipeline_schedule"), self.precision.autocast(), during_backward():
+        # the schedule runs each stage's forwards (and their recomputes) in micro-batch order: a sampled routing
+        # is imposed on them in that order
+        with part("pipeline_schedule"), self.precision.autocast(), during_backward(), \
+                replayed(self.model, [b.routes for b in micro_batches]):
             self.fleet_model.forward_backward_pipeline(stage_inputs(micro_batches, self.objective, scale=scale),
                                                          scaler)
         return self.sum_over_stages(self._last_stage_sums())
