@@ -78,6 +78,11 @@ def test_rollout_rows_advantages_and_a_data_ranks_share(tmp_path):
         assert row.routes.shape == (1, 40, 2)  # one MoE layer, k = 2
     advantages = np.array([r.advantage for r in rows]).reshape(4, 2)
     np.testing.assert_allclose(advantages.sum(axis=1), 0, atol=1e-9)
+    figures = feed.window_metrics(elapsed=10.0)
+    answer_tokens = sum(int((r.labels != IGNORE_INDEX).sum()) for r in rows)
+    assert figures["rollout/response_length"] == answer_tokens / 8
+    assert 0 < figures["rollout/entropy"] <= np.log(trainer.cfg.model.vocab_size)
+    assert 0 <= figures["rollout/reward"] <= 1 and 0 < figures["rollout/time_share"] < 1
 
     again = RolloutFeed(feed.dataset, trainer.model, trainer.tokenizer, trainer.cfg, trainer.env, trainer.precision,
                         trainer.rewards, Counter())._rollout(8)
@@ -102,13 +107,15 @@ def test_a_rollout_position_is_saved_and_a_bad_one_refused(tmp_path):
             feed.load_state_dict(bad)
 
 
-def test_token_logp_is_numpys_log_softmax():
+def test_token_logp_and_entropy_are_numpys():
     logits = np.random.default_rng(0).normal(0, 3, 50).astype(np.float32)
     for temperature in (1.0, 0.7):
         scaled = logits.astype(np.float64) / temperature
-        expected = scaled - np.log(np.exp(scaled).sum())
+        probs = np.exp(scaled) / np.exp(scaled).sum()
         for token in (0, 17, 49):
-            assert token_logp(logits, token, temperature) == pytest.approx(expected[token], rel=1e-12)
+            logp, entropy = token_logp(logits, token, temperature)
+            assert logp == pytest.approx(np.log(probs[token]), rel=1e-12)
+            assert entropy == pytest.approx(-(probs * np.log(probs)).sum(), rel=1e-12)
 
 
 @pytest.mark.parametrize("overrides, message", [

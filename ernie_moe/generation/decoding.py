@@ -31,8 +31,9 @@ class Generated:
     ids: list[int]  # the new tokens, without the end-of-sentence token
     stop: str  # "eos", "length" (max_new_tokens), "positions" (max_position_embeddings) or "caller" (on_token)
     # with ``with_logps``: each chosen token's log-probability under logits / temperature (the whole vocabulary,
-    # before top-p), the end-of-sentence token's last when it stopped there
+    # before top-p), the end-of-sentence token's last when it stopped there, and the entropy it was drawn with
     logps: list[float] | None = None
+    entropies: list[float] | None = None
 
 
 def batch_inputs(prompts: list[Encoded], channels: int) -> tuple[tuple, np.ndarray]:
@@ -77,11 +78,15 @@ def token_inputs(token: int, position: int, channels: int) -> tuple:
     return tokens_inputs([token], [position], [True], channels)
 
 
-def token_logp(logits: np.ndarray, token: int, temperature: float) -> float:
-    """``log softmax(logits / temperature)[token]`` (temperature 0 reads as 1), in float64."""
+def token_logp(logits: np.ndarray, token: int, temperature: float) -> tuple[float, float]:
+    """(``log softmax(logits / temperature)[token]``, the entropy of that distribution), temperature 0 read as 1,
+    in float64."""
     scaled = logits.astype(np.float64) / (temperature if temperature > 0 else 1.0)
-    top = scaled.max()
-    return float(scaled[token] - top - np.log(np.exp(scaled - top).sum()))
+    shifted = scaled - scaled.max()
+    weights = np.exp(shifted)
+    total = weights.sum()
+    log_probs = shifted - np.log(total)
+    return float(log_probs[token]), float(-(weights / total * log_probs).sum())
 
 
 def choose(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
@@ -119,7 +124,7 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
     token for all of them, each row's logits read back together. Each prompt's answer is the one :func:`generate`
     gives it alone where the MoE layers are dropless, as an evaluation's are unless ``moe_capacity`` sets an
     evaluation factor (the batch's tokens then set the capacity). ``on_token(row, new)``: as :func:`generate`'s,
-    per row; ``with_logps``: each answer with its tokens' log-probabilities (:attr:`Generated.logps`);
+    per row; ``with_logps``: each answer with its tokens' log-probabilities and entropies (:class:`Generated`);
     ``lockstep(finished)``: whether any of the processes that run every forward together (an expert-parallel
     group exchanging tokens) has not finished, told whether this one has; a finished one feeds padding until all
     have."""
@@ -131,7 +136,7 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
     cache = KVCache(model.cfg.num_hidden_layers, padding)
     logits = forward_cached(model, inputs, cache)
     new: list[list[int]] = [[] for _ in prompts]
-    logps: list[list[float] | None] = [[] if with_logps else None for _ in prompts]
+    logps: list[tuple[list[float], list[float]] | None] = [([], []) if with_logps else None for _ in prompts]
     done: list[Generated | None] = [None] * len(prompts)
     while True:
         raw = host_reads.read(model.plan.full_logits(logits[:, -1]).astype("float32"), "decoding")  # every row's
@@ -156,22 +161,28 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
         positions = [p + 1 if alive else p for p, alive in zip(positions, live)]
 
 
-def _next(row: int, scores: np.ndarray, logits: np.ndarray, new: list[int], logps: list[float] | None,
-          decoding: Decoding, rng, eos_id: int, at_last_position: bool, on_token) -> Generated | None:
-    """Choose one row's next token from ``scores`` into ``new`` (and its log-probability under ``logits`` into
-    ``logps``, unless None); its :class:`Generated` once it stops, else None."""
+def _next(row: int, scores: np.ndarray, logits: np.ndarray, new: list[int],
+          figures: tuple[list[float], list[float]] | None, decoding: Decoding, rng, eos_id: int,
+          at_last_position: bool, on_token) -> Generated | None:
+    """Choose one row's next token from ``scores`` into ``new`` (and its log-probability and entropy under
+    ``logits`` into ``figures``, unless None); its :class:`Generated` once it stops, else None."""
     token = choose(scores, decoding.temperature, decoding.top_p, rng)
-    if logps is not None:
-        logps.append(token_logp(logits, token, decoding.temperature))
+    if figures is not None:
+        for kept, value in zip(figures, token_logp(logits, token, decoding.temperature)):
+            kept.append(value)
+
+    def stopped(reason: str) -> Generated:
+        return Generated(new, reason, *(figures or ()))
+
     if token == eos_id:
-        return Generated(new, "eos", logps)
+        return stopped("eos")
     new.append(token)
     if on_token is not None and on_token(row, new):
-        return Generated(new, "caller", logps)
+        return stopped("caller")
     if len(new) >= decoding.max_new_tokens:
-        return Generated(new, "length", logps)
+        return stopped("length")
     if at_last_position:
-        return Generated(new, "positions", logps)
+        return stopped("positions")
     return None
 
 

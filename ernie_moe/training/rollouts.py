@@ -114,9 +114,10 @@ class RolloutFeed:
 
     def window_metrics(self, elapsed: float) -> dict:
         """The rollouts' figures since the last call (``rollout/...``) over every data rank: rewards' means and
-        spreads, the share of groups whose answers all scored the same, answer lengths, sampling speed (tokens per
-        second of a rank) and share of the steps' time (``elapsed`` seconds)."""
-        names = ["answers", "answer_tokens", "groups", "equal_groups", "seconds", "reward", "reward_sq",
+        spreads, the share of groups whose answers all scored the same, answer lengths, the sampling policy's
+        entropy per answer token, sampling speed (tokens per second of a rank) and share of the steps' time
+        (``elapsed`` seconds)."""
+        names = ["answers", "answer_tokens", "entropy", "groups", "equal_groups", "seconds", "reward", "reward_sq",
                  "equal_groups_kept", *(f"reward_{r.name}{end}" for r in self.rewards for end in ("", "_sq"))]
         sums = paddle.to_tensor([float(self.window[n]) for n in names], dtype="float64")
         self.window = Counter()
@@ -134,6 +135,7 @@ class RolloutFeed:
         out.update({"rollout/equal_reward_groups": w["equal_groups"] / max(w["groups"], 1),
                     "rollout/equal_groups_kept": w["equal_groups_kept"],
                     "rollout/response_length": w["answer_tokens"] / answers,
+                    "rollout/entropy": w["entropy"] / max(w["answer_tokens"], 1.0),
                     "rollout/tokens_per_sec": w["answer_tokens"] / max(w["seconds"], 1e-9),
                     "rollout/time_share": w["seconds"] / self.env.data_world / max(elapsed, 1e-9)})
         return out
@@ -271,6 +273,7 @@ class RolloutFeed:
             rows.append(row)
             w["answers"] += 1
             w["answer_tokens"] += len(tokens)
+            w["entropy"] += sum(answer.entropies)
             w["reward"] += total
             w["reward_sq"] += total * total
             for reward, score in zip(self.rewards, scores):
