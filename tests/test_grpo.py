@@ -37,14 +37,17 @@ def first_update(tmp_path, name, *overrides) -> dict:
 
 def test_the_first_update_sees_ratio_one_only_with_router_replay(tmp_path):
     """A training capacity that drops choices the sampling (evaluation, dropless) kept: replaying the rollout's
-    routing makes the first update's ratio 1 to float precision, through a recomputed backward too; routing
-    afresh moves it by more than a percent."""
+    routing makes the first update's ratio 1 to float precision, through a recomputed backward too; so does the old
+    policy's own forward (its routing, in evaluation mode, replayed in the training forward); routing afresh moves
+    it by more than a percent."""
     flip = "model.moe_capacity=[0.3, 8.0, 8.0]"
     replayed = first_update(tmp_path, "replayed", flip, "training.recompute=true")
+    old_policy = first_update(tmp_path, "old_policy", flip, "training.router_replay=old_policy")
     fresh = first_update(tmp_path, "fresh", flip, "training.router_replay=off")
     assert abs(replayed["ratio"] - 1.0) < 1e-5 and replayed["clip_fraction"] == 0.0
+    assert abs(old_policy["ratio"] - 1.0) < 1e-6 and old_policy["clip_fraction"] == 0.0
     assert abs(fresh["ratio"] - 1.0) > 1e-2
-    assert replayed["response_length"] == fresh["response_length"]  # the same answers were sampled
+    assert replayed["response_length"] == fresh["response_length"] == old_policy["response_length"]
 
 
 class OneOfTwo:
@@ -84,9 +87,9 @@ def test_rollout_rows_advantages_and_a_data_ranks_share(tmp_path):
     assert 0 < figures["rollout/entropy"] <= np.log(trainer.cfg.model.vocab_size)
     assert 0 <= figures["rollout/reward"] <= 1 and 0 < figures["rollout/time_share"] < 1
 
-    again = RolloutFeed(feed.dataset, trainer.model, trainer.tokenizer, trainer.cfg, trainer.env, trainer.precision,
+    again = RolloutFeed(feed.dataset, trainer.runner, trainer.tokenizer, trainer.cfg, trainer.env, trainer.precision,
                         trainer.rewards, Counter())._rollout(8)
-    second = RolloutFeed(feed.dataset, trainer.model, trainer.tokenizer, trainer.cfg, OneOfTwo(trainer.env, 1),
+    second = RolloutFeed(feed.dataset, trainer.runner, trainer.tokenizer, trainer.cfg, OneOfTwo(trainer.env, 1),
                          trainer.precision, trainer.rewards, Counter())._rollout(4)
     for mine, theirs in [*zip(rows, again), *zip(rows[4:], second)]:
         np.testing.assert_array_equal(mine.input_ids, theirs.input_ids)
@@ -225,7 +228,9 @@ LAUNCH_LAYOUTS = {"dp2": (2, 2, [], ()),
                   "pp2_recompute": (2, 1, ["parallel.pipeline_parallel_degree=2", "training.recompute=true"],
                                     ACCUMULATE),
                   "tp2_pp2": (4, 1, ["parallel.tensor_parallel_degree=2", "parallel.pipeline_parallel_degree=2"],
-                              ACCUMULATE)}
+                              ACCUMULATE),
+                  "pp2_old_policy": (2, 1, ["parallel.pipeline_parallel_degree=2"],
+                                     (*ACCUMULATE, "training.router_replay=old_policy"))}
 
 
 def tensors(folder) -> dict:

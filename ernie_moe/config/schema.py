@@ -378,10 +378,13 @@ class TrainingConfig:
     rl_kl_beta: float = opt(0.0, "grpo: weight of the k3 KL estimate to the reference model (0: no reference held)")
     rl_dynamic_sampling: bool = opt(False, "grpo: DAPO's dynamic sampling: groups whose answers all score the same "
                                            "are dropped and more prompts sampled in their place")
-    router_replay: str = choice("rollout", "rollout", "off",
+    router_replay: str = choice("rollout", "rollout", "old_policy", "off",
                                 doc="grpo: the experts each token went to when it was sampled are imposed in the "
                                     "update (rollout), so the ratio measures the policy and not routing flips "
-                                    "(capacity, a moved correction bias); off: the update routes afresh")
+                                    "(capacity, a moved correction bias); old_policy: the routing and "
+                                    "log-probabilities of a forward of the sampling weights, in the run's layout, "
+                                    "before the updates (one more forward per rollout); off: the update routes "
+                                    "afresh")
 
 
 @dataclass(frozen=True)

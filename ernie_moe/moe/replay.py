@@ -81,6 +81,17 @@ def record_of(kept_pairs: paddle.Tensor, token_index: paddle.Tensor, expert_ids:
     return paddle.scatter(record, token_index, values) if n else record
 
 
+def routes_of_forward(records: dict[int, list[paddle.Tensor]], forward: int, layer_ids: list[int], rows: int,
+                      length: int, k: int) -> np.ndarray:
+    """The routes ``[rows, moe layers, length, k]`` int32 of the ``forward``-th recorded forward of ``[rows,
+    length]`` tokens (NOT_RECORDED for another pipeline stage's layers)."""
+    out = np.full([rows, len(layer_ids), length, k], NOT_RECORDED, np.int32)
+    for i, layer_idx in enumerate(layer_ids):
+        if layer_idx in records:
+            out[:, i] = host_reads.read(records[layer_idx][forward], "rollout").reshape([rows, length, k])
+    return out
+
+
 def rows_of_generation(records: dict[int, list[paddle.Tensor]], layer_ids: list[int], rows: int,
                        padding: np.ndarray, answers: list[int], length: int) -> np.ndarray:
     """Generation's records (of this process's MoE layers) as the routes of the training rows it gives: ``[rows,

@@ -33,11 +33,11 @@ import paddle
 
 from .. import host_reads
 from ..data import DataError
-from ..data.loader import training_encoder
+from ..data.loader import collate, training_encoder
 from ..data.packing import BadSample, Encoded, Row, make_row
 from ..generation import Decoding, generate_batch
 from ..generation.decoding import Generated
-from ..moe.replay import moe_layer_ids, recording, rows_of_generation
+from ..moe.replay import moe_layer_ids, recording, routes_of_forward, rows_of_generation
 from ..objectives.policy import group_advantages
 from ..objectives.rewards import Reward
 from .generation_eval import split_answer
@@ -68,13 +68,14 @@ class Group:
 class RolloutFeed:
     """The trainer's feed in the GRPO stage (the interface of ``data.feed.DataFeed``)."""
 
-    def __init__(self, dataset, model, tokenizer, cfg, env, precision, rewards: Sequence[Reward], stats: Counter):
+    def __init__(self, dataset, runner, tokenizer, cfg, env, precision, rewards: Sequence[Reward], stats: Counter):
         t = cfg.training
-        self.dataset, self.model, self.tokenizer, self.cfg, self.env = dataset, model, tokenizer, cfg, env
+        self.dataset, self.runner, self.tokenizer, self.cfg, self.env = dataset, runner, tokenizer, cfg, env
+        self.model = model = runner.model
         self.precision, self.rewards, self.stats = precision, list(rewards), stats
         self.encoder = training_encoder(tokenizer, cfg, Counter())
         self.group_size, self.length = t.rl_group_size, cfg.data.max_seq_len
-        self.replay = t.router_replay == "rollout" and bool(model.moe_layers())
+        self.replay = t.router_replay == "rollout" and bool(model.moe_layers())  # routes recorded while sampling
         # expert-parallel ranks exchange their tokens in every MoE forward: they decode in step, and sample every
         # round, full or not
         self.exchange = env.expert_group if env.expert_group is not None and not model.plan.experts_on_tp_ranks \
@@ -90,6 +91,8 @@ class RolloutFeed:
         need = micro_batch_size * accumulation_steps
         if len(self.pending) < need:
             self.pending = self._rollout(need, self.cfg.training.rl_updates_per_rollout)
+            if self.cfg.training.router_replay == "old_policy":
+                self._old_policy(self.pending, micro_batch_size, accumulation_steps)
         rows, self.pending = self.pending[:need], self.pending[need:]
         return [rows[i * micro_batch_size:(i + 1) * micro_batch_size] for i in range(accumulation_steps)]
 
@@ -255,6 +258,27 @@ class RolloutFeed:
             groups.append(Group(prompt, mine, scores.reshape(g, len(self.rewards)), scores @ weights,
                                 routes[i * g:(i + 1) * g]))
         return groups
+
+    def _old_policy(self, rows: list[Row], micro_batch_size: int, accumulation_steps: int) -> None:
+        """The old policy as the trainer computes it (``router_replay: old_policy``): each row's token
+        log-probabilities and routes from a forward of the weights that sampled it, through the run's own layout
+        (a pipeline's last stage holds the log-probabilities; the other stages keep the sampler's, unread)."""
+        started = time.perf_counter()
+        batches = [collate(rows[i:i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
+        with recording(self.model) as records:  # a step's micro-batches at a time: a pipeline schedule's shape
+            for first in range(0, len(batches), accumulation_steps):
+                # what the objective's reference pass keeps: each token's log-probability
+                self.runner.logps_pass(batches[first:first + accumulation_steps])
+        for i, batch in enumerate(batches):
+            mine = rows[i * micro_batch_size:(i + 1) * micro_batch_size]
+            if batch.reference_logps is not None:
+                for row, logps in zip(mine, host_reads.read(batch.reference_logps, "rollout")):
+                    row.old_logps = logps
+            routes = routes_of_forward(records, i, moe_layer_ids(self.model.cfg), len(mine), self.length,
+                                       self.model.cfg.moe_k)
+            for row, table in zip(mine, routes):
+                row.routes = table
+        self.window["seconds"] += time.perf_counter() - started
 
     def _rows(self, group: Group) -> list[Row]:
         """The group's answers as training rows, with their advantages; its figures into the window."""

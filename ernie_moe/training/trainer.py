@@ -445,7 +445,7 @@ class Trainer:
         cfg = self.cfg
         train_set, eval_set = build_datasets(cfg)
         if cfg.training.stage == "grpo":
-            feed = RolloutFeed(train_set, self.model, self.tokenizer, cfg, self.env, self.precision, self.rewards,
+            feed = RolloutFeed(train_set, self.runner, self.tokenizer, cfg, self.env, self.precision, self.rewards,
                                self.data_stats)
         else:
             feed = DataFeed(train_set, self.tokenizer, cfg, self.env, self.data_stats)
