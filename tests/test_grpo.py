@@ -307,3 +307,32 @@ def test_a_grpo_run_resumes_at_its_next_prompts(tmp_path):
     assert again.step == 2 and again.feed.prompts_read == 4
     summary = again.train()
     assert summary["status"] == "done" and again.feed.prompts_read == 6
+
+
+@pytest.mark.parametrize("thinking", [None, True, False])
+def test_a_conversation_is_asked_without_its_answer_as_generation_opens_the_turn(tmp_path, thinking):
+    """A conversation's prompt is its messages before the last answer with the assistant's turn opened as
+    generation opens it: left open for the Thinking model where thinking is asked or not said, with the empty think
+    block where it is turned off (a training encoding would put that block in every prompt); the answer's text is
+    the reference. An answer holding an image is a counted skip."""
+    from test_ernie_inputs import make_ernie_tokenizer
+
+    from ernie_moe.data.chat import Conversation
+    from ernie_moe.data.loader import build_tokenizer
+    from ernie_moe.data.packing import BadSample, Encoder
+    from ernie_moe.data.sample import Sample
+    from ernie_moe.training.rollouts import asked
+
+    make_ernie_tokenizer(tmp_path / "tok")
+    cfg = load_config(None, [f"data.tokenizer_path={tmp_path / 'tok'}", "model.vocab_size=400"])
+    tokenizer = build_tokenizer(cfg)
+    encoder = Encoder(tokenizer, cfg.model, 1024, "skip", 448, Counter())
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Why?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "Because."}]}]
+    prompt = asked(Sample(conversation=Conversation(messages, enable_thinking=thinking)), encoder, tokenizer, 7)
+    opened = "Assistant: " + ("<think>\n\n</think>\n\n" if thinking is False else "")
+    assert tokenizer.decode(prompt.encoded.input_ids) == f"<|begin_of_sentence|>User: Why?\n{opened}"
+    assert prompt.reference == "Because." and prompt.slot == 7
+    pictured = [messages[0], {"role": "assistant", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}]
+    with pytest.raises(BadSample, match="image or a video"):
+        asked(Sample(conversation=Conversation(pictured)), encoder, tokenizer, 0)

@@ -22,6 +22,7 @@ starts a new rollout there.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -186,19 +187,14 @@ class RolloutFeed:
         prompts = []
         for slot in slots:
             try:
-                parts = split_answer(self.encoder(self.dataset[self._index(slot)]))
+                prompt = asked(self.dataset[self._index(slot)], self.encoder, self.tokenizer, slot)
             except BadSample as bad:
                 self.stats[f"rollout_{bad.reason}"] += 1
                 continue
-            if parts is None:
-                self.stats["rollout_visual_after_answer"] += 1
-                continue
-            prompt, answer, _ = parts
-            if len(prompt) + self.cfg.training.rl_max_new_tokens + 1 > self.length:
+            if len(prompt.encoded) + self.cfg.training.rl_max_new_tokens + 1 > self.length:
                 self.stats["rollout_prompt_too_long"] += 1
                 continue
-            answer = answer[:-1] if len(answer) and answer[-1] == self.tokenizer.eos_id else answer
-            prompts.append(Prompt(prompt, self.tokenizer.decode(answer.tolist()), slot))
+            prompts.append(prompt)
         return prompts
 
     def _index(self, slot: int) -> int:
@@ -315,3 +311,24 @@ def answer_row(prompt: Encoded, answer: list[int], length: int, pad_id: int) -> 
                       np.zeros(len(prompt) + n, np.int64), np.append(prompt.token_type_ids, np.zeros(n, np.int64)),
                       np.vstack([prompt.position_ids, positions]), prompt.patches, prompt.grids)
     return make_row([encoded], length, pad_id)
+
+
+def asked(sample, encoder, tokenizer, slot: int) -> Prompt:
+    """A sample as a prompt and its reference answer. A conversation ending with an answer is asked without it,
+    its assistant turn opened as generation opens it (the Thinking template's form where the data or the record
+    asks for thinking); any other sample's last trained span is the answer (``split_answer``). BadSample where
+    an image or a video is part of the answer."""
+    conversation = sample.conversation
+    if conversation is not None and conversation.messages[-1]["role"] == "assistant":
+        answer = conversation.messages[-1]["content"]
+        if any(part["type"] != "text" for part in answer):
+            raise BadSample("visual_after_answer", "the answer holds an image or a video")
+        question = dataclasses.replace(sample, conversation=dataclasses.replace(
+            conversation, messages=conversation.messages[:-1]))
+        return Prompt(encoder.prompt(question), "".join(part["text"] for part in answer), slot)
+    parts = split_answer(encoder(sample))
+    if parts is None:
+        raise BadSample("visual_after_answer", "an image or a video follows the answer's start")
+    prompt, answer, _ = parts
+    answer = answer[:-1] if len(answer) and answer[-1] == tokenizer.eos_id else answer
+    return Prompt(prompt, tokenizer.decode(answer.tolist()), slot)
