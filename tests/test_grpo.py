@@ -221,6 +221,9 @@ LAUNCHED = ["data.max_seq_len=40", "training.max_steps=4", "logging.logging_step
 ACCUMULATE = ("training.gradient_accumulation_steps=2",)
 LAUNCH_LAYOUTS = {"dp2": (2, 2, [], ()),
                   "dp2_lora": (2, 2, [], ("training.fine_tuning=lora", "training.lora_rank=4")),
+                  "dp2_lora_wint8": (2, 2, [], ("training.fine_tuning=lora", "training.lora_rank=4",
+                                                "training.quantize_base=wint8")),
+                  "sharding2": (2, 2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage1"], ()),
                   "tp2": (2, 1, ["parallel.tensor_parallel_degree=2"], ()),
                   "tp2_moe_mp": (2, 1, ["parallel.tensor_parallel_degree=2", "parallel.moe_group=mp"], ()),
                   "ep2": (2, 2, ["parallel.expert_parallel_degree=2"], ()),
