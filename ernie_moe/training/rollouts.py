@@ -36,6 +36,7 @@ from .. import host_reads
 from ..data import DataError
 from ..data.loader import collate, training_encoder
 from ..data.packing import BadSample, Encoded, Row, make_row
+from ..data.plan import sample_order
 from ..generation import Decoding, generate_batch
 from ..generation.decoding import Generated
 from ..moe.replay import moe_layer_ids, recording, routes_of_forward, rows_of_generation
@@ -82,6 +83,7 @@ class RolloutFeed:
         self.exchange = env.expert_group if env.expert_group is not None and not model.plan.experts_on_tp_ranks \
             else None
         self.prompts_read = 0  # global prompt slots taken so far
+        self._order = (-1, None)  # (pass over the data, its seeded order of the samples)
         self.pending: list[Row] = []  # this rank's rows of the rollout being trained on
         self.window: Counter = Counter()  # the rollouts' sums since the last logging window
 
@@ -198,9 +200,12 @@ class RolloutFeed:
         return prompts
 
     def _index(self, slot: int) -> int:
-        """The sample at ``slot`` of the run's shuffle: a new seeded permutation for each pass over the data."""
+        """The sample at ``slot`` of the run's shuffle: a new seeded permutation for each pass over the data, made
+        once per pass."""
         n = len(self.dataset)
-        order = np.random.default_rng([self.cfg.training.seed, slot // n]).permutation(n)
+        epoch, order = self._order
+        if epoch != slot // n:
+            self._order = epoch, order = slot // n, sample_order(self.cfg.training.seed, slot // n, n)
         return int(order[slot % n])
 
     def lockstep(self, finished: bool) -> bool:
