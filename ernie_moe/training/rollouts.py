@@ -127,8 +127,7 @@ class RolloutFeed:
                  "equal_groups_kept", *(f"reward_{r.name}{end}" for r in self.rewards for end in ("", "_sq"))]
         sums = paddle.to_tensor([float(self.window[n]) for n in names], dtype="float64")
         self.window = Counter()
-        if self.env.data_world > 1:  # every data rank's answers
-            sums = self.env.all_reduce_sum(sums, self.env.data_group)
+        sums = self.env.all_reduce_sum(sums, self.env.data_group)  # every data rank's answers
         w = dict(zip(names, host_reads.read(sums, "rollout").tolist()))
         answers = w["answers"]
         if not answers:
@@ -210,17 +209,18 @@ class RolloutFeed:
 
     def lockstep(self, finished: bool) -> bool:
         """Whether a rank of this one's expert-parallel group has not finished decoding (generate_batch)."""
-        if self.exchange is None:
-            return not finished
-        going = paddle.to_tensor([0 if finished else 1], dtype="int64")
-        return bool(host_reads.read(self.env.all_reduce_sum(going, self.exchange), "decoding"))
+        return self._on_any_rank(not finished, self.exchange, "decoding")
 
     def _anyone_missing(self, missing: int) -> bool:
         """Whether some data rank still misses groups (every rank takes the next round together)."""
-        short = paddle.to_tensor([max(missing, 0)], dtype="int64")
-        if self.env.data_world > 1:
-            short = self.env.all_reduce_sum(short, self.env.data_group)
-        return bool(host_reads.read(short, "rollout"))
+        return self._on_any_rank(missing > 0, self.env.data_group, "rollout")
+
+    def _on_any_rank(self, flag: bool, group, reason: str) -> bool:
+        """Whether ``flag`` holds on any rank of ``group`` (all of them ask together; None: this rank alone)."""
+        if group is None or group.nranks == 1:
+            return flag
+        count = self.env.all_reduce_sum(paddle.to_tensor([int(flag)], dtype="int64"), group)
+        return bool(host_reads.read(count, reason))
 
     @paddle.no_grad()
     def _sample(self, prompts: list[Prompt]) -> list[Group]:
