@@ -146,6 +146,7 @@ def test_the_memory_planner_counts_the_rollout(tmp_path):
     """The decoding's key/value cache (keys and values of every layer for a rollout's rows at full length), the rows
     kept for the rollout's updates (log-probabilities, and the routes under replay), and a KL reference copy."""
     from ernie_moe.memory.estimate import estimate, sample_workload
+    from ernie_moe.moe.replay import moe_layer_ids
 
     def stage(*overrides):
         cfg = grpo_cfg(tmp_path, "plan", *overrides)
@@ -158,9 +159,11 @@ def test_the_memory_planner_counts_the_rollout(tmp_path):
     assert one.total >= sft.total - sft.inputs + one.inputs
     two, _ = stage("training.rl_updates_per_rollout=2")
     unreplayed, _ = stage("training.router_replay=off")
+    old_policy, _ = stage("training.router_replay=old_policy")
     assert two.inputs == pytest.approx(2 * one.inputs) and two.rollout == 2 * one.rollout
-    moe_layers = sum(1 for i in range(m.num_hidden_layers) if m.moe_modalities_at(i))
-    assert one.inputs - unreplayed.inputs == 4 * 40 * 4 * moe_layers * m.moe_k  # int32 routes per row and position
+    # int32 routes per row and position, kept by either replay
+    assert one.inputs - unreplayed.inputs == 4 * 40 * 4 * len(moe_layer_ids(m)) * m.moe_k
+    assert old_policy.inputs == one.inputs
     tied, _ = stage("training.rl_kl_beta=0.05")
     assert one.reference == 0 and tied.reference > 0
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..config.schema import OFFLOAD_BUCKET_BYTES
 from ..model.recompute import selected_layers
+from ..moe.replay import moe_layer_ids
 from ..nn.flashmask import BLOCK_ROWS
 from ..parallel.layout import Layout
 from .params import frozen_parts, stage_layers, stage_lora_params, stage_params, stage_quantized
@@ -394,8 +395,7 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         rollout = 0.0
         if t.stage == "grpo":  # a rollout's rows, kept for its updates, and its decoding's key/value cache
             rows, length = rollout_rows(t), cfg.data.max_seq_len
-            replayed = sum(1 for i in range(m.num_hidden_layers) if m.moe_modalities_at(i))
-            replayed *= m.moe_k if t.router_replay == "rollout" else 0
+            replayed = len(moe_layer_ids(m)) * m.moe_k if t.router_replay != "off" else 0  # int32 routes
             inputs = rows * (data_inputs / t.per_device_train_batch_size + length * 4 * (1 + replayed))
             heads = max(m.num_key_value_heads // p.tensor_parallel_degree, 1)
             rollout = 2 * (2 if low else 4) * rows * length * len(layers) * heads * m.head_dim  # keys and values
