@@ -28,18 +28,34 @@ class HostCounts:
     vision_tokens: int  # image and video tokens
     answers: int  # rows with at least one label (an RL batch's sampled answers)
     pairs: int | None = None  # rows holding a preference pair whose two answers both have trained tokens
+    # labels_ahead[k - 1]: the labels at least k positions into their document, which multi-token prediction's
+    # depth k trains on (model.mtp.labels_ahead)
+    labels_ahead: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, labels: np.ndarray, token_type_ids: np.ndarray, pair_sides: np.ndarray | None = None) -> HostCounts:
+    def of(cls, labels: np.ndarray, token_type_ids: np.ndarray, pair_sides: np.ndarray | None = None,
+           key_ends: np.ndarray | None = None, depths: int = 0) -> HostCounts:
+        """``key_ends``: the batch's (``Batch.key_ends``), whose runs of one value are its documents, and ``depths``:
+        how many entries of ``labels_ahead`` to count."""
         pairs = None if pair_sides is None else int(rows_with_pairs(labels, pair_sides).sum())
         labelled = labels != IGNORE_INDEX
+        ahead = _labels_ahead(labelled, key_ends, depths) if depths else ()
         return cls(int(labelled.sum()), int((token_type_ids == 0).sum()), int((token_type_ids >= 1).sum()),
-                   int(labelled.any(axis=1).sum()), pairs)
+                   int(labelled.any(axis=1).sum()), pairs, ahead)
 
     @property
     def tokens(self) -> int:
         """Text and image tokens (not padding)."""
         return self.text_tokens + self.vision_tokens
+
+
+def _labels_ahead(labelled: np.ndarray, key_ends: np.ndarray, depths: int) -> tuple[int, ...]:
+    """Labelled positions at least k positions into their document, for k = 1 .. ``depths``."""
+    positions = np.broadcast_to(np.arange(labelled.shape[1]), labelled.shape)
+    first = np.ones_like(labelled)
+    first[:, 1:] = key_ends[:, 1:] != key_ends[:, :-1]  # a document's first position: the key end changes
+    into_document = positions - np.maximum.accumulate(np.where(first, positions, 0), axis=1)
+    return tuple(int((labelled & (into_document >= k)).sum()) for k in range(1, depths + 1))
 
 
 @dataclass
@@ -68,7 +84,8 @@ class Batch:
     counts: HostCounts | None = None  # counted by ``collate``; None in a batch made by hand
 
     def host_counts(self) -> HostCounts:
-        """The batch's counts; a batch made without them counts its tensors (reading them back)."""
+        """The batch's counts; a batch made without them counts its tensors (reading them back), but for
+        ``labels_ahead``: multi-token prediction trains on collated batches (``data.collate``)."""
         if self.counts is None:
             sides = None if self.pair_sides is None else self.pair_sides.numpy()
             return HostCounts.of(self.labels.numpy(), self.token_type_ids.numpy(), sides)

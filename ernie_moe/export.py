@@ -51,6 +51,7 @@ from .data.processor_config import for_library, read_saved
 from .data.tokenizer import tokenizer_in
 from .finetune.adapter_files import adapter_base, merged_weight, read_adapter
 from .finetune.peft_files import write_peft_adapter
+from .model.parameter_kinds import MTP
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "tokenizer.json")
@@ -105,6 +106,8 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
         shard, size = {}, 0
 
     names = model_names(source.names())
+    left_out = [n for n in names if form == TRANSFORMERS and n.startswith(MTP)]  # transformers has no MTP
+    names = [n for n in names if n not in left_out]
     if model_type != VL and not any(n.startswith("model.mtp") for n in names):
         config["num_nextn_predict_layers"] = 0  # PaddleFormers would otherwise expect multi-token-prediction weights
     if cfg.tie_word_embeddings and "lm_head.weight" in names:
@@ -134,7 +137,7 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
             shutil.copy(Path(source_dir) / filename, out / filename)
     if saved is not None:
         (out / PROCESSOR_FILE).write_text(json.dumps(for_library(saved, form == TRANSFORMERS), indent=2))
-    return {"tensors": len(weight_map), "shards": len(shards), "bytes": total}
+    return {"tensors": len(weight_map), "shards": len(shards), "bytes": total, "left_out": len(left_out)}
 
 
 def ema_of(checkpoint_dir) -> IndexedTensors:
@@ -190,6 +193,9 @@ def main(argv=None) -> int:
     print(f"wrote {done['tensors']} tensors ({done['bytes'] / 2 ** 20:.1f} MiB) in {done['shards']} shard(s) to "
           f"{args.output} ({'transformers ' + VL if args.format == TRANSFORMERS else args.model_type}, "
           "Hugging Face layout)")
+    if done["left_out"]:
+        print(f"left out {done['left_out']} multi-token prediction tensors: transformers' ERNIE-4.5-VL has no MTP "
+              "layers (the PaddleFormers form keeps them)")
     return 0
 
 

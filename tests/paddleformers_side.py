@@ -19,6 +19,8 @@ libraries the rest of the suite uses).
                                                     # OUT/<stem>.npy each, on the CPU (paddleformers_cpu.py)
     python paddleformers_side.py vl_lora DIR ADAPTER OUT PROCESSED...  # the same with LoRAModel.from_pretrained,
                                                     # and the LoRA tensors it holds as OUT/lora_state.npz
+    python paddleformers_side.py vl_mtp DIR OUT PROCESSED...  # the VL model's multi-token prediction on `process`
+                                                    # outputs: each depth's logits (OUT/<stem>_mtp.npy) and loss
     python paddleformers_side.py dpo DIR PAIRS OUT  # the dense model's logits of each side, laid out as its DPO
                                                     # data lays a pair out, through its DPOCriterion
 """
@@ -275,6 +277,73 @@ def _vl_logits(model, data, image_processor, mean, std):
     return result.logits.astype("float32").numpy()
 
 
+def vl_mtp(directory, out, *processed):
+    """The multi-token prediction of ``Ernie4_5_VLMoeForConditionalGeneration`` (a folder with
+    ``num_nextn_predict_layers``) on the processor's output for each conversation: its decoder runs the first
+    S - depths tokens and each depth the tokens after them, as PaddleFormers trains MTP. Each depth's logits go to
+    OUT/<stem>_mtp.npy ``[depths, S - depths, vocab]``, and its loss, as PaddleFormers' criterion computes a depth's
+    (the mean cross-entropy of its labels), to OUT/<stem>_mtp.json. The VL model's forward does not pass on the
+    packing offsets its decoder asks for with MTP (zeros: one document), hands its decoder the token types of the
+    whole sequence where its layers route the shortened one, and does not return the depths' hidden states: all
+    three are done here around its decoder."""
+    import paddleformers_cpu
+    from paddleformers.transformers.ernie4_5_moe_vl.image_processor import Ernie4_5_VLImageProcessor
+    from paddleformers.transformers.ernie4_5_moe_vl.model.modeling_moe import ErniePretrainingCriterionBase
+
+    paddleformers_cpu.install()
+    _, model_cls, _ = classes("vl")
+    model = model_cls.from_pretrained(directory, convert_from_hf=True, router_aux_loss_coef=0.0)
+    model.eval()
+    depths = model.config.num_nextn_predict_layers
+    seen = []
+
+    class WithOffsets(type(model.model)):
+        def forward(self, *args, **kwargs):
+            kwargs["nbatch_pack_offset"] = paddle.zeros(kwargs["inputs_embeds"].shape[:2], dtype="int64")
+            types = kwargs["token_type_ids"]  # its layers route by them: those of the shortened sequence
+            kwargs["token_type_ids"] = types[:, : types.shape[1] - depths]
+            seen.append(super().forward(*args, **kwargs).mtp_outputs)
+            raise Captured  # the head after it reads the shortened sequence with the whole one's token types
+
+    model.model.__class__ = WithOffsets
+    criterion = ErniePretrainingCriterionBase(model.config)
+    image_processor = Ernie4_5_VLImageProcessor()
+    mean, std = (np.asarray(v, np.float32)[None, :, None] for v in (image_processor.image_mean,
+                                                                    image_processor.image_std))
+    for path in processed:
+        data = np.load(path)
+        seen.clear()
+        try:
+            _vl_logits(model, data, image_processor, mean, std)
+        except Captured:
+            pass
+        ids = data["input_ids"]
+        with paddle.no_grad():
+            logits = [_head_logits(model, hidden) for hidden in seen[0]]
+        length = ids.shape[1] - depths
+        losses = []
+        for depth, depth_logits in enumerate(logits, start=1):
+            # the label of position i at depth d is token i + d + 1 (PaddleFormers' labels[:, d : d + length])
+            labels = paddle.to_tensor(ids[:, depth + 1: depth + 1 + length])
+            labels = paddle.concat([labels, paddle.full([1, length - labels.shape[1]], -100, labels.dtype)], axis=1)
+            loss, _ = criterion(depth_logits, labels, (labels != -100).astype("float32"))  # its data's loss mask
+            losses.append(float(loss))
+        np.save(Path(out) / f"{Path(path).stem}_mtp.npy", np.stack([t.astype("float32").numpy()[0] for t in logits]))
+        (Path(out) / f"{Path(path).stem}_mtp.json").write_text(json.dumps({"losses": losses}))
+
+
+class Captured(Exception):
+    """The depths' hidden states are in: the forward stops there."""
+
+
+def _head_logits(model, hidden):
+    """The text logits as its head computes them (``calc_multimodal_logits`` without an image head), which it asks the
+    label token types for: those of the whole sequence, not the shortened one's."""
+    head = model.lm_head
+    logits = paddle.matmul(hidden, head.weight, transpose_y=model.config.tie_word_embeddings)
+    return logits if head.bias is None else logits + head.bias
+
+
 def dpo(directory, pairs, out):
     """PaddleFormers' DPO on pairs of token ids (PAIRS .npz: prompt_i, chosen_i, rejected_i, reference [n, 2],
     beta, loss_type, dpop_lambda): its model's logits of prompt + chosen and of prompt + rejected, laid out as its
@@ -326,5 +395,5 @@ if __name__ == "__main__":
     {"make": make, "dump": dump, "logits": logits, "generate": generate, "lora_logits": lora_logits,
      "lora_dump": lora_dump, "image": image, "prepared": prepared, "process": process,
      "pieces": pieces,
-     "frames": frames, "timestamps": timestamps, "vl_logits": vl_logits, "dpo": dpo,
+     "frames": frames, "timestamps": timestamps, "vl_logits": vl_logits, "vl_mtp": vl_mtp, "dpo": dpo,
      "vl_lora": lambda base, adapter, out, *cases: vl_logits(base, out, *cases, adapter=adapter)}[command](*args)

@@ -3,15 +3,20 @@ against PaddleFormers' own processor (``Ernie4_5_VLProcessor``) on a tokenizer m
 
 import io
 import json
+import shutil
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
 import paddle
 import pytest
+from conftest import ROOT
 from PIL import Image
 from test_pretrained import paddleformers
 
 from ernie_moe.batch import Batch
+from ernie_moe.checkpoint.model_files import save_model
 from ernie_moe.checkpoint.pretrained import load_pretrained
 from ernie_moe.config import load_config
 from ernie_moe.data.chat import ERNIE_VL_TEMPLATE
@@ -19,6 +24,8 @@ from ernie_moe.data.images import MEAN, STD
 from ernie_moe.data.jsonl import JsonlDataset
 from ernie_moe.data.loader import build_tokenizer
 from ernie_moe.data.packing import Encoder
+from ernie_moe.model.blocks import block_inputs
+from ernie_moe.model.mtp import labels_ahead
 from ernie_moe.parallel.env import DistEnv
 from ernie_moe.training.runner import build_model
 
@@ -239,16 +246,8 @@ def test_vl_logits_equal_paddleformers_on_the_processors_output(ernie_side, tmp_
     PaddleFormers' ViT takes bfloat16 pixels, so ours are rounded to bfloat16 too: both see the same input."""
     folder, _ = ernie_side
     cases = [0, 1, 2, 6]
-    placeholder = build_tokenizer(ernie_config(folder)).placeholder_id()
-    made = dict(VL_MODEL, im_patch_id=placeholder, moe_capacity=capacity)
-    paddleformers("make", "vl", tmp_path / "model", json.dumps(made), cwd=tmp_path)
-    paddleformers("vl_logits", tmp_path / "model" / "hf", tmp_path, *(folder / "out" / f"{n}.npz" for n in cases),
-                  cwd=tmp_path)
-    budget = [f"data.{k}={v}" for k, v in BUDGET.items()]
-    cfg = load_config(None, [f"training.model_name_or_path={tmp_path / 'model' / 'hf'}",
-                             f"data.tokenizer_path={folder / 'tokenizer'}", *budget])
+    cfg, model, placeholder = paddleformers_vl(folder, tmp_path, "vl_logits", cases, moe_capacity=capacity)
     assert cfg.model.moe_use_aux_free and cfg.model.im_patch_id == placeholder and cfg.model.moe_capacity == capacity
-    model = build_model(cfg.model, DistEnv())
     load_pretrained(model, tmp_path / "model" / "hf")
     model.eval()
     encoder = Encoder(build_tokenizer(cfg), cfg.model, 4096, "skip", 448, Counter(), cfg.data.pixel_budget,
@@ -261,19 +260,93 @@ def test_vl_logits_equal_paddleformers_on_the_processors_output(ernie_side, tmp_
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4, err_msg=f"conversation {n}")
 
 
+def paddleformers_vl(folder, tmp_path, command: str, cases: list[int], **made):
+    """(our config, our model built from it, the image placeholder id) of a tiny ERNIE-4.5-VL checkpoint PaddleFormers
+    makes in tmp_path/model (``VL_MODEL`` with ``made`` over it), after its side's ``command`` ran on the processor's
+    outputs of ``cases``."""
+    placeholder = build_tokenizer(ernie_config(folder)).placeholder_id()
+    config = dict(VL_MODEL, im_patch_id=placeholder, **made)
+    paddleformers("make", "vl", tmp_path / "model", json.dumps(config), cwd=tmp_path)
+    paddleformers(command, tmp_path / "model" / "hf", tmp_path, *(folder / "out" / f"{n}.npz" for n in cases),
+                  cwd=tmp_path)
+    budget = [f"data.{k}={v}" for k, v in BUDGET.items()]
+    cfg = load_config(None, [f"training.model_name_or_path={tmp_path / 'model' / 'hf'}",
+                             f"data.tokenizer_path={folder / 'tokenizer'}", *budget])
+    return cfg, build_model(cfg.model, DistEnv()), placeholder
+
+
 def vl_logits(model, sample, bfloat16_pixels: bool = True) -> np.ndarray:
     """Our logits on an encoded conversation, its pixels rounded to bfloat16 as PaddleFormers' ViT takes them
     (or as they are)."""
+    with paddle.no_grad():
+        return model(one_row_batch(sample, bfloat16_pixels), return_logits=True).logits.numpy()
+
+
+def one_row_batch(sample, bfloat16_pixels: bool = True, labelled: bool = False) -> Batch:
+    """An encoded conversation as a batch of one row; ``labelled``: every position's label is the next token (the
+    last has none), else no labels."""
     ids = paddle.to_tensor(sample.input_ids[None])
+    labels = paddle.full_like(ids, -100)
+    if labelled:
+        labels = paddle.concat([ids[:, 1:], labels[:, :1]], axis=1)
     patches = np.concatenate(sample.patches) if sample.patches else np.zeros([0, 588], np.float32)
     pixels = paddle.to_tensor(patches)
     if bfloat16_pixels:
         pixels = pixels.astype("bfloat16").astype("float32")
     grids = np.stack(sample.grids) if sample.grids else np.zeros([0, 3], np.int64)
-    batch = Batch(ids, paddle.full_like(ids, -100), paddle.to_tensor(sample.token_type_ids[None]),
-                  paddle.to_tensor(sample.position_ids[None]), paddle.full_like(ids, ids.shape[1]), pixels, grids)
-    with paddle.no_grad():
-        return model(batch, return_logits=True).logits.numpy()
+    types, positions = (paddle.to_tensor(a[None]) for a in (sample.token_type_ids, sample.position_ids))
+    return Batch(ids, labels, types, positions, paddle.full_like(ids, ids.shape[1]), pixels, grids)
+
+
+@pytest.mark.slow
+def test_vl_multi_token_prediction_equals_paddleformers(ernie_side, tmp_path):
+    """Two MTP depths on a checkpoint PaddleFormers made: on text, an image, and an image with a video, each depth's
+    logits (where PaddleFormers' shortened sequence has them) and its loss (the mean over its labels, as PaddleFormers'
+    criterion computes it) equal PaddleFormers' VL model's. The folder's MTP tensors load as they are, go back out as
+    PaddleFormers reads them (every tensor as it had them), and the transformers form leaves them out, saying so."""
+    folder, _ = ernie_side
+    cases, depths = [0, 1, 6], 2
+    cfg, model, _ = paddleformers_vl(folder, tmp_path, "vl_mtp", cases, num_nextn_predict_layers=depths,
+                                     moe_layer_start_index=2, mtp_loss_scaling_factor=0.3)
+    assert cfg.model.num_nextn_predict_layers == depths and cfg.model.multi_token_pred_lambda == 0.3
+    report = load_pretrained(model, tmp_path / "model" / "hf")
+    assert report["new"] == [] and report["ignored"] == ["lm_head.weight"]  # a tied head's copy
+    assert sum(n.startswith("model.mtp_") for n in report["converted"] + report["loaded"]) == depths * 9
+    encoder = Encoder(build_tokenizer(cfg), cfg.model, 4096, "skip", 448, Counter(), cfg.data.pixel_budget,
+                      cfg.data.video_budget)
+    data = JsonlDataset(str(folder / "data.jsonl"))
+    for n in cases:
+        batch = one_row_batch(encoder(data[n]), labelled=True)
+        with paddle.no_grad():
+            x = block_inputs(batch)
+            for block in model.trunk():
+                x = block(x)
+            logits = model.head(x[0]).numpy()  # the rows of the batch, then each depth's
+            out = model(batch)
+        length = batch.input_ids.shape[1] - depths
+        theirs = np.load(tmp_path / f"{n}_mtp.npy")
+        assert logits.shape[0] == 1 + depths and theirs.shape == (depths, length, 400)
+        np.testing.assert_allclose(logits[1:, :length], theirs, rtol=0, atol=1e-4, err_msg=f"conversation {n}")
+        counts = (labels_ahead(batch.labels, batch.key_ends, depths) != -100).reshape([depths, -1]).sum(axis=1)
+        ours = (out.mtp_sums / counts.astype("float32")).numpy()
+        np.testing.assert_allclose(ours, json.loads((tmp_path / f"{n}_mtp.json").read_text())["losses"], rtol=1e-5,
+                                   err_msg=f"conversation {n}")
+
+    save_model(model, cfg.model, str(tmp_path / "export"), hf_layout=True)
+    paddleformers("dump", "vl", tmp_path / "export", tmp_path / "ours.npz", cwd=tmp_path)
+    paddleformers("dump", "vl", tmp_path / "model" / "hf", tmp_path / "theirs.npz", cwd=tmp_path)
+    ours, theirs = np.load(tmp_path / "ours.npz"), np.load(tmp_path / "theirs.npz")
+    assert sorted(ours.files) == sorted(theirs.files) and sum("mtp" in n for n in theirs.files) == depths * 12
+    for name in theirs.files:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(folder / "tokenizer" / name, tmp_path / "export" / name)
+    done = subprocess.run([sys.executable, "-m", "ernie_moe.export", str(tmp_path / "export"), str(tmp_path / "hf"),
+                           "--format", "transformers"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert f"left out {depths * 9} multi-token prediction tensors" in done.stdout  # q/k/v, gate/up fused
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] and not any("mtp" in n for n in index["weight_map"])
 
 
 @pytest.mark.slow

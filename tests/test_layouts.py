@@ -37,6 +37,9 @@ ACCUMULATE = ["training.gradient_accumulation_steps=2"]
 INTERLEAVED = ["training.gradient_accumulation_steps=8", "model.num_hidden_layers=8"]
 TP2, PP2 = "parallel.tensor_parallel_degree=2", "parallel.pipeline_parallel_degree=2"
 RECOMPUTE = "training.recompute=true"
+# one multi-token prediction depth; and PaddleFormers' train_mtp_only: everything else frozen
+MTP = ["model.num_nextn_predict_layers=1"]
+MTP_ONLY = MTP + ["training.freeze=[vision,adapter,lm]"]
 # the EMA of weights that agree to float32 rounding
 EMA_ATOL = 1e-6
 
@@ -78,6 +81,13 @@ LAYOUTS = {
     # over each rank's share of the frames), the loss over chunks
     "tp2_pp2_moe_mp_sp_chunked_loss": (4, 1, [TP2, PP2, "parallel.moe_group=mp", "parallel.sequence_parallel=true",
                                               "training.loss_subbatch_seqlen=16"], ACCUMULATE),
+    # multi-token prediction: its projection over whole sequences under sequence parallelism (recomputed), its
+    # layer and loss on the last pipeline stage (the embeddings carried there), beside expert parallelism, and
+    # trained alone over the frozen model
+    "tp2_sp_recompute_mtp": (2, 1, [TP2, "parallel.sequence_parallel=true", "parallel.moe_group=mp", RECOMPUTE], MTP),
+    "pp2_mtp": (2, 1, [PP2], ACCUMULATE + MTP),
+    "ep2_mtp": (2, 2, ["parallel.expert_parallel_degree=2"], MTP),
+    "dp2_mtp_only": (2, 2, [], MTP_ONLY),
 }
 
 
@@ -140,7 +150,10 @@ def test_layout_matches_one_process(tmp_path, reference, layout):
     check_host_reads(one, "one" if layout in COUNTED else "reference", micro_batches)
     check_host_reads(many, layout, micro_batches)
     assert all(r["aux_loss"] > 0 for r in train[0])
-    for key in ("loss", "aux_loss", "z_loss"):
+    mtp = "model.num_nextn_predict_layers=1" in shared
+    if mtp:
+        assert all(r["mtp/depth1_loss"] > 0 and r["mtp/loss"] == r["mtp/depth1_loss"] for r in train[0])
+    for key in ("loss", "aux_loss", "z_loss") + (("mtp/depth1_loss",) if mtp else ()):
         np.testing.assert_allclose([r[key] for r in train[1]], [r[key] for r in train[0]], rtol=1e-4, err_msg=key)
     np.testing.assert_allclose([r["grad_norm"] for r in train[1]], [r["grad_norm"] for r in train[0]], rtol=1e-4)
     # expert counters count every token once, however the layout splits or repeats them
@@ -158,7 +171,9 @@ def test_layout_matches_one_process(tmp_path, reference, layout):
     a, b = (load_model(out / f"checkpoint-{STEPS}", "ema.index.json") for out in (one, many))
     # every weight that trains (the aux-loss-free bias is set by the trainer's counts, not averaged)
     untrained = set(load_model(one / f"checkpoint-{STEPS}")) - set(a)
-    assert untrained and all(n.endswith("e_score_correction_bias") for n in untrained) and set(b) == set(a)
+    frozen = (lambda n: not n.startswith("model.mtp_")) if shared == MTP_ONLY else (lambda n: False)
+    assert untrained and all(n.endswith("e_score_correction_bias") or frozen(n) for n in untrained)
+    assert set(b) == set(a) and any(n.startswith("model.mtp_") for n in a) == mtp
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=0, atol=EMA_ATOL, err_msg=name)
     np.testing.assert_allclose(evals[1]["ema_eval_loss"], evals[0]["ema_eval_loss"], rtol=1e-4)

@@ -6,7 +6,9 @@
 - Hugging Face layout (PaddleFormers' ``save_pretrained``, whose ``config.json`` carries ``torch_dtype``, and
   transformers' ERNIE-4.5-VL, whose tensors are the same):
   linear weights ``[out, in]``, separate ``q/k/v_proj`` and ``gate/up_proj``. The VL model keeps its router
-  weights ``[hidden, experts]``; the text models store them ``[experts, hidden]``.
+  weights ``[hidden, experts]``; the text models store them ``[experts, hidden]``. PaddleFormers' VL model keeps its
+  multi-token prediction layers' linear weights ``[in, out]`` (split, not transposed); the text models transpose
+  them as the rest.
 
 Names are otherwise shared: experts carry global ids (vision experts numbered after text experts), the
 vision router is ``gate.weight_1``.
@@ -22,7 +24,7 @@ from safetensors import safe_open
 
 from ..config.transformers_form import from_transformers, is_transformers_form
 from ..json_files import UnreadableJSON, read_json, read_json_object
-from ..model.parameter_kinds import DECODER_LAYER, EMBEDDING, VIT_BLOCK, is_router, is_vision
+from ..model.parameter_kinds import DECODER_LAYER, EMBEDDING, MTP, VIT_BLOCK, is_router, is_vision
 from .errors import CheckpointError
 from .pdparams import load_pdparams
 
@@ -30,8 +32,10 @@ MODEL_TYPES = ("ernie4_5", "ernie4_5_moe", "ernie4_5_moe_vl")
 VL = "ernie4_5_moe_vl"
 
 
-def _is_linear(name: str, ndim: int) -> bool:
-    """A 2-D weight that the Hugging Face layout stores transposed."""
+def _is_linear(name: str, ndim: int, model_type: str) -> bool:
+    """A 2-D weight that the Hugging Face layout of a ``model_type`` checkpoint stores transposed."""
+    if model_type == VL and name.startswith(MTP):
+        return False
     return ndim == 2 and name.endswith(".weight") and "embed_tokens" not in name and not is_router(name)
 
 
@@ -61,10 +65,11 @@ def to_hf(name: str, array: np.ndarray, cfg, model_type: str = VL) -> list[tuple
         return [(name, np.ascontiguousarray(array.T))]
     layer, _, kind = name.rpartition(".")
     prefix, _, last = layer.rpartition(".")
+    transposed = _is_linear(name, array.ndim, model_type)
     if kind == "weight" and last in FUSED_PIECES:
-        return [(f"{prefix}.{piece}.weight", np.ascontiguousarray(part.T))
+        return [(f"{prefix}.{piece}.weight", np.ascontiguousarray(part.T if transposed else part))
                 for piece, part in zip(FUSED_PIECES[last], split_fused(name, array, cfg))]
-    if _is_linear(name, array.ndim):
+    if transposed:
         return [(name, np.ascontiguousarray(array.T))]
     return [(name, array)]
 
@@ -200,7 +205,7 @@ class SourceCheckpoint:
             heads = self.config["num_attention_heads"]
             return ungroup_qkv(value, heads, self.config.get("num_key_value_heads") or heads), True
         text_router = is_router(name) and self.model_type != VL
-        if self.hf_layout and (_is_linear(name, value.ndim) or text_router):
+        if self.hf_layout and (_is_linear(name, value.ndim, self.model_type) or text_router):
             return np.ascontiguousarray(value.T), True
         return value, False
 

@@ -17,7 +17,7 @@ import paddle
 from ..config.transformers_form import special_ids, to_transformers
 from ..data.processor_config import processor_file
 from ..json_files import UnreadableJSON, read_json
-from ..model.parameter_kinds import is_expert
+from ..model.parameter_kinds import MTP, is_expert
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor
 from .files import WrittenFiles
@@ -54,7 +54,8 @@ def model_config_dict(model_cfg, hf_layout: bool = False, model_type: str = VL, 
     data = {k: v for k, v in (base or {}).items() if k not in ("torch_dtype", "dtype")}
     vision_base = data.get("vision_config") if isinstance(data.get("vision_config"), dict) else {}
     data.update(dataclasses.asdict(model_cfg))
-    data.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]], hidden_act="silu", use_bias=False)
+    data.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]], hidden_act="silu", use_bias=False,
+                mtp_loss_scaling_factor=model_cfg.multi_token_pred_lambda)  # PaddleFormers' name for it
     data["torch_dtype" if hf_layout else "dtype"] = "float32"
     if model_type == VL:
         data["vision_config"] = {**vision_base, **data["vision_config"], "model_type": "DFNRope_vision_transformer",
@@ -211,7 +212,9 @@ def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_la
     in_group = group.rank if group is not None and lead in group.ranks else (0 if rank == lead else None)
     writer = None if in_group is None else stage * per_stage + in_group
     tp_group = env.tp_group if env else None
-    named = [(n, p) for n, p in model.stable_named_parameters() if only is None or n in only]
+    # transformers' ERNIE-4.5-VL has no multi-token prediction: its form leaves those layers out
+    named = [(n, p) for n, p in model.stable_named_parameters()
+             if (only is None or n in only) and not (form == TRANSFORMERS and n.startswith(MTP))]
     mine = {name for name, _ in named if writer is not None and (rank == lead or is_expert(name))}
 
     def converted(name, array):

@@ -7,9 +7,12 @@ The folder's ``config.json`` gives the model's shape (``config.model_folder``); 
 - loaded: the same tensor under the same name;
 - converted: transposed from the Hugging Face layout, q/k/v or gate/up fused, rows of a correction bias;
 - upcycled: a routed expert copied from the dense MLP of the same layer (sparse upcycling);
+- copied: a multi-token prediction depth the source lacks, its attention and norms from the last decoder layer and
+  its MLP from the last dense one (``training.mtp_init: last_layer``);
 - new: nothing in the source for it (routers of upcycled layers, shared experts, the vision side of a
-  text model), so it keeps its seeded initial value;
-- ignored: tensors of the source this model has no place for (multi-token-prediction blocks, a tied head).
+  text model, multi-token prediction layers by default), so it keeps its seeded initial value;
+- ignored: tensors of the source this model has no place for (multi-token prediction layers of a model configured
+  without them, a tied head).
 """
 
 from __future__ import annotations
@@ -20,21 +23,27 @@ from collections import defaultdict
 import numpy as np
 import paddle
 
-from ..model.parameter_kinds import expert_slot, is_router_bias
+from ..model.parameter_kinds import MTP, expert_slot, is_router_bias
 from ..nn.param_spec import full_shape
 from ..nn.sharding import shard_of
 from .formats import CheckpointError, SourceCheckpoint
 
 
-def load_pretrained(model, directory, env=None, source: SourceCheckpoint | None = None) -> dict:
-    """Fill this rank's parameters from ``directory`` (``source``: that folder, already opened); returns the report
-    (all ranks' names, on every rank)."""
+def load_pretrained(model, directory, env=None, source: SourceCheckpoint | None = None,
+                    mtp_init: str = "scratch") -> dict:
+    """Fill this rank's parameters from ``directory`` (``source``: that folder, already opened); ``mtp_init``: how
+    multi-token prediction layers the folder lacks start (``training.mtp_init``); returns the report (all ranks'
+    names, on every rank)."""
     source = source or SourceCheckpoint(directory)
     report = defaultdict(list)
     named = model.stable_named_parameters(include_tied_copy=True)
+    copies = _mtp_copies(model.cfg, source) if mtp_init == "last_layer" else {}
     for stable, param in named:
         whole = full_shape(param)
         value, how = _source_tensor(source, stable, whole)
+        if value is None and stable in copies:
+            value, _ = source.paddle_tensor(copies[stable])
+            how = "copied" if value is not None else how
         if value is None:
             report["new"].append(stable)
             continue
@@ -51,7 +60,7 @@ def load_pretrained(model, directory, env=None, source: SourceCheckpoint | None 
         for part in gathered:
             for key, names in part.items():
                 report[key].extend(names)
-    result = {key: sorted(set(report[key])) for key in ("loaded", "converted", "upcycled", "new")}
+    result = {key: sorted(set(report[key])) for key in ("loaded", "converted", "upcycled", "copied", "new")}
     result["ignored"] = sorted(set(source.names()) - set(report["read"]))
     result.update(source=str(directory), model_type=source.model_type, form=source.form)
     return result
@@ -82,10 +91,25 @@ def _source_tensor(source: SourceCheckpoint, stable: str, whole: list[int]):
     return None, "new"
 
 
+def _mtp_copies(cfg, source: SourceCheckpoint) -> dict[str, str]:
+    """Where each multi-token prediction depth's decoder layer is copied from when the source has no MTP layers:
+    ``model.mtp_block.{k}.<attention, norms>`` from the last decoder layer, ``...mlp.*`` from the last dense one."""
+    if any(n.startswith(MTP) for n in source.names()):
+        return {}
+    last = cfg.num_hidden_layers - 1
+    dense = [i for i in range(cfg.num_hidden_layers) if not cfg.moe_modalities_at(i)]
+    parts = {"input_layernorm.weight": last, "post_attention_layernorm.weight": last,
+             "self_attn.qkv_proj.weight": last, "self_attn.o_proj.weight": last}
+    if dense:
+        parts.update({"mlp.up_gate_proj.weight": dense[-1], "mlp.down_proj.weight": dense[-1]})
+    return {f"{MTP}block.{k}.{part}": f"model.layers.{layer}.{part}"
+            for k in range(cfg.num_nextn_predict_layers) for part, layer in parts.items()}
+
+
 def format_report(report: dict, limit: int = 6) -> str:
     """A few lines for the log: a count per kind and the names, layer and expert numbers folded."""
     lines = [f"initialised from {report['source']} ({report['model_type']}, {report['form']}):"]
-    for kind in ("loaded", "converted", "upcycled", "new", "ignored"):
+    for kind in ("loaded", "converted", "upcycled", "copied", "new", "ignored"):
         names = report[kind]
         if not names:
             continue

@@ -17,7 +17,7 @@ _SAME_NAME = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "moe_num_shared_experts", "moe_capacity", "moe_norm_gate_logits", "moe_use_hard_gate",
               "moe_use_aux_free", "moe_aux_loss_lambda", "moe_z_loss_lambda", "moe_orthogonal_loss_lambda",
               "global_aux_loss", "rope_3d", "freq_allocation", "im_patch_id", "spatial_conv_size",
-              "temporal_conv_size", "pixel_hidden_size")
+              "temporal_conv_size", "pixel_hidden_size", "num_nextn_predict_layers", "multi_token_pred_lambda")
 _VISION_KEYS = ("depth", "embed_dim", "num_heads", "mlp_ratio", "patch_size", "spatial_merge_size", "in_channels",
                 "hidden_act")
 
@@ -44,6 +44,8 @@ def model_config_from(directory) -> dict:
     if source.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{directory}: hidden_act {source['hidden_act']!r} is not supported (only silu).")
     out = {key: source[key] for key in _SAME_NAME if source.get(key) is not None}
+    if source.get("mtp_loss_scaling_factor") is not None:  # PaddleFormers' name of the MTP loss weight
+        out.setdefault("multi_token_pred_lambda", source["mtp_loss_scaling_factor"])
     heads = source["num_attention_heads"]
     out["num_key_value_heads"] = source.get("num_key_value_heads") or heads
     out["head_dim"] = source.get("head_dim") or source["hidden_size"] // heads

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # The names training.lora_targets and training.freeze accept (finetune holds what each one selects).
-LORA_TARGET_GROUPS = ("attention", "mlp", "shared_experts", "text_experts", "vision_experts", "vit", "adapter")
-FREEZE_PARTS = ("vision", "adapter", "lm", "embedding", "head", "router")
+LORA_TARGET_GROUPS = ("attention", "mlp", "shared_experts", "text_experts", "vision_experts", "vit", "adapter", "mtp")
+MTP_MAX_DEPTH = 4  # the most multi-token prediction depths (the data's host counts cover as many)
+FREEZE_PARTS = ("vision", "adapter", "lm", "embedding", "head", "router", "mtp")
 
 
 def choice(default, *options, doc=""):
@@ -74,6 +75,10 @@ class ModelConfig:
     global_aux_loss: bool = opt(False, "router loss statistics over the tokens of every data-parallel rank "
                                        "(losses then do not depend on how the batch is split)")
     moe_orthogonal_loss_lambda: float | list[float] = opt(1e-2, "router orthogonal loss weight")
+    num_nextn_predict_layers: int = opt(0, "multi-token prediction depths (ERNIE 4.5: 1): depth k predicts the "
+                                           "token k + 1 ahead; dense layers, trained with the LM loss")
+    multi_token_pred_lambda: float = opt(0.1, "weight of the MTP loss: lambda x the mean of the depths' losses "
+                                              "(PaddleFormers' mtp_loss_scaling_factor)")
     im_patch_id: int = opt(4, "token id of the image placeholder (must equal the tokenizer's)")
     spatial_conv_size: int = opt(2, "adapter: patches merged per side")
     temporal_conv_size: int = opt(2, "adapter: frames merged in time (a still image repeats its frame)")
@@ -329,10 +334,11 @@ class TrainingConfig:
     lora_dropout: float = opt(0.0, "LoRA: dropout on the pair's input")
     lora_targets: list[str] = opt(["attention", "mlp", "shared_experts", "text_experts", "vision_experts"],
                                   "LoRA: groups (attention, mlp, shared_experts, text_experts, vision_experts, "
-                                  "vit, adapter) or regular expressions matched in full against layer names "
-                                  "(model.layers.1.self_attn.qkv_proj)")
-    freeze: list[str] = opt([], "parts that do not train: vision, adapter, lm, embedding, head, router "
-                                "(ERNIEKit's freeze_vision = [vision])")
+                                  "vit, adapter, mtp: the multi-token prediction layers' linears) or regular "
+                                  "expressions matched in full against layer names (model.layers.1.self_attn.qkv_proj)")
+    freeze: list[str] = opt([], "parts that do not train: vision, adapter, lm, embedding, head, router, mtp "
+                                "(ERNIEKit's freeze_vision = [vision]; [vision, adapter, lm] trains the "
+                                "multi-token prediction layers alone, PaddleFormers' train_mtp_only)")
     quantize_base: str = choice("", "", "wint8", "wint4",
                                 doc="LoRA: hold the frozen base linears of the language model (attention, dense MLP, "
                                     "shared and routed experts) in int8, or int4 packed two to a byte, with scales "
@@ -344,6 +350,10 @@ class TrainingConfig:
     model_name_or_path: str = opt("", "start from this ERNIE 4.5 checkpoint folder (PaddleFormers, ERNIE Paddle or "
                                       "PaddleNLP form); its config.json gives the model, the model section "
                                       "overrides it; empty = random weights")
+    mtp_init: str = choice("scratch", "scratch", "last_layer",
+                           doc="multi-token prediction layers that model_name_or_path lacks: drawn at random, or "
+                               "each depth's attention and norms copied from the last decoder layer and its MLP from "
+                               "the last dense layer (the projection and its two norms start as drawn)")
     stage: str = choice("sft", "sft", "dpo", "grpo",
                         doc="what the run learns from: supervised answers, preference pairs (a prompt with a chosen "
                             "and a rejected answer; see dpo_*), or answers the model samples to prompts, scored by "

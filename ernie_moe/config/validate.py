@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..paths import not_a_file
 from .errors import ConfigError
-from .schema import FREEZE_PARTS, LORA_TARGET_GROUPS, Config, ModelConfig
+from .schema import FREEZE_PARTS, LORA_TARGET_GROUPS, MTP_MAX_DEPTH, Config, ModelConfig
 from .transformers_form import to_transformers
 
 
@@ -56,6 +56,9 @@ def check_model(m: ModelConfig) -> None:
                  f"leave an even number of slots for the h and w axes.")
     for name in ("initializer_range", "rms_norm_eps", "rope_theta"):
         _require(getattr(m, name) > 0, f"model.{name} must be positive, got {getattr(m, name)}.")
+    _require(0 <= m.num_nextn_predict_layers <= MTP_MAX_DEPTH and m.multi_token_pred_lambda >= 0,
+             f"model.num_nextn_predict_layers ({m.num_nextn_predict_layers}) must be in 0..{MTP_MAX_DEPTH} and "
+             f"model.multi_token_pred_lambda ({m.multi_token_pred_lambda}) not negative.")
     _require(0 <= m.im_patch_id < m.vocab_size,
              f"model.im_patch_id ({m.im_patch_id}) must be a token id below vocab_size.")
 
@@ -86,6 +89,12 @@ def check_model(m: ModelConfig) -> None:
                                            f"be one number for all.")
 
     layers = m.num_hidden_layers
+    moe_depths = [k for k in range(min(m.num_nextn_predict_layers, layers)) if m.moe_modalities_at(k)]
+    _require(not moe_depths,
+             f"model.num_nextn_predict_layers {m.num_nextn_predict_layers}: PaddleFormers builds MTP depth k as "
+             f"decoder layer k, and layer(s) {moe_depths} are MoE layers here (moe_layer_start_index "
+             f"{m.moe_layer_start_index}); this package trains dense MTP layers: start the MoE layers at "
+             f"{m.num_nextn_predict_layers} or later, or set num_nextn_predict_layers to 0 to leave MTP out.")
     starts, ends = m.moe_layer_range()
     for start, end in zip(starts, ends):
         _require(0 <= start < layers and 0 <= end < layers and start <= end,
@@ -223,6 +232,12 @@ def _check_training(cfg: Config) -> None:
     _require(t.scale_loss >= 1 and t.scale_incr_every >= 1 and t.max_skipped_steps >= 0,
              "training.scale_loss and training.scale_incr_every must be at least 1, training.max_skipped_steps "
              "at least 0.")
+    mtp_trains = "mtp" in t.lora_targets if t.fine_tuning == "lora" else "mtp" not in t.freeze
+    _require(not cfg.model.num_nextn_predict_layers or t.stage == "sft" or not mtp_trains,
+             f"training.stage {t.stage} does not train the model's multi-token prediction layers "
+             f"(model.num_nextn_predict_layers {cfg.model.num_nextn_predict_layers}): add mtp to training.freeze to "
+             "keep them as loaded (with LoRA: leave mtp out of training.lora_targets), or set "
+             "model.num_nextn_predict_layers to 0 to leave them out.")
     r, layers = t.recompute_layers, cfg.model.num_hidden_layers
     if isinstance(r, list):
         _require(all(0 <= i < layers for i in r), f"training.recompute_layers {r} names layers outside the model's "

@@ -10,6 +10,7 @@ import numpy as np
 import paddle
 
 from ..batch import IGNORE_INDEX, Batch, HostCounts
+from ..config.schema import MTP_MAX_DEPTH
 from . import synthetic
 from .chat import chat_format
 from .packing import BadSample, Encoded, Encoder, Row, make_row
@@ -279,13 +280,14 @@ def collate(rows: list[Row]) -> Batch:
     grids = [g for row in rows for g in row.grids]
     channels = patches[0].shape[1] if patches else 0
     labels, types = np.stack([r.labels for r in rows]), np.stack([r.token_type_ids for r in rows])
+    key_ends = np.stack([r.key_ends for r in rows])
     sides = np.stack([r.pair_sides for r in rows]) if rows[0].pair_sides is not None else None
     return Batch(
         input_ids=paddle.to_tensor(np.stack([r.input_ids for r in rows])),
         labels=paddle.to_tensor(labels),
         token_type_ids=paddle.to_tensor(types),
         position_ids=paddle.to_tensor(np.stack([r.position_ids for r in rows])),
-        key_ends=paddle.to_tensor(np.stack([r.key_ends for r in rows])),
+        key_ends=paddle.to_tensor(key_ends),
         pixel_patches=paddle.to_tensor(np.concatenate(patches) if patches else np.zeros([0, channels], np.float32)),
         grid_thw=np.stack(grids) if grids else np.zeros([0, 3], np.int64),
         pair_sides=paddle.to_tensor(sides) if sides is not None else None,
@@ -293,5 +295,5 @@ def collate(rows: list[Row]) -> Batch:
         advantages=_stacked(rows, "advantage", np.float32),
         old_logps=_stacked(rows, "old_logps", np.float32),
         routes=_stacked(rows, "routes", np.int32),
-        counts=HostCounts.of(labels, types, sides),
+        counts=HostCounts.of(labels, types, sides, key_ends, MTP_MAX_DEPTH),  # whatever depths the model has
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from ..model.blocks import FinalNorm
 from ..model.decoder import DecoderLayer
 from ..nn.flashmask import RowBounds
 
@@ -24,40 +25,55 @@ class LayerCache:
 
 class KVCache:
     """``padding``: each row's positions of padding before its prompt (several prompts decoded side by side), which
-    no row sees; None: none."""
+    no row sees; None: none. ``drafts``: caches of the multi-token prediction depths that draft tokens
+    (``generation.speculative``), slot for slot with the model's."""
 
-    def __init__(self, num_layers: int, padding: np.ndarray | None = None):
+    def __init__(self, num_layers: int, padding: np.ndarray | None = None, drafts: int = 0):
         self.layers = [LayerCache() for _ in range(num_layers)]
+        self.drafts = [LayerCache() for _ in range(drafts)]
         self.length = 0  # tokens cached
         self.padding = padding
+        self.unseen: list[tuple[int, int]] = []  # (row, slot): a cached token no later token sees (a rejected draft)
 
-    def bounds(self, rows: int, new: int) -> RowBounds:
-        """Which keys the ``new`` tokens of each row see: every cached and new key up to itself, but padding."""
-        total = self.length + new
+    def bounds(self, rows: int, new: int, first: int | None = None) -> RowBounds:
+        """Which keys the ``new`` tokens of each row see: every cached and new key up to itself, but padding and
+        rejected drafts. ``first``: the slot of the first new token (default: after the cache)."""
+        first = self.length if first is None else first
+        total = first + new
+        keys = np.arange(total)
         ends = np.full([rows, total], total, dtype=np.int64)
         if self.padding is not None:
-            keys = np.arange(total)
             ends = np.where(keys[None, :] < self.padding[:, None], keys[None, :], ends)  # seen by no row
-        return RowBounds(paddle.to_tensor(ends), first_row=self.length)
+        for row, slot in self.unseen:
+            if slot < total:
+                ends[row, slot] = slot
+        return RowBounds(paddle.to_tensor(ends), first_row=first)
+
+    def hide(self, row: int, slot: int) -> None:
+        """No later token of ``row`` sees the token cached at ``slot``."""
+        self.unseen.append((row, slot))
 
 
 @paddle.no_grad()
-def forward_cached(model, inputs: tuple, cache: KVCache) -> paddle.Tensor:
+def forward_cached(model, inputs: tuple, cache: KVCache, keep: bool = False):
     """Logits ``[batch, new tokens, vocab]`` of ``model`` for ``inputs`` (the first block's tuple,
     ``model.blocks.block_inputs``: one document per row), the new tokens seeing the cached ones; their keys and
     values join the cache. With an empty cache this is the model's own forward. A pipeline stage runs its own
-    blocks, and every stage returns the last stage's logits of the last new token (``[batch, 1, vocab]``)."""
+    blocks, and every stage returns the last stage's logits of the last new token (``[batch, 1, vocab]``).
+    ``keep``: (logits, the tuple entering the final norm: the last decoder layer's hidden states, and the token
+    embeddings it carries for multi-token prediction)."""
     # the new tokens are the last rows: each sees every cached token and the new ones up to itself
     rows, new = inputs[0].shape
     bounds = cache.bounds(rows, new)
-    x = model.decoding_input(inputs)
+    x, kept = model.decoding_input(inputs), None
     for block in model.decoding_blocks():
         if isinstance(block, DecoderLayer):
-            hidden, router_loss, token_type_ids, position_ids, key_ends = x
+            hidden, router_loss, token_type_ids, position_ids, key_ends, *carried = x
             angles = block.attention_inputs.angles(position_ids)
             hidden, _ = block.body(hidden, token_type_ids, angles, bounds, cache.layers[block.layer_idx])
-            x = hidden, router_loss, token_type_ids, position_ids, key_ends
+            x = (hidden, router_loss, token_type_ids, position_ids, key_ends, *carried)
         else:
+            kept = x if isinstance(block, FinalNorm) else kept
             x = block(x)
     cache.length += new
-    return model.decoding_output(x)
+    return (model.decoding_output(x), kept) if keep else model.decoding_output(x)

@@ -315,6 +315,13 @@ def _last_stage_activations(cfg, parallel, training, w: Workload) -> tuple[float
     return hidden + 4 * t * vocab, 4 * t * vocab
 
 
+def _mtp_activations(m, parallel, training, depth: int, w: Workload) -> float:
+    """Bytes one multi-token prediction depth keeps: its two norms and the projection of their concatenation
+    (over whole sequences), and its decoder layer (recomputed as decoder layer ``depth`` is)."""
+    kept, _ = _layer_activations(m, parallel, training, depth, w)
+    return kept + 4 * (5 * w.tokens * m.hidden_size + 2 * w.tokens)
+
+
 def in_flight(parallel, training, stage: int) -> float:
     """Micro-batches whose activations a stage holds at once (1F1B warm-up; interleaved in model chunks)."""
     pp, vpp, gas = parallel.pipeline_parallel_degree, max(parallel.virtual_pp_degree, 1), \
@@ -385,9 +392,12 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         for layer_kept, rerun in reversed(per_layer):
             transient = max(transient, rerun - later)
             later += layer_kept
+        depths = m.num_nextn_predict_layers if t.stage == "sft" else 0  # multi-token prediction trains
+        if depths and stage > 0:  # the token embeddings, carried to the last stage
+            kept += 4 * workload.tokens * m.hidden_size
         if stage == p.pipeline_parallel_degree - 1:  # the head's backward runs first: nothing is freed yet
             head_kept, head_rerun = _last_stage_activations(m, p, t, workload)
-            kept += head_kept
+            kept += head_kept * (1 + depths) + sum(_mtp_activations(m, p, t, k, workload) for k in range(depths))
             transient = max(transient, head_rerun)
         activations = act_scale * kept * in_flight(p, t, stage)
         transient = act_scale * transient

@@ -90,6 +90,16 @@ def decoder_layer_params(cfg, layer: int, tp: int, expert_split: int) -> StagePa
     return out
 
 
+def mtp_params(cfg, tp: int, expert_split: int) -> StageParams:
+    """The multi-token prediction depths (last stage): each a dense decoder layer, two norms and the projection
+    from twice the width (replicated over tensor-parallel ranks)."""
+    h, out = cfg.hidden_size, StageParams()
+    for depth in range(cfg.num_nextn_predict_layers):
+        out.add(decoder_layer_params(cfg, depth, tp, expert_split))
+        out.add(StageParams(shared=2 * h + 2 * h * h, float32=2 * h))
+    return out
+
+
 def stage_layers(cfg, pp: int, vpp: int) -> list[list[int]]:
     """Decoder layers of each pipeline stage (interleaved: chunk c of pp x vpp goes to stage c % pp)."""
     chunks = pp * vpp
@@ -117,6 +127,7 @@ def stage_params(cfg, parallel, training=None) -> list[StageParams]:
             for count, part in ((vocab, "embedding"), (vit, "vision"), (adapter, "adapter")):
                 stage.add(StageParams(shared=count), part in frozen)
         if index == pp - 1:
+            stage.add(mtp_params(cfg, tp, expert_split), "mtp" in frozen)
             stage.add(StageParams(shared=h, float32=h), "layers" in frozen)  # the final norm
             if not cfg.tie_word_embeddings or pp > 1:  # the head (a tied head's copy on the last stage)
                 stage.add(StageParams(shared=vocab), ("embedding" if cfg.tie_word_embeddings else "head") in frozen)
@@ -154,6 +165,10 @@ def stage_lora_params(cfg, parallel, training) -> list[StageParams]:
                     stage.experts += n * r * (2 * h + 3 * width) // expert_split
         if index == 0:
             stage.shared += _vision_lora(cfg, targets, r)
+        if index == pp - 1 and "mtp" in targets:  # each depth's attention, dense MLP and projection
+            heads, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            depth = column(h, heads + 2 * kv) + row(heads, h) + swiglu(cfg.intermediate_size) + r * 3 * h
+            stage.shared += cfg.num_nextn_predict_layers * depth
         stages.append(stage)
     return stages
 

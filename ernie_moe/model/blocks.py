@@ -9,8 +9,9 @@ only, hence a tuple and not the Batch)::
 
     inputs           (input_ids, token_type_ids, position_ids, key_ends, pixel_patches, grid_thw)
     TokenEmbedding   (embeddings, *inputs)
-    ImageFeatures    (hidden, router_loss, token_type_ids, position_ids, key_ends)
+    ImageFeatures    (hidden, router_loss, token_type_ids, position_ids, key_ends[, embeddings])
     DecoderLayer     the same, the router loss grown by the layer's
+    MultiTokenPrediction  (hidden, router_loss); in training with the MTP depths' rows after the batch's (``model.mtp``)
     FinalNorm        (hidden, router_loss)
     LMHead           (logits, router_loss); with tied embeddings the token embedding's matrix, see tied_head
 """
@@ -29,6 +30,7 @@ from ..nn.flashmask import RowBounds
 from ..nn.init import mark_default_rules
 from ..nn.rope import Rotation, rope_angles
 from .decoder import DecoderLayer
+from .mtp import MultiTokenPrediction, trained_depths
 from .vision import Adapter, VisionTransformer, blank_merge_block
 
 
@@ -62,13 +64,15 @@ class ImageFeatures(nn.Layer):
         self.resampler_model = Adapter(cfg)
         mark_default_rules(self.vision_model)
         mark_default_rules(self.resampler_model)
+        self.carries_embeddings = False  # multi-token prediction reads them after the decoder layers (set_objective)
 
     def forward(self, inputs):
         embeddings, input_ids, token_type_ids, position_ids, key_ends, pixel_patches, grid_thw = inputs
         hidden = self.with_images(embeddings, input_ids, pixel_patches, host_reads.read(grid_thw, "host_inputs"))
         router_loss = paddle.zeros([1], dtype="float32")
         router_loss.stop_gradient = False  # a pipeline sends it between stages with its gradient
-        return self.plan.split_sequence(hidden), router_loss, token_type_ids, position_ids, key_ends
+        out = self.plan.split_sequence(hidden), router_loss, token_type_ids, position_ids, key_ends
+        return out + (hidden,) if self.carries_embeddings else out
 
     def with_images(self, embeddings, input_ids, pixel_patches, grid_thw: np.ndarray) -> paddle.Tensor:
         cfg = self.cfg
@@ -156,15 +160,29 @@ class Block:
 def ordered_blocks(cfg, plan) -> list[Block]:
     attention_inputs = AttentionInputs(cfg)
     pieces = {"cfg": cfg, "plan": plan}
+    mtp = [Block(MultiTokenPrediction, (cfg, plan, AttentionInputs(cfg)))] if cfg.num_nextn_predict_layers else []
     return [Block(TokenEmbedding, (), pieces), Block(ImageFeatures, (), pieces),
             *[Block(DecoderLayer, (plan, cfg, i, attention_inputs)) for i in range(cfg.num_hidden_layers)],
-            Block(FinalNorm, (), pieces),
+            *mtp, Block(FinalNorm, (), pieces),
             Block(TokenEmbedding, (), pieces, tied=True) if cfg.tie_word_embeddings else Block(LMHead, (), pieces)]
+
+
+def set_objective(blocks, cfg, objective) -> None:
+    """Multi-token prediction runs (and the embeddings are carried to it) where the model has it and ``objective``
+    trains it."""
+    active = trained_depths(cfg, objective) > 0
+    for block in blocks:
+        if isinstance(block, ImageFeatures):
+            block.carries_embeddings = active
+        elif isinstance(block, MultiTokenPrediction):
+            block.active = active
 
 
 # Stable-name prefixes (the exported model's names) of each block's parameters.
 _PREFIXES = {TokenEmbedding: {"embed_tokens.": "model.embed_tokens."},
              ImageFeatures: {"vision_model.": "vision_model.", "resampler_model.": "model.resampler_model."},
+             MultiTokenPrediction: {f"{part}.": f"model.{part}." for part in ("mtp_block", "mtp_emb_norm",
+                                                                          "mtp_hidden_norm", "mtp_linear_proj")},
              FinalNorm: {"norm.": "model.norm."}, LMHead: {"lm_head.": "lm_head."}}
 
 

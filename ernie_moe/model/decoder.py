@@ -28,12 +28,12 @@ class DecoderLayer(Recomputable, nn.Layer):
 
     # body, attention_block, moe_block: the pieces model.recompute.apply_recompute may recompute (Recomputable)
     def forward(self, inputs):
-        """``(hidden, router_loss, token_type_ids, position_ids, key_ends)`` -> the same tuple with the new
-        hidden state and the router loss grown by this layer's (see ``model.blocks``)."""
-        x, router_loss, token_type_ids, position_ids, key_ends = inputs
+        """``(hidden, router_loss, token_type_ids, position_ids, key_ends, *carried)`` -> the same tuple with the
+        new hidden state and the router loss grown by this layer's (see ``model.blocks``)."""
+        x, router_loss, token_type_ids, position_ids, key_ends, *carried = inputs
         angles, bounds = self.attention_inputs(position_ids, key_ends)
         x, layer_loss = self.piece("body", x, token_type_ids, angles, bounds)
-        return x, router_loss + layer_loss, token_type_ids, position_ids, key_ends
+        return (x, router_loss + layer_loss, token_type_ids, position_ids, key_ends, *carried)
 
     def body(self, x, token_type_ids, angles, bounds, cache=None) -> tuple[paddle.Tensor, paddle.Tensor]:
         """The new hidden state and this layer's weighted router loss (0 for a dense layer); ``cache``: the

@@ -16,8 +16,10 @@ from paddle import nn
 from ..batch import Batch
 from ..nn.init import init_weights
 from ..objectives import LanguageModelling, Objective, Predictions
-from .blocks import ImageFeatures, block_inputs, ordered_blocks, stable_names_of, tied_head
+from ..objectives.head import token_losses
+from .blocks import ImageFeatures, block_inputs, ordered_blocks, set_objective, stable_names_of, tied_head
 from .decoder import DecoderLayer
+from .mtp import MultiTokenPrediction, depth_sums, labels_ahead, split_rows
 from .single_device import SingleDevicePlan
 
 
@@ -29,12 +31,32 @@ class ModelOutput(NamedTuple):
     router_loss: paddle.Tensor  # weighted router losses of every MoE layer, summed
     logits: paddle.Tensor | None = None
     figures: paddle.Tensor | None = None  # the objective's figures of each row (a reference pass: what it keeps)
+    mtp_sums: paddle.Tensor | None = None  # [depths]: each multi-token prediction depth's loss, summed (training)
 
 
 def step_sums(loss_sum: paddle.Tensor, router_loss: paddle.Tensor, *figures: paddle.Tensor) -> paddle.Tensor:
-    """``[loss, router losses, *figures]`` of a micro-batch as one float64 vector, detached, on the device."""
+    """``[loss, router losses, *figures]`` of a micro-batch as one float64 vector, detached, on the device
+    (``figures``: the objective's, summed over rows, then the MTP depths' loss sums)."""
     parts = [loss_sum.detach().reshape([1]), router_loss.detach().sum().reshape([1]), *figures]
     return paddle.concat([t.astype("float64") for t in parts])
+
+
+def weighted_loss(loss_sum: paddle.Tensor, mtp_sums: paddle.Tensor | None,
+                  scale: float | paddle.Tensor) -> paddle.Tensor:
+    """What the backward pass starts from (besides the router losses): ``loss_sum x scale[0]``, plus each MTP
+    depth's loss sum times its weight ``scale[1:]`` (the trainer's loss weights; a number: the loss's alone)."""
+    if not isinstance(scale, paddle.Tensor):
+        return loss_sum * scale
+    loss = loss_sum * scale[0]
+    return loss if mtp_sums is None else loss + (mtp_sums * scale[1:]).sum()
+
+
+def mtp_loss_sums(plan, head, mtp_final: paddle.Tensor, mtp_labels: paddle.Tensor, depths: int, chunk: int,
+                  train: bool) -> paddle.Tensor:
+    """``[depths]``: the multi-token prediction depths' cross-entropy sums, from their final hidden states (or
+    logits, where ``head`` is the identity) and labels (``model.mtp.labels_ahead``), depth after depth along the
+    batch axis."""
+    return depth_sums(token_losses(plan, head, mtp_final, mtp_labels, chunk, train), depths)
 
 
 class BlockQueries:
@@ -46,6 +68,10 @@ class BlockQueries:
 
     def moe_layers(self):
         return [layer.mlp for layer in self.decoder_layers() if layer.is_moe]
+
+    def mtp_layers(self) -> list[DecoderLayer]:
+        """The multi-token prediction depths' decoder layers (none where another stage holds them)."""
+        return [layer for b in self.blocks() if isinstance(b, MultiTokenPrediction) for layer in b.mtp_block]
 
     def vision_modules(self) -> list[nn.Layer]:
         return [m for b in self.blocks() if isinstance(b, ImageFeatures) for m in (b.vision_model, b.resampler_model)]
@@ -70,10 +96,13 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         self.plan = plan or SingleDevicePlan(cfg.initializer_range)
         self.tied = tied_head(self.plan) if cfg.tie_word_embeddings else None
         self._ordered = tuple(spec.build() for spec in ordered_blocks(cfg, self.plan) if not spec.tied)
+        set_objective(self._ordered, cfg, self.objective)
         embedding, images, *layers, norm = self._ordered[:-1] if not self.tied else self._ordered
         self.vision_model = images.vision_model
-        self.model = _Named(embed_tokens=embedding.embed_tokens, layers=nn.LayerList(layers), norm=norm.norm,
-                            resampler_model=images.resampler_model)
+        mtp = {name: getattr(b, name) for b in layers if isinstance(b, MultiTokenPrediction)
+               for name in ("mtp_block", "mtp_emb_norm", "mtp_hidden_norm", "mtp_linear_proj")}
+        self.model = _Named(embed_tokens=embedding.embed_tokens, norm=norm.norm, resampler_model=images.resampler_model,
+                            layers=nn.LayerList([b for b in layers if isinstance(b, DecoderLayer)]), **mtp)
         if not self.tied:
             self.lm_head = self._ordered[-1].lm_head
         init_weights(self.stable_named_parameters(), seed)
@@ -91,7 +120,8 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         x = block_inputs(batch)
         for block in self.trunk():
             x = block(x)
-        hidden, router_loss = x
+        final, router_loss = x
+        hidden, mtp_hidden = split_rows(final, batch.input_ids.shape[0])
         predictions = Predictions(self.plan, self.head, hidden, batch.labels, self.loss_chunk,
                                   self.training and not hidden.stop_gradient, keep_logits=return_logits)
         objective, inputs = self.objective, self.objective.inputs(batch)
@@ -100,7 +130,14 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
             figures = objective.reference(predictions, batch.labels, *inputs)
             return ModelOutput(paddle.zeros([]), units, router_loss.sum(), figures=figures)
         loss_sum, figures = objective.loss(predictions, batch.labels, *inputs)
-        return ModelOutput(loss_sum, units, router_loss.sum(), predictions.logits if return_logits else None, figures)
+        mtp_sums = None
+        if mtp_hidden is not None:
+            depths = self.cfg.num_nextn_predict_layers
+            mtp_labels = labels_ahead(batch.labels, batch.key_ends, depths)
+            mtp_sums = mtp_loss_sums(self.plan, self.head, mtp_hidden, mtp_labels, depths, self.loss_chunk,
+                                     predictions.train)
+        return ModelOutput(loss_sum, units, router_loss.sum(), predictions.logits if return_logits else None, figures,
+                           mtp_sums)
 
     def head(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Logits of the final hidden states (the last block, or the tied embedding's matrix)."""
@@ -113,7 +150,7 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         return inputs
 
     def decoding_blocks(self) -> list:
-        return self.trunk()
+        return [b for b in self.trunk() if not isinstance(b, MultiTokenPrediction)]
 
     def decoding_output(self, x: tuple) -> paddle.Tensor:
         return self.head(x[0])

@@ -14,6 +14,7 @@ VISION = "vision_model."  # the ViT
 ADAPTER = "model.resampler_model."  # the adapter between the ViT and the decoder
 PATCH_EMBEDDING = VISION + "patch_embed."
 EMBEDDING, FINAL_NORM, HEAD = "model.embed_tokens.", "model.norm.", "lm_head."
+MTP = "model.mtp_"  # multi-token prediction: mtp_block.{k}, mtp_emb_norm.{k}, mtp_hidden_norm.{k}, mtp_linear_proj.{k}
 DECODER_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 VIT_BLOCK = re.compile(r"vision_model\.blocks\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
@@ -68,6 +69,7 @@ PARTS = {
     "embedding": lambda n: n.startswith(EMBEDDING),
     "head": lambda n: n.startswith(HEAD),
     "router": lambda n: is_router(n) or is_router_bias(n),
+    "mtp": lambda n: n.startswith(MTP),
 }
 
 # LoRA target groups by role, each a regular expression matched in full against a layer's stable name; the
@@ -81,6 +83,8 @@ LORA_TARGETS = {
     "vision_experts": _LM + r"mlp\.experts\.\d+\.(up_gate_proj|down_proj)",
     "vit": re.escape(VISION) + ".*",
     "adapter": re.escape(ADAPTER) + ".*",
+    "mtp": re.escape(MTP) + r"(block\.\d+\.(self_attn\.(qkv_proj|o_proj)|mlp\.(up_gate_proj|down_proj))"
+                            r"|linear_proj\.\d+)",
 }
 
 # The linear layers ``training.quantize_base`` holds in low precision: the language model's attention, dense MLP,

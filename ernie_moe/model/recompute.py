@@ -21,9 +21,10 @@ def selected_layers(layers: int | list[int], num_layers: int) -> set[int]:
 
 def apply_recompute(model, granularity: str | None, layers: int | list[int] = 0, use_reentrant: bool = True) -> None:
     """Make a built model (or pipeline stage) recompute at ``granularity`` (None: nothing) in the chosen decoder
-    layers, replacing whatever was applied before. Only while training: evaluation runs the plain methods."""
+    layers, replacing whatever was applied before; multi-token prediction depth k recomputes as decoder layer k
+    does (PaddleFormers builds it as layer k). Only while training: evaluation runs the plain methods."""
     chosen = selected_layers(layers, model.cfg.num_hidden_layers) if granularity else set()
-    for layer in model.decoder_layers():
+    for layer in model.decoder_layers() + model.mtp_layers():
         on = layer.layer_idx in chosen
         for kind, (owner, method) in _points(layer).items():
             owner.set_recompute(method, use_reentrant if on and kind == granularity else None)

@@ -2,7 +2,8 @@
 
 FLOPs count 6 per activated parameter per token (forward + backward) for the decoder, embedding excluded:
 each token runs attention, the shared experts and ``moe_k`` routed experts of its own modality. The ViT counts
-per patch, the adapter per merged token, and causal attention scores are added per layer.
+per patch, the adapter per merged token, and causal attention scores are added per layer. Multi-token prediction
+depths that train count as dense layers, with their projection.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 import numpy as np
 import paddle
 
+from ..model.mtp import MultiTokenPrediction
 from .memory import on_gpu
 
 # Dense peaks (FLOP/s) by device name: (bf16/fp16 tensor cores, fp32).
@@ -37,7 +39,8 @@ class FlopsCounter:
         self.head_share = 1.0 / tp_group.nranks if tp_group is not None else 1.0
         self.expert_share = 1.0 / plan.expert_group.nranks if getattr(plan, "experts_on_tp_ranks", False) else 1.0
         self.layers = []
-        for layer in model.decoder_layers():  # this rank's (its pipeline stage's) layers
+        mtp = [b for b in model.blocks() if isinstance(b, MultiTokenPrediction) and b.active]
+        for layer in model.decoder_layers() + [layer for b in mtp for layer in b.mtp_block]:  # this rank's layers
             entry = {"attn": _count(layer.self_attn), "moe": layer.mlp if layer.is_moe else None}
             if layer.is_moe:
                 moe = layer.mlp
@@ -50,6 +53,7 @@ class FlopsCounter:
             else:
                 entry["dense"] = _count(layer.mlp)
             self.layers.append(entry)
+        self.mtp_projections = sum(_count(proj) for b in mtp for proj in b.mtp_linear_proj)
         vision = model.vision_modules()  # on the first pipeline stage only
         self.vit, self.adapter = (_count(vision[0]), _count(vision[1])) if vision else (0, 0)
 
@@ -59,7 +63,7 @@ class FlopsCounter:
         counts = batch.host_counts()
         per_modality = {0: counts.text_tokens, 1: counts.vision_tokens}
         tokens = counts.tokens
-        flops = 0.0
+        flops = 6 * self.mtp_projections * tokens
         for entry in self.layers:
             flops += 6 * entry["attn"] * tokens
             if entry["moe"] is None:

@@ -74,6 +74,9 @@ class TrainingMonitor:
             "data_wait_s": total("data_wait") / steps,  # the loop waiting for rows (data.num_workers hides it)
         }
         metrics.update(time_breakdown(results))
+        mtp = [r.mtp for r in results if r.mtp is not None]
+        if mtp:
+            metrics.update(mtp_metrics(np.sum(mtp, axis=0)))
         figures = [r.figures for r in results if r.figures is not None]
         if figures:
             objective = self.model.objective
@@ -149,3 +152,11 @@ def time_breakdown(results: list) -> dict:
     communication = sum(seconds for name, seconds in parts.items() if name in COMMUNICATION)
     out["time/communication_share"] = communication / elapsed if elapsed else 0.0
     return out
+
+
+def mtp_metrics(totals: np.ndarray) -> dict:
+    """The window's multi-token prediction losses from its summed ``StepResult.mtp`` (each depth's loss sum, then its
+    label count): ``mtp/depth{k}_loss`` each, and ``mtp/loss`` their mean (the loss lambda weighs)."""
+    sums, counts = np.split(np.asarray(totals, dtype=np.float64), 2)
+    losses = sums / np.maximum(counts, 1.0)
+    return {"mtp/loss": float(losses.mean()), **{f"mtp/depth{k}_loss": float(v) for k, v in enumerate(losses, 1)}}

@@ -19,6 +19,7 @@ class Objective:
     name = "lm"  # the metrics' prefix in training (``{name}/...``)
     figures: tuple[str, ...] = ()
     needs_reference = False  # whether a reference pass fills each batch's reference figures before the step
+    trains_mtp = False  # whether the model's multi-token prediction layers train beside it (model.mtp)
 
     input_names: tuple[str, ...] = ()  # the batch's fields the loss reads besides its labels
 
@@ -52,5 +53,7 @@ class Objective:
 
 
 class LanguageModelling(Objective):
+    trains_mtp = True
+
     def loss(self, predictions: Predictions, labels: paddle.Tensor, *inputs: paddle.Tensor):
         return predictions.summed(), None

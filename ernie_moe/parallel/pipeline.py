@@ -22,11 +22,13 @@ from ..model.blocks import (
     block_inputs,
     is_block,
     ordered_blocks,
+    set_objective,
     stable_names_of,
     tied_head,
 )
 from ..model.decoder import DecoderLayer
-from ..model.ernie_vl import BlockQueries, step_sums
+from ..model.ernie_vl import BlockQueries, mtp_loss_sums, step_sums, weighted_loss
+from ..model.mtp import MultiTokenPrediction, labels_ahead, split_rows, trained_depths
 from ..nn.init import init_weights
 from ..objectives import Objective, Predictions
 from ..timing import part
@@ -34,13 +36,14 @@ from ..timing import part
 
 class PipelineLoss(nn.Layer):
     """Last stage: the objective's loss x scale + router losses per micro-batch (fleet divides by the number of
-    micro-batches; ``scale`` carries the loss's denominator times that number). Keeps the step's sums for the logs
-    and, in evaluation (labels with caption categories after the objective's inputs), each batch's predictions;
-    in a reference pass (``collect_reference``), what the objective keeps of each batch."""
+    micro-batches; ``scale`` carries the loss's denominator times that number, then the MTP depths' weights). Keeps
+    the step's sums for the logs and, in evaluation (labels with caption categories after the objective's inputs),
+    each batch's predictions; in a reference pass (``collect_reference``), what the objective keeps of each batch."""
 
-    def __init__(self, plan, objective: Objective, chunk: int = 0):
+    def __init__(self, plan, objective: Objective, chunk: int = 0, mtp_depths: int = 0):
         super().__init__()
         self.plan, self.objective = plan, objective
+        self.mtp_depths = mtp_depths  # multi-token prediction depths that train: their labels follow the scale
         self.chunk = chunk  # tokens per chunk of the head and loss: the stage then passes the hidden states on
         self.head = None  # with chunks, the last stage's head: hidden states -> logits (set once it is built)
         self.collect_reference = False
@@ -53,20 +56,27 @@ class PipelineLoss(nn.Layer):
     def forward(self, outputs, labels):
         final, router_loss = outputs  # the logits, or with chunks the final hidden states
         label_ids, scale, *inputs = labels
+        mtp_labels = inputs.pop(0) if self.mtp_depths else None
         taken = len(self.objective.input_names)
         inputs, scored = inputs[:taken], inputs[taken:]  # what the runner scores: predictions need the whole logits
-        predictions = Predictions(self.plan, self.head if self.chunk else (lambda logits: logits), final, label_ids,
-                                  self.chunk, self.training and not final.stop_gradient, keep_logits=bool(scored))
+        final, mtp_final = split_rows(final, label_ids.shape[0])
+        head = self.head if self.chunk else (lambda logits: logits)
+        predictions = Predictions(self.plan, head, final, label_ids, self.chunk,
+                                  self.training and not final.stop_gradient, keep_logits=bool(scored))
         if self.collect_reference:
             self.references.append(self.objective.reference(predictions, label_ids, *inputs))
             return router_loss.sum() * 0.0
         loss_sum, figures = self.objective.loss(predictions, label_ids, *inputs)
-        summed = step_sums(loss_sum, router_loss, *([] if figures is None else [figures.detach().sum(axis=0)]))
+        mtp_sums = None if mtp_final is None else mtp_loss_sums(self.plan, head, mtp_final, mtp_labels,
+                                                                 self.mtp_depths, self.chunk, predictions.train)
+        figures = ([] if figures is None else [figures.detach().sum(axis=0)]) + \
+            ([] if mtp_sums is None else [mtp_sums.detach()])
+        summed = step_sums(loss_sum, router_loss, *figures)
         self.sums = summed if self.sums is None else self.sums + summed
         if scored:
             self.evaluated.append((self.plan.predict(predictions.logits), label_ids, scored[0].numpy(),
                                    float(loss_sum)))
-        return loss_sum * scale.sum() + router_loss.sum()
+        return weighted_loss(loss_sum, mtp_sums, scale) + router_loss.sum()
 
 
 class ErniePipeline(BlockQueries, PipelineLayer):
@@ -76,6 +86,7 @@ class ErniePipeline(BlockQueries, PipelineLayer):
         self.cfg, self.plan = cfg, plan
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # drawn before fleet reseeds per layer
         descs = []
+        self.mtp_depths = trained_depths(cfg, objective)
         for block in ordered_blocks(cfg, plan):
             if block.layer is TokenEmbedding and cfg.tie_word_embeddings:
                 head = tied_head(plan, passes_hidden=bool(loss_chunk)) if block.tied else None
@@ -83,10 +94,12 @@ class ErniePipeline(BlockQueries, PipelineLayer):
             else:
                 descs.append(LayerDesc(block.layer, *block.args, **block.kwargs))
         super().__init__(layers=descs, topology=env.hcg.topology(),
-                         loss_fn=PipelineLoss(plan, objective, loss_chunk), seg_method="layer:DecoderLayer",
+                         loss_fn=PipelineLoss(plan, objective, loss_chunk, self.mtp_depths),
+                         seg_method="layer:DecoderLayer",
                          num_virtual_pipeline_stages=virtual_stages if virtual_stages > 1 else None)
         self.first_stage = env.hcg.get_stage_id() == 0
         self.hcg, self.pp_group = env.hcg, env.pp_group
+        set_objective(self.blocks(), cfg, objective)
         if loss_chunk:
             self._hand_the_head_to_the_loss()
         init_weights(self.stable_named_parameters(include_tied_copy=True), seed)
@@ -102,6 +115,10 @@ class ErniePipeline(BlockQueries, PipelineLayer):
         elif self._tied_copy():  # the last stage's copy of the tied embedding
             embedding = self._tied_copy()[0]
             self.loss.head = lambda hidden: self.plan.tied_head(hidden, embedding.weight)
+
+    def stage_inputs(self, micro_batches, scored=None, scale: float | paddle.Tensor = 1.0) -> list:
+        """:func:`stage_inputs` for this model's objective and multi-token prediction."""
+        return stage_inputs(micro_batches, self.objective, scored, scale, self.mtp_depths)
 
     @property
     def loss(self) -> PipelineLoss:
@@ -135,7 +152,7 @@ class ErniePipeline(BlockQueries, PipelineLayer):
         return hidden, paddle.zeros([1], dtype="float32"), token_type_ids, position_ids, key_ends
 
     def decoding_blocks(self) -> list:
-        return list(self.run_function)
+        return [b for b in self.run_function if not isinstance(b, MultiTokenPrediction)]
 
     def decoding_output(self, x: tuple) -> paddle.Tensor:
         stage, stages = self.hcg.get_stage_id(), self.hcg.get_pipe_parallel_world_size()
@@ -154,7 +171,10 @@ class ErniePipeline(BlockQueries, PipelineLayer):
         return self.hcg.get_rank_from_stage(self.hcg.get_stage_id() + step)
 
     def blocks(self) -> list[nn.Layer]:
-        return sorted((layer for layer in self.sublayers() if is_block(layer)), key=_order)
+        found = [layer for layer in self.sublayers() if is_block(layer)]
+        # the multi-token prediction depths' decoder layers are that block's, not blocks of their own
+        inner = {id(layer) for b in found if isinstance(b, MultiTokenPrediction) for layer in b.mtp_block}
+        return sorted((b for b in found if id(b) not in inner), key=_order)
 
     def stable_named_parameters(self, include_tied_copy: bool = False):
         """The last stage's copy of a tied embedding is left out (it is the first stage's), unless
@@ -171,23 +191,27 @@ class ErniePipeline(BlockQueries, PipelineLayer):
         return [b for b in self.blocks() if isinstance(b, TokenEmbedding)]
 
 
-_POSITION = {TokenEmbedding: 0, ImageFeatures: 1, DecoderLayer: 2, FinalNorm: 3, LMHead: 4}
+_POSITION = {TokenEmbedding: 0, ImageFeatures: 1, DecoderLayer: 2, MultiTokenPrediction: 3, FinalNorm: 4, LMHead: 5}
 
 
 def _order(block) -> tuple:
     return _POSITION[type(block)], getattr(block, "layer_idx", 0)
 
 
-def stage_inputs(micro_batches, objective: Objective, scored=None, scale: float | paddle.Tensor = 1.0) -> list:
+def stage_inputs(micro_batches, objective: Objective, scored=None, scale: float | paddle.Tensor = 1.0,
+                 mtp_depths: int = 0) -> list:
     """``[inputs, labels]`` for fleet's schedule: every field a list with one tensor per micro-batch. The labels
-    are the label ids, the scale, the objective's inputs (placeholders for those not filled yet) and, in
-    evaluation, ``scored``: each batch's caption categories, kept with its predictions by the loss."""
+    are the label ids, the scale (the loss weights), the MTP depths' labels (``mtp_depths`` > 0), the objective's
+    inputs (placeholders for those not filled yet) and, in evaluation, ``scored``: each batch's caption categories,
+    kept with its predictions by the loss."""
     inputs = tuple(list(field) for field in zip(*(block_inputs(b) for b in micro_batches)))
     if isinstance(scale, paddle.Tensor):
-        scale = scale.astype("float32").reshape([1])
+        scale = scale.astype("float32").reshape([-1])
     else:
         scale = paddle.full([1], scale, dtype="float32")
     labels = ([b.labels for b in micro_batches], [scale] * len(micro_batches))
+    if mtp_depths:
+        labels += ([labels_ahead(b.labels, b.key_ends, mtp_depths) for b in micro_batches],)
     loss_inputs = tuple(list(field) for field in zip(*(objective.inputs(b, placeholders=True) for b in micro_batches)))
     return [inputs, labels + loss_inputs + ((scored,) if scored is not None else ())]
 

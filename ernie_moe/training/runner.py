@@ -18,14 +18,14 @@ from paddle.distributed import fleet
 
 from ..batch import IGNORE_INDEX
 from ..data import collate
-from ..model.ernie_vl import ErnieMoEForConditionalGeneration, step_sums
+from ..model.ernie_vl import ErnieMoEForConditionalGeneration, step_sums, weighted_loss
 from ..model.parameter_kinds import is_expert
 from ..moe.replay import replayed
 from ..nn.param_spec import describe
 from ..objectives import LanguageModelling, Objective
 from ..parallel import build_plan
 from ..parallel.grad_sync import GradSync
-from ..parallel.pipeline import ErniePipeline, stage_inputs, time_schedule_parts
+from ..parallel.pipeline import ErniePipeline, time_schedule_parts
 from ..timing import part
 from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
 from .preference import ReferenceModel
@@ -66,23 +66,26 @@ class PlainRunner:
         self.model, self.env, self.precision, self.grad_sync = model, env, precision, grad_sync
         self.reference = reference
 
-    def forward_backward(self, micro_batches, scale, during_backward=contextlib.nullcontext) -> paddle.Tensor:
-        """Accumulate gradients of ``loss_sum x scale + router loss / micro-batches`` (``scale``: the data ranks
-        over the loss's denominator, a number or a device tensor); returns this rank's sums over its
-        micro-batches, on the device: ``[loss, router losses, the objective's figures]``. ``during_backward``: a
-        context for each backward pass (the data feed reads ahead there)."""
+    def forward_backward(self, micro_batches, scale: float | paddle.Tensor,
+                         during_backward=contextlib.nullcontext) -> paddle.Tensor:
+        """Accumulate gradients of ``loss_sum x scale[0] + MTP loss sums x scale[1:] + router loss / micro-batches``
+        (``scale``: the loss weights, ``[1 + MTP depths]`` on the device: the data ranks over each loss's
+        denominator, the MTP depths' times their lambda / depths); returns this rank's sums over its micro-batches,
+        on the device: ``[loss, router losses, the objective's figures, the MTP depths' loss sums]``.
+        ``during_backward``: a context for each backward pass (the data feed reads ahead there)."""
         self.reference_pass(micro_batches)  # the objective's reference, before the policy's pass
         sums = []
         for i, batch in enumerate(micro_batches):
             with replayed(self.model, [batch.routes]):  # the sampled routing, in the backward's recompute too
                 with part("forward"), self.precision.autocast():
                     out = self.model(batch)
-                loss = out.loss_sum * scale + out.router_loss / len(micro_batches)
+                loss = weighted_loss(out.loss_sum, out.mtp_sums, scale) + out.router_loss / len(micro_batches)
                 if i == len(micro_batches) - 1:  # the backward that ends the step syncs as it goes
                     self.grad_sync.expect_backward([loss])
                 with part("backward"), during_backward():  # overlap_grad_sync: the gradient all-reduce too
                     self.precision.scale(loss).backward()
             figures = [] if out.figures is None else [out.figures.detach().sum(axis=0)]
+            figures += [] if out.mtp_sums is None else [out.mtp_sums.detach()]
             sums.append(step_sums(out.loss_sum, out.router_loss, *figures))
         return paddle.add_n(sums) if len(sums) > 1 else sums[0]
 
@@ -194,7 +197,7 @@ class PipelineRunner(PlainRunner):
         # is imposed on them in that order
         with part("pipeline_schedule"), self.precision.autocast(), during_backward(), \
                 replayed(self.model, [b.routes for b in micro_batches]):
-            self.fleet_model.forward_backward_pipeline(stage_inputs(micro_batches, self.objective, scale=scale),
+            self.fleet_model.forward_backward_pipeline(self.model.stage_inputs(micro_batches, scale=scale),
                                                          scaler)
         return self.sum_over_stages(self._last_stage_sums())
 
@@ -203,7 +206,7 @@ class PipelineRunner(PlainRunner):
         loss = self.model.loss
         if loss.sums is not None:
             return loss.sums
-        return paddle.zeros([2 + len(self.objective.figures)], dtype="float64")
+        return paddle.zeros([2 + len(self.objective.figures) + self.model.mtp_depths], dtype="float64")
 
     @paddle.no_grad()
     def logps_pass(self, micro_batches) -> None:
@@ -216,7 +219,7 @@ class PipelineRunner(PlainRunner):
             with self.precision.autocast():
                 if self.env.virtual_stages > 1:
                     schedule.set_virtual_pipeline_rank(0)
-                schedule.eval_batch(stage_inputs(micro_batches, self.objective, scale=1.0), compute_loss=True)
+                schedule.eval_batch(self.model.stage_inputs(micro_batches, scale=1.0), compute_loss=True)
         finally:
             schedule.train()
             loss.collect_reference = False
@@ -238,7 +241,7 @@ class PipelineRunner(PlainRunner):
 
         def run(group):
             micro, scored = _filled(group, rows_per_batch)
-            schedule.eval_batch(stage_inputs(micro, self.objective, scored, scale=1.0), compute_loss=True)
+            schedule.eval_batch(self.model.stage_inputs(micro, scored, scale=1.0), compute_loss=True)
 
         with self.precision.autocast():
             for i, rows in enumerate(batches):
@@ -278,7 +281,7 @@ class PipelineRunner(PlainRunner):
         schedule.eval()
         try:
             with self.precision.autocast():
-                schedule.eval_batch(stage_inputs(micro_batches, self.objective, scale=1.0), compute_loss=True)
+                schedule.eval_batch(self.model.stage_inputs(micro_batches, scale=1.0), compute_loss=True)
         finally:
             schedule.train()
         totals = self.sum_over_stages(self._last_stage_sums())[2:].numpy()

@@ -53,6 +53,8 @@ class StepResult:
     memory_guard_rungs: int = 0  # rungs the memory guard took in this step
     # *device* the objective's figures (objectives.Objective.figures), summed over the step's rows
     figures: list[float] | paddle.Tensor | None = None
+    # *device* the multi-token prediction depths' loss sums, then their label counts (None: no MTP trains)
+    mtp: list[float] | paddle.Tensor | None = None
 
     @property
     def skipped(self) -> bool:
@@ -73,10 +75,11 @@ def read_results(results: list[StepResult]) -> list[StepResult]:
     at = 0
     for result, name, value in pending:
         size = int(np.prod(value.shape))
-        setattr(result, name, values[at: at + size].tolist() if name == "figures" else float(values[at]))
+        setattr(result, name, values[at: at + size].tolist() if name in _LISTS else float(values[at]))
         at += size
     return results
 
 
 _DEVICE_FIGURES = ("lm_loss_sum", "label_tokens", "router_loss", "tokens", "grad_norm_expert", "grad_norm_non_expert",
-                   "figures")
+                   "figures", "mtp")
+_LISTS = ("figures", "mtp")  # the figures read back as lists

@@ -38,6 +38,7 @@ from ..elastic.job import Attempt, JobRecord, job_id, restart_history
 from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
 from ..host_reads import HostReadCounter
+from ..model.mtp import trained_depths
 from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
 from ..objectives.rewards import build_rewards
@@ -379,21 +380,29 @@ class Trainer:
     def forward_backward(self, micro_batches) -> StepResult:
         """Accumulate the step's gradients; returns the step's loss sums and token counts over all ranks, on the
         device (read once per logging window)."""
-        env = self.env
+        env, m = self.env, self.cfg.model
         counts = [b.host_counts() for b in micro_batches]  # from the host: nothing to wait for
-        units = self.runner.objective.units
-        local = paddle.to_tensor([sum(units(c) for c in counts), sum(c.tokens for c in counts)], dtype="float64")
+        units, depths = self.runner.objective.units, trained_depths(m, self.runner.objective)
+        local = [sum(units(c) for c in counts), sum(c.tokens for c in counts)]
+        local += [sum(c.labels_ahead[k] for c in counts) for k in range(depths)]  # what each MTP depth trains on
         with part("step_reduce"):
-            label_tokens, tokens = env.all_reduce_sum(local, env.data_group).unbind()
+            totals = env.all_reduce_sum(paddle.to_tensor(local, dtype="float64"), env.data_group)
+        label_tokens, tokens, labels_ahead = totals[0], totals[1], totals[2:]
         # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks;
-        # shared gradients are averaged over the data ranks, hence their number as a factor.
-        sums = self.runner.forward_backward(micro_batches, env.data_world / self._loss_denominator(label_tokens),
-                                            during_backward=self.feed.reading)
+        # shared gradients are averaged over the data ranks, hence their number as a factor. An MTP depth's loss is
+        # a mean over its own labels, weighted lambda / depths (PaddleFormers' criterion).
+        scale = (env.data_world / self._loss_denominator(label_tokens)).reshape([1])
+        if depths:
+            weights = env.data_world * m.multi_token_pred_lambda / depths / self._loss_denominator(labels_ahead)
+            scale = paddle.concat([scale, weights.reshape([depths])])
+        sums = self.runner.forward_backward(micro_batches, scale, during_backward=self.feed.reading)
         with part("step_reduce"):
             sums = env.all_reduce_sum(sums, env.data_group)
+        figures = len(self.runner.objective.figures)
         return StepResult(lm_loss_sum=sums[0], label_tokens=label_tokens,
                           router_loss=sums[1] / (len(micro_batches) * env.data_world), tokens=tokens,
-                          figures=sums[2:] if sums.shape[0] > 2 else None)
+                          figures=sums[2:2 + figures] if figures else None,
+                          mtp=paddle.concat([sums[2 + figures:], labels_ahead]) if depths else None)
 
     def evaluate(self) -> dict:
         """The held-out figures (``eval_*``), and the EMA's beside them (``ema_eval_*``) once it has started."""
@@ -506,11 +515,13 @@ class Trainer:
                   f"process(es), a global batch of {self.attempt.global_batch} rows in "
                   f"{t.gradient_accumulation_steps} accumulation step(s); {self.restarts[-1]['why']}", flush=True)
 
-    def _loss_denominator(self, label_tokens: paddle.Tensor) -> float | paddle.Tensor:
+    def _loss_denominator(self, label_tokens: paddle.Tensor) -> paddle.Tensor:
+        """What a loss summed over ``label_tokens`` (a device count, or one per MTP depth) is divided by."""
         t = self.cfg.training
         if t.token_balance_loss:
             per_micro = t.token_balance_seqlen or self.cfg.data.max_seq_len * self.state.micro_batch_size
-            return float(per_micro * self.state.accumulation_steps * self.env.data_world)
+            return paddle.full(label_tokens.shape, per_micro * self.state.accumulation_steps * self.env.data_world,
+                               dtype="float32")
         return paddle.clip(label_tokens, min=1.0).astype("float32")
 
     def _update_router_bias(self) -> None:
@@ -530,7 +541,7 @@ class Trainer:
         self.monitor.config(sections)
 
     def _initialise_from(self, model, directory: str) -> None:
-        report = load_pretrained(model, directory, self.env)
+        report = load_pretrained(model, directory, self.env, mtp_init=self.cfg.training.mtp_init)
         if self.env.is_main:
             print(format_report(report), flush=True)
             out = Path(self.cfg.training.output_dir)
@@ -553,6 +564,9 @@ class Trainer:
         if self.precision.enabled and not paddle.is_compiled_with_cuda():
             print(f"note: {self.precision.dtype} mixed precision needs a GPU; on this CPU build Paddle computes in "
                   "float32 (loss scaling and the inf/nan step guard still apply)", flush=True)
+        if t.final_model_format == "transformers" and self.cfg.model.num_nextn_predict_layers:
+            print("note: the final model in transformers' form leaves the multi-token prediction layers out "
+                  "(transformers' ERNIE-4.5-VL has none); the checkpoints keep them", flush=True)
         if t.offload_optim and not paddle.device.get_device().startswith("gpu"):
             print("note: training.offload_optim keeps optimizer states in host memory between steps; on a CPU that "
                   "is where they already are, so it saves nothing here (the same moves run)", flush=True)
