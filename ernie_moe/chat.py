@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     add_decoding_arguments(parser, max_new_tokens=256)
     args = parser.parse_args(argv)
     try:
-        chat = ChatModel(args.model, args.config)
+        chat = ChatModel(args.model, args.config, draft_tokens=args.draft_tokens)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"chat error: {err}", file=sys.stderr)
         return 2

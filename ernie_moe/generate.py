@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
@@ -107,15 +109,24 @@ def main(argv=None) -> int:
     except (BadSample, UsageError, CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"generate error: {err}", file=sys.stderr)
         return 2
+    answered = Counter()
     for start in range(0, len(prompts), args.batch_size):
         group = prompts[start: start + args.batch_size]
         decoding = Decoding(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+        began = time.perf_counter()
         outs = generate_batch(model, group, [decoding] * len(group), tokenizer.eos_id,
-                              never=(cfg.im_patch_id,) if loaded.sees_images else (), tokens=tokenizer.vocab_size)
+                              never=(cfg.im_patch_id,) if loaded.sees_images else (), tokens=tokenizer.vocab_size,
+                              draft_tokens=args.draft_tokens)
+        answered.update(seconds=time.perf_counter() - began, tokens=sum(len(o.ids) for o in outs),
+                        drafted=sum(o.drafted for o in outs), accepted=sum(o.accepted for o in outs))
         for key, out in zip(keys[start: start + args.batch_size], outs):
             text = tokenizer.decode(out.ids)
             answer = {**key, "text": text, "tokens": len(out.ids), "stop": out.stop} if key is not None else None
             print(json.dumps(answer, ensure_ascii=False) if answer is not None else text, flush=True)
+    if answered["drafted"]:  # the model's multi-token prediction layers drafted: how well, and how fast
+        print(f"speculative decoding: {answered['accepted']} of {answered['drafted']} drafted tokens kept "
+              f"({answered['accepted'] / answered['drafted']:.0%}), {answered['tokens'] / answered['seconds']:.1f} "
+              "tokens/s", file=sys.stderr)
     return 0
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
-from .cli import add_thinking_argument, at_least_one, bounded, thinking_of
+from .cli import add_speculative_argument, add_thinking_argument, at_least_one, bounded, thinking_of
 from .config import ConfigError
 from .serving.chat_model import SIDE_BY_SIDE, ChatModel
 from .serving.openai_api import Limits
@@ -41,13 +41,14 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=at_least_one, default=SIDE_BY_SIDE,
                         help="requests the model answers side by side in one turn, at most")
     add_thinking_argument(parser)
+    add_speculative_argument(parser)
     args = parser.parse_args(argv)
     image_root = Path(args.image_root).resolve() if args.image_root else None
     if image_root is not None and not image_root.is_dir():
         print(f"serve error: --image-root '{args.image_root}' is not a folder", file=sys.stderr)
         return 2
     try:
-        chat = ChatModel(args.model, args.config, args.batch_size)
+        chat = ChatModel(args.model, args.config, args.batch_size, draft_tokens=args.draft_tokens)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"serve error: {err}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from ernie_moe.data.images import MEAN, STD
 from ernie_moe.data.jsonl import JsonlDataset
 from ernie_moe.data.loader import build_tokenizer
 from ernie_moe.data.packing import Encoder
+from ernie_moe.generation import Decoding, generate_batch
 from ernie_moe.model.blocks import block_inputs
 from ernie_moe.model.mtp import labels_ahead
 from ernie_moe.parallel.env import DistEnv
@@ -347,6 +348,24 @@ def test_vl_multi_token_prediction_equals_paddleformers(ernie_side, tmp_path):
     assert f"left out {depths * 9} multi-token prediction tensors" in done.stdout  # q/k/v, gate/up fused
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert index["weight_map"] and not any("mtp" in n for n in index["weight_map"])
+
+
+@pytest.mark.slow
+def test_speculative_greedy_answers_on_images_and_video_are_plain_greedy_answers(ernie_side):
+    """Text, one image, three images, an image and a video, side by side, with an untrained MTP layer drafting: the
+    answers plain greedy decoding gives (generation.speculative)."""
+    folder, _ = ernie_side
+    cfg = ernie_config(folder, "model.num_nextn_predict_layers=1", *(f"data.{k}={v}" for k, v in BUDGET.items()))
+    paddle.seed(5)
+    model = build_model(cfg.model, DistEnv())
+    model.eval()
+    data = JsonlDataset(str(folder / "data.jsonl"))
+    prompts = [our_encoder(folder).prompt(data[n]) for n in (0, 1, 2, 6)]
+    assert any(p.token_type_ids.max() == 2 for p in prompts)  # video tokens
+    decodings, never = [Decoding(12)] * len(prompts), (cfg.model.im_patch_id,)
+    plain = generate_batch(model, prompts, decodings, -1, never=never)
+    fast = generate_batch(model, prompts, decodings, -1, never=never, draft_tokens=3)
+    assert [o.ids for o in fast] == [o.ids for o in plain] and all(o.drafted > 0 for o in fast)
 
 
 @pytest.mark.slow

@@ -110,10 +110,12 @@ def test_requests_are_checked_field_by_field():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(the model folder, the server's base URL, the image folder): a captioning model trained for 40 steps,
-    served on a free port with local images read from one folder."""
+    """(the model folder, the server's base URL, the image folder): a captioning model with a multi-token prediction
+    layer trained for 40 steps, served on a free port (drafting with that layer) with local images read from one
+    folder."""
     root = tmp_path_factory.mktemp("served")
-    out, _ = launch(root, 1, "training.max_steps=40", "training.eval_steps=0", "data.num_eval_samples=0")
+    out, _ = launch(root, 1, "training.max_steps=40", "training.eval_steps=0", "data.num_eval_samples=0",
+                    "model.num_nextn_predict_layers=1")
     images = root / "images"
     images.mkdir()
     (images / "square.png").write_bytes(square_png())
@@ -148,12 +150,17 @@ def data_url(png: bytes) -> str:
 
 @pytest.mark.slow
 def test_answers_equal_generates_greedy_answers_for_text_and_an_image(served, client, capsys):
+    """The server's speculative answers are those of plain greedy decoding (``generate --draft-tokens 0``), its
+    drafts counted in the usage as OpenAI counts predicted outputs."""
     folder, _, images = served
     text = ask(client, PROMPT)
-    assert text.choices[0].message.content == generated(capsys, folder, "--prompt", PROMPT)
+    assert text.choices[0].message.content == generated(capsys, folder, "--prompt", PROMPT, "--draft-tokens", "0")
     assert text.usage.completion_tokens > 0 and text.usage.prompt_tokens > 0
+    drafts = text.usage.completion_tokens_details
+    assert drafts.accepted_prediction_tokens + drafts.rejected_prediction_tokens >= text.usage.completion_tokens // 2
     # the image as a data URL and as a path under --image-root: the answer generate gives for that image
-    expected = generated(capsys, folder, "--prompt", PROMPT, "--image", str(images / "square.png"))
+    expected = generated(capsys, folder, "--prompt", PROMPT, "--image", str(images / "square.png"), "--draft-tokens",
+                         "0")
     for source in (data_url(square_png()), "square.png"):
         answer = ask(client, [{"type": "image_url", "image_url": {"url": source}}, {"type": "text", "text": PROMPT}])
         assert answer.choices[0].message.content == expected, source
@@ -232,7 +239,7 @@ def test_the_chat_page_sends_typed_questions_with_an_uploaded_image_and_renders_
     from devtools import Browser
 
     images = served[2]
-    first = ask(client, PROMPT).choices[0].message.content
+    first = ask(client, PROMPT, max_tokens=32).choices[0].message.content  # the page asks for the server's default
     with_image = [{"type": "image_url", "image_url": {"url": data_url((images / "square.png").read_bytes())}},
                   {"type": "text", "text": "And this one?"}]
     second = client.chat.completions.create(model="tiny", messages=[

@@ -34,6 +34,9 @@ class Generated:
     # before top-p), the end-of-sentence token's last when it stopped there, and the entropy it was drawn with
     logps: list[float] | None = None
     entropies: list[float] | None = None
+    # speculative decoding (generation.speculative): tokens drafted by the multi-token prediction layers, and kept
+    drafted: int = 0
+    accepted: int = 0
 
 
 def batch_inputs(prompts: list[Encoded], channels: int) -> tuple[tuple, np.ndarray]:
@@ -62,14 +65,15 @@ def prompt_inputs(prompt: Encoded, channels: int) -> tuple:
     return batch_inputs([prompt], channels)[0]
 
 
-def tokens_inputs(tokens: list[int], positions: list[int], live: list[bool], channels: int) -> tuple:
-    """The input tuple of one new text token per row at its ``position`` (the same on the t, h and w axes); a row
-    that is no longer ``live`` gets a padding position."""
+def tokens_inputs(tokens, positions, live: list[bool], channels: int) -> tuple:
+    """The input tuple of new text tokens (``tokens``: one per row, or ``[rows, n]``) at their ``positions`` (the
+    same on the t, h and w axes); the tokens of a row that is no longer ``live`` are padding."""
     rows = len(tokens)
-    types = np.where(live, 0, NO_TOKEN).astype(np.int64)[:, None]
-    return (paddle.to_tensor(np.array(tokens, np.int64)[:, None]), paddle.to_tensor(types),
-            paddle.to_tensor(np.repeat(np.array(positions, np.int64)[:, None, None], 3, axis=2)),
-            paddle.ones([rows, 1], dtype="int64"), paddle.zeros([0, channels], dtype="float32"),
+    ids = np.asarray(tokens, np.int64).reshape([rows, -1])
+    types = np.where(np.asarray(live)[:, None], 0, NO_TOKEN).astype(np.int64).repeat(ids.shape[1], axis=1)
+    places = np.asarray(positions, np.int64).reshape([rows, -1, 1]).repeat(3, axis=2)
+    return (paddle.to_tensor(ids), paddle.to_tensor(types), paddle.to_tensor(places),
+            paddle.ones(ids.shape, dtype="int64"), paddle.zeros([0, channels], dtype="float32"),
             paddle.zeros([0, 3], dtype="int64"))
 
 
@@ -89,15 +93,22 @@ def token_logp(logits: np.ndarray, token: int, temperature: float) -> tuple[floa
     return float(log_probs[token]), float(-(weights / total * log_probs).sum())
 
 
-def choose(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """The next token: the most likely at temperature 0, else drawn from the ``top_p`` nucleus."""
-    if temperature <= 0:
-        return int(np.argmax(logits))
+def nucleus(logits: np.ndarray, temperature: float, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """(the ids a token is drawn from at ``temperature`` > 0, most likely first: the ``top_p`` nucleus, their
+    probabilities)."""
     scaled = (logits - logits.max()) / temperature
     probs = np.exp(scaled) / np.exp(scaled).sum()
     order = np.argsort(-probs, kind="stable")
     keep = order[: int(np.searchsorted(np.cumsum(probs[order]), top_p) + 1)]
-    return int(rng.choice(keep, p=probs[keep] / probs[keep].sum()))
+    return keep, probs[keep] / probs[keep].sum()
+
+
+def choose(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """The next token: the most likely at temperature 0, else drawn from the ``top_p`` nucleus."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    keep, probs = nucleus(logits, temperature, top_p)
+    return int(rng.choice(keep, p=probs))
 
 
 @paddle.no_grad()
@@ -119,7 +130,8 @@ def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperatu
 def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos_id: int, use_cache: bool = True,
                    never: tuple[int, ...] = (), tokens: int | None = None,
                    on_token: Callable[[int, list[int]], bool] | None = None,
-                   with_logps: bool = False, lockstep: Callable[[bool], bool] | None = None) -> list[Generated]:
+                   with_logps: bool = False, lockstep: Callable[[bool], bool] | None = None,
+                   draft_tokens: int = 0) -> list[Generated]:
     """:func:`generate` for several prompts side by side, each with its own :class:`Decoding`: one forward per new
     token for all of them, each row's logits read back together. Each prompt's answer is the one :func:`generate`
     gives it alone where the MoE layers are dropless, as an evaluation's are unless ``moe_capacity`` sets an
@@ -127,7 +139,14 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
     per row; ``with_logps``: each answer with its tokens' log-probabilities and entropies (:class:`Generated`);
     ``lockstep(finished)``: whether any of the processes that run every forward together (an expert-parallel
     group exchanging tokens) has not finished, told whether this one has; a finished one feeds padding until all
-    have."""
+    have. ``draft_tokens``: that many drafts per step from the model's multi-token prediction layers where it has
+    them (speculative decoding, ``generation.speculative``; not with ``with_logps``, ``lockstep`` or without the
+    cache); 0: none."""
+    if draft_tokens and use_cache and not with_logps and lockstep is None:
+        from .speculative import drafter, generate_speculative  # it decodes with this module's pieces
+
+        if drafter(model) is not None:
+            return generate_speculative(model, prompts, decodings, eos_id, never, tokens, on_token, draft_tokens)
     channels = model.cfg.vision_config.in_channels * model.cfg.vision_config.patch_size ** 2
     rngs = [np.random.default_rng(d.seed) for d in decodings]
     limit = model.cfg.max_position_embeddings
@@ -170,6 +189,13 @@ def _next(row: int, scores: np.ndarray, logits: np.ndarray, new: list[int],
     if figures is not None:
         for kept, value in zip(figures, token_logp(logits, token, decoding.temperature)):
             kept.append(value)
+    return taken(row, token, new, figures, decoding, eos_id, at_last_position, on_token)
+
+
+def taken(row: int, token: int, new: list[int], figures, decoding: Decoding, eos_id: int, at_last_position: bool,
+          on_token) -> Generated | None:
+    """``token`` chosen for ``row``: into ``new`` unless it ends the answer; the row's :class:`Generated` once it
+    stops (the end-of-sentence token, ``on_token``, ``max_new_tokens``, the model's last position), else None."""
 
     def stopped(reason: str) -> Generated:
         return Generated(new, reason, *(figures or ()))

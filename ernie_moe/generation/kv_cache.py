@@ -22,6 +22,11 @@ class LayerCache:
         self.keys, self.values = keys, values
         return keys, values
 
+    def truncate(self, tokens: int) -> None:
+        """Keep the first ``tokens`` tokens' keys and values (speculative drafts' leave)."""
+        if self.keys is not None and self.keys.shape[1] > tokens:
+            self.keys, self.values = self.keys[:, :tokens], self.values[:, :tokens]
+
 
 class KVCache:
     """``padding``: each row's positions of padding before its prompt (several prompts decoded side by side), which
@@ -33,7 +38,7 @@ class KVCache:
         self.drafts = [LayerCache() for _ in range(drafts)]
         self.length = 0  # tokens cached
         self.padding = padding
-        self.unseen: list[tuple[int, int]] = []  # (row, slot): a cached token no later token sees (a rejected draft)
+        self.unseen: np.ndarray | None = None  # [rows, slots]: cached tokens no later token sees (rejected drafts)
 
     def bounds(self, rows: int, new: int, first: int | None = None) -> RowBounds:
         """Which keys the ``new`` tokens of each row see: every cached and new key up to itself, but padding and
@@ -44,14 +49,19 @@ class KVCache:
         ends = np.full([rows, total], total, dtype=np.int64)
         if self.padding is not None:
             ends = np.where(keys[None, :] < self.padding[:, None], keys[None, :], ends)  # seen by no row
-        for row, slot in self.unseen:
-            if slot < total:
-                ends[row, slot] = slot
+        if self.unseen is not None:
+            unseen = self.unseen[:, :total]
+            ends[:, : unseen.shape[1]] = np.where(unseen, keys[: unseen.shape[1]], ends[:, : unseen.shape[1]])
         return RowBounds(paddle.to_tensor(ends), first_row=first)
 
-    def hide(self, row: int, slot: int) -> None:
-        """No later token of ``row`` sees the token cached at ``slot``."""
-        self.unseen.append((row, slot))
+    def hide(self, rows: int, row: int, slot: int) -> None:
+        """No later token of ``row`` (of ``rows``) sees the token cached at ``slot``."""
+        if self.unseen is None or self.unseen.shape[1] <= slot:
+            grown = np.zeros([rows, max(2 * slot, 64)], dtype=bool)
+            if self.unseen is not None:
+                grown[:, : self.unseen.shape[1]] = self.unseen
+            self.unseen = grown
+        self.unseen[row, slot] = True
 
 
 @paddle.no_grad()
@@ -69,7 +79,7 @@ def forward_cached(model, inputs: tuple, cache: KVCache, keep: bool = False):
     for block in model.decoding_blocks():
         if isinstance(block, DecoderLayer):
             hidden, router_loss, token_type_ids, position_ids, key_ends, *carried = x
-            angles = block.attention_inputs.angles(position_ids)
+            angles, _ = block.attention_inputs(position_ids, key_ends)  # made once for the layers that share them
             hidden, _ = block.body(hidden, token_type_ids, angles, bounds, cache.layers[block.layer_idx])
             x = (hidden, router_loss, token_type_ids, position_ids, key_ends, *carried)
         else:

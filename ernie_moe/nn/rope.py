@@ -17,13 +17,28 @@ import paddle
 def rope_angles(position_ids: paddle.Tensor, head_dim: int, theta: float, t_slots: int | None) -> paddle.Tensor:
     """Angles ``[..., head_dim / 2]`` for position ids ``[..., 3]``; ``t_slots=None`` means plain 1D (axis 0)."""
     half = head_dim // 2
-    inv_freq = 1.0 / (theta ** (paddle.arange(0, half, dtype="float32") * 2.0 / head_dim))
+    inv_freq, axes = _frequencies(head_dim, theta, t_slots, position_ids.place)
     pos = position_ids.astype("float32")
     if t_slots is None:
         per_slot = pos[..., :1].expand(pos.shape[:-1] + [half])
     else:
-        per_slot = paddle.index_select(pos, paddle.to_tensor(slot_axes(half, t_slots)), axis=-1)
+        per_slot = paddle.index_select(pos, axes, axis=-1)
     return per_slot * inv_freq
+
+
+_FREQUENCIES: dict[tuple, tuple[paddle.Tensor, paddle.Tensor | None]] = {}
+
+
+def _frequencies(head_dim: int, theta: float, t_slots: int | None, place) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    """(each slot's inverse frequency, the axis each slot reads), made once per shape and device: decoding asks
+    for them at every new token."""
+    key = (head_dim, theta, t_slots, str(place))
+    if key not in _FREQUENCIES:
+        half = head_dim // 2
+        inv_freq = 1.0 / theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / head_dim)
+        axes = None if t_slots is None else paddle.to_tensor(slot_axes(half, t_slots), place=place)
+        _FREQUENCIES[key] = paddle.to_tensor(inv_freq.astype(np.float32), place=place), axes
+    return _FREQUENCIES[key]
 
 
 def slot_axes(half: int, t_slots: int) -> list[int]:

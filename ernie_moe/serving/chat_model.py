@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cli import DRAFT_TOKENS
 from ..data.packing import Encoded
 from ..data.sample import Sample
 from ..generation import (
@@ -37,6 +38,8 @@ class Reply:
     finish_reason: str  # "stop" (end of sentence or a stop string) or "length" (max_new_tokens, positions)
     prompt_tokens: int
     completion_tokens: int
+    drafted: int = 0  # tokens drafted by the model's multi-token prediction layers (speculative decoding)
+    accepted: int = 0  # of them, kept
 
 
 @dataclass(frozen=True)
@@ -96,10 +99,11 @@ class ChatModel:
     training config whose data section overrides the folder's processor settings; ``side_by_side``: the most
     requests one turn of the model answers."""
 
-    def __init__(self, folder, config_path=None, side_by_side: int = SIDE_BY_SIDE):
+    def __init__(self, folder, config_path=None, side_by_side: int = SIDE_BY_SIDE, draft_tokens: int = DRAFT_TOKENS):
         self.data = folder_run_config(folder, config_path).data
         loaded = load_model_folder(folder)
         self.model, self.tokenizer, self.cfg = loaded.model, loaded.tokenizer, loaded.cfg
+        self.draft_tokens = draft_tokens  # per step, from the model's multi-token prediction layers where it has them
         self.sees_images = loaded.sees_images
         self.encoder = prompt_encoder(self.tokenizer, self.cfg, self.data)
         self.lock = threading.Lock()  # held by the model's turn: the requests that come meanwhile wait for the next
@@ -141,7 +145,7 @@ class ChatModel:
         text = request.stream.finish()
         out = request.out
         finish = "stop" if out.stop in ("eos", "caller") else "length"
-        return Reply(text, finish, len(prompt.input_ids), len(out.ids))
+        return Reply(text, finish, len(prompt.input_ids), len(out.ids), out.drafted, out.accepted)
 
     def _answer(self, turn: list[_Request]) -> None:
         def on_token(row: int, ids: list[int]) -> bool:
@@ -155,7 +159,8 @@ class ChatModel:
         try:
             outs = generate_batch(self.model, [r.prompt for r in turn], [r.sampling for r in turn],
                                   self.tokenizer.eos_id, never=(self.cfg.im_patch_id,) if self.sees_images else (),
-                                  tokens=self.tokenizer.vocab_size, on_token=on_token)
+                                  tokens=self.tokenizer.vocab_size, on_token=on_token,
+                                  draft_tokens=self.draft_tokens)
         except Exception as err:  # noqa: BLE001 - every request of the turn hears of it
             for request in turn:
                 request.error, request.answered = request.error or err, True

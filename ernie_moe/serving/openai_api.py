@@ -176,8 +176,13 @@ class Completion:
 
 
 def usage(reply: Reply) -> dict:
-    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
-            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+    """OpenAI's usage; speculative decoding's drafts as its predicted-output counts (kept and rejected)."""
+    out = {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+           "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+    if reply.drafted:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": reply.accepted,
+                                            "rejected_prediction_tokens": reply.drafted - reply.accepted}
+    return out
 
 
 def models_list(served: str, created: int) -> dict:
