@@ -18,7 +18,7 @@ from ernie_moe.config.schema import LORA_TARGET_GROUPS
 from ernie_moe.data.packing import document_ends
 from ernie_moe.finetune import prepare_fine_tuning
 from ernie_moe.memory.estimate import Workload, attention_core, estimate, sample_workload, sample_workloads
-from ernie_moe.memory.params import stage_lora_params, stage_params
+from ernie_moe.memory.params import mtp_params, stage_lora_params, stage_params
 from ernie_moe.memory.report import planned, report
 from ernie_moe.model.attention import core_attention
 from ernie_moe.nn.flashmask import RowBounds
@@ -67,6 +67,7 @@ LAYOUTS = {
     ["model.moe_num_experts=[8]", "model.moe_intermediate_size=[32]"],
     ["model.moe_layer_start_index=[1,2]", "model.num_hidden_layers=3", "model.moe_use_aux_free=true"],
     ["model.vision_config.embed_dim=64", "model.pixel_hidden_size=64", "model.vision_config.mlp_ratio=3"],
+    ["model.num_nextn_predict_layers=2", "model.num_hidden_layers=3", "model.moe_layer_start_index=2"],
 ])
 def test_parameter_counts_are_exact(overrides):
     cfg = load_config(ROOT / "configs" / "vl_moe.yaml", overrides)
@@ -75,15 +76,20 @@ def test_parameter_counts_are_exact(overrides):
 
 
 def test_parameter_counts_split_over_stages_and_ranks():
+    """... and a multi-token prediction depth on the last stage."""
+    layout = ["parallel.pipeline_parallel_degree=2", "training.gradient_accumulation_steps=2",
+              "parallel.expert_parallel_degree=2"]
     cfg = load_config(ROOT / "configs" / "vl_moe.yaml", ["model.num_hidden_layers=4"])
     whole = stage_params(cfg.model, cfg.parallel)[0]
-    split = load_config(ROOT / "configs" / "vl_moe.yaml", [
-        "model.num_hidden_layers=4", "parallel.pipeline_parallel_degree=2", "training.gradient_accumulation_steps=2",
-        "parallel.expert_parallel_degree=2"])
+    split = load_config(ROOT / "configs" / "vl_moe.yaml", ["model.num_hidden_layers=4", *layout])
     stages = stage_params(split.model, split.parallel)
     tied_copy = cfg.model.vocab_size * cfg.model.hidden_size  # the last stage's copy of the tied embedding
     assert sum(s.shared for s in stages) == whole.shared + tied_copy
     assert sum(s.experts for s in stages) * 2 == whole.experts
+    mtp = load_config(ROOT / "configs" / "vl_moe.yaml",
+                      ["model.num_hidden_layers=4", "model.num_nextn_predict_layers=1", *layout])
+    with_mtp, depth = stage_params(mtp.model, mtp.parallel), mtp_params(mtp.model, 1, 1).total
+    assert depth > 0 and with_mtp[0].shared == stages[0].shared and with_mtp[1].shared == stages[1].shared + depth
 
 
 def test_grouped_expert_matmuls_keep_no_copy_of_the_expert_weights_and_stack_one_projection_at_a_time():
@@ -172,12 +178,14 @@ def test_a_lora_fine_tune_of_a_paddleformers_model_is_predicted_within_10_percen
 
 
 @pytest.mark.parametrize("freeze, targets", [
-    (["vision", "router"], None), (["lm"], None), ([], ["attention", "mlp", "shared_experts", "text_experts"]),
-    ([], list(LORA_TARGET_GROUPS)),
+    (["vision", "router"], None), (["lm"], None), (["vision", "adapter", "lm"], None), (["mtp"], None),
+    ([], ["attention", "mlp", "shared_experts", "text_experts"]), ([], list(LORA_TARGET_GROUPS)),
 ])
 def test_frozen_and_lora_parameter_counts_are_exact(freeze, targets):
+    """With a multi-token prediction depth: trained alone, frozen, and with LoRA pairs (the mtp group)."""
     cfg = load_config(ROOT / "configs" / "vl_moe.yaml", ["model.moe_use_aux_free=true",
-                                                         "model.tie_word_embeddings=false"])
+                                                         "model.tie_word_embeddings=false",
+                                                         "model.num_nextn_predict_layers=1"])
     training = dataclasses.replace(cfg.training, freeze=freeze, fine_tuning="lora" if targets else "full",
                                    lora_targets=targets or [], lora_rank=4)
     model = build_model(cfg.model, DistEnv())

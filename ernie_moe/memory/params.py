@@ -34,22 +34,23 @@ class StageParams:
         return self.experts - self.frozen_experts
 
     def add(self, other: StageParams, frozen: bool = False, router_frozen: bool = False) -> None:
-        """Count ``other`` in, frozen as a whole (``frozen``) or only its router part (``router_frozen``)."""
+        """Count ``other`` in, frozen as a whole (``frozen``) or only its router part (``router_frozen``), or as it
+        says (its correction bias, part of its router, has no gradient)."""
         for name in ("shared", "experts", "float32", "router"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         router = other.router if router_frozen or frozen else 0
-        self.frozen_shared += other.shared if frozen else router
-        self.frozen_experts += other.experts if frozen else 0
-        self.frozen_float32 += other.float32 if frozen else router
+        self.frozen_shared += other.shared if frozen else max(router, other.frozen_shared)
+        self.frozen_experts += other.experts if frozen else other.frozen_experts
+        self.frozen_float32 += other.float32 if frozen else max(router, other.frozen_float32)
 
 
 def frozen_parts(training) -> set[str]:
     """The model's parts a run does not train: vision, adapter, embedding, head, layers (decoder layers and the
-    final norm), router. LoRA freezes them all (its pairs are counted apart)."""
+    final norm), router, mtp. LoRA freezes them all (its pairs are counted apart)."""
     if training is None:
         return set()
     if training.fine_tuning == "lora":
-        return {"vision", "adapter", "embedding", "head", "layers", "router"}
+        return {"vision", "adapter", "embedding", "head", "layers", "router", "mtp"}
     parts = {"lm": {"embedding", "head", "layers", "router"}}
     return set().union(*(parts.get(p, {p}) for p in training.freeze))
 
@@ -86,6 +87,7 @@ def decoder_layer_params(cfg, layer: int, tp: int, expert_split: int) -> StagePa
     out.shared += router + bias + shared // tp
     out.float32 += router + bias
     out.router = router + bias
+    out.frozen_shared = out.frozen_float32 = bias  # set by the trainer's rule, not by gradients
     out.experts = sum(n * 3 * h * w for n, w in groups) // expert_split
     return out
 
