@@ -101,8 +101,9 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         self.vision_model = images.vision_model
         mtp = {name: getattr(b, name) for b in layers if isinstance(b, MultiTokenPrediction)
                for name in ("mtp_block", "mtp_emb_norm", "mtp_hidden_norm", "mtp_linear_proj")}
-        self.model = _Named(embed_tokens=embedding.embed_tokens, norm=norm.norm, resampler_model=images.resampler_model,
-                            layers=nn.LayerList([b for b in layers if isinstance(b, DecoderLayer)]), **mtp)
+        self.model = _Named(embed_tokens=embedding.embed_tokens,
+                            layers=nn.LayerList([b for b in layers if isinstance(b, DecoderLayer)]), norm=norm.norm,
+                            resampler_model=images.resampler_model, **mtp)
         if not self.tied:
             self.lm_head = self._ordered[-1].lm_head
         init_weights(self.stable_named_parameters(), seed)

@@ -35,9 +35,9 @@ def _frequencies(head_dim: int, theta: float, t_slots: int | None, place) -> tup
     key = (head_dim, theta, t_slots, str(place))
     if key not in _FREQUENCIES:
         half = head_dim // 2
-        inv_freq = 1.0 / theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / head_dim)
+        inv_freq = 1.0 / (theta ** (paddle.arange(0, half, dtype="float32") * 2.0 / head_dim))
         axes = None if t_slots is None else paddle.to_tensor(slot_axes(half, t_slots), place=place)
-        _FREQUENCIES[key] = paddle.to_tensor(inv_freq.astype(np.float32), place=place), axes
+        _FREQUENCIES[key] = inv_freq, axes
     return _FREQUENCIES[key]
 
 
