@@ -58,12 +58,17 @@ class StopWatch:
         """Why the run stops after this step (on every rank alike), or None. Called by every rank each step."""
         if not self.enabled:
             return None
-        if self.reason is None and os.getppid() != self.parent:
-            self.reason = "the process that started this one is gone"
+        self._check_parent()
         if self.env.world_size == 1:
             return self.reason
         flag = paddle.to_tensor([1.0 if self.reason else 0.0])
         dist.all_reduce(flag)  # over every rank of the job
         if float(flag) == 0:
             return None
+        # another rank may have seen a launcher this one shares die after this one looked: it is gone by now
+        self._check_parent()
         return self.reason or "another rank was told to stop"
+
+    def _check_parent(self) -> None:
+        if self.reason is None and os.getppid() != self.parent:
+            self.reason = "the process that started this one is gone"
