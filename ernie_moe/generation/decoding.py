@@ -159,10 +159,7 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
     done: list[Generated | None] = [None] * len(prompts)
     while True:
         raw = host_reads.read(model.plan.full_logits(logits[:, -1]).astype("float32"), "decoding")  # every row's
-        scores = raw.copy()  # what may be chosen; a log-probability is the model's, over the whole vocabulary
-        scores[:, list(never)] = -np.inf
-        if tokens is not None:
-            scores[:, tokens:] = -np.inf
+        scores = choosable(raw, never, tokens)  # a log-probability is the model's, over the whole vocabulary
         for row, out in enumerate(done):
             if out is None:
                 done[row] = _next(row, scores[row], raw[row], new[row], logps[row], decodings[row], rngs[row],
@@ -178,6 +175,16 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
             whole, padding = batch_inputs([_extended(p, ids) for p, ids in zip(prompts, new)], channels)
             logits = forward_cached(model, whole, KVCache(model.cfg.num_hidden_layers, padding))
         positions = [p + 1 if alive else p for p, alive in zip(positions, live)]
+
+
+def choosable(logits: np.ndarray, never: tuple[int, ...], tokens: int | None) -> np.ndarray:
+    """A copy of ``logits`` (read back, ``[..., vocab]``) with the ids that may not be chosen at -inf: ``never``,
+    and those from ``tokens`` on (ids the tokenizer cannot decode)."""
+    scores = logits.copy()
+    scores[..., list(never)] = -np.inf
+    if tokens is not None:
+        scores[..., tokens:] = -np.inf
+    return scores
 
 
 def _next(row: int, scores: np.ndarray, logits: np.ndarray, new: list[int],

@@ -31,7 +31,7 @@ from ..cli import DRAFT_TOKENS
 from ..data.packing import Encoded
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.mtp import MultiTokenPrediction
-from .decoding import NO_TOKEN, Decoding, Generated, batch_inputs, choose, nucleus, taken, tokens_inputs
+from .decoding import NO_TOKEN, Decoding, Generated, batch_inputs, choosable, choose, nucleus, taken, tokens_inputs
 from .kv_cache import KVCache, forward_cached
 
 
@@ -147,11 +147,7 @@ def generate_speculative(model, prompts: list[Encoded], decodings: list[Decoding
 
     def scored(logits: paddle.Tensor) -> np.ndarray:
         """Every row's logits, read back, with the tokens that may not be chosen at -inf."""
-        scores = host_reads.read(model.plan.full_logits(logits).astype("float32"), "decoding").copy()
-        scores[..., list(never)] = -np.inf
-        if tokens is not None:
-            scores[..., tokens:] = -np.inf
-        return scores
+        return choosable(host_reads.read(model.plan.full_logits(logits).astype("float32"), "decoding"), never, tokens)
 
     rows = _Rows(prompts, decodings, eos_id, model.cfg.max_position_embeddings, on_token)
     count = len(prompts)
