@@ -115,12 +115,7 @@ class _Rows:
             if not (self.take(row, token, position) and ok):
                 break
             kept += 1
-        else:  # every draft kept: the logits at the last give the next token
-            position += 1
-            token = choose(scores[kept], d.temperature, d.top_p, rng)
-            after.append(token)
-            self.take(row, token, position)
-        if len(after) == kept:  # stopped at the position limit before a check: the plain choice there
+        if len(after) == kept:  # every draft kept, or the position limit before a check: the logits there choose
             position += 1
             token = choose(scores[kept], d.temperature, d.top_p, rng)
             after.append(token)

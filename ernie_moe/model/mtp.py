@@ -51,24 +51,25 @@ class MultiTokenPrediction(nn.Layer):
         token_type_ids, position_ids, key_ends, embeddings = inputs[2:]
         outputs, previous = [hidden], self.plan.gather_sequence(hidden)
         for k in range(1, self.depths + 1):
-            x = paddle.concat([self.mtp_emb_norm[k - 1](ahead(embeddings, k)),
-                               self.mtp_hidden_norm[k - 1](previous)], axis=-1)
-            x = self.plan.split_sequence(self.mtp_linear_proj[k - 1](x))
+            x = self.plan.split_sequence(self.projected(k, ahead(embeddings, k), previous))
             x = self.mtp_block[k - 1]((x, router_loss, token_type_ids, ahead(position_ids, k), key_ends))[0]
             outputs.append(x)
             previous = self.plan.gather_sequence(x)
         return paddle.concat(outputs, axis=0), router_loss
 
+    def projected(self, depth: int, embeddings: paddle.Tensor, hidden: paddle.Tensor) -> paddle.Tensor:
+        """Depth ``depth``'s input: ``[embeddings, hidden]``, each normalised, projected to the model's width."""
+        x = paddle.concat([self.mtp_emb_norm[depth - 1](embeddings), self.mtp_hidden_norm[depth - 1](hidden)], axis=-1)
+        return self.mtp_linear_proj[depth - 1](x)
 
     def decode(self, hidden: paddle.Tensor, embeddings: paddle.Tensor, token_type_ids: paddle.Tensor,
                position_ids: paddle.Tensor, bounds, cache) -> paddle.Tensor:
         """Depth 1 over new positions, their keys and values joining ``cache`` (``generation.speculative``):
         ``hidden`` the last decoder layer's hidden states there, ``embeddings`` those of the tokens one ahead and
         ``position_ids`` their positions; returns the depth's hidden states (before the final norm)."""
-        x = paddle.concat([self.mtp_emb_norm[0](embeddings), self.mtp_hidden_norm[0](hidden)], axis=-1)
         block = self.mtp_block[0]
-        x, _ = block.body(self.mtp_linear_proj[0](x), token_type_ids, block.attention_inputs.angles(position_ids),
-                          bounds, cache)
+        x, _ = block.body(self.projected(1, embeddings, hidden), token_type_ids,
+                          block.attention_inputs.angles(position_ids), bounds, cache)
         return x
 
 
