@@ -106,8 +106,10 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
         shard, size = {}, 0
 
     names = model_names(source.names())
-    left_out = [n for n in names if form == TRANSFORMERS and n.startswith(MTP)]  # transformers has no MTP
-    names = [n for n in names if n not in left_out]
+    left_out = len(names)
+    if form == TRANSFORMERS:  # transformers' ERNIE-4.5-VL has no multi-token prediction layers
+        names = [n for n in names if not n.startswith(MTP)]
+    left_out -= len(names)
     if model_type != VL and not any(n.startswith("model.mtp") for n in names):
         config["num_nextn_predict_layers"] = 0  # PaddleFormers would otherwise expect multi-token-prediction weights
     if cfg.tie_word_embeddings and "lm_head.weight" in names:
@@ -137,7 +139,7 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
             shutil.copy(Path(source_dir) / filename, out / filename)
     if saved is not None:
         (out / PROCESSOR_FILE).write_text(json.dumps(for_library(saved, form == TRANSFORMERS), indent=2))
-    return {"tensors": len(weight_map), "shards": len(shards), "bytes": total, "left_out": len(left_out)}
+    return {"tensors": len(weight_map), "shards": len(shards), "bytes": total, "left_out": left_out}
 
 
 def ema_of(checkpoint_dir) -> IndexedTensors:
