@@ -49,7 +49,6 @@ LAYOUTS = {
     "tp2": (2, 1, [TP2], []),
     "tp2_sp": (2, 1, [TP2, "parallel.sequence_parallel=true", "parallel.moe_group=mp"], []),
     "tp2_moe_mp": (2, 1, [TP2, "parallel.moe_group=mp"], []),
-    "sharding2": (2, 2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage1"], []),
     "ep2": (2, 2, ["parallel.expert_parallel_degree=2"], []),
     # the overlapped gradient sync skips the first micro-batch's backward and syncs the sum in the second's
     "ep2_accumulate": (2, 2, ["parallel.expert_parallel_degree=2"], ACCUMULATE),
@@ -82,11 +81,12 @@ LAYOUTS = {
     "tp2_pp2_moe_mp_sp_chunked_loss": (4, 1, [TP2, PP2, "parallel.moe_group=mp", "parallel.sequence_parallel=true",
                                               "training.loss_subbatch_seqlen=16"], ACCUMULATE),
     # multi-token prediction: its projection over whole sequences under sequence parallelism (recomputed), its
-    # layer and loss on the last pipeline stage (the embeddings carried there), beside expert parallelism, and
-    # trained alone over the frozen model
+    # layer and loss on the last pipeline stage (the embeddings carried there), beside expert parallelism, its
+    # optimizer states sharded, and trained alone over the frozen model
     "tp2_sp_recompute_mtp": (2, 1, [TP2, "parallel.sequence_parallel=true", "parallel.moe_group=mp", RECOMPUTE], MTP),
     "pp2_mtp": (2, 1, [PP2], ACCUMULATE + MTP),
     "ep2_mtp": (2, 2, ["parallel.expert_parallel_degree=2"], MTP),
+    "sharding2_mtp": (2, 2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage1"], MTP),
     "dp2_mtp_only": (2, 2, [], MTP_ONLY),
 }
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, launch
 from safetensors.numpy import load_file
 from test_e2e import load_model, records
-from test_layouts import ACCUMULATE, PP2, TP2
+from test_layouts import ACCUMULATE, MTP, PP2, TP2
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -27,12 +27,16 @@ SP = "parallel.sequence_parallel=true"
 EP2 = "parallel.expert_parallel_degree=2"
 # the base held in 8 or 4 bits (groups of 16 input rows: inside every row-parallel slice of the default model)
 WINT8, WINT4 = ["training.quantize_base=wint8"], ["training.quantize_base=wint4", "training.quantize_group_size=16"]
+LORA_ON_MTP = ["training.mtp_init=last_layer",
+               "training.lora_targets=[attention,mlp,shared_experts,text_experts,vision_experts,mtp]"]
 LAYOUTS = {
     "dp2": (2, 2, [], []),
     "tp2": (2, 1, [TP2], []),
     "tp2_moe_mp": (2, 1, [TP2, "parallel.moe_group=mp"], []),
     "ep2": (2, 2, [EP2], []),
-    "pp2": (2, 1, [PP2], ACCUMULATE),
+    # a multi-token prediction depth on the last stage, which the base lacks: copied from its last layers, and
+    # adapted with the rest
+    "pp2_mtp": (2, 1, [PP2], ACCUMULATE + MTP + LORA_ON_MTP),
     "tp2_pp2": (4, 1, [TP2, PP2], ACCUMULATE),
     # the layout configs/ernie45_vl_28b_a3b_lora.yaml uses: sequence parallelism, optimizer sharding
     "sharding2_tp2_sp": (4, 2, [TP2, SP, "parallel.moe_group=mp", "parallel.sharding_parallel_degree=2",
@@ -88,14 +92,16 @@ def test_lora_layout_matches_one_process(tmp_path, base, reference, layout):
     many, log = launch(tmp_path, nproc, *COMMON, f"training.model_name_or_path={base}", *shared, *overrides,
                        f"training.per_device_train_batch_size={ROWS // data_ranks}", name=layout)
     # the whole model's adapted layers, however many ranks hold each: 2 x attention (2), the dense MLP (2), the
-    # shared expert (2) and 8 routed experts (2 each)
-    assert "LoRA on 24 linear layers" in log
+    # shared expert (2) and 8 routed experts (2 each); an MTP depth's projection, attention (2) and MLP (2)
+    mtp = LORA_ON_MTP[-1] in shared
+    assert f"LoRA on {29 if mtp else 24} linear layers" in log
     train = [[r for r in records(out) if "loss" in r] for out in (one, many)]
     assert len(train[1]) == STEPS
     for key in ("loss", "aux_loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in train[1]], [r[key] for r in train[0]], rtol=1e-4, err_msg=key)
     a, b = adapter(one / "final_model"), adapter(many / "final_model")
     assert set(a) == set(b) and all(k.endswith((".lora_A", ".lora_B")) for k in a)
+    assert any(k.startswith("model.mtp_") for k in a) == mtp
     assert any(np.abs(v).max() > 0 for k, v in a.items() if k.endswith(".lora_B"))  # it trained
     for name in a:
         # the full-model layouts' bound (test_layouts): after 5 AdamW steps, an element whose gradient nearly
