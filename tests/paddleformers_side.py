@@ -21,6 +21,8 @@ libraries the rest of the suite uses).
                                                     # and the LoRA tensors it holds as OUT/lora_state.npz
     python paddleformers_side.py vl_mtp DIR OUT PROCESSED...  # the VL model's multi-token prediction on `process`
                                                     # outputs: each depth's logits (OUT/<stem>_mtp.npy) and loss
+    python paddleformers_side.py vl_mtp_lora DIR ADAPTER OUT PROCESSED...  # the same with LoRAModel.from_pretrained,
+                                                    # and the LoRA tensors it holds as OUT/lora_state.npz
     python paddleformers_side.py dpo DIR PAIRS OUT  # the dense model's logits of each side, laid out as its DPO
                                                     # data lays a pair out, through its DPOCriterion
 """
@@ -248,19 +250,26 @@ def vl_logits(directory, out, *processed, adapter=None):
 
     paddleformers_cpu.install()
     _, model_cls, _ = classes("vl")
-    model = model_cls.from_pretrained(directory, convert_from_hf=True, router_aux_loss_coef=0.0)
-    if adapter is not None:
-        from paddleformers.peft import LoRAModel
-
-        model = LoRAModel.from_pretrained(model, adapter)
-        state = model.get_trainable_state_dict()
-        np.savez(Path(out) / "lora_state.npz", **{k: v.astype("float32").numpy() for k, v in state.items()})
+    model = _with_adapter(model_cls.from_pretrained(directory, convert_from_hf=True, router_aux_loss_coef=0.0),
+                          adapter, out)
     model.eval()
     image_processor = Ernie4_5_VLImageProcessor()
     mean, std = (np.asarray(v, np.float32)[None, :, None] for v in (image_processor.image_mean,
                                                                     image_processor.image_std))
     for path in processed:
         np.save(Path(out) / f"{Path(path).stem}.npy", _vl_logits(model, np.load(path), image_processor, mean, std))
+
+
+def _with_adapter(model, adapter, out):
+    """``model``, or with ``adapter`` the model ``LoRAModel.from_pretrained`` makes of it (its layers adapted in
+    place), whose LoRA tensors go to OUT/lora_state.npz."""
+    if adapter is None:
+        return model
+    from paddleformers.peft import LoRAModel
+
+    state = LoRAModel.from_pretrained(model, adapter).get_trainable_state_dict()
+    np.savez(Path(out) / "lora_state.npz", **{k: v.astype("float32").numpy() for k, v in state.items()})
+    return model
 
 
 def _vl_logits(model, data, image_processor, mean, std):
@@ -277,7 +286,7 @@ def _vl_logits(model, data, image_processor, mean, std):
     return result.logits.astype("float32").numpy()
 
 
-def vl_mtp(directory, out, *processed):
+def vl_mtp(directory, out, *processed, adapter=None):
     """The multi-token prediction of ``Ernie4_5_VLMoeForConditionalGeneration`` (a folder with
     ``num_nextn_predict_layers``) on the processor's output for each conversation: its decoder runs the first
     S - depths tokens and each depth the tokens after them, as PaddleFormers trains MTP. Each depth's logits go to
@@ -285,14 +294,16 @@ def vl_mtp(directory, out, *processed):
     (the mean cross-entropy of its labels), to OUT/<stem>_mtp.json. The VL model's forward does not pass on the
     packing offsets its decoder asks for with MTP (zeros: one document), hands its decoder the token types of the
     whole sequence where its layers route the shortened one, and does not return the depths' hidden states: all
-    three are done here around its decoder."""
+    three are done here around its decoder. With ``adapter``, through ``LoRAModel.from_pretrained`` (see
+    :func:`vl_logits`)."""
     import paddleformers_cpu
     from paddleformers.transformers.ernie4_5_moe_vl.image_processor import Ernie4_5_VLImageProcessor
     from paddleformers.transformers.ernie4_5_moe_vl.model.modeling_moe import ErniePretrainingCriterionBase
 
     paddleformers_cpu.install()
     _, model_cls, _ = classes("vl")
-    model = model_cls.from_pretrained(directory, convert_from_hf=True, router_aux_loss_coef=0.0)
+    model = _with_adapter(model_cls.from_pretrained(directory, convert_from_hf=True, router_aux_loss_coef=0.0),
+                          adapter, out)
     model.eval()
     depths = model.config.num_nextn_predict_layers
     seen = []
@@ -396,4 +407,5 @@ if __name__ == "__main__":
      "lora_dump": lora_dump, "image": image, "prepared": prepared, "process": process,
      "pieces": pieces,
      "frames": frames, "timestamps": timestamps, "vl_logits": vl_logits, "vl_mtp": vl_mtp, "dpo": dpo,
-     "vl_lora": lambda base, adapter, out, *cases: vl_logits(base, out, *cases, adapter=adapter)}[command](*args)
+     "vl_lora": lambda base, adapter, out, *cases: vl_logits(base, out, *cases, adapter=adapter),
+     "vl_mtp_lora": lambda base, adapter, out, *cases: vl_mtp(base, out, *cases, adapter=adapter)}[command](*args)

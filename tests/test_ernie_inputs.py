@@ -299,6 +299,15 @@ def one_row_batch(sample, bfloat16_pixels: bool = True, labelled: bool = False) 
     return Batch(ids, labels, types, positions, paddle.full_like(ids, ids.shape[1]), pixels, grids)
 
 
+def mtp_logits(model, batch: Batch) -> np.ndarray:
+    """The logits of a batch's rows, then each MTP depth's: ``[(1 + depths) x rows, seq, vocab]``."""
+    with paddle.no_grad():
+        x = block_inputs(batch)
+        for block in model.trunk():
+            x = block(x)
+        return model.head(x[0]).numpy()
+
+
 @pytest.mark.slow
 def test_vl_multi_token_prediction_equals_paddleformers(ernie_side, tmp_path):
     """Two MTP depths on a checkpoint PaddleFormers made: on text, an image, and an image with a video, each depth's
@@ -318,11 +327,8 @@ def test_vl_multi_token_prediction_equals_paddleformers(ernie_side, tmp_path):
     data = JsonlDataset(str(folder / "data.jsonl"))
     for n in cases:
         batch = one_row_batch(encoder(data[n]), labelled=True)
+        logits = mtp_logits(model, batch)
         with paddle.no_grad():
-            x = block_inputs(batch)
-            for block in model.trunk():
-                x = block(x)
-            logits = model.head(x[0]).numpy()  # the rows of the batch, then each depth's
             out = model(batch)
         length = batch.input_ids.shape[1] - depths
         theirs = np.load(tmp_path / f"{n}_mtp.npy")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 from PIL import Image
-from test_ernie_inputs import BUDGET, VL_MODEL, ernie_config, make_ernie_tokenizer, vl_logits
+from test_ernie_inputs import BUDGET, VL_MODEL, ernie_config, make_ernie_tokenizer, mtp_logits, one_row_batch, vl_logits
 from test_ernie_inputs import ernie_side as conversations  # noqa: F401 (a fixture)
 from test_pretrained import paddleformers
 
@@ -52,12 +52,15 @@ def fine_tune(base, folder, out, *overrides):
     return out / "final_model"
 
 
+def conversation_encoder(model_cfg, folder) -> Encoder:
+    cfg = ernie_config(folder, *(f"data.{k}={v}" for k, v in BUDGET.items()))
+    return Encoder(build_tokenizer(cfg), model_cfg, 4096, "skip", 448, Counter(), cfg.data.pixel_budget,
+                   cfg.data.video_budget)
+
+
 def our_logits(model_dir, folder) -> dict[int, np.ndarray]:
     loaded = load_model_folder(model_dir, need_tokenizer=False)
-    cfg = ernie_config(folder, *(f"data.{k}={v}" for k, v in BUDGET.items()))
-    encoder = Encoder(build_tokenizer(cfg), loaded.cfg, 4096, "skip", 448, Counter(), cfg.data.pixel_budget,
-                      cfg.data.video_budget)
-    data = JsonlDataset(str(folder / "data.jsonl"))
+    encoder, data = conversation_encoder(loaded.cfg, folder), JsonlDataset(str(folder / "data.jsonl"))
     return {n: vl_logits(loaded.model, encoder(data[n])) for n in CASES}
 
 
@@ -98,6 +101,42 @@ def test_paddleformers_lora_model_reads_every_pair_of_a_vl_adapter(published, tm
     for n in CASES:
         assert np.abs(ours[n] - base[n]).max() > 1e-3  # the adapter changes the model
         np.testing.assert_allclose(ours[n], np.load(tmp_path / f"{n}.npy"), rtol=0, atol=1e-4, err_msg=f"case {n}")
+
+
+@pytest.mark.slow
+def test_paddleformers_lora_model_reads_the_pairs_of_an_mtp_depth(conversations, tmp_path):  # noqa: F811
+    """A LoRA run over a VL checkpoint PaddleFormers made with an MTP depth, the depth adapted too (``mtp``):
+    LoRAModel.from_pretrained holds exactly the adapter's tensors, the depth's among them, and through it the
+    depth's logits equal ours on text, an image, and an image with a video."""
+    folder, _ = conversations
+    cases = [0, 1, 6]
+    placeholder = build_tokenizer(ernie_config(folder)).placeholder_id()
+    made = dict(VL_MODEL, im_patch_id=placeholder, num_nextn_predict_layers=1, moe_layer_start_index=2)
+    paddleformers("make", "vl", tmp_path / "model", json.dumps(made), cwd=tmp_path)
+    base = tmp_path / "model" / "hf"
+    adapter = fine_tune(base, folder, tmp_path / "run", "training.fine_tuning=lora",
+                        "training.lora_targets=[attention,mlp,shared_experts,text_experts,vision_experts,mtp]")
+    paddleformers("vl_mtp_lora", base, adapter, tmp_path, *(folder / "out" / f"{n}.npz" for n in cases),
+                  cwd=tmp_path)
+    theirs = dict(np.load(tmp_path / "lora_state.npz"))
+    _, written = read_adapter(adapter)
+    assert set(theirs) == set(written)
+    assert {k.rsplit(".", 1)[0] for k in theirs if k.startswith("model.mtp_")} == {
+        "model.mtp_linear_proj.0", *(f"model.mtp_block.0.{m}" for m in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj"))}
+    for name, value in written.items():
+        np.testing.assert_array_equal(theirs[name], value, err_msg=name)
+    model, base_model = (load_model_folder(path, need_tokenizer=False).model for path in (adapter, base))
+    model.train(), base_model.train()  # the depths run in training
+    encoder, data = conversation_encoder(model.cfg, folder), JsonlDataset(str(folder / "data.jsonl"))
+    for n in cases:
+        batch = one_row_batch(encoder(data[n]), labelled=True)
+        ours, before = mtp_logits(model, batch)[1], mtp_logits(base_model, batch)[1]
+        length = batch.input_ids.shape[1] - 1
+        assert np.abs(ours - before).max() > 1e-3  # the adapter changes the depth
+        np.testing.assert_allclose(ours[:length], np.load(tmp_path / f"{n}_mtp.npy")[0], rtol=0, atol=1e-4,
+                                   err_msg=f"conversation {n}")
 
 
 # under, at and over a small pixel budget; tall, wide, 2000+ px, below the minimum
