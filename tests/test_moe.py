@@ -258,6 +258,20 @@ def test_correction_bias_update_rule():
     assert bias[1, 3] == 0.0  # padding slot of the smaller vision group stays untouched
 
 
+def test_outside_training_the_layer_routes_alike_without_router_losses():
+    """Evaluation and decoding mix the experts as training does (dropless here) but skip the router losses, which
+    only train the routers, and record no statistics."""
+    layer, _ = make_layer("model.moe_use_aux_free=true")
+    x, types = (paddle.to_tensor(a) for a in inputs())
+    trained, loss = layer(x, types)
+    layer.stats.pop_window()
+    layer.eval()
+    evaluated, no_loss = layer(x, types)
+    np.testing.assert_array_equal(evaluated.numpy(), trained.numpy())
+    assert float(loss) > 0 and float(no_loss) == 0
+    assert not any(np.any(v) for v in layer.stats.pop_window().values())
+
+
 def test_capacity_formula():
     layer, _ = make_layer("model.moe_capacity=[1.5, 2.0, 8.0]")
     assert layer._capacity(100, 4) == int(1.5 * 100 // 4)

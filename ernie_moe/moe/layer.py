@@ -119,7 +119,8 @@ class MoELayer(nn.Layer):
 
     def _route(self, flat: paddle.Tensor, tokens: list[paddle.Tensor], routes: paddle.Tensor | None):
         """Each group's tokens through its router: ((token rows, global expert ids, weights) of every routed
-        token, the weighted router loss). Losses and statistics are recorded once, not again in a recompute."""
+        token, the weighted router loss: zero outside training). Losses and statistics are recorded once, not again
+        in a recompute."""
         k = self.gate.k
         routed = [(paddle.zeros([0], dtype="int64"), paddle.zeros([0, k], dtype="int64"),
                    paddle.zeros([0, k], dtype="float32"))]
@@ -128,9 +129,9 @@ class MoELayer(nn.Layer):
         reduce = self.reduce_router_stats if self.training else None
         for g, token_index in enumerate(tokens):
             if token_index.shape[0] == 0 and reduce is None:
-                # The orthogonal loss needs no token; it also keeps this router in the backward pass.
-                weight = self.loss_weights[g]["orthogonal_loss"]
-                router_loss = router_loss + weight * orthogonal_loss(self.gate.weight_of(g))
+                if self.training:  # the orthogonal loss needs no token; it also keeps this router in the backward
+                    weight = self.loss_weights[g]["orthogonal_loss"]
+                    router_loss = router_loss + weight * orthogonal_loss(self.gate.weight_of(g))
                 continue
             routing = None
             if token_index.shape[0]:
@@ -139,10 +140,12 @@ class MoELayer(nn.Layer):
                     bias = self.moe_statics.e_score_correction_bias[g, : self.router_counts[g]]
                 routing = self.gate(flat, token_index, g, bias, self._replayed(routes, token_index, g))
                 routed.append((token_index, routing.expert_ids + self.expert_offsets[g], routing.weights))
+            if not self.training:  # the losses train the routers: evaluation and decoding only route
+                continue
             group_losses = self.gate.losses(routing, g, reduce)
             for name, value in group_losses.items():
                 router_loss = router_loss + self.loss_weights[g][name] * value
-            if self.training and not replaying():  # a group without tokens gets here only in training
+            if not replaying():
                 self.stats.record_losses(g, group_losses)
         token_index, expert_ids, weights = (paddle.concat(list(part)) for part in zip(*routed))
         return (token_index, expert_ids, weights), router_loss
