@@ -176,12 +176,29 @@ def test_capacity_of_a_batch_with_images_is_paddleformers(training):
     for types in ([0] * 24, [0] * 20 + [1] * 4, [1] * 20 + [2] * 2 + [0] * 2, [0, 1, 1], [0] * 3):
         t = paddle.to_tensor([types])
         tokens = [layer._tokens_of(t.flatten(), m) for m in layer.group_modality]
-        got = layer._capacities(tokens).numpy()
+        got = np.array(layer._capacities(tokens))
         want = paddleformers_capacity([1.0, 1.5, 4.0], training, types, [4, 3])
         if any(v >= 1 for v in types):
             np.testing.assert_array_equal(got, [want] * 7, err_msg=str(types))
         else:  # the vision experts get no token; their capacity is their own group's
             np.testing.assert_array_equal(got[:4], [want] * 4, err_msg=str(types))
+
+
+def test_a_capacity_that_cannot_drop_a_choice_is_not_applied():
+    """An expert gets at most one row per token of its group: capacities that large (here 3 of 3 text tokens, 8 of 8
+    tokens) are not applied, and applying them would give the same output; smaller ones apply."""
+    layer, _ = make_layer("model.moe_capacity=[1.0, 1.5, 4.0]")
+    layer.eval()
+    for types, applied in (([0] * 3, False), ([0, 1, 1], True), ([0] * 8, True)):
+        t = paddle.to_tensor([types])
+        tokens = [layer._tokens_of(t.flatten(), m) for m in layer.group_modality]
+        assert (layer._limits(tokens) is not None) == applied, types
+    layer.capacity_factors = [8.0, 8.0, 8.0]
+    x, types = (paddle.to_tensor(a) for a in inputs(n=8))
+    assert layer._limits([layer._tokens_of(types.flatten(), m) for m in layer.group_modality]) is None
+    skipped, _ = layer(x, types)
+    layer._limits = lambda tokens: paddle.to_tensor(layer._capacities(tokens), dtype="int64")  # applied anyway
+    np.testing.assert_allclose(layer(x, types)[0].numpy(), skipped.numpy(), rtol=0, atol=1e-6)
 
 
 def test_a_dropped_choice_leaves_the_kept_ones_renormalised():

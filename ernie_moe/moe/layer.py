@@ -94,7 +94,7 @@ class MoELayer(nn.Layer):
         keep = None if routes is None else paddle.gather(routes, token_index) != DROPPED
         # Dispatch even without routed tokens: expert-parallel ranks exchange rows in every layer.
         rows, counts, state = self.dispatcher.dispatch(flat, token_index, expert_ids, weights, self.num_experts,
-                                                       None if keep is not None else self._capacities(tokens), keep)
+                                                       None if keep is not None else self._limits(tokens), keep)
         if self.routes_out is not None and not replaying():
             self.routes_out.append(record_of(state.kept_pairs, token_index, expert_ids, flat.shape[0]))
         expert_rows, idle_zero = self.experts(rows, counts)
@@ -157,17 +157,26 @@ class MoELayer(nn.Layer):
         ids = paddle.gather(routes, token_index)
         return paddle.where(ids >= 0, ids - self.expert_offsets[group], ids)
 
-    def _capacities(self, tokens: list[paddle.Tensor]) -> paddle.Tensor | None:
-        """Each expert's capacity for this batch ([experts]), or None when dropless. PaddleFormers' rule: a batch
-        with image or video tokens gives every expert ``int(factor * all tokens // all experts)``; otherwise each
-        group's experts share its own tokens."""
+    def _limits(self, tokens: list[paddle.Tensor]) -> paddle.Tensor | None:
+        """The capacities ``[experts]`` where one can drop a choice, else None (dropless): a token chooses an
+        expert at most once, so a capacity of its group's token count or more keeps every choice, as decoding's
+        few tokens and large factors (a published model's 64) always do."""
+        capacities = self._capacities(tokens)
+        group_tokens = [t.shape[0] for t, n in zip(tokens, self.router_counts) for _ in range(n)]
+        if capacities is None or all(c >= n for c, n in zip(capacities, group_tokens)):
+            return None
+        return paddle.to_tensor(capacities, dtype="int64")
+
+    def _capacities(self, tokens: list[paddle.Tensor]) -> list[int] | None:
+        """Each expert's capacity for this batch, or None when dropless. PaddleFormers' rule: a batch with image or
+        video tokens gives every expert ``int(factor * all tokens // all experts)``; otherwise each group's experts
+        share its own tokens."""
         if not self.capacity_factors and not (self.training and self.training_capacity):
             return None
         if self.group_modality == [TEXT, VISION] and tokens[1].shape[0]:
             total = sum(t.shape[0] for t in tokens)
-            return paddle.full([self.num_experts], self._capacity(total, self.num_experts), dtype="int64")
-        per_expert = [self._capacity(t.shape[0], n) for t, n in zip(tokens, self.router_counts) for _ in range(n)]
-        return paddle.to_tensor(per_expert, dtype="int64")
+            return [self._capacity(total, self.num_experts)] * self.num_experts
+        return [self._capacity(t.shape[0], n) for t, n in zip(tokens, self.router_counts) for _ in range(n)]
 
     @staticmethod
     def _tokens_of(types: paddle.Tensor, modality: int | None) -> paddle.Tensor:
