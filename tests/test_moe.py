@@ -185,8 +185,8 @@ def test_capacity_of_a_batch_with_images_is_paddleformers(training):
 
 
 def test_a_capacity_that_cannot_drop_a_choice_is_not_applied():
-    """An expert gets at most one row per token of its group: capacities that large (here 3 of 3 text tokens, 8 of 8
-    tokens) are not applied, and applying them would give the same output; smaller ones apply."""
+    """An expert gets at most one row per token of its group: capacities that large (3 for 3 text tokens; 9 for a
+    batch of 8) are not applied, and applying them would give the same output; smaller ones apply."""
     layer, _ = make_layer("model.moe_capacity=[1.0, 1.5, 4.0]")
     layer.eval()
     for types, applied in (([0] * 3, False), ([0, 1, 1], True), ([0] * 8, True)):

@@ -159,8 +159,8 @@ class MoELayer(nn.Layer):
 
     def _limits(self, tokens: list[paddle.Tensor]) -> paddle.Tensor | None:
         """The capacities ``[experts]`` where one can drop a choice, else None (dropless): a token chooses an
-        expert at most once, so a capacity of its group's token count or more keeps every choice, as decoding's
-        few tokens and large factors (a published model's 64) always do."""
+        expert at most once, so a capacity of its group's token count or more keeps every choice: decoding's few
+        tokens, and a factor of at least the expert count, always have one."""
         capacities = self._capacities(tokens)
         group_tokens = [t.shape[0] for t, n in zip(tokens, self.router_counts) for _ in range(n)]
         if capacities is None or all(c >= n for c, n in zip(capacities, group_tokens)):
