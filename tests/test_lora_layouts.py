@@ -1,6 +1,7 @@
 """LoRA runs in every kind of layout against one process, resumed, resumed into another layout, merged.
 
-The base model is a one-step run of the default config (a complete model folder with its tokenizer); each
+The base model is a one-step run of the default config (a complete model folder with its tokenizer; with a
+multi-token prediction depth for the layout that adapts one); each
 LoRA run trains the default targets on it for 5 steps in float32, on the base as loaded or held in 8 or 4 bits
 (``training.quantize_base``, against one process holding it so).
 """
@@ -17,6 +18,8 @@ from safetensors.numpy import load_file
 from test_e2e import load_model, records
 from test_layouts import ACCUMULATE, MTP, PP2, TP2
 
+from ernie_moe.generation.model_folder import load_model_folder
+
 pytestmark = pytest.mark.slow  # starts processes
 
 STEPS, ROWS = 5, 4
@@ -27,15 +30,13 @@ SP = "parallel.sequence_parallel=true"
 EP2 = "parallel.expert_parallel_degree=2"
 # the base held in 8 or 4 bits (groups of 16 input rows: inside every row-parallel slice of the default model)
 WINT8, WINT4 = ["training.quantize_base=wint8"], ["training.quantize_base=wint4", "training.quantize_group_size=16"]
-LORA_ON_MTP = ["training.mtp_init=last_layer",
-               "training.lora_targets=[attention,mlp,shared_experts,text_experts,vision_experts,mtp]"]
+LORA_ON_MTP = ["training.lora_targets=[attention,mlp,shared_experts,text_experts,vision_experts,mtp]"]
 LAYOUTS = {
     "dp2": (2, 2, [], []),
     "tp2": (2, 1, [TP2], []),
     "tp2_moe_mp": (2, 1, [TP2, "parallel.moe_group=mp"], []),
     "ep2": (2, 2, [EP2], []),
-    # a multi-token prediction depth on the last stage, which the base lacks: copied from its last layers, and
-    # adapted with the rest
+    # a base with a multi-token prediction depth (mtp_base), adapted with the rest on the last stage
     "pp2_mtp": (2, 1, [PP2], ACCUMULATE + MTP + LORA_ON_MTP),
     "tp2_pp2": (4, 1, [TP2, PP2], ACCUMULATE),
     # the layout configs/ernie45_vl_28b_a3b_lora.yaml uses: sequence parallelism, optimizer sharding
@@ -49,24 +50,33 @@ LAYOUTS = {
 }
 
 
+def one_step_model(tmp_path_factory, *overrides):
+    out, _ = launch(tmp_path_factory.mktemp("base"), 1, "training.max_steps=1", "training.eval_steps=0", *overrides,
+                    name="base")
+    return out / "final_model"
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("base")
-    out, _ = launch(tmp, 1, "training.max_steps=1", "training.eval_steps=0", name="base")
-    return out / "final_model"
+    return one_step_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mtp_base(tmp_path_factory):
+    return one_step_model(tmp_path_factory, *MTP)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, base):
     runs = {}
 
-    def get(shared: list[str]):
-        if tuple(shared) not in runs:
+    def get(shared: list[str], base_dir=base):
+        key = (tuple(shared), str(base_dir))
+        if key not in runs:
             tmp = tmp_path_factory.mktemp("one")
-            runs[tuple(shared)], _ = launch(tmp, 1, *COMMON, f"training.model_name_or_path={base}", *shared,
-                                            f"training.per_device_train_batch_size={ROWS}", "training.save_steps=3",
-                                            name="one")
-        return runs[tuple(shared)]
+            runs[key], _ = launch(tmp, 1, *COMMON, f"training.model_name_or_path={base_dir}", *shared,
+                                  f"training.per_device_train_batch_size={ROWS}", "training.save_steps=3", name="one")
+        return runs[key]
 
     return get
 
@@ -86,14 +96,15 @@ def module_of(hf_name: str) -> str:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_lora_layout_matches_one_process(tmp_path, base, reference, layout):
+def test_lora_layout_matches_one_process(tmp_path, request, reference, layout):
     nproc, data_ranks, overrides, shared = LAYOUTS[layout]
-    one = reference(shared)
+    mtp = LORA_ON_MTP[-1] in shared
+    base = request.getfixturevalue("mtp_base" if mtp else "base")
+    one = reference(shared, base)
     many, log = launch(tmp_path, nproc, *COMMON, f"training.model_name_or_path={base}", *shared, *overrides,
                        f"training.per_device_train_batch_size={ROWS // data_ranks}", name=layout)
     # the whole model's adapted layers, however many ranks hold each: 2 x attention (2), the dense MLP (2), the
     # shared expert (2) and 8 routed experts (2 each); an MTP depth's projection, attention (2) and MLP (2)
-    mtp = LORA_ON_MTP[-1] in shared
     assert f"LoRA on {29 if mtp else 24} linear layers" in log
     train = [[r for r in records(out) if "loss" in r] for out in (one, many)]
     assert len(train[1]) == STEPS
@@ -107,6 +118,8 @@ def test_lora_layout_matches_one_process(tmp_path, base, reference, layout):
         # the full-model layouts' bound (test_layouts): after 5 AdamW steps, an element whose gradient nearly
         # cancels carries the float32 summation order of its layout (one of 1024 differed by 2.2e-6 at tp2 x pp2)
         np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    if mtp:  # the adapter loads over its base, depth and all, as generate and the chat load it
+        assert load_model_folder(many / "final_model").cfg.num_nextn_predict_layers == 1
 
 
 def test_a_lora_checkpoint_holds_the_pairs_and_resumes_exactly_in_another_layout(tmp_path, base, reference):

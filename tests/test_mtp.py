@@ -10,7 +10,7 @@ from conftest import ROOT
 from ernie_moe.batch import IGNORE_INDEX, HostCounts
 from ernie_moe.checkpoint.model_files import save_model
 from ernie_moe.checkpoint.pretrained import load_pretrained
-from ernie_moe.config import load_config
+from ernie_moe.config import ConfigError, load_config
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.model.mtp import labels_ahead
 from ernie_moe.monitor.monitor import mtp_metrics
@@ -80,7 +80,8 @@ def test_a_step_weighs_each_depth_by_lambda_over_its_labels(tmp_path, chunk):
 
 def test_mtp_layers_start_from_the_last_layer_of_a_model_without_them(tmp_path):
     """training.mtp_init last_layer: each depth's attention and norms are the last decoder layer's, its MLP the last
-    dense layer's, reported as copied; the projection and its norms start as drawn. By default they are new."""
+    dense layer's, reported as copied; the projection and its norms start as drawn. By default they are new. A LoRA
+    run, whose adapter holds only its pairs, refuses to start them (the adapter could not be loaded with them)."""
     cfg = load_config(ROOT / "configs" / "vl_moe.yaml", ["model.num_hidden_layers=3", "model.moe_layer_start_index=2"])
     paddle.seed(1)
     plain = ErnieMoEForConditionalGeneration(cfg.model)
@@ -103,3 +104,11 @@ def test_mtp_layers_start_from_the_last_layer_of_a_model_without_them(tmp_path):
                                           source[f"model.layers.1.mlp.{part}.weight"])
     scratch = load_pretrained(ErnieMoEForConditionalGeneration(with_mtp.model), tmp_path / "plain")
     assert scratch["copied"] == [] and len(scratch["new"]) == 2 * 9
+    for init in ("scratch", "last_layer"):
+        lora = load_config(ROOT / "configs" / "vl_moe.yaml", [
+            "model.num_hidden_layers=3", "model.moe_layer_start_index=2", *TWO_DEPTHS[2:], *SMALL,
+            f"training.model_name_or_path={tmp_path / 'plain'}", "training.fine_tuning=lora",
+            "training.lora_targets=[attention,mtp]", f"training.mtp_init={init}",
+            f"training.output_dir={tmp_path / init}"])
+        with pytest.raises(ConfigError, match="has no multi-token prediction depths"):
+            Trainer(lora)

@@ -353,7 +353,8 @@ class TrainingConfig:
     mtp_init: str = choice("scratch", "scratch", "last_layer",
                            doc="multi-token prediction layers that model_name_or_path lacks: drawn at random, or "
                                "each depth's attention and norms copied from the last decoder layer and its MLP from "
-                               "the last dense layer (the projection and its two norms start as drawn)")
+                               "the last dense layer (the projection and its two norms start as drawn); full runs "
+                               "only: a LoRA adapter could not be loaded over depths its base lacks")
     stage: str = choice("sft", "sft", "dpo", "grpo",
                         doc="what the run learns from: supervised answers, preference pairs (a prompt with a chosen "
                             "and a rejected answer; see dpo_*), or answers the model samples to prompts, scored by "

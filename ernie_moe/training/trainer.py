@@ -542,6 +542,15 @@ class Trainer:
 
     def _initialise_from(self, model, directory: str) -> None:
         report = load_pretrained(model, directory, self.env, mtp_init=self.cfg.training.mtp_init)
+        drawn = [name for name in report["new"] + report["copied"] if name.startswith("model.mtp_")]
+        if drawn and self.cfg.training.fine_tuning == "lora":
+            # an adapter holds its pairs only: loaded later, its base would lack the depths it was trained over
+            raise ConfigError(
+                f"training.fine_tuning=lora keeps the base's weights, and {directory} has no multi-token prediction "
+                f"depths (model.num_nextn_predict_layers={self.cfg.model.num_nextn_predict_layers}; e.g. {drawn[0]}): "
+                "an adapter over depths this run starts could not be loaded with them. Add the depths first with a "
+                "full run that trains them alone (training.freeze=[vision,adapter,lm]), then LoRA from its final "
+                "model; or set model.num_nextn_predict_layers=0")
         if self.env.is_main:
             print(format_report(report), flush=True)
             out = Path(self.cfg.training.output_dir)
