@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +17,25 @@ cpu_fallbacks.use_avx2_math_on_amd()  # the trainer's math path, here and in eve
 SMALL = ["data.image_size=56", "data.max_seq_len=48", "data.num_eval_samples=32", "logging.progress_bar=false"]
 
 
+# Paddle's launcher picks a free port for its TCP store and binds it later: on a busy machine another process can
+# take the port in between, and Paddle then aborts in libuv's cleanup with this message. Such a start runs again.
+PORT_TAKEN = "uv__finish_close"
+
+
 def launch(tmp_path, nproc, *overrides, name="run"):
     """``run_trainer.py`` on the default config under ``paddle.distributed.launch``: (output folder, log)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    out = tmp_path / name
+    out, logs = tmp_path / name, tmp_path / f"{name}_log"
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
-           "--log_dir", str(tmp_path / f"{name}_log"), str(ROOT / "run_trainer.py"),
+           "--log_dir", str(logs), str(ROOT / "run_trainer.py"),
            "--config", str(ROOT / "configs" / "vl_moe.yaml"), f"training.output_dir={out}", *SMALL, *overrides]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
-    log = (tmp_path / f"{name}_log" / "workerlog.0").read_text() if (tmp_path / f"{name}_log").exists() else ""
+    for attempt in range(2):
+        result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+        log = (logs / "workerlog.0").read_text() if logs.exists() else ""
+        if result.returncode == 0 or attempt or PORT_TAKEN not in result.stdout + result.stderr + log:
+            break
+        shutil.rmtree(out, ignore_errors=True)  # the store failed before the run began: start afresh
+        shutil.rmtree(logs, ignore_errors=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:] + log[-3000:]
     return out, result.stdout + log
 
