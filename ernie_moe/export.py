@@ -110,7 +110,7 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
     if form == TRANSFORMERS:  # transformers' ERNIE-4.5-VL has no multi-token prediction layers
         names = [n for n in names if not n.startswith(MTP)]
     left_out -= len(names)
-    if model_type != VL and not any(n.startswith("model.mtp") for n in names):
+    if model_type != VL and not any(n.startswith(MTP) for n in names):
         config["num_nextn_predict_layers"] = 0  # PaddleFormers would otherwise expect multi-token-prediction weights
     if cfg.tie_word_embeddings and "lm_head.weight" in names:
         names.remove("lm_head.weight")  # a copy of the embedding that a tied model does not read

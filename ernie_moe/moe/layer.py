@@ -162,8 +162,10 @@ class MoELayer(nn.Layer):
         expert at most once, so a capacity of its group's token count or more keeps every choice: decoding's few
         tokens, and a factor of at least the expert count, always have one."""
         capacities = self._capacities(tokens)
+        if capacities is None:
+            return None
         group_tokens = [t.shape[0] for t, n in zip(tokens, self.router_counts) for _ in range(n)]
-        if capacities is None or all(c >= n for c, n in zip(capacities, group_tokens)):
+        if all(c >= n for c, n in zip(capacities, group_tokens)):
             return None
         return paddle.to_tensor(capacities, dtype="int64")
 

@@ -39,6 +39,7 @@ from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
 from ..host_reads import HostReadCounter
 from ..model.mtp import trained_depths
+from ..model.parameter_kinds import MTP
 from ..monitor.memory import MemoryMonitor
 from ..monitor.monitor import TrainingMonitor
 from ..objectives.rewards import build_rewards
@@ -542,7 +543,7 @@ class Trainer:
 
     def _initialise_from(self, model, directory: str) -> None:
         report = load_pretrained(model, directory, self.env, mtp_init=self.cfg.training.mtp_init)
-        drawn = [name for name in report["new"] + report["copied"] if name.startswith("model.mtp_")]
+        drawn = [name for name in report["new"] + report["copied"] if name.startswith(MTP)]
         if drawn and self.cfg.training.fine_tuning == "lora":
             # an adapter holds its pairs only: loaded later, its base would lack the depths it was trained over
             raise ConfigError(
