@@ -18,8 +18,21 @@ SMALL = ["data.image_size=56", "data.max_seq_len=48", "data.num_eval_samples=32"
 
 
 # Paddle's launcher picks a free port for its TCP store and binds it later: on a busy machine another process can
-# take the port in between, and Paddle then aborts in libuv's cleanup with this message. Such a start runs again.
+# take the port in between, and Paddle then aborts in libuv's cleanup with this message. The store is made before
+# the trainer touches its output folder, so such a start simply runs again.
 PORT_TAKEN = "uv__finish_close"
+
+
+def run_launch(cmd, log_dir, **kwargs):
+    """A ``paddle.distributed.launch`` command (``--log_dir log_dir``) through ``subprocess.run``, text captured; a
+    start whose TCP store lost its port runs again, once."""
+    log_dir = Path(log_dir)
+    for attempt in range(2):
+        result = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+        logs = "".join(log.read_text(errors="replace") for log in sorted(log_dir.glob("workerlog.*")))
+        if result.returncode == 0 or attempt or PORT_TAKEN not in result.stdout + result.stderr + logs:
+            return result
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def launch(tmp_path, nproc, *overrides, name="run"):
@@ -29,13 +42,8 @@ def launch(tmp_path, nproc, *overrides, name="run"):
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
            "--log_dir", str(logs), str(ROOT / "run_trainer.py"),
            "--config", str(ROOT / "configs" / "vl_moe.yaml"), f"training.output_dir={out}", *SMALL, *overrides]
-    for attempt in range(2):
-        result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
-        log = (logs / "workerlog.0").read_text() if logs.exists() else ""
-        if result.returncode == 0 or attempt or PORT_TAKEN not in result.stdout + result.stderr + log:
-            break
-        shutil.rmtree(out, ignore_errors=True)  # the store failed before the run began: start afresh
-        shutil.rmtree(logs, ignore_errors=True)
+    result = run_launch(cmd, logs, cwd=tmp_path, env=env, timeout=600)
+    log = (logs / "workerlog.0").read_text() if logs.exists() else ""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:] + log[-3000:]
     return out, result.stdout + log
 

@@ -18,7 +18,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_launch
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 from test_e2e import records
@@ -48,8 +48,11 @@ def train(out, *overrides, fault=None, nproc=1, check=True):
     logs = out.parent / f"{out.name}_log"
     if nproc > 1:
         args = ["-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir", str(logs), *args]
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600,
-                            cwd=out.parent)
+    if nproc > 1:
+        result = run_launch([sys.executable, *args], logs, env=env, timeout=600, cwd=out.parent)
+    else:
+        result = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600,
+                                cwd=out.parent)
     for log in sorted(logs.glob("workerlog.*")) if nproc > 1 else []:
         result.stdout += log.read_text()
     if check:

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT, SMALL, launch
+from conftest import ROOT, SMALL, launch, run_launch
 from paddle.base import core
 from test_e2e import records
 from test_model_folders import conversations, published  # noqa: F401 (fixtures)
@@ -162,10 +162,9 @@ def test_a_lora_fine_tune_of_a_paddleformers_model_is_predicted_within_10_percen
                  f"data.tokenizer_path={folder / 'tokenizer'}", "training.fine_tuning=lora", "training.max_steps=3",
                  "training.eval_steps=0", "data.eval_path=", "logging.progress_bar=false"]
     smoke = ROOT / "configs" / "finetune_ernie45_vl_smoke.yaml"
-    done = subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--log_dir", str(tmp_path / "log"),
-                           "run_trainer.py", "--config", str(smoke), f"training.output_dir={tmp_path / 'run'}",
-                           *overrides], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = run_launch([sys.executable, "-m", "paddle.distributed.launch", "--log_dir", str(tmp_path / "log"),
+                       "run_trainer.py", "--config", str(smoke), f"training.output_dir={tmp_path / 'run'}",
+                       *overrides], tmp_path / "log", cwd=ROOT, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = [r for r in records(tmp_path / "run") if r.get("step") in (2, 3) and "loss" in r]
     cfg = load_config(smoke, overrides)

@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_launch
 from PIL import Image
 from test_ernie_inputs import BUDGET, VL_MODEL, ernie_config, make_ernie_tokenizer, mtp_logits, one_row_batch, vl_logits
 from test_ernie_inputs import ernie_side as conversations  # noqa: F401 (a fixture)
@@ -266,13 +266,12 @@ def test_the_smoke_config_trains_evaluates_and_generates(published, tmp_path):
     folder, base = published
     data = folder / "data.jsonl"
     started = time.time()
-    done = subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--log_dir", str(tmp_path / "log"),
-                           "run_trainer.py", "--config", "configs/finetune_ernie45_vl_smoke.yaml",
-                           f"training.model_name_or_path={base}", f"data.train_path={data}", f"data.eval_path={data}",
-                           f"data.tokenizer_path={folder / 'tokenizer'}", f"training.output_dir={tmp_path / 'run'}",
-                           "logging.progress_bar=false"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = run_launch([sys.executable, "-m", "paddle.distributed.launch", "--log_dir", str(tmp_path / "log"),
+                       "run_trainer.py", "--config", "configs/finetune_ernie45_vl_smoke.yaml",
+                       f"training.model_name_or_path={base}", f"data.train_path={data}", f"data.eval_path={data}",
+                       f"data.tokenizer_path={folder / 'tokenizer'}", f"training.output_dir={tmp_path / 'run'}",
+                       "logging.progress_bar=false"],
+                      tmp_path / "log", cwd=ROOT, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "done" and summary["trained_steps"] == 8 and np.isfinite(summary["eval_loss"])
