@@ -156,8 +156,13 @@ def test_a_lora_checkpoint_holds_the_pairs_and_resumes_exactly_in_another_layout
     assert missing.returncode == 2 and "gone" in missing.stderr, missing.stderr[-2000:]
 
 
-def test_merged_export_gives_the_lora_models_weights(tmp_path, base, reference):
-    one = reference([])
+@pytest.mark.parametrize("adapted", ["plain", "mtp"])
+def test_merged_export_gives_the_lora_models_weights(tmp_path, request, reference, adapted):
+    """``export --merge-lora`` of the one-process reference runs: the default targets, and over a base with an MTP
+    depth whose layers are adapted too (pp2_mtp's reference: the layout test has trained it)."""
+    mtp = adapted == "mtp"
+    base = request.getfixturevalue("mtp_base" if mtp else "base")
+    one = reference(LAYOUTS["pp2_mtp"][3] if mtp else [], base)
     merged = tmp_path / "merged"
     done = subprocess.run([sys.executable, "-m", "ernie_moe.export", str(one / "final_model"), str(merged),
                            "--merge-lora"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -168,7 +173,13 @@ def test_merged_export_gives_the_lora_models_weights(tmp_path, base, reference):
     # weights no pair adapts are the base's, bit for bit (frozen: they never changed)
     untouched = [k for k in before if module_of(k) not in adapted]
     assert untouched and all(np.array_equal(before[k], after[k]) for k in untouched)
-    down = "model.layers.0.mlp.down_proj"
     scaling = json.loads((one / "final_model" / "lora_config.json").read_text())["scaling"]
-    expected = before[f"{down}.weight"] + (pairs[f"{down}.lora_A"] @ pairs[f"{down}.lora_B"] * scaling).T
-    np.testing.assert_allclose(after[f"{down}.weight"], expected, rtol=1e-6, atol=1e-7)
+    downs = ["model.layers.0.mlp.down_proj"] + (["model.mtp_block.0.mlp.down_proj", "model.mtp_linear_proj.0"]
+                                                if mtp else [])
+    for down in downs:
+        delta = pairs[f"{down}.lora_A"] @ pairs[f"{down}.lora_B"] * scaling  # [in, out]
+        # the folder's layout (PaddleFormers' VL): linear weights [out, in], its MTP depths' [in, out]
+        expected = before[f"{down}.weight"] + (delta if down.startswith("model.mtp_") else delta.T)
+        np.testing.assert_allclose(after[f"{down}.weight"], expected, rtol=1e-6, atol=1e-7, err_msg=down)
+    if mtp:  # the merged folder is a model with its depth, as generate loads it
+        assert load_model_folder(merged).cfg.num_nextn_predict_layers == 1
