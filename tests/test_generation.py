@@ -68,6 +68,21 @@ def test_cached_logits_equal_the_whole_sequence_forward(kind):
     np.testing.assert_allclose(model(batch, return_logits=True).logits.numpy(), full.numpy(), atol=1e-5, rtol=1e-5)
 
 
+def test_a_step_whose_tokens_see_every_key_is_attended_without_a_mask():
+    """One new token per row, no padding before any prompt and no hidden slot (most decoding steps): it sees every
+    cached key, so no mask is made (the logits above are those of the masked whole-sequence forward). Padding, a
+    hidden draft or several new tokens keep the mask."""
+    cache = KVCache(2)
+    cache.length = 5
+    assert cache.bounds(1, 1) is None and KVCache(2, np.zeros(3, np.int64)).bounds(3, 1, 5) is None
+    assert cache.bounds(1, 2).ends.numpy().tolist() == [[7] * 7]  # causal among the new: first_row keeps it
+    padded = KVCache(2, np.array([0, 2]))
+    padded.length = 5
+    assert padded.bounds(2, 1).ends.numpy().tolist() == [[6] * 6, [0, 1, 6, 6, 6, 6]]
+    cache.hide(1, 0, 3)
+    assert cache.bounds(1, 1).ends.numpy().tolist() == [[6, 6, 6, 3, 6, 6]]
+
+
 def test_greedy_decoding_with_and_without_the_cache_agree():
     cfg, model = built("vl")
     prompt, tokenizer = a_prompt(cfg, with_image=True)

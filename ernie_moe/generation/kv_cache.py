@@ -40,17 +40,21 @@ class KVCache:
         self.padding = padding
         self.unseen: np.ndarray | None = None  # [rows, slots]: cached tokens no later token sees (rejected drafts)
 
-    def bounds(self, rows: int, new: int, first: int | None = None) -> RowBounds:
+    def bounds(self, rows: int, new: int, first: int | None = None) -> RowBounds | None:
         """Which keys the ``new`` tokens of each row see: every cached and new key up to itself, but padding and
-        rejected drafts. ``first``: the slot of the first new token (default: after the cache)."""
+        rejected drafts. ``first``: the slot of the first new token (default: after the cache). None where one new
+        token per row sees every key (most decoding steps): its attention needs no mask."""
         first = self.length if first is None else first
         total = first + new
+        padded = self.padding is not None and bool(self.padding.any())
+        unseen = None if self.unseen is None else self.unseen[:, :total]
+        if new == 1 and not padded and (unseen is None or not unseen.any()):
+            return None
         keys = np.arange(total)
         ends = np.full([rows, total], total, dtype=np.int64)
-        if self.padding is not None:
+        if padded:
             ends = np.where(keys[None, :] < self.padding[:, None], keys[None, :], ends)  # seen by no row
-        if self.unseen is not None:
-            unseen = self.unseen[:, :total]
+        if unseen is not None:
             ends[:, : unseen.shape[1]] = np.where(unseen, keys[: unseen.shape[1]], ends[:, : unseen.shape[1]])
         return RowBounds(paddle.to_tensor(ends), first_row=first)
 
