@@ -59,12 +59,14 @@ class LocalDispatcher:
         flat_expert = expert_ids.T.flatten()
         flat_token = paddle.tile(token_index, [k])
         flat_weight = weights.T.flatten()
-        order, sorted_expert, routed, rank_in_expert = kernels.ranks_within_groups(flat_expert, num_experts)
-        kept = routed
+        order = paddle.argsort(flat_expert, stable=True)  # stable: within an expert, first choices first
+        routed = kept = paddle.bincount(flat_expert, minlength=num_experts)
         if keep is not None or capacity is not None:
             if keep is not None:
                 order = paddle.masked_select(order, paddle.gather(keep.T.flatten(), order))
             else:
+                sorted_expert = paddle.gather(flat_expert, order)
+                rank_in_expert = kernels.ranks_within_groups(sorted_expert, routed)
                 order = paddle.masked_select(order, rank_in_expert < paddle.gather(capacity, sorted_expert))
             kept = paddle.bincount(paddle.gather(flat_expert, order), minlength=num_experts)
             routed = kept if keep is not None else routed  # a replay's dropped choices routed nowhere

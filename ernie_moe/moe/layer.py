@@ -88,7 +88,8 @@ class MoELayer(nn.Layer):
         """``x [batch, seq, hidden]`` -> (output, weighted router loss of this layer)."""
         shape = x.shape
         flat = x.reshape([-1, shape[-1]])
-        tokens = [self._tokens_of(token_type_ids.flatten(), modality) for modality in self.group_modality]
+        types = token_type_ids.flatten()
+        tokens = [self._tokens_of(types, modality) for modality in self.group_modality]
         routes = self._imposed_routes()
         (token_index, expert_ids, weights), router_loss = self._route(flat, tokens, routes)
         keep = None if routes is None else paddle.gather(routes, token_index) != DROPPED
@@ -121,9 +122,7 @@ class MoELayer(nn.Layer):
         """Each group's tokens through its router: ((token rows, global expert ids, weights) of every routed
         token, the weighted router loss: zero outside training). Losses and statistics are recorded once, not again
         in a recompute."""
-        k = self.gate.k
-        routed = [(paddle.zeros([0], dtype="int64"), paddle.zeros([0, k], dtype="int64"),
-                   paddle.zeros([0, k], dtype="float32"))]
+        routed = []
         router_loss = paddle.zeros([], dtype="float32")
         # Global router statistics (training only): every rank joins the sums, with or without tokens.
         reduce = self.reduce_router_stats if self.training else None
@@ -139,7 +138,9 @@ class MoELayer(nn.Layer):
                 if self.moe_statics is not None:
                     bias = self.moe_statics.e_score_correction_bias[g, : self.router_counts[g]]
                 routing = self.gate(flat, token_index, g, bias, self._replayed(routes, token_index, g))
-                routed.append((token_index, routing.expert_ids + self.expert_offsets[g], routing.weights))
+                offset = self.expert_offsets[g]  # group g's expert ids after the groups before it
+                routed.append((token_index, routing.expert_ids + offset if offset else routing.expert_ids,
+                               routing.weights))
             if not self.training:  # the losses train the routers: evaluation and decoding only route
                 continue
             group_losses = self.gate.losses(routing, g, reduce)
@@ -147,8 +148,13 @@ class MoELayer(nn.Layer):
                 router_loss = router_loss + self.loss_weights[g][name] * value
             if not replaying():
                 self.stats.record_losses(g, group_losses)
-        token_index, expert_ids, weights = (paddle.concat(list(part)) for part in zip(*routed))
-        return (token_index, expert_ids, weights), router_loss
+        if not routed:
+            k = self.gate.k
+            routed = [(paddle.zeros([0], dtype="int64"), paddle.zeros([0, k], dtype="int64"),
+                       paddle.zeros([0, k], dtype="float32"))]
+        if len(routed) == 1:
+            return routed[0], router_loss
+        return tuple(paddle.concat(list(part)) for part in zip(*routed)), router_loss
 
     def _replayed(self, routes: paddle.Tensor | None, token_index: paddle.Tensor, group: int) -> paddle.Tensor | None:
         """The local expert ids ``routes`` impose on the group's tokens (< 0: the router's own choice)."""

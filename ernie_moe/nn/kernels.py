@@ -110,14 +110,10 @@ def vision_rotary(x: paddle.Tensor, angles: paddle.Tensor | Rotation) -> paddle.
                           lambda x: rotate(x, rotation))
 
 
-def ranks_within_groups(ids: paddle.Tensor, groups: int):
-    """A stable sort of ``ids`` (each in ``[0, groups)``): (the order, the sorted ids, the count of each id, and
-    each sorted entry's rank among the entries of its id)."""
-    order = paddle.argsort(ids, stable=True)
-    sorted_ids = paddle.gather(ids, order)
-    counts = paddle.bincount(ids, minlength=groups)
+def ranks_within_groups(sorted_ids: paddle.Tensor, counts: paddle.Tensor) -> paddle.Tensor:
+    """Each entry of ``sorted_ids`` (sorted, ``counts[i]`` entries of id i): its rank among the entries of its id."""
     first = paddle.cumsum(counts) - counts
-    return order, sorted_ids, counts, paddle.arange(ids.shape[0], dtype="int64") - paddle.gather(first, sorted_ids)
+    return paddle.arange(sorted_ids.shape[0], dtype="int64") - paddle.gather(first, sorted_ids)
 
 
 def plain_weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weights: paddle.Tensor,
@@ -149,7 +145,8 @@ def fused_weighted_combine(rows: paddle.Tensor, token_index: paddle.Tensor, weig
 
     A token's kept copies fill its first slots in row order; an empty slot has weight 0 (and reads row 0).
     """
-    order, _, _, rank = ranks_within_groups(token_index, num_tokens)
+    order = paddle.argsort(token_index, stable=True)
+    rank = ranks_within_groups(paddle.gather(token_index, order), paddle.bincount(token_index, minlength=num_tokens))
     kept = token_index.shape[0]
     slot = paddle.scatter(paddle.zeros([kept], dtype="int64"), order, rank)
     flat = token_index * slots + slot

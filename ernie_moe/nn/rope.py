@@ -54,16 +54,21 @@ class Rotation:
 
     def __init__(self, angles: paddle.Tensor, interleaved: bool):
         self.angles, self.interleaved = angles, interleaved
+        self._per_dim: tuple[paddle.Tensor, paddle.Tensor] | None = None  # cosines and sines, one head's
         self._tables: dict[tuple, tuple[paddle.Tensor, paddle.Tensor]] = {}
 
     def tables(self, shape: list[int]) -> tuple[paddle.Tensor, paddle.Tensor]:
         """The cosines and sines for an ``x`` of ``shape``, written out for each head: Paddle's CPU kernels
-        multiply by a table broadcast over the heads about 30 times slower than by one of ``x``'s own shape."""
+        multiply by a table broadcast over the heads about 30 times slower than by one of ``x``'s own shape.
+        Queries and keys (other head counts) share the cosines and sines."""
         key = tuple(shape)
         if key not in self._tables:
-            per_dim = (paddle.repeat_interleave(self.angles, 2, axis=-1) if self.interleaved
-                       else paddle.concat([self.angles, self.angles], axis=-1)).unsqueeze(-2)
-            self._tables[key] = paddle.cos(per_dim).expand(shape), paddle.sin(per_dim).expand(shape)
+            if self._per_dim is None:
+                per_dim = (paddle.repeat_interleave(self.angles, 2, axis=-1) if self.interleaved
+                           else paddle.concat([self.angles, self.angles], axis=-1)).unsqueeze(-2)
+                self._per_dim = paddle.cos(per_dim), paddle.sin(per_dim)
+            cos, sin = self._per_dim
+            self._tables[key] = cos.expand(shape), sin.expand(shape)
         return self._tables[key]
 
 
