@@ -20,6 +20,7 @@ from ernie_moe.data.synthetic import SyntheticShapes
 from ernie_moe.generation import KVCache, forward_cached, generate
 from ernie_moe.generation.decoding import _extended, choose, prompt_inputs, token_inputs
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+from ernie_moe.nn.flashmask import RowBounds
 
 SMALL = ["data.image_size=56"]
 KINDS = {"dense": ["model.moe_num_experts=[]", "model.moe_intermediate_size=[]"],
@@ -81,6 +82,12 @@ def test_a_step_whose_tokens_see_every_key_is_attended_without_a_mask():
     assert padded.bounds(2, 1).ends.numpy().tolist() == [[6] * 6, [0, 1, 6, 6, 6, 6]]
     cache.hide(1, 0, 3)
     assert cache.bounds(1, 1).ends.numpy().tolist() == [[6, 6, 6, 3, 6, 6]]
+    # the mask the host makes for these steps is the one the device would make of the same bounds
+    padded.hide(2, 1, 4)
+    for bounds, queries in ((padded.bounds(2, 3), 3), (padded.bounds(2, 1), 1), (cache.bounds(1, 2), 2)):
+        device = RowBounds(bounds.ends, first_row=bounds.first_row)
+        np.testing.assert_array_equal(bounds.dense_bias(queries, 4).numpy(), device.dense_bias(queries, 4).numpy())
+        assert (bounds.dense_bias(queries, 4).numpy() == 0).any() and (bounds.dense_bias(queries, 4).numpy() < 0).any()
 
 
 def test_greedy_decoding_with_and_without_the_cache_agree():

@@ -56,7 +56,7 @@ class KVCache:
             ends = np.where(keys[None, :] < self.padding[:, None], keys[None, :], ends)  # seen by no row
         if unseen is not None:
             ends[:, : unseen.shape[1]] = np.where(unseen, keys[: unseen.shape[1]], ends[:, : unseen.shape[1]])
-        return RowBounds(paddle.to_tensor(ends), first_row=first)
+        return RowBounds.causal_on_host(ends, new, first)
 
     def hide(self, rows: int, row: int, slot: int) -> None:
         """No later token of ``row`` (of ``rows``) sees the token cached at ``slot``."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 from paddle.autograd import PyLayer
@@ -41,6 +42,21 @@ class RowBounds:
     first_row: int = 0
     # the additive masks made of these bounds, by query count: every layer of a micro-batch shares them
     _biases: dict = field(default_factory=dict, compare=False, repr=False)
+    # the one-head mask [batch, 1, queries, keys] where the host made it (:meth:`causal_on_host`)
+    _host_bias: paddle.Tensor | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def causal_on_host(cls, ends: np.ndarray, queries: int, first_row: int) -> RowBounds:
+        """Causal bounds of ``queries`` rows from ``first_row`` on, from the host's ``ends [batch, keys]``, with
+        their mask made on the host where one block takes them (generation's steps: one copy to the device in place
+        of the twenty-odd kernels that make it there)."""
+        host_bias = None
+        if queries <= BLOCK_ROWS:
+            rows = np.arange(first_row, first_row + queries)[None, :, None]
+            keys = np.arange(ends.shape[1])[None, None, :]
+            seen = (rows < ends[:, None, :]) & (keys <= rows)
+            host_bias = paddle.to_tensor(np.where(seen, 0.0, _HIDDEN).astype(np.float32)[:, None])
+        return cls(paddle.to_tensor(ends), first_row=first_row, _host_bias=host_bias)
 
     @property
     def causal(self) -> bool:
@@ -67,7 +83,10 @@ class RowBounds:
         for all the layers. Written out for every head: Paddle's CPU kernels add a bias broadcast over the heads
         about 40 times slower than one of the scores' own shape."""
         if (queries, heads) not in self._biases:
-            bias = paddle.where(self.dense(queries), paddle.zeros([], "float32"), paddle.full([], _HIDDEN, "float32"))
+            bias = self._host_bias
+            if bias is None or bias.shape[2] != queries:
+                bias = paddle.where(self.dense(queries), paddle.zeros([], "float32"),
+                                    paddle.full([], _HIDDEN, "float32"))
             self._biases[queries, heads] = bias.expand([bias.shape[0], heads, *bias.shape[2:]])
         return self._biases[queries, heads]
 
