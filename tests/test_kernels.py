@@ -414,10 +414,11 @@ def test_mkl_is_told_the_vector_units_of_an_amd_cpu(tmp_path, monkeypatch, vendo
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: {flags}\n\n")
     monkeypatch.setattr(paddle.version, "with_mkl", "ON")
+    # set first, so that the variable goes back to what it was (unset on an Intel CPU) whatever the call sets: the
+    # processes later tests start take it
+    monkeypatch.setenv("MKL_DEBUG_CPU_TYPE", preset or "")
     if preset is None:
-        monkeypatch.delenv("MKL_DEBUG_CPU_TYPE", raising=False)
-    else:
-        monkeypatch.setenv("MKL_DEBUG_CPU_TYPE", preset)
+        monkeypatch.delenv("MKL_DEBUG_CPU_TYPE")
     assert cpu_fallbacks.use_avx2_math_on_amd(str(cpuinfo)) is asks
     assert os.environ.get("MKL_DEBUG_CPU_TYPE") == ("5" if asks else preset)
 
@@ -426,6 +427,7 @@ def test_a_build_without_mkl_is_left_alone(tmp_path, monkeypatch):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("vendor_id\t: AuthenticAMD\nflags\t\t: avx2\n")
     monkeypatch.setattr(paddle.version, "with_mkl", "OFF")
-    monkeypatch.delenv("MKL_DEBUG_CPU_TYPE", raising=False)
+    monkeypatch.setenv("MKL_DEBUG_CPU_TYPE", "")  # restored afterwards, as above
+    monkeypatch.delenv("MKL_DEBUG_CPU_TYPE")
     assert not cpu_fallbacks.use_avx2_math_on_amd(str(cpuinfo))
     assert "MKL_DEBUG_CPU_TYPE" not in os.environ
