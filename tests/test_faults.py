@@ -48,7 +48,6 @@ def train(out, *overrides, fault=None, nproc=1, check=True):
     logs = out.parent / f"{out.name}_log"
     if nproc > 1:
         args = ["-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir", str(logs), *args]
-    if nproc > 1:
         result = run_launch([sys.executable, *args], logs, env=env, timeout=600, cwd=out.parent)
     else:
         result = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600,
