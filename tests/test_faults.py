@@ -709,6 +709,26 @@ def hold_lock(folder):
     return holder
 
 
+def test_a_lock_file_that_is_a_link_or_a_fifo_is_refused_and_nothing_it_names_is_written(tmp_path, capsys):
+    """A .run.lock that is a symbolic link to a user's file: the run follows no link, writes nothing into that
+    file and stops with one line; a FIFO in its place is named, not an 'Invalid argument'."""
+    users = tmp_path / "users_file.txt"
+    users.write_text("precious\n")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / ".run.lock").symlink_to(users)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / ".run.lock")
+    for out, words in ((linked, "is a symbolic link"), (fifo, "is not a regular file")):
+        assert run_trainer.main(["--config", CONFIG, *SMALL, "training.max_steps=1",
+                                 f"training.output_dir={out}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("config error: ") and words in err and ".run.lock" in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert users.read_text() == "precious\n"
+
+
 @pytest.mark.slow
 def test_a_second_run_a_resume_or_an_overwrite_beside_a_running_job_stops_naming_it(tmp_path):
     """While another job holds the output folder, a fresh run, a resume and an overwrite each stop with a line

@@ -15,11 +15,13 @@ other job is still refused at once.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import signal
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -41,8 +43,7 @@ def lock_output_dir(output_dir, job: str = "", say=print) -> None:
     key = str(root.resolve())
     if key in _HELD:
         return
-    path = root / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(root / LOCK_FILE)
     if not _try_lock(fd):
         saved = _saved_holder(fd)
         if not (job and saved.get("job") == job and _take_over(fd, saved, root, say)):
@@ -54,6 +55,22 @@ def lock_output_dir(output_dir, job: str = "", say=print) -> None:
                              "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
     os.fsync(fd)
     _HELD[key] = fd
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, opened without following a symbolic link (one would make the run write its lock line into
+    whatever file the link names) and refused unless it is a regular file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ConfigError(f"'{path}' is a symbolic link: the run writes its lock there and follows no link; "
+                              "remove it") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"'{path}' is not a regular file (the run's lock file): remove it")
+    return fd
 
 
 def note_attempt(output_dir, attempt: int) -> None:
