@@ -5,14 +5,17 @@
 ``data:image/...;base64,`` URL, or a local path under ``--image-root``; ``stream``, ``temperature``, ``top_p``,
 ``max_tokens``, ``stop``, ``seed``) and answers whole or as server-sent events; ``GET /v1/models`` names the one
 model this process serves (``--served-name``, else the folder's name); ``/`` is a chat page. Images are encoded
-as the folder's training encoded them; one request is answered at a time, the others queue. Any OpenAI client
-works: ``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")``.
+as the folder's training encoded them; the requests waiting while the model answers are answered together in its
+next turn (``--batch-size`` at a time), the others queue (``--max-queue``). Any OpenAI client works:
+``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")``. Ctrl-C or ``kill`` (SIGTERM) stops it.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
@@ -60,13 +63,20 @@ def main(argv=None) -> int:
         print(f"serve error: cannot listen on {args.host}:{args.port}: {err.strerror}", file=sys.stderr)
         return 2
     host, port = server.server_address[:2]
-    print(f"serving '{served}' on http://{host}:{port} (OpenAI API under /v1, chat page at /)", flush=True)
+    # kill (SIGTERM) stops the server as Ctrl-C does; Paddle's own handler would print a C++ error block
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: (stopped.append(signum),
+                                                         threading.Thread(target=server.shutdown).start()))
+    print(f"serving '{served}' on http://{host}:{port} (OpenAI API under /v1, chat page at /; Ctrl-C or kill "
+          "stops it)", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        pass
+        stopped.append(signal.SIGINT)
     finally:
         server.server_close()
+    if stopped:
+        print(f"stopped ({signal.Signals(stopped[0]).name})", flush=True)
     return 0
 
 

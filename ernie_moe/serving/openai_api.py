@@ -27,7 +27,7 @@ class Limits:
     max_request_bytes: int = 20 * 2 ** 20
     max_images: int = 8  # per request
     max_tokens: int = 1024  # the most a request may ask for (its max_tokens); also the default
-    max_queue: int = 16  # requests waiting for the model; more are answered 503
+    max_queue: int = 256  # requests waiting for the model (as vLLM queues a harness's 32 at once); more: 503
 
 
 class ApiError(Exception):

@@ -23,6 +23,9 @@ PAGE = resources.files(__package__).joinpath("page.html").read_bytes()
 
 class ChatServer(ThreadingHTTPServer):
     daemon_threads = True  # a client that hangs up mid-answer does not keep the process alive
+    # connections the kernel holds before they are accepted: socketserver's 5 reset some of the 32 an evaluation
+    # harness opens at once (lmms-eval's default num_concurrent)
+    request_queue_size = 1024
 
     def __init__(self, address, chat: ChatModel, served: str, limits: Limits, image_root: Path | None,
                  log_requests: bool = True, thinking: bool | None = None):
