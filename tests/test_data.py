@@ -169,6 +169,31 @@ def test_sentencepiece_tokenizer_loads_from_a_local_directory(tmp_path):
     assert tok.placeholder_id() is None  # this model has no image piece: model.im_patch_id decides
 
 
+def test_a_fine_tune_encodes_with_its_base_folders_tokenizer_and_a_word_list_is_a_tokenizer(tmp_path):
+    """A model folder's word list (vocab.json, as the default run writes it) is the tokenizer a fine-tune from it
+    encodes JSONL data with (before, bytes: ids the base never learned); data.tokenizer_path names such a folder too,
+    and one without a tokenizer is one error."""
+    from ernie_moe.config import ConfigError
+    from ernie_moe.data.tokenizer import ByteTokenizer, WordTokenizer
+
+    from ernie_moe.checkpoint import save_model
+    from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+
+    cfg = load_config(None, ["model.vocab_size=32"])
+    save_model(ErnieMoEForConditionalGeneration(cfg.model), cfg.model, str(tmp_path / "base"),
+               WordTokenizer(["red", "dot", "describe"]), hf_layout=True)
+    (tmp_path / "train.jsonl").write_text('{"text": "red dot"}\n')
+    jsonl = ["data.dataset=jsonl", f"data.train_path={tmp_path / 'train.jsonl'}", "model.vocab_size=32"]
+    tuned = build_tokenizer(load_config(None, [*jsonl, f"training.model_name_or_path={tmp_path / 'base'}"]))
+    assert isinstance(tuned, WordTokenizer) and tuned.encode("red describe") == [5, 7]
+    named = build_tokenizer(load_config(None, [*jsonl, f"data.tokenizer_path={tmp_path / 'base'}"]))
+    assert named.vocab == tuned.vocab
+    assert isinstance(build_tokenizer(load_config(None, jsonl)), ByteTokenizer)  # nothing named: bytes
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no tokenizer"):
+        load_config(None, [*jsonl, f"data.tokenizer_path={tmp_path / 'empty'}"])
+
+
 def test_image_placeholder_id_must_match_the_tokenizer(tmp_path):
     import sentencepiece as spm
 

@@ -146,7 +146,8 @@ class DataConfig:
                                        "with the empty think block (not trained on; ERNIEKit records: then only "
                                        "the last answer trains); a record's own enable_thinking wins")
     report_samples: int = opt(64, "samples the start-up data report encodes (data_report.json); 0 = none")
-    tokenizer_path: str = opt("", "directory with tokenizer.model (SentencePiece); empty = built-in")
+    tokenizer_path: str = opt("", "directory with a tokenizer: tokenizer.model (SentencePiece) or vocab.json (a word "
+                                  "list); empty = training.model_name_or_path's, else built-in")
     max_seq_len: int = opt(64, "tokens per packed row")
     overlong: str = choice("truncate", "truncate", "skip", doc="what happens to a sample longer than max_seq_len")
     image_size: int = opt(56, "synthetic images: side in pixels")
@@ -205,6 +206,9 @@ class DataConfig:
 def _files(paths: str | list[str]) -> list[str]:
     return list(paths) if isinstance(paths, list) else ([paths] if paths else [])
 
+
+# a tokenizer folder holds one of these (data.tokenizer.tokenizer_in reads them)
+TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 # training.offload_optim: optimizer states of one visit to the device (the planner counts with it too)
 OFFLOAD_BUCKET_BYTES = 2 ** 30

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..paths import not_a_file
 from .errors import ConfigError
-from .schema import FREEZE_PARTS, LORA_TARGET_GROUPS, MTP_MAX_DEPTH, Config, ModelConfig
+from .schema import FREEZE_PARTS, LORA_TARGET_GROUPS, MTP_MAX_DEPTH, TOKENIZER_FILES, Config, ModelConfig
 from .transformers_form import to_transformers
 
 
@@ -174,8 +174,8 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
         _require(d.max_image_side >= unit, f"data.max_image_side must be at least {unit} pixels.")
         _require(d.max_image_pixels >= unit * unit, f"data.max_image_pixels must be at least {unit * unit}.")
     if d.tokenizer_path and check_paths:
-        _require((Path(d.tokenizer_path) / "tokenizer.model").is_file(),
-                 f"data.tokenizer_path '{d.tokenizer_path}' holds no tokenizer.model (SentencePiece).")
+        _require(any((Path(d.tokenizer_path) / name).is_file() for name in TOKENIZER_FILES),
+                 f"data.tokenizer_path '{d.tokenizer_path}' holds no tokenizer ({', '.join(TOKENIZER_FILES)}).")
     if d.video_timestamp_font and check_paths:
         _require(_is_font(d.video_timestamp_font),
                  f"data.video_timestamp_font '{d.video_timestamp_font}' is not a TrueType font file.")

@@ -18,30 +18,31 @@ from .plan import check_position, sample_order
 from .preference import PairEncoder, SyntheticPairs
 from .sample import DataError
 from .sources import source_dataset
-from .tokenizer import ByteTokenizer, SentencePieceTokenizer, WordTokenizer
+from .tokenizer import ByteTokenizer, WordTokenizer, tokenizer_in
 from .workers import SampleWorkers, encode_in_order
 
 
 def build_tokenizer(cfg):
-    """``data.tokenizer_path``'s tokenizer, else the one in ``training.model_name_or_path``'s folder, else a
-    built-in one (the synthetic data's words, or bytes)."""
+    """``data.tokenizer_path``'s tokenizer, else the one in ``training.model_name_or_path``'s folder (a fine-tune
+    encodes as its base was trained), else a built-in one (the synthetic data's words, or bytes)."""
     d = cfg.data
-    folder = d.tokenizer_path
-    pretrained = Path(cfg.training.model_name_or_path or ".")
-    if not folder and cfg.training.model_name_or_path and (pretrained / "tokenizer.model").is_file():
-        folder = str(pretrained)
+    folder, given = d.tokenizer_path, bool(d.tokenizer_path)
+    if not folder and cfg.training.model_name_or_path and Path(cfg.training.model_name_or_path).is_dir():
+        folder = cfg.training.model_name_or_path
     if folder:
-        if not (Path(folder) / "tokenizer.model").is_file():
-            raise DataError(f"data.tokenizer_path '{folder}' has no tokenizer.model")
         try:
-            tokenizer = SentencePieceTokenizer(folder, cfg.model.im_patch_id)
-            chat_format(tokenizer)  # a chat template that cannot be read stops the run here
-            return tokenizer
-        except (RuntimeError, OSError) as err:  # sentencepiece's word for a file that is not its model
-            raise DataError(f"'{Path(folder) / 'tokenizer.model'}' is not a SentencePiece model: "
-                            f"{str(err).strip().splitlines()[-1]}") from None
-        except ValueError as err:  # its special-token or template files
-            raise DataError(f"the tokenizer in '{folder}' cannot be read: {err}") from None
+            tokenizer = tokenizer_in(folder, cfg.model.im_patch_id)
+            if tokenizer is not None:
+                chat_format(tokenizer)  # a chat template that cannot be read stops the run here
+                return tokenizer
+        except ValueError as err:
+            if err.__cause__ is not None:  # sentencepiece's word for a file that is not its model: its last line
+                said = str(err.__cause__).strip().splitlines()
+                raise DataError(f"{err}: {said[-1]}" if said else str(err)) from None
+            raise DataError(f"the tokenizer in '{folder}' cannot be read: {err}") from None  # special tokens, template
+        if given:
+            raise DataError(f"data.tokenizer_path '{folder}' holds no tokenizer (tokenizer.model, vocab.json or "
+                            "tokenizer_config.json)")
     if d.dataset == "synthetic":
         return WordTokenizer(synthetic.vocabulary())
     return ByteTokenizer()
