@@ -173,10 +173,9 @@ def test_a_fine_tune_encodes_with_its_base_folders_tokenizer_and_a_word_list_is_
     """A model folder's word list (vocab.json, as the default run writes it) is the tokenizer a fine-tune from it
     encodes JSONL data with (before, bytes: ids the base never learned); data.tokenizer_path names such a folder too,
     and one without a tokenizer is one error."""
+    from ernie_moe.checkpoint import save_model
     from ernie_moe.config import ConfigError
     from ernie_moe.data.tokenizer import ByteTokenizer, WordTokenizer
-
-    from ernie_moe.checkpoint import save_model
     from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 
     cfg = load_config(None, ["model.vocab_size=32"])

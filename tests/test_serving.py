@@ -31,6 +31,11 @@ def square_png(colour=(220, 30, 30)) -> bytes:
     return out.getvalue()
 
 
+def drain(process, kept: list) -> None:
+    """Keep a process's pipe drained; what it printed, once it closes, is appended to ``kept``."""
+    kept.append(process.stdout.read())
+
+
 def start(argv, cwd, marker: str, later: list | None = None):
     """A command that prints ``marker``'s line once it is ready: (process, that line's match); what it prints
     after that is appended to ``later``."""
@@ -42,7 +47,7 @@ def start(argv, cwd, marker: str, later: list | None = None):
         found = re.search(marker, line)
         if found:
             kept = later if later is not None else []
-            threading.Thread(target=lambda: kept.append(process.stdout.read()), daemon=True).start()  # drained
+            threading.Thread(target=drain, args=(process, kept), daemon=True).start()
             return process, found
     raise AssertionError("the command ended before it was ready:\n" + "".join(seen[-40:]))
 
