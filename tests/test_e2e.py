@@ -103,7 +103,8 @@ def test_caption_words_need_the_image(tmp_path, blank):
     if blank:
         assert accuracy < 0.4
         return
-    assert accuracy > 0.75
+    print("default run:", {k: round(v, 4) for k, v in summary.items() if k.startswith("eval_")})
+    assert accuracy >= 0.95
     # greedy captions of the 128 held-out images score the caption words within one sample's four words of the
     # teacher-forced figure (they differ only after a wrong word)
     assert summary["eval_generate_answers"] == 128
@@ -129,6 +130,7 @@ def test_caption_words_need_the_image(tmp_path, blank):
         prompt = encoder.prompt(Sample(sample.images, sample.chunks[:1]))
         generated = generate(model, prompt, 12, tokenizer.eos_id, never=(model_cfg.im_patch_id,))
         right += tokenizer.decode(generated.ids) == caption(sample)
+    print(f"{right} of 20 greedy captions exact")
     assert right >= 12, f"{right} of 20 captions right"
 
 

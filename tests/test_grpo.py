@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import ROOT, SMALL, launch
+from conftest import EARLIER_DEFAULT, ROOT, SMALL, launch
 from safetensors.numpy import load_file
 
 from ernie_moe.batch import IGNORE_INDEX
@@ -194,7 +194,7 @@ def test_grpo_raises_the_reward_of_a_weak_captioner(tmp_path):
     """A 300-step supervised run captions about half of the caption words right; 400 GRPO steps from it (8 answers
     to each of 8 prompts a step, the words-right reward) raise the held-out reward of its greedy captions from
     about 0.70 to about 0.78 (the README's table), and its held-out caption accuracy with it."""
-    common = ["logging.progress_bar=false", "data.num_eval_samples=64"]
+    common = ["logging.progress_bar=false", "data.num_eval_samples=64", *EARLIER_DEFAULT]
     Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [
         *common, "training.max_steps=300", "training.eval_steps=0", f"training.output_dir={tmp_path / 'sft'}"])).train()
     Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [

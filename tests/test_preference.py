@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT, SMALL
+from conftest import EARLIER_DEFAULT, ROOT, SMALL
 from test_ernie_inputs import ernie_config, make_ernie_tokenizer, picture
 
 from ernie_moe.batch import IGNORE_INDEX
@@ -276,7 +276,7 @@ def test_dpo_learns_to_prefer_the_true_caption_word(tmp_path):
     held-out reward accuracy from about 0.67 after 10 steps to above 0.9 (the mean of the last five evaluations),
     and greedy captions of held-out images hold the true word where the pair's answers differ more often than
     before."""
-    common = ["logging.progress_bar=false", "data.num_eval_samples=64", "training.eval_steps=0"]
+    common = ["logging.progress_bar=false", "data.num_eval_samples=64", "training.eval_steps=0", *EARLIER_DEFAULT]
     Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [*common, "training.max_steps=500",
                                                             f"training.output_dir={tmp_path / 'sft'}"])).train()
     dpo = load_config(ROOT / "configs" / "vl_moe.yaml", [
