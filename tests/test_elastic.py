@@ -167,6 +167,13 @@ def test_the_command_refuses_what_the_launcher_cannot_restart_with_one_line(caps
              (["--master", "etcd://127.0.0.1", "--job_id", "j", *script], "names no port"),
              (["--master", f"etcd://127.0.0.1:{port}", "--job_id", "j", *script],
               f"cannot reach etcd at 127.0.0.1:{port}: start it")]
+    # counts the launcher would wait on forever (no node), fail on with a traceback, or never name
+    master = ["--master", f"etcd://127.0.0.1:{port}", "--job_id", "j"]
+    cases += [([*master, "--nnodes", "0", *script], "--nnodes 0 must be at least 1"),
+              ([*master, "--nnodes", "abc", *script], "--nnodes 'abc' must be a node count N or a range"),
+              ([*master, "--nnodes=3:2", *script], "the range's minimum 3 is above its maximum 2"),
+              ([*master, "--nproc_per_node", "-1", *script], "--nproc_per_node '-1' must be a whole number"),
+              ([*master, "--max_restart", "x", *script], "--max_restart 'x' must be a whole number")]
     for args, expected in cases:
         assert launch.main(args) == launch.USAGE
         err = capsys.readouterr().err

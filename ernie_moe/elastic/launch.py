@@ -45,7 +45,7 @@ ENVIRONMENT = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python", "GRPC_ENABLE_
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     master, job = _option(args, "--master"), _option(args, "--job_id") or os.environ.get(JOB_VARIABLE, "")
-    problem = _problem(master, job)
+    problem = _problem(master, job, args)
     if problem:
         print(f"elastic: {problem}", file=sys.stderr)
         return USAGE
@@ -106,7 +106,10 @@ def mark_finished() -> None:
         Path(folder, f"finished-{os.getpid()}").touch()
 
 
-def _problem(master: str | None, job: str) -> str | None:
+def _problem(master: str | None, job: str, args: list[str] = ()) -> str | None:
+    counts = _counts_problem(args)
+    if counts:
+        return counts
     if not master or not master.startswith("etcd://"):
         return ("needs --master etcd://HOST:PORT: Paddle's launcher restarts nothing without an etcd master "
                 "(docs/elastic.md says how to start one)")
@@ -120,6 +123,26 @@ def _problem(master: str | None, job: str) -> str | None:
     if not _answers(host, port):
         return (f"cannot reach etcd at {host}:{port}: start it (docs/elastic.md) or correct --master; the launcher "
                 "would fail there after 16 s")
+    return None
+
+
+def _counts_problem(args: list[str]) -> str | None:
+    """What is wrong with the launcher's counts (``--nnodes N`` or ``MIN:MAX``, ``--nproc_per_node``,
+    ``--max_restart``), before Paddle's launcher waits forever for no node or fails with a traceback."""
+    nnodes = _option(list(args), "--nnodes")
+    if nnodes is not None:
+        parts = nnodes.split(":")
+        if len(parts) > 2 or not all(part.isdigit() for part in parts):
+            return f"--nnodes {nnodes!r} must be a node count N or a range MIN:MAX of whole numbers"
+        low, high = int(parts[0]), int(parts[-1])
+        if low < 1:
+            return f"--nnodes {nnodes} must be at least 1 (a job of no node never starts)"
+        if low > high:
+            return f"--nnodes {nnodes}: the range's minimum {low} is above its maximum {high}"
+    for name, least in (("--nproc_per_node", 1), ("--max_restart", 0)):
+        value = _option(list(args), name)
+        if value is not None and not (value.isdigit() and int(value) >= least):
+            return f"{name} {value!r} must be a whole number of at least {least}"
     return None
 
 
