@@ -6,6 +6,7 @@ import argparse
 import math
 
 DRAFT_TOKENS = 1  # speculative decoding's drafts per step by default (measured fastest on the default model)
+MAX_DRAFT_TOKENS = 16  # drafts per step at most: each is one more pass of the depth, and more than a few lose time
 
 
 def bounded(kind: type, low: float, high: float = math.inf, low_included: bool = True):
@@ -58,7 +59,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, max_new_tokens: int)
 
 
 def add_speculative_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--draft-tokens", type=bounded(int, 0), default=DRAFT_TOKENS,
+    parser.add_argument("--draft-tokens", type=bounded(int, 0, MAX_DRAFT_TOKENS), default=DRAFT_TOKENS,
                         help="speculative decoding where the model has multi-token prediction layers: tokens they "
                              "draft per step, checked in one forward (the same greedy answers, the same sampling "
                              "distribution); 0: off")

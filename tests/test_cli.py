@@ -5,7 +5,7 @@ import argparse
 import pytest
 from conftest import ROOT
 
-from ernie_moe import evaluate, export, generate
+from ernie_moe import evaluate, export, generate, serve
 from ernie_moe.cli import at_least_one, bounded
 from ernie_moe.memory import report
 
@@ -38,7 +38,14 @@ CONFIG = str(ROOT / "configs" / "vl_moe.yaml")
     (generate.main, ["--model", "m", "--seed", "-1"], "--seed: must be at least 0, not -1"),
     (evaluate.main, ["--model", "m", "--data", "d", "--max-batches", "-1"], "--max-batches: must be at least 0"),
     (export.main, ["a", "b", "--max-shard-size-gb", "0"], "--max-shard-size-gb: must be above 0, not 0"),
-], ids=["world size", "image fraction", "device memory", "top-p", "temperature", "seed", "max batches", "shard size"])
+    # a billion drafts a step would chain the depth that many times before the first answer
+    (generate.main, ["--model", "m", "--draft-tokens", "1000000000"],
+     "--draft-tokens: must be from 0 to 16, not 1000000000"),
+    (serve.main, ["--model", "m", "--draft-tokens", "17"], "--draft-tokens: must be from 0 to 16, not 17"),
+    (evaluate.main, ["--model", "m", "--benchmark", "mcq:x.tsv", "--max-new-tokens", "0"],
+     "--max-new-tokens: must be from 1 to 65,536, not 0"),
+], ids=["world size", "image fraction", "device memory", "top-p", "temperature", "seed", "max batches", "shard size",
+        "drafts", "server drafts", "benchmark answer length"])
 def test_the_commands_refuse_numbers_out_of_range(capsys, main, argv, message):
     with pytest.raises(SystemExit) as stop:
         main(argv)
