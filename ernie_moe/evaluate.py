@@ -1,5 +1,9 @@
 """Score a model folder on held-out data, as the trainer does:
-``python -m ernie_moe.evaluate --model DIR --data val.jsonl [--config FILE] [--out FILE.json]``.
+``python -m ernie_moe.evaluate --model DIR --data val.jsonl [--config FILE] [--out FILE.json]``, and on
+benchmarks in the field's formats: ``--benchmark KIND:FILE`` (repeatable; ``KIND`` one of
+``ernie_moe.evaluation.KINDS``), each answered greedily, several questions side by side, with the prompt and the
+answer extraction of the kind's reference harness; ``--out`` then also records each benchmark's file, rule,
+decoding settings and every answer.
 
 Samples are encoded as the folder's training encoded them (its ``preprocessor_config.json``: sequence length,
 images, videos); ``--config`` names a training config whose sections override that. ``--data synthetic`` takes
@@ -16,13 +20,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from . import json_files
+from . import evaluation, json_files
 from .checkpoint.errors import CheckpointError
-from .cli import at_least_one, bounded
+from .cli import bounded
 from .config import ConfigError
 from .data import DataError, RowStream, rank_batches
 from .data.loader import source_dataset
 from .data.synthetic import SyntheticShapes
+from .evaluation.results import MAX_NEW_TOKENS, MAX_SIDE_BY_SIDE, benchmark_results
 from .generation import folder_run_config, load_model_folder
 from .parallel import DistEnv
 from .paths import not_a_file
@@ -51,24 +56,42 @@ def scores(model_dir, data: str, base, batch_size: int = 8, max_batches: int = 0
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="final model, checkpoint or PaddleFormers ERNIE 4.5 folder")
-    parser.add_argument("--data", required=True, help="a JSONL file (the training shapes) or 'synthetic'")
+    parser.add_argument("--data", help="a JSONL file (the training shapes) or 'synthetic'")
+    parser.add_argument("--benchmark", action="append", default=[], metavar="KIND:FILE",
+                        help=f"a benchmark file and its kind ({', '.join(evaluation.KINDS)}); repeatable")
     parser.add_argument("--config", help="a training config whose data section overrides the folder's settings")
-    parser.add_argument("--batch-size", type=at_least_one, default=8)
+    parser.add_argument("--batch-size", type=bounded(int, 1, MAX_SIDE_BY_SIDE), default=8,
+                        help="rows per batch (--data), questions answered side by side (--benchmark)")
     parser.add_argument("--max-batches", type=bounded(int, 0), default=0, help="0 = all")
-    parser.add_argument("--out", help="write the figures here as JSON")
+    parser.add_argument("--max-new-tokens", type=bounded(int, 1, MAX_NEW_TOKENS), default=None,
+                        help="the longest answer to a benchmark question (default: the kind's harness default)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--out", help="write the figures (and each benchmark's answers) here as JSON")
     args = parser.parse_args(argv)
+    if not args.data and not args.benchmark:
+        parser.error("give --data, --benchmark or both")
+    result: dict = {}
     try:
         base = folder_run_config(args.model, args.config)
-        figures, skipped = scores(args.model, args.data, base, args.batch_size, args.max_batches)
+        if args.data:
+            figures, skipped = scores(args.model, args.data, base, args.batch_size, args.max_batches)
+            if not figures:
+                print(f"evaluate error: {args.data} gave nothing to evaluate (skipped samples: "
+                      f"{dict(skipped) or 'none'})", file=sys.stderr)
+                return 2
+            result = {**figures, **{f"skipped/{k}": v for k, v in sorted(skipped.items())}}
+            print(" | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
+        if args.benchmark:
+            benchmarks = benchmark_results(args.model, args.benchmark, base, args.batch_size, args.max_new_tokens,
+                                           progress=not args.no_progress)
+            for name, bench in benchmarks.items():
+                skipped = sum(bench["skipped_rows"].values()) + sum(bench["skipped_items"].values())
+                print(f"{name} ({bench['kind']}): score {bench['score']:.4f} over {bench['count']} questions"
+                      + (f", {skipped} skipped" if skipped else ""))
+            result["benchmarks"] = benchmarks
     except (CheckpointError, ConfigError, DataError, OSError) as err:
         print(f"evaluate error: {err}", file=sys.stderr)
         return 2
-    if not figures:
-        print(f"evaluate error: {args.data} gave nothing to evaluate (skipped samples: {dict(skipped) or 'none'})",
-              file=sys.stderr)
-        return 2
-    result = {**figures, **{f"skipped/{k}": v for k, v in sorted(skipped.items())}}
-    print(" | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
     if args.out:
         try:
             Path(args.out).write_text(json_files.dumps(result, indent=2))

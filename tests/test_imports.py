@@ -19,8 +19,9 @@ FLOORS = [
     {"checkpoint", "memory"},
     {"finetune"},
     {"generation"},
+    {"evaluation"},
     {"training", "serving"},
-    {"doctor", "generate", "evaluate", "export", "serve", "chat", "__init__"},
+    {"doctor", "generate", "evaluate", "compare", "export", "serve", "chat", "__init__"},
 ]
 FLOOR = {part: level for level, parts in enumerate(FLOORS) for part in parts}
 

@@ -207,6 +207,8 @@ def _files(paths: str | list[str]) -> list[str]:
     return list(paths) if isinstance(paths, list) else ([paths] if paths else [])
 
 
+# benchmark file kinds (ernie_moe.evaluation reads and scores them)
+BENCHMARK_KINDS = ("mcq", "mmbench", "mmmu", "chartqa", "docvqa", "infovqa", "ocrbench", "text_mcq")
 # a tokenizer folder holds one of these (data.tokenizer.tokenizer_in reads them)
 TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -285,8 +287,14 @@ class TrainingConfig:
                                  "own Python code, run by the trainer")
     reward_weights: list[float] = opt([], "one weight per reward in the sum; empty = 1 each")
     reward_pattern: str = opt("", "the regular expression the 'regex' reward searches the answer for")
+    eval_benchmarks: list[str] = opt([], "benchmark files answered greedily at every evaluation, each 'KIND:FILE' "
+                                         "(KIND: mcq, mmbench, mmmu, chartqa, docvqa, infovqa, ocrbench, text_mcq; "
+                                         "python -m ernie_moe.evaluate's formats, prompts and scores), each data rank "
+                                         "answering its share: eval_bench/<file's stem> and "
+                                         "eval_bench/<stem>/category/<name>")
     save_best_metric: str = opt("", "an evaluation figure (eval_loss, eval_caption_accuracy, "
-                                    "eval_generate_exact_match, ema_eval_loss, ...): each evaluation that improves it "
+                                    "eval_generate_exact_match, eval_bench/<stem>, ema_eval_loss, ...): each "
+                                    "evaluation that improves it "
                                     "writes output_dir/best_model (lower is better for a name ending in 'loss', "
                                     "higher otherwise); empty = off")
     early_stopping_patience: int = opt(0, "stop the run after this many evaluations in a row without an improvement "

@@ -8,7 +8,15 @@ from pathlib import Path
 
 from ..paths import not_a_file
 from .errors import ConfigError
-from .schema import FREEZE_PARTS, LORA_TARGET_GROUPS, MTP_MAX_DEPTH, TOKENIZER_FILES, Config, ModelConfig
+from .schema import (
+    BENCHMARK_KINDS,
+    FREEZE_PARTS,
+    LORA_TARGET_GROUPS,
+    MTP_MAX_DEPTH,
+    TOKENIZER_FILES,
+    Config,
+    ModelConfig,
+)
 from .transformers_form import to_transformers
 
 
@@ -16,7 +24,7 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     """``check_paths=False`` skips the checks that data and tokenizer files exist (planning a run elsewhere)."""
     check_model(cfg.model)
     _check_data(cfg, check_paths)
-    _check_training(cfg)
+    _check_training(cfg, check_paths)
     _check_parallel(cfg)
     _check_final_format(cfg)
     lg = cfg.logging
@@ -207,7 +215,7 @@ def _check_rewards(t) -> None:
                 from None
 
 
-def _check_training(cfg: Config) -> None:
+def _check_training(cfg: Config, check_paths: bool = True) -> None:
     t = cfg.training
     _check_rewards(t)
     _require(0 <= t.seed < 2 ** 32, f"training.seed ({t.seed}) must be between 0 and 2**32 - 1.")
@@ -261,6 +269,12 @@ def _check_training(cfg: Config) -> None:
     _require(t.eval_generate_samples >= 0 and t.eval_generate_max_new_tokens >= 1 and t.early_stopping_patience >= 0,
              "training.eval_generate_samples and early_stopping_patience cannot be negative, "
              "training.eval_generate_max_new_tokens must be at least 1.")
+    for spec in t.eval_benchmarks:
+        kind, sep, path = spec.partition(":")
+        _require(bool(sep) and kind in BENCHMARK_KINDS, f"training.eval_benchmarks entry '{spec}' must be KIND:FILE, "
+                                                        f"KIND one of {', '.join(BENCHMARK_KINDS)}.")
+        problem = not_a_file(path) if check_paths and sep else None
+        _require(problem is None, f"training.eval_benchmarks file '{path}' {problem}.")
     _require(not t.save_best_metric or t.save_best_metric.startswith(("eval_", "ema_eval_")),
              f"training.save_best_metric {t.save_best_metric!r} is not an evaluation figure: name one of the eval_* "
              "(or ema_eval_*) figures in metrics.jsonl, for example eval_loss.")
@@ -268,11 +282,15 @@ def _check_training(cfg: Config) -> None:
              "training.early_stopping_patience counts evaluations without an improvement of training.save_best_metric:"
              " set it too (for example eval_loss).")
     p = cfg.parallel
-    _require(not t.eval_generate or (p.tensor_parallel_degree == 1 and p.pipeline_parallel_degree == 1
-                                     and p.expert_parallel_degree == 1),
+    whole_model = p.tensor_parallel_degree == 1 and p.pipeline_parallel_degree == 1 and p.expert_parallel_degree == 1
+    _require(not t.eval_generate or whole_model,
              "training.eval_generate decodes on each data-parallel rank with the whole model; it does not run with "
              "tensor, pipeline or expert parallelism (their ranks would have to decode in step): evaluate "
              "final_model with python -m ernie_moe.generate instead.")
+    _require(not t.eval_benchmarks or whole_model,
+             "training.eval_benchmarks answers on each data-parallel rank with the whole model; it does not run with "
+             "tensor, pipeline or expert parallelism (their ranks would have to decode in step): score final_model "
+             "with python -m ernie_moe.evaluate --benchmark instead.")
     _check_fine_tuning(t)
     _check_preference(cfg)
     _check_rl(cfg)

@@ -44,6 +44,20 @@ def shape_mask(shape: str, size: int) -> np.ndarray:
     return np.abs(yy - c) <= size / 8  # bar: a horizontal stripe
 
 
+def paint(image: np.ndarray, d: dict) -> None:
+    """Draw shape ``d`` (its shape, colour, cell, jitter and scale, as ``SyntheticShapes.describe`` draws them) into
+    its cell of the square ``image``."""
+    n = image.shape[0]
+    cell = n / 3
+    side = max(int(cell * d["scale"]), 4)
+    cy = (d["row"] + 0.5 + d["jitter"][0]) * cell
+    cx = (d["column"] + 0.5 + d["jitter"][1]) * cell
+    top = int(np.clip(cy - side / 2, 0, n - side))
+    left = int(np.clip(cx - side / 2, 0, n - side))
+    mask = shape_mask(d["shape"], side)
+    image[top: top + side, left: left + side][mask] = COLORS[d["color"]]
+
+
 class SyntheticShapes:
     def __init__(self, seed: int, split: str, size: int, image_size: int, blank_images: bool = False):
         self.seed, self.split, self.size = seed, SPLITS[split], size
@@ -71,14 +85,7 @@ class SyntheticShapes:
         image = np.full((n, n, 3), d["background"], np.uint8)
         if self.blank_images:
             return np.zeros_like(image)
-        cell = n / 3
-        side = max(int(cell * d["scale"]), 4)
-        cy = (d["row"] + 0.5 + d["jitter"][0]) * cell
-        cx = (d["column"] + 0.5 + d["jitter"][1]) * cell
-        top = int(np.clip(cy - side / 2, 0, n - side))
-        left = int(np.clip(cx - side / 2, 0, n - side))
-        mask = shape_mask(d["shape"], side)
-        image[top: top + side, left: left + side][mask] = COLORS[d["color"]]
+        paint(image, d)
         return image
 
     def identity(self) -> dict:

@@ -111,3 +111,37 @@ def bar_chart(rows: list[np.ndarray], layers: list[int], title: str, bar: int | 
         draw.text((LABEL_W + e * bar + bar // 2, bottom - 4), str(e), fill=INK, font=small, anchor="mm")
     draw.text((8, bottom - 10), "expert", fill=INK, font=small)
     return np.asarray(image)
+
+
+BEFORE, AFTER_UP, AFTER_DOWN = (160, 160, 160), (60, 120, 200), (200, 60, 60)
+
+
+def comparison_chart(rows: list[tuple[str, float, float, float, float]], title: str) -> np.ndarray:
+    """Two scores (0 to 1) per labelled row, before (grey) above after (blue, red where the change's interval
+    lies below zero), with the change and its 95% interval written beside them.
+
+    ``rows``: (label, before, after, interval low, interval high)."""
+    label_w, plot_w, note_w, row_h = 240, 360, 230, 34
+    width, height = label_w + plot_w + note_w, TITLE_H + 20 + len(rows) * row_h + 30
+    image, draw = _canvas(width, height, title)
+    font, small = _font(13), _font(12)
+    top = TITLE_H + 16
+    for i, (label, before, after, low, high) in enumerate(rows):
+        y = top + i * row_h
+        draw.text((8, y + 8), label[:34], fill=INK, font=font)
+        for offset, value, colour in ((2, before, BEFORE), (15, after, AFTER_DOWN if high < 0 else AFTER_UP)):
+            draw.rectangle([label_w, y + offset, label_w + round(plot_w * min(max(value, 0.0), 1.0)),
+                            y + offset + 11], fill=colour)
+        draw.text((label_w + plot_w + 10, y + 8), f"{after - before:+.3f} ({low:+.3f} to {high:+.3f})", fill=INK,
+                  font=small)
+    axis = top + len(rows) * row_h + 2
+    draw.line([(label_w, axis), (label_w + plot_w, axis)], fill=INK)
+    for tick in (0.0, 0.5, 1.0):
+        x = label_w + round(plot_w * tick)
+        draw.line([(x, axis), (x, axis + 4)], fill=INK)
+        draw.text((x, axis + 14), f"{tick:g}", fill=INK, font=small, anchor="mm")
+    draw.rectangle([8, axis + 6, 18, axis + 16], fill=BEFORE)
+    draw.text((22, axis + 4), "before", fill=INK, font=small)
+    draw.rectangle([80, axis + 6, 90, axis + 16], fill=AFTER_UP)
+    draw.text((94, axis + 4), "after", fill=INK, font=small)
+    return np.asarray(image)

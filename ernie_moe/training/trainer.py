@@ -35,6 +35,7 @@ from ..data.feed import DataFeed
 from ..data.loader import sample_encoder, training_encoder
 from ..data.report import data_report, describe
 from ..elastic.job import Attempt, JobRecord, job_id, restart_history
+from ..evaluation.results import read_benchmarks
 from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
 from ..host_reads import HostReadCounter
@@ -47,6 +48,7 @@ from ..parallel import init_distributed
 from ..parallel.global_batch import for_world, global_batch
 from ..timing import part
 from .assembly import assemble
+from .benchmark_eval import benchmark_metrics
 from .best_model import BestModel
 from .generation_eval import evaluate_by_generation
 from .memory_guard import is_out_of_memory
@@ -89,6 +91,7 @@ class Trainer:
         self._notes()
         self.data_stats: Counter = Counter()  # skipped and fitted samples, the data/ metrics
         self.feed, self.eval_set = self._build_data()
+        self.benchmarks = read_benchmarks(t.eval_benchmarks, "training.eval_benchmarks")
         self.last_checkpoint = None  # the newest checkpoint of this run's lineage: a resume's source, then its saves
         self.writes = BackgroundWrites() if t.async_save else None  # the thread that writes saves in the background
         self.pending_save = None  # a save being written in the background (PendingCheckpoint)
@@ -428,8 +431,13 @@ class Trainer:
         return stops
 
     def _evaluate(self, warn: bool = True) -> dict:
+        if self.benchmarks:
+            with self.precision.autocast():
+                benchmarks = benchmark_metrics(self.benchmarks, self.model, self.tokenizer, self.cfg.data, self.env)
+        else:
+            benchmarks = {}
         if self.eval_set is None:
-            return {}
+            return benchmarks
         skipped = Counter()
         rows = RowStream(self.eval_set, self.tokenizer, self.cfg, skipped, shuffle=False, held_out=True)
         global_rows = self.runner.eval_rows_per_device(self.cfg.training) * self.env.data_world
@@ -446,7 +454,8 @@ class Trainer:
             print(f"WARNING the held-out data gave nothing to evaluate (skipped samples: {dict(skipped) or 'none'})",
                   flush=True)
         # held-out samples skipped are reported with the figures they are missing from
-        return {**result, **{f"eval_skipped_{reason}": count for reason, count in sorted(skipped.items())}}
+        skips = {f"eval_skipped_{reason}": count for reason, count in sorted(skipped.items())}
+        return {**result, **benchmarks, **skips}
 
     # -------------------------------------------------------------- helpers
     def _build_data(self) -> tuple[DataFeed | RolloutFeed, object]:

@@ -1,0 +1,98 @@
+"""Did the fine-tune make the model better? ``python -m ernie_moe.compare --before BASE --after TUNED
+--benchmark KIND:FILE [...] --out DIR``.
+
+``BASE`` and ``TUNED`` are model folders (final models, checkpoints, LoRA adapters over their base), each
+answering every ``--benchmark`` as ``python -m ernie_moe.evaluate`` does, or results files that command wrote
+(``--out``), read as they are. ``DIR`` gets ``report.json``, ``report.md`` and ``report.png``: every benchmark
+and category side by side, the change with its paired 95% interval, regressions flagged
+(``ernie_moe.evaluation.report``); and each side's results (``before.json``, ``after.json``). Exit code 0, or 1
+when any benchmark or category regressed (``--fail-on-regression``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+from . import json_files
+from .checkpoint.errors import CheckpointError
+from .cli import bounded
+from .config import ConfigError
+from .data import DataError
+from .evaluation.report import as_json, as_markdown, compare
+from .evaluation.results import MAX_NEW_TOKENS, MAX_SIDE_BY_SIDE, benchmark_results
+from .generation import folder_run_config
+from .monitor.charts import comparison_chart
+
+MAX_RESULTS_BYTES = 1 << 30  # a results file is read whole; one of a million answers is far below this
+
+
+def side(source: str, specs: list[str], config: str | None, batch_size: int, max_new_tokens: int | None) -> dict:
+    """A side's results by benchmark: read from an ``evaluate --out`` file, or answered by a model folder."""
+    path = Path(source)
+    if path.is_file():
+        if path.stat().st_size > MAX_RESULTS_BYTES:
+            raise DataError(f"results file '{path}' is over {MAX_RESULTS_BYTES >> 20} MiB")
+        try:
+            results = json.loads(path.read_bytes()).get("benchmarks")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+            raise DataError(f"'{path}' is not a results file of python -m ernie_moe.evaluate: {err}") from None
+        if not isinstance(results, dict) or not all(isinstance(r, dict) and isinstance(r.get("items"), list)
+                                                     for r in results.values()):
+            raise DataError(f"'{path}' holds no benchmark answers (write it with evaluate --benchmark ... --out)")
+        return results
+    if not specs:
+        raise DataError(f"'{source}' is a model folder: give the --benchmark files to answer")
+    return benchmark_results(source, specs, folder_run_config(source, config), batch_size, max_new_tokens)
+
+
+def short(path: str) -> str:
+    """A side's name for the chart: its last two path parts (``run/final_model``)."""
+    return "/".join(Path(path).resolve().parts[-2:])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", required=True, help="the base: a model folder, or an evaluate --out file")
+    parser.add_argument("--after", required=True, help="the fine-tuned model: a folder, or an evaluate --out file")
+    parser.add_argument("--benchmark", action="append", default=[], metavar="KIND:FILE",
+                        help="a benchmark file and its kind, answered by each model folder; repeatable")
+    parser.add_argument("--out", required=True, help="the report's folder")
+    parser.add_argument("--config", help="a training config whose data section overrides the folders' settings")
+    parser.add_argument("--batch-size", type=bounded(int, 1, MAX_SIDE_BY_SIDE), default=8)
+    parser.add_argument("--max-new-tokens", type=bounded(int, 1, MAX_NEW_TOKENS), default=None)
+    parser.add_argument("--fail-on-regression", action="store_true", help="exit 1 when anything regressed")
+    args = parser.parse_args(argv)
+    try:
+        before, after = (side(s, args.benchmark, args.config, args.batch_size, args.max_new_tokens)
+                         for s in (args.before, args.after))
+        rows = compare(before, after)
+        if not rows:
+            raise DataError("the two sides share no benchmark question")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        report = as_json(rows, args.before, args.after)
+        (out / "report.json").write_text(json_files.dumps(report, indent=2))
+        (out / "report.md").write_text(as_markdown(rows, args.before, args.after))
+        for name, results in (("before.json", before), ("after.json", after)):
+            (out / name).write_text(json_files.dumps({"benchmarks": results}, indent=2))
+        chart = comparison_chart([(f"{r.benchmark} {r.scope}", r.before, r.after, r.low, r.high) for r in rows],
+                                 f"{short(args.before)} -> {short(args.after)}")
+        Image.fromarray(chart).save(out / "report.png")
+    except (CheckpointError, ConfigError, DataError, OSError) as err:
+        print(f"compare error: {err}", file=sys.stderr)
+        return 2
+    print(as_markdown(rows, args.before, args.after), end="")
+    flagged = report["regressions"]
+    if flagged:
+        print(f"regressions: {', '.join(flagged)}")
+    print(f"report written to {out}/report.md, report.json and report.png")
+    return 1 if flagged and args.fail_on_regression else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

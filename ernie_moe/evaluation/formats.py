@@ -1,0 +1,363 @@
+"""Benchmark files as the field distributes them, read into :class:`Item` records.
+
+- ``mcq``: VLMEvalKit's multiple-choice TSV (MMBench, MMStar, SEED-Bench): ``index, question, [hint], A..E,
+  answer, [category], [l2-category], image`` with the image as base64 or, in a short field, the ``index`` of the
+  row that holds it. ``mmbench`` is the same file scored with CircularEval: a question counts only when every
+  rotation of its options is answered right (rows whose ``index`` is the original's plus k x 1e6 are its
+  rotations; a file without them gets the rotations made here).
+- ``mmmu``: MMMU's records (``id, question, options, answer, question_type, image_1..image_7``), ``<image N>``
+  markers placing the images, multiple-choice and open questions, the subject read from the ``id``.
+- ``chartqa``, ``docvqa``, ``infovqa``, ``ocrbench``: a question, its gold answers (a list, a Python-literal list
+  or one string) and one image; OCRBench's ``question_type`` is its category.
+- ``text_mcq``: MMLU / C-Eval: ``question, A..D, answer`` with a header (``subject`` or ``category`` naming the
+  category), or MMLU's headerless six columns (the category then the file's name).
+
+Files are TSV, CSV, JSONL, JSON (a list of records) or Parquet; an image is base64 text, a ``{"bytes": ...}``
+record (Hugging Face datasets' layout) or a path relative to the file. A row that cannot be used is a counted
+skip by reason; a file that cannot be read at all is a :class:`~ernie_moe.data.DataError`.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import binascii
+import csv
+import io
+import json
+import re
+import string
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config.schema import BENCHMARK_KINDS
+from ..data.sample import DataError
+from ..paths import not_a_file
+
+KINDS = BENCHMARK_KINDS
+MAX_FILE_BYTES = 8 * 2 ** 30  # a benchmark file is read whole; MMBench's largest TSV is under 1 GiB
+MAX_FIELD_BYTES = 64 * 2 ** 20  # one cell: a base64 image
+MAX_ROWS = 1_000_000
+CIRCULAR_STEP = 1_000_000  # MMBench: a rotation's index is the original's plus k times this
+LETTERS = string.ascii_uppercase[:9]  # MMBench A-E, MMMU up to I
+MMMU_IMAGES = 7
+
+
+@dataclass(frozen=True)
+class Item:
+    """One question of a benchmark; ``images`` are encoded files (bytes) or paths."""
+
+    id: str
+    question: str
+    answers: tuple[str, ...]  # the gold letter (multiple choice) or the gold texts
+    options: dict[str, str] = field(default_factory=dict)  # letter -> text, in order; empty for open questions
+    images: tuple[bytes | Path, ...] = ()
+    hint: str = ""
+    category: str = ""
+    l2_category: str = ""
+    group: str = ""  # CircularEval: the original question's index
+    open: bool = False  # an MMMU open question
+
+
+@dataclass
+class Benchmark:
+    kind: str
+    path: Path
+    items: list[Item]
+    skipped: Counter = field(default_factory=Counter)
+
+    @property
+    def circular(self) -> bool:
+        return self.kind == "mmbench"
+
+
+class RowSkip(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def read_benchmark(path: str | Path, kind: str) -> Benchmark:
+    """The items of the benchmark file ``path`` read as ``kind`` (one of :data:`KINDS`)."""
+    if kind not in KINDS:
+        raise DataError(f"unknown benchmark kind '{kind}': one of {', '.join(KINDS)}")
+    path = Path(path)
+    problem = not_a_file(path)
+    if problem is not None:
+        raise DataError(f"benchmark file '{path}' {problem}")
+    if path.stat().st_size > MAX_FILE_BYTES:
+        raise DataError(f"benchmark file '{path}' is over {MAX_FILE_BYTES // 2 ** 30} GiB")
+    rows = list(_rows(path, headerless=kind == "text_mcq"))
+    bench = Benchmark(kind, path, [])
+    if kind in ("mcq", "mmbench"):
+        bench.items = _mcq_items(rows, path, bench.skipped)
+        if kind == "mmbench":
+            bench.items = _with_rotations(bench.items)
+    else:
+        reader = {"mmmu": _mmmu_item, "text_mcq": _text_mcq_item}.get(kind, _vqa_item)
+        for number, row in enumerate(rows, start=1):
+            try:
+                bench.items.append(reader(row, number, path))
+            except RowSkip as skip:
+                bench.skipped[skip.reason] += 1
+    if not bench.items:
+        raise DataError(f"benchmark file '{path}' holds no usable {kind} question (skipped: "
+                        f"{dict(bench.skipped) or 'none'})")
+    ids = Counter(item.id for item in bench.items)
+    repeated = [i for i, n in ids.items() if n > 1]
+    if repeated:
+        raise DataError(f"benchmark file '{path}': item id '{repeated[0]}' appears {ids[repeated[0]]} times")
+    return bench
+
+
+# -- rows --------------------------------------------------------------------------------------------------
+
+def _rows(path: Path, headerless: bool = False) -> Iterator[dict]:
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".tsv", ".csv"):
+            yield from _delimited(path, "\t" if suffix == ".tsv" else ",", headerless)
+        elif suffix == ".jsonl":
+            with path.open("rb") as f:
+                for number, line in enumerate(f, start=1):
+                    if line.strip():
+                        yield _record(line, f"{path} line {number}")
+        elif suffix == ".json":
+            records = json.loads(path.read_bytes())
+            if not isinstance(records, list):
+                raise DataError(f"benchmark file '{path}' must hold a JSON list of records")
+            for number, record in enumerate(records, start=1):
+                if not isinstance(record, dict):
+                    raise DataError(f"benchmark file '{path}' record {number} is not an object")
+                yield record
+        elif suffix == ".parquet":
+            yield from _parquet(path)
+        else:
+            raise DataError(f"benchmark file '{path}': read as its suffix says, one of .tsv .csv .jsonl .json "
+                            ".parquet")
+    except (UnicodeDecodeError, json.JSONDecodeError, csv.Error) as err:
+        raise DataError(f"benchmark file '{path}' cannot be read: {err}") from None
+
+
+def _record(line: bytes, where: str) -> dict:
+    try:
+        record = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{where} is not JSON: {err}") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where} is not a JSON object")
+    return record
+
+
+def _delimited(path: Path, delimiter: str, headerless: bool) -> Iterator[dict]:
+    csv.field_size_limit(MAX_FIELD_BYTES)
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f, delimiter=delimiter)
+        header = next(reader, None)
+        if header is None:
+            return
+        if headerless and "question" not in header and len(header) == 6:  # MMLU: question, A-D, answer
+            names = ["question", "A", "B", "C", "D", "answer"]
+            yield dict(zip(names, header))
+        else:
+            names = [name.strip() for name in header]
+        for count, row in enumerate(reader, start=1):
+            if count > MAX_ROWS:
+                raise DataError(f"benchmark file '{path}' has over {MAX_ROWS} rows")
+            yield dict(zip(names, row))
+
+
+def _parquet(path: Path) -> Iterator[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"'{path}': reading Parquet needs pyarrow (pip install pyarrow, or the package's [parquet] "
+                        "extra)") from None
+    try:
+        table = pq.ParquetFile(path)
+        for group in range(table.num_row_groups):
+            yield from table.read_row_group(group).to_pylist()
+    except (OSError, ValueError) as err:  # pyarrow's errors derive from these
+        raise DataError(f"benchmark file '{path}' cannot be read as Parquet: {err}") from None
+
+
+# -- fields ------------------------------------------------------------------------------------------------
+
+def _text(row: dict, key: str) -> str:
+    """A cell as text; pandas writes a missing value as '' or 'nan' in a TSV."""
+    value = row.get(key)
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
+    value = str(value).strip()
+    return "" if value.lower() == "nan" else value
+
+
+def _options(row: dict) -> dict[str, str]:
+    options = {}
+    for letter in LETTERS:
+        text = _text(row, letter)
+        if not text:
+            break
+        options[letter] = text
+    return options
+
+
+def _answer_list(value) -> tuple[str, ...]:
+    """Gold answers: a list, a Python-literal or JSON list in a string, or one string."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        try:
+            value = ast.literal_eval(value.strip())  # data only: literal_eval evaluates no code
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            raise RowSkip("bad_answer") from None
+    values = value if isinstance(value, (list, tuple)) else [value]
+    answers = tuple(str(v).strip() for v in values if v is not None and str(v).strip())
+    if not answers:
+        raise RowSkip("no_answer")
+    return answers
+
+
+def _image(value, root: Path) -> bytes | Path:
+    """An image cell: base64 text, a datasets ``{"bytes", "path"}`` record, or a path under ``root``."""
+    if isinstance(value, dict):
+        if value.get("bytes"):
+            return bytes(value["bytes"])
+        value = value.get("path")
+    if isinstance(value, bytes):
+        return value
+    if not isinstance(value, str) or not value.strip():
+        raise RowSkip("missing_image")
+    value = value.strip()
+    if value.startswith("data:") and "," in value:
+        value = value.split(",", 1)[1]
+    if len(value) > 256:
+        try:
+            return base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise RowSkip("bad_image") from None
+    return root / value
+
+
+# -- kinds -------------------------------------------------------------------------------------------------
+
+def _mcq_items(rows: list[dict], path: Path, skipped: Counter) -> list[Item]:
+    """VLMEvalKit's TSV: an image cell of at most 64 characters names the row that holds the image."""
+    images: dict[str, str] = {}
+    for row in rows:
+        cell = _text(row, "image")
+        if len(cell) > 64:
+            images[_text(row, "index")] = cell
+    items = []
+    for number, row in enumerate(rows, start=1):
+        try:
+            index = _text(row, "index") or str(number)
+            options = _options(row)
+            answer = _text(row, "answer")
+            question = _text(row, "question")
+            if not question:
+                raise RowSkip("no_question")
+            if len(options) < 2:
+                raise RowSkip("too_few_options")
+            if answer not in options:
+                raise RowSkip("answer_not_an_option")
+            cell = _text(row, "image")
+            if len(cell) <= 64 and cell:
+                if cell not in images:
+                    raise RowSkip("missing_image")
+                cell = images[cell]
+            image = (_image(cell, path.parent),) if cell else ()
+            group = str(int(float(index)) % CIRCULAR_STEP) if _is_number(index) else index
+            items.append(Item(index, question, (answer,), options, image, _text(row, "hint"),
+                              _text(row, "category"), _text(row, "l2-category") or _text(row, "l2_category"),
+                              group))
+        except RowSkip as skip:
+            skipped[skip.reason] += 1
+    return items
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _with_rotations(items: list[Item]) -> list[Item]:
+    """MMBench's CircularEval set: each question with its options rotated once per further option, unless the
+    file already holds the rotations (rows sharing a group)."""
+    if len({item.group for item in items}) < len(items):
+        return items
+    rotated = []
+    for item in items:
+        letters, texts = list(item.options), list(item.options.values())
+        gold = letters.index(item.answers[0])
+        for shift in range(len(letters)):
+            options = dict(zip(letters, texts[shift:] + texts[:shift]))
+            answer = letters[(gold - shift) % len(letters)]
+            item_id = item.id if shift == 0 else f"{item.group}+{shift}x{CIRCULAR_STEP}"
+            rotated.append(Item(item_id, item.question, (answer,), options, item.images, item.hint,
+                                item.category, item.l2_category, item.group))
+    return rotated
+
+
+_MMMU_SUBJECT = re.compile(r"^[^_]+_(.+?)_\d+$")
+
+
+def _mmmu_item(row: dict, number: int, path: Path) -> Item:
+    item_id = _text(row, "id") or str(number)
+    question = _text(row, "question")
+    if not question:
+        raise RowSkip("no_question")
+    raw = row.get("options", [])
+    if isinstance(raw, str):
+        try:
+            raw = ast.literal_eval(raw) if raw.strip() else []  # MMMU writes its options as a Python list
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            raise RowSkip("bad_options") from None
+    if not isinstance(raw, (list, tuple)) or len(raw) > len(LETTERS):
+        raise RowSkip("bad_options")
+    is_open = _text(row, "question_type") == "open" or not raw
+    options = {} if is_open else dict(zip(LETTERS, (str(o) for o in raw)))
+    answers = _answer_list(row.get("answer"))
+    if not is_open and answers[0] not in options:
+        raise RowSkip("answer_not_an_option")
+    marked = [int(n) for n in re.findall(r"<image (\d+)>", question)]
+    if any(not 1 <= n <= MMMU_IMAGES for n in marked):
+        raise RowSkip("bad_image_marker")
+    images = tuple(_image(row.get(f"image_{n}"), path.parent) for n in marked)
+    match = _MMMU_SUBJECT.match(item_id)
+    subject = _text(row, "subject") or (match.group(1) if match else "")
+    return Item(item_id, question, answers if is_open else answers[:1], options, images, category=subject,
+                open=is_open)
+
+
+def _vqa_item(row: dict, number: int, path: Path) -> Item:
+    question = _text(row, "question")
+    if not question:
+        raise RowSkip("no_question")
+    answers = _answer_list(row.get("answers", row.get("answer")))
+    item_id = _text(row, "index") or _text(row, "id") or _text(row, "questionId") or str(number)
+    category = _text(row, "question_type") or _text(row, "category") or _text(row, "type")
+    return Item(item_id, question, answers, images=(_image(row.get("image"), path.parent),), category=category)
+
+
+def _text_mcq_item(row: dict, number: int, path: Path) -> Item:
+    question = _text(row, "question")
+    if not question:
+        raise RowSkip("no_question")
+    options = _options(row)
+    answer = _text(row, "answer")
+    if len(options) < 2:
+        raise RowSkip("too_few_options")
+    if answer not in options:
+        raise RowSkip("answer_not_an_option")
+    item_id = _text(row, "id") or _text(row, "index") or str(number)
+    category = _text(row, "subject") or _text(row, "category") or path.stem.removesuffix("_test").removesuffix("_val")
+    return Item(item_id, question, (answer,), options, category=category)
+
+
+def image_file(image: bytes | Path) -> io.BytesIO | Path:
+    """What Pillow opens for an item's image."""
+    return io.BytesIO(image) if isinstance(image, bytes) else image

@@ -1,0 +1,31 @@
+"""Benchmarks answered at every evaluation (``training.eval_benchmarks``): each file read once at start, each data
+rank answering its share of the questions with the whole model, the scores summed over the data ranks:
+``eval_bench/<file's stem>``, and per category and l2-category under it."""
+
+from __future__ import annotations
+
+import paddle
+
+from ..evaluation import answer_benchmark, max_new_tokens
+from ..evaluation.formats import Benchmark
+
+SIDE_BY_SIDE = 8  # questions decoded together
+
+
+def benchmark_metrics(benches: dict[str, Benchmark], model, tokenizer, data_cfg, env) -> dict:
+    """Every benchmark's figures as ``eval_bench/<name>[/<category>]``, and its skipped items."""
+    def summed(values):
+        return env.all_reduce_sum(paddle.to_tensor(values), env.data_group).numpy()
+
+    result = {}
+    for name, bench in benches.items():
+        answered = answer_benchmark(model, tokenizer, data_cfg, bench, max_new_tokens(bench.kind), SIDE_BY_SIDE,
+                                    env.data_rank, env.data_world, summed)
+        figures = dict(answered.figures)
+        if not figures:
+            continue
+        result[f"eval_bench/{name}"] = figures.pop("score")
+        figures.pop("count")
+        result.update({f"eval_bench/{name}/{key}": value for key, value in figures.items()})
+        result.update({f"eval_bench/{name}/skipped_{reason}": n for reason, n in answered.skipped.items()})
+    return result

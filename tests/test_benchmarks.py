@@ -1,0 +1,412 @@
+"""Benchmarks in the field's formats: each reader (bad rows counted), each answer-extraction rule and metric on
+hand-written answers, where the harnesses disagree, and the figures (CircularEval, categories)."""
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ernie_moe.data import DataError
+from ernie_moe.evaluation import read_benchmark
+from ernie_moe.evaluation.answers import (
+    can_infer,
+    eval_open,
+    extract_numbers,
+    parse_multi_choice_response,
+    parse_open_response,
+)
+from ernie_moe.evaluation.formats import Item
+from ernie_moe.evaluation.metrics import anls, levenshtein, ocrbench_hit, relaxed_accuracy, relaxed_correctness
+from ernie_moe.evaluation.scoring import figures, judge, prompt_text, user_content
+
+ABCD = {"A": "red", "B": "green", "C": "blue", "D": "yellow"}
+
+
+def png_base64(color=(200, 30, 30), size=28) -> str:
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((size, size, 3), color, np.uint8)).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+# -- VLMEvalKit's can_infer --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("reply, letter", [
+    ("B", "B"),
+    ("(C)", "C"),
+    ("The answer is D.", "D"),
+    ("B. green", "B"),  # the letter stands alone once, among the last four words
+    ("A B", None),  # two letters named: undecided, and no option's text is in it either
+    ("B is what I would say after looking closely at it", None),  # the letter is too early (index 0 of 10 words)
+    ("I looked at the image and it is B", "B"),
+    ("it is blue", "C"),  # no letter: the one option whose text the reply holds
+    ("red or green", None),  # two options' texts
+    ("blue " * 20, None),  # over twice the options' texts in length: no text match
+    ("Cannot determine the answer", "Z"),
+    ("Z", "Z"),
+])
+def test_vlmevalkit_can_infer(reply, letter):
+    assert can_infer(reply, dict(ABCD)) == letter
+
+
+def test_can_infer_reads_the_last_four_words_as_the_code_does():
+    """``splits.index(ch) > len(splits) - 5``: the letter must be one of the last four words."""
+    assert can_infer("w w w w B w w w", dict(ABCD)) == "B"  # index 4 of 8 > 3
+    assert can_infer("w w w B w w w w", dict(ABCD)) is None  # index 3 of 8: not > 3
+
+
+# -- MMMU's parsers ----------------------------------------------------------------------------------------
+
+MMMU_OPTIONS = {"A": "Paris", "B": "London", "C": "Rome", "D": "Berlin"}
+
+
+@pytest.mark.parametrize("reply, letter", [
+    ("(B)", "B"),
+    ("The answer is (A), not (C).", "C"),  # several bracketed: the last one
+    ("C", "C"),
+    ("I think C is right.", "C"),
+    ("A or maybe D", "D"),  # letters between spaces: the last
+    ("the capital of Italy is Rome of course", "C"),  # over five words: the option text
+    ("It is an ELISA test", None),  # lmms-eval's copy reads 'A ' in 'ELISA ' as A; MMMU's rule finds no letter
+    ("B. Paris is correct", None),  # lmms-eval's copy takes 'B.'; MMMU's finds no letter in four words
+])
+def test_mmmu_multi_choice_parsing(reply, letter):
+    got = parse_multi_choice_response(reply, MMMU_OPTIONS, "validation_Art_1")
+    if letter is None:  # MMMU then draws a letter at random: here seeded by the item's id, the same every time
+        assert got in MMMU_OPTIONS
+        assert got == parse_multi_choice_response(reply, MMMU_OPTIONS, "validation_Art_1")
+    else:
+        assert got == letter
+
+
+def test_mmmu_draws_for_a_reply_without_a_letter_depend_on_the_item():
+    draws = {parse_multi_choice_response("no idea", MMMU_OPTIONS, f"validation_Art_{i}") for i in range(40)}
+    assert draws == set(MMMU_OPTIONS)
+
+
+def test_mmmu_open_parsing_and_judgement():
+    # MMMU's three patterns in turn; the plain one also finds a thousands group's tail and a mantissa's
+    # integer part, as MMMU's regular expressions do
+    assert extract_numbers("it costs 1,234 dollars, or 1.5e3, or -7.25") == ["1,234", "1.5e3", "234", "1", "-7.25"]
+    parsed = parse_open_response("The area is 12.50 square metres")
+    assert 12.5 in parsed and "12.50 square metres" in parsed
+    assert eval_open(["12.5"], parsed)
+    assert not eval_open(["13"], parsed)
+    # the shortest tail after a key phrase of each sentence; '=' only in the last
+    assert parse_open_response("x = 4") == [4.0]  # the tail after '=', a number, normalised once
+    assert eval_open(["blue"], parse_open_response("Therefore the colour is blue"))
+    # a one-letter gold answer is padded, so it does not match inside a word
+    assert not eval_open(["a"], parse_open_response("it is cat"))
+    assert eval_open(["a"], parse_open_response("the answer is a"))
+
+
+# -- metrics -----------------------------------------------------------------------------------------------
+
+def test_chartqa_relaxed_accuracy():
+    assert relaxed_correctness("100", "104.9") and not relaxed_correctness("100", "105.1")
+    assert relaxed_correctness("50%", "0.52")  # a percentage is divided by 100
+    assert relaxed_correctness("0", "0") and not relaxed_correctness("0", "0.0")  # a zero gold: strings equal
+    assert relaxed_correctness("Yes", "yes")
+    # VLMEvalKit strips the prediction (followed here); lmms-eval does not, and scores this 0
+    assert relaxed_accuracy(["yes"], "Yes\n") == 1.0
+    assert relaxed_accuracy(["12", "twelve"], "Twelve") == 1.0
+
+
+def test_anls_against_the_definition():
+    assert levenshtein("kitten", "sitting") == 3 and levenshtein("", "abc") == 3
+    assert anls(["abd"], "abc") == pytest.approx(2 / 3)
+    # normalised lengths: trailing whitespace scores as the bare reply (lmms-eval and VLMEvalKit give 0.833)
+    assert anls(["abd"], "abc  \n") == pytest.approx(2 / 3)
+    assert anls(["ab"], "ac") == 0.5  # exactly the threshold counts
+    assert anls(["abc"], "xyz") == 0.0  # below it: 0
+    assert anls(["New  York"], "new york") == 1.0
+    assert anls(["nope", "Paris"], "paris!") == pytest.approx(5 / 6)  # the best gold answer
+
+
+def test_ocrbench_containment():
+    assert ocrbench_hit(["STOP"], "The sign says stop.\n") == 1.0
+    assert ocrbench_hit(["two words"], "two\nwords") == 1.0  # newlines read as spaces
+    hme = "Handwritten Mathematical Expression Recognition"
+    assert ocrbench_hit(["x ^ 2"], "x^2", hme) == 1.0  # spaces removed, case kept
+    assert ocrbench_hit(["X^2"], "x^2", hme) == 0.0
+
+
+# -- readers -----------------------------------------------------------------------------------------------
+
+def write_tsv(path, header, rows):
+    path.write_text("\t".join(header) + "\n" + "".join("\t".join(map(str, row)) + "\n" for row in rows))
+
+
+def test_vlmevalkit_tsv_with_shared_images_and_bad_rows(tmp_path):
+    header = ["index", "question", "hint", "A", "B", "C", "D", "answer", "category", "l2-category", "image"]
+    image = png_base64()
+    rows = [
+        [0, "What colour?", "", "red", "green", "blue", "yellow", "A", "colour", "perception", image],
+        [1, "Which one?", "look", "red", "green", "", "", "B", "colour", "perception", "0"],  # the image of row 0
+        [2, "Bad answer", "", "red", "green", "", "", "C", "colour", "perception", image],  # C is no option
+        [3, "Lost image", "", "red", "green", "", "", "A", "colour", "perception", "77"],  # no row 77
+        [4, "", "", "red", "green", "", "", "A", "colour", "perception", image],  # no question
+    ]
+    write_tsv(tmp_path / "mmstar.tsv", header, rows)
+    bench = read_benchmark(tmp_path / "mmstar.tsv", "mcq")
+    assert [item.id for item in bench.items] == ["0", "1"]
+    assert bench.items[1].images == bench.items[0].images and bench.items[1].hint == "look"
+    assert bench.items[1].options == {"A": "red", "B": "green"}
+    assert dict(bench.skipped) == {"answer_not_an_option": 1, "missing_image": 1, "no_question": 1}
+    assert prompt_text("mcq", bench.items[1]) == ("Hint: look\nQuestion: Which one?\nOptions:\nA. red\nB. green\n"
+                                                  "Please select the correct answer from the options above. \n")
+    assert user_content("mcq", bench.items[1]).startswith("<image>Hint: look")
+
+
+def test_mmbench_circular_eval(tmp_path):
+    header = ["index", "question", "A", "B", "C", "answer", "category", "image"]
+    image = png_base64()
+    write_tsv(tmp_path / "mmbench.tsv", header, [[7, "q1", "x", "y", "z", "B", "c1", image],
+                                                 [8, "q2", "x", "y", "z", "C", "c2", image]])
+    bench = read_benchmark(tmp_path / "mmbench.tsv", "mmbench")
+    assert len(bench.items) == 6  # each question rotated over its three options
+    first = [item for item in bench.items if item.group == "7"]
+    assert [item.options["A"] for item in first] == ["x", "y", "z"]
+    assert [item.answers[0] for item in first] == ["B", "A", "C"]  # 'y' wherever it went
+    # a question counts only when every rotation is right
+    scores = {i: 1.0 for i in range(6)}
+    scores[4] = 0.0  # one rotation of the second question wrong
+    result = figures("mmbench", bench.items, scores)
+    assert result["score"] == 0.5 and result["count"] == 2
+    assert result["category/c1"] == 1.0 and result["category/c2"] == 0.0
+    assert figures("mcq", bench.items, scores)["score"] == pytest.approx(5 / 6)  # plain accuracy
+    # a file holding the rotations (index + k x 1e6) is taken as it is
+    write_tsv(tmp_path / "rotated.tsv", header, [[7, "q1", "x", "y", "z", "B", "c1", image],
+                                                 [1000007, "q1", "y", "z", "x", "A", "c1", image]])
+    rotated = read_benchmark(tmp_path / "rotated.tsv", "mmbench")
+    assert [item.group for item in rotated.items] == ["7", "7"]
+
+
+def test_mmmu_records(tmp_path):
+    image = png_base64()
+    records = [
+        {"id": "validation_Art_1", "question": "Compare <image 1> and <image 2>.", "options": "['left', 'right']",
+         "answer": "B", "question_type": "multiple-choice", "image_1": image, "image_2": png_base64((0, 0, 200))},
+        {"id": "validation_Math_2", "question": "What is 2 + 2?", "options": "[]", "answer": "4",
+         "question_type": "open"},
+        {"id": "validation_Math_3", "question": "<image 9> broken", "options": "[]", "answer": "1",
+         "question_type": "open"},
+        {"id": "validation_Math_4", "question": "bad", "options": "[__import__('os')]", "answer": "A"},
+    ]
+    (tmp_path / "mmmu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    bench = read_benchmark(tmp_path / "mmmu.jsonl", "mmmu")
+    assert [item.category for item in bench.items] == ["Art", "Math"]
+    assert len(bench.items[0].images) == 2 and bench.items[1].open
+    assert dict(bench.skipped) == {"bad_image_marker": 1, "bad_options": 1}  # literal_eval runs no code
+    assert user_content("mmmu", bench.items[0]) == ("Compare <image> and <image>.\n(A) left\n(B) right\n\n"
+                                                    "Answer with the option's letter from the given choices directly.")
+    assert judge("mmmu", bench.items[1], "2 + 2 = 4") == ("4.0", 1.0)
+    assert judge("mmmu", bench.items[0], "(B)") == ("B", 1.0)
+
+
+def test_vqa_sets_and_text_multiple_choice(tmp_path):
+    image = png_base64()
+    rows = [{"question": "What is the total?", "answer": "['120', '120.0']", "image": image, "type": "human_test"},
+            {"question": "Where?", "answers": ["Paris"], "image": {"bytes": base64.b64decode(image)}},
+            {"question": "Nothing", "answers": [], "image": image}]
+    (tmp_path / "chartqa.jsonl").write_text("".join(json.dumps(r, default=str) + "\n" for r in rows[::2]))
+    chart = read_benchmark(tmp_path / "chartqa.jsonl", "chartqa")
+    assert chart.items[0].answers == ("120", "120.0") and dict(chart.skipped) == {"no_answer": 1}
+    assert judge("chartqa", chart.items[0], " 123 ") == ("123", 1.0)
+    assert prompt_text("chartqa", chart.items[0]) == ("What is the total?\nAnswer the question using a single "
+                                                      "word or phrase.")
+    (tmp_path / "images").mkdir()
+    Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(tmp_path / "images" / "a.png")
+    (tmp_path / "docvqa.json").write_text(json.dumps([{"question": "Who?", "answers": ["Ann"],
+                                                      "image": "images/a.png", "questionId": 9}]))
+    doc = read_benchmark(tmp_path / "docvqa.json", "docvqa")
+    assert doc.items[0].images == (tmp_path / "images" / "a.png",) and doc.items[0].id == "9"
+    # MMLU's headerless CSV: question, A-D, answer; the category from the file's name
+    (tmp_path / "anatomy_test.csv").write_text('"Which, of these?",w,x,y,z,C\nbroken,w,x,y,z,E\n')
+    mmlu = read_benchmark(tmp_path / "anatomy_test.csv", "text_mcq")
+    assert [(i.question, i.answers, i.category) for i in mmlu.items] == [("Which, of these?", ("C",), "anatomy")]
+    assert dict(mmlu.skipped) == {"answer_not_an_option": 1}
+    assert judge("text_mcq", mmlu.items[0], "C") == ("C", 1.0)
+    # C-Eval: a header
+    (tmp_path / "ceval.csv").write_text("id,question,A,B,C,D,answer,explanation\n0,q,a,b,c,d,D,\n")
+    assert read_benchmark(tmp_path / "ceval.csv", "text_mcq").items[0].answers == ("D",)
+
+
+@pytest.mark.parametrize("name, content, kind, message", [
+    ("missing.tsv", None, "mcq", "does not exist"),
+    ("bench.xlsx", "x", "mcq", "read as its suffix says"),
+    ("bench.tsv", "index\tquestion\n", "mcq", "holds no usable mcq question"),
+    ("bench.jsonl", "{not json\n", "mmmu", "line 1 is not JSON"),
+    ("bench.json", '{"a": 1}', "docvqa", "must hold a JSON list"),
+    ("bench.jsonl", '{"question": "q"}\n', "nonsense", "unknown benchmark kind"),
+    ("bench.jsonl", '{"id": "x", "question": "q", "answer": "1", "image": "a.png"}\n' * 2, "chartqa",
+     "item id 'x' appears 2 times"),
+])
+def test_files_that_cannot_be_read_are_one_clear_error(tmp_path, name, content, kind, message):
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    with pytest.raises(DataError, match=message):
+        read_benchmark(tmp_path / name, kind)
+
+
+def test_figures_per_category_and_l2_category():
+    items = [Item(str(i), "q", ("A",), dict(ABCD), category="c" + str(i % 2), l2_category="l") for i in range(4)]
+    result = figures("mcq", items, {0: 1.0, 1: 0.0, 2: 1.0, 3: 1.0})
+    assert result == {"score": 0.75, "count": 4, "category/c0": 1.0, "category/c1": 0.5, "l2_category/l": 0.75}
+    assert figures("mcq", items, {}) == {}
+
+
+# -- before and after --------------------------------------------------------------------------------------
+
+def test_the_paired_interval_against_numpy():
+    from ernie_moe.evaluation.report import paired, verdict
+
+    rng = np.random.default_rng(0)
+    before = {str(i): float(v) for i, v in enumerate(rng.integers(0, 2, 200))}
+    after = {k: float(v if rng.random() < 0.8 else 1 - v) for k, v in before.items()}
+    after.pop("0")  # a question one side did not answer is left out of the pairs
+    d = np.array([after[k] - before[k] for k in sorted(after)])
+    half = 1.959963984540054 * d.std(ddof=1) / np.sqrt(len(d))
+    assert paired(before, after) == pytest.approx((199, d.mean(), d.mean() - half, d.mean() + half))
+    assert verdict(-0.2, -0.01) == "regression" and verdict(0.01, 0.2) == "improvement"
+    assert verdict(-0.1, 0.1) == "within noise"
+    # one question, or too few equal differences, tell nothing
+    assert paired({"a": 1.0}, {"a": 0.0})[2:] == (-1.0, 1.0)
+    assert paired({str(i): 1.0 for i in range(5)}, {str(i): 0.0 for i in range(5)})[2:] == (-1.0, 1.0)
+    assert verdict(*paired({str(i): 1.0 for i in range(20)}, {str(i): 0.0 for i in range(20)})[2:]) == "regression"
+
+
+def results(scores: dict[str, list[float]]) -> dict:
+    """An evaluate --out file's benchmarks: each benchmark's items, category 'c' + the item's parity."""
+    return {"benchmarks": {name: {"kind": "mcq", "items": [
+        {"id": str(i), "unit": str(i), "category": f"c{i % 2}", "l2_category": "", "score": s}
+        for i, s in enumerate(values)]} for name, values in scores.items()}}
+
+
+def test_compare_writes_the_report_and_flags_regressions(tmp_path, capsys):
+    from ernie_moe import compare
+
+    (tmp_path / "base.json").write_text(json.dumps(results({"kept": [1.0] * 40, "lost": [1.0] * 40})))
+    (tmp_path / "tuned.json").write_text(json.dumps(results({"kept": [1.0] * 39 + [0.0], "lost": [0.0] * 40})))
+    argv = ["--before", str(tmp_path / "base.json"), "--after", str(tmp_path / "tuned.json"), "--out",
+            str(tmp_path / "report")]
+    assert compare.main(argv) == 0
+    assert compare.main([*argv, "--fail-on-regression"]) == 1
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    rows = {(r["benchmark"], r["scope"]): r for r in report["rows"]}
+    assert rows["kept", "overall"]["verdict"] == "within noise" and rows["kept", "overall"]["after"] == 0.975
+    assert rows["lost", "overall"]["verdict"] == "regression" and rows["lost", "category/c1"]["questions"] == 20
+    assert report["regressions"] == ["lost overall", "lost category/c0", "lost category/c1"]
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "| lost | overall | 40 | 1.000 | 0.000 | -1.000 (-1.000 to -1.000) | **regression** |" in markdown
+    assert Image.open(tmp_path / "report" / "report.png").size[1] > 100
+    assert "regressions: lost overall" in capsys.readouterr().out
+    (tmp_path / "not_results.json").write_text("[1, 2]")
+    assert compare.main(["--before", str(tmp_path / "not_results.json"), "--after", str(tmp_path / "tuned.json"),
+                         "--out", str(tmp_path / "x")]) == 2
+    assert "is not a results file" in capsys.readouterr().err
+
+
+# -- a model answering: the shape tasks, in training and from the command line -----------------------------
+
+TASK_STEPS = 300
+
+
+@pytest.fixture(scope="module")
+def captioner(tmp_path_factory):
+    """(the shape tasks' folder, a run trained on the captions conversations with both tasks' benchmarks scored at
+    its last evaluation)."""
+    from conftest import ROOT
+
+    from ernie_moe.config import load_config
+    from ernie_moe.data.shape_tasks import write_task, write_tokenizer
+    from ernie_moe.training import Trainer
+
+    tasks = tmp_path_factory.mktemp("tasks")
+    write_tokenizer(tasks)
+    for task in ("captions", "where"):
+        write_task(tasks, task, seed=0, image_size=84, count=1200, benchmark_count=48)
+    out = tasks / "run"
+    Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [
+        "data.dataset=jsonl", f"data.train_path={tasks / 'captions' / 'train.jsonl'}",
+        f"data.tokenizer_path={tasks / 'tokenizer'}", f"training.output_dir={out}", f"training.max_steps={TASK_STEPS}",
+        f"training.eval_steps={TASK_STEPS}", "logging.progress_bar=false", "data.report_samples=0",
+        f"training.eval_benchmarks={benchmark_specs(tasks)}"])).train()
+    return tasks, out
+
+
+def benchmark_specs(tasks) -> str:
+    return f"[ocrbench:{tasks / 'captions' / 'captions.jsonl'},ocrbench:{tasks / 'where' / 'where.jsonl'}]"
+
+
+def test_the_shape_tasks_are_written_as_conversations_and_benchmarks(tmp_path):
+    from ernie_moe.data.shape_tasks import example, main
+
+    assert main(["--out", str(tmp_path), "--count", "3", "--benchmark-count", "2", "--image-size", "56"]) == 0
+    record = json.loads((tmp_path / "where" / "train.jsonl").read_text().splitlines()[0])
+    image, question, answer, category = example("where", 0, "train", 0, 56)
+    assert record["messages"] == [{"role": "user", "content": f"<image>{question}"},
+                                  {"role": "assistant", "content": answer}]
+    assert question == f"where is the {category}" and answer.split()[2] == category
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "where" / record["images"][0])), image)
+    bench = read_benchmark(tmp_path / "captions" / "captions.jsonl", "ocrbench")
+    assert len(bench.items) == 2 and bench.items[0].question == "describe"
+    vocab = json.loads((tmp_path / "tokenizer" / "vocab.json").read_text())
+    assert {"User:", "Assistant:", "describe", "where", "is"} <= set(vocab)
+
+
+@pytest.mark.slow
+def test_benchmarks_scored_in_training_equal_the_evaluate_commands_scores(captioner, tmp_path, capsys):
+    """The captioner describes held-out shapes (its benchmark scored in training) better than it answers 'where' (it
+    never saw three shapes); python -m ernie_moe.evaluate gives the same figures from the final model, and its results
+    file holds every answer with its score as the rule gives it."""
+    from ernie_moe import evaluate
+    from ernie_moe.evaluation.metrics import ocrbench_hit
+
+    tasks, out = captioner
+    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if "eval_bench/captions" in line][-1]
+    print("in training:", {k: round(v, 3) for k, v in last.items() if k.startswith("eval_bench/")})
+    # 300 steps: the whole caption right for about 0.3 of the images, where's questions about 0.02
+    assert last["eval_bench/captions"] > last["eval_bench/where"] + 0.1
+    assert {"eval_bench/captions/category/dot", "eval_bench/where/category/ring"} <= set(last)
+    specs = [f"ocrbench:{tasks / t / f'{t}.jsonl'}" for t in ("captions", "where")]
+    assert evaluate.main(["--model", str(out / "final_model"), "--benchmark", specs[0], "--benchmark", specs[1],
+                          "--out", str(tmp_path / "results.json"), "--no-progress"]) == 0
+    assert "captions (ocrbench): score" in capsys.readouterr().out
+    results = json.loads((tmp_path / "results.json").read_text())["benchmarks"]
+    for name in ("captions", "where"):
+        bench = results[name]
+        assert bench["score"] == pytest.approx(last[f"eval_bench/{name}"])
+        assert bench["count"] == 48 and bench["decoding"]["greedy"] and bench["rule"].startswith("question as given")
+        for item in bench["items"]:
+            assert item["score"] == ocrbench_hit(item["gold"], item["reply"], item["category"])
+        assert bench["category/dot"] == pytest.approx(last[f"eval_bench/{name}/category/dot"])
+
+
+@pytest.mark.slow
+def test_each_data_rank_answers_its_share_and_two_ranks_give_one_processes_figures(captioner, tmp_path):
+    """Two data ranks scoring the benchmarks in training (one step at a rate of 1e-12 from the captioner, so its
+    answers are the captioner's): the figures of python -m ernie_moe.evaluate answering every question alone."""
+    from conftest import launch
+
+    from ernie_moe.evaluation.results import benchmark_results
+    from ernie_moe.generation import folder_run_config
+
+    tasks, out = captioner
+    specs = [f"ocrbench:{tasks / t / f'{t}.jsonl'}" for t in ("captions", "where")]
+    alone = benchmark_results(out / "final_model", specs, folder_run_config(out / "final_model"), 8, None,
+                              progress=False)
+    two, _ = launch(tmp_path, 2, "data.dataset=jsonl", f"data.train_path={tasks / 'captions' / 'train.jsonl'}",
+                    f"training.model_name_or_path={out / 'final_model'}", "training.learning_rate=1e-12",
+                    "training.min_lr=0", "training.max_steps=1", "training.eval_steps=1", "data.max_seq_len=64",
+                    f"training.eval_benchmarks={benchmark_specs(tasks)}")
+    last = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()
+            if "eval_bench/captions" in line][-1]
+    assert alone["captions"]["score"] > 0
+    for name in ("captions", "where"):
+        assert last[f"eval_bench/{name}"] == pytest.approx(alone[name]["score"])
+        assert last[f"eval_bench/{name}/category/bar"] == pytest.approx(alone[name]["category/bar"])
+
