@@ -36,6 +36,8 @@ def test_overrides_follow_yaml_types():
 @pytest.mark.parametrize("override, words", [
     ("model.hiden_size=3", ["unknown key 'model.hiden_size'", "hidden_size"]),
     ("trainig.max_steps=3", ["unknown key 'trainig'", "training"]),
+    # a key of another section, not a look-alike of this one's (training.eval_steps)
+    ("training.logging_steps=5", ["unknown key 'training.logging_steps'", "another section: logging.logging_steps."]),
     ("training.max_steps=abc", ["training.max_steps", "integer"]),
     ("training.learning_rate=true", ["training.learning_rate", "number"]),
     ("model.moe_num_experts=4", ["model.moe_num_experts", "list of int"]),

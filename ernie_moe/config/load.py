@@ -138,13 +138,19 @@ def _apply_override(raw: dict, item: str) -> None:
         node[parts[-1]] = value  # not YAML: the text itself
 
 
+def _sections_with(key: str) -> list[str]:
+    """The config's sections that have a key of this name."""
+    return [name for name, section in typing.get_type_hints(Config).items()
+            if key in {f.name for f in dataclasses.fields(section)}]
+
+
 def _override_hint(key: str, value: str) -> str:
     """How to write ``key=value`` with its section: the sections that have such a key, else what a section is."""
     sections = typing.get_type_hints(Config)
     if key in sections:
         example = dataclasses.fields(sections[key])[0].name
         return f"'{key}' is a section, not a key: write {key}.<key>={value} (e.g. {key}.{example})."
-    owners = [name for name, section in sections.items() if key in {f.name for f in dataclasses.fields(section)}]
+    owners = _sections_with(key)
     if owners:
         return "write " + " or ".join(f"{owner}.{key}={value}" for owner in owners) + "."
     return f"write section.key=value, the section one of {', '.join(sections)}."
@@ -160,8 +166,12 @@ def build(cls, raw, where: str):
     values = {}
     for key, value in raw.items():
         if key not in fields:
+            owners = [f"{owner}.{key}" for owner in _sections_with(str(key)) if owner != where]
             close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(fields)}."
+            if owners:  # the key itself, misplaced: its section, before any look-alike here
+                hint = f" It is a key of another section: {' or '.join(owners)}."
+            else:
+                hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(fields)}."
             raise ConfigError(f"unknown key '{_join(where, key)}'.{hint}")
         name = _join(where, key)
         hint = hints[key]
