@@ -127,17 +127,21 @@ class VideoReading:
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str = choice("synthetic", "synthetic", "jsonl", doc="bundled synthetic shapes, or JSONL files")
-    train_path: str | list[str] = opt("", "JSONL training file, or a list of them (dataset: jsonl)")
+    dataset: str = choice("synthetic", "synthetic", "jsonl", doc="bundled synthetic shapes, or your own data "
+                                                                  "(train_path: JSONL files, folders of shards, "
+                                                                  "globs)")
+    train_path: str | list[str] = opt("", "training data (dataset: jsonl), or a list of sources: a JSONL file, a "
+                                          "folder of shards (.jsonl, WebDataset .tar, Parquet) or a glob of them")
     train_probs: list[float] = opt([], "with several train_path files: the probability each sample is drawn from "
                                        "each (summing to 1); [] = the files one after another")
-    text_path: str | list[str] = opt("", "text-only JSONL files mixed in beside train_path at modality_ratio "
-                                         "(ERNIEKit's text_dataset_path)")
+    text_path: str | list[str] = opt("", "text-only sources (as train_path takes them) mixed in beside train_path "
+                                         "at modality_ratio (ERNIEKit's text_dataset_path)")
     text_probs: list[float] = opt([], "with several text_path files: how their share is split (summing to 1); "
                                       "[] = evenly")
     modality_ratio: list[float] = opt([1.0, 1.0], "with text_path: samples drawn from train_path and text_path "
                                                   "files in this ratio (ERNIEKit's modality_ratio)")
-    eval_path: str = opt("", "JSONL held-out file (dataset: jsonl); empty = no evaluation")
+    eval_path: str = opt("", "held-out data (dataset: jsonl), one source as train_path takes them; empty = no "
+                             "evaluation")
     format: str = choice("auto", "auto", "caption", "messages", "erniekit",
                          doc="JSONL record shape: each record's own (auto), or only this one (others are skipped "
                              "as wrong_format); erniekit = ERNIEKit's VL (image_info / text_info) and text (src / "
