@@ -39,7 +39,7 @@ from .checkpoint.formats import (
     to_hf,
     transformers_name,
 )
-from .checkpoint.model_files import PADDLEFORMERS, TRANSFORMERS, model_config_dict
+from .checkpoint.model_files import PADDLEFORMERS, TRANSFORMERS, correction_bias_zeros, model_config_dict
 from .cli import bounded
 from .config.load import ConfigError, build
 from .config.model_folder import model_config_from
@@ -126,6 +126,10 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
             total += array.nbytes
         if size >= max_shard_bytes:
             flush()
+    if form == TRANSFORMERS:  # transformers' ERNIE-4.5-VL holds a correction bias in every MoE layer: zeros, no shift
+        for hf_name, array in correction_bias_zeros(cfg, set(names)):
+            shard[transformers_name(hf_name)] = array
+            total += array.nbytes
     flush()
     for k, names in enumerate(shards, start=1):
         filename = f"model-{k:05d}-of-{len(shards):05d}.safetensors"

@@ -132,9 +132,10 @@ def test_a_folder_transformers_saves_gives_its_outputs_here_and_goes_back_bit_fo
 
 
 def test_a_model_without_a_correction_bias_is_written_with_zeros_for_it(made, tmp_path):
-    """A model trained without the aux-loss-free bias (``moe_use_aux_free: false``), written in transformers' form:
-    zeros stand in for the bias transformers' model always holds, so it loads the folder with nothing missing
-    (nothing newly initialised), and gives this model's logits."""
+    """A model trained without the aux-loss-free bias (``moe_use_aux_free: false``), written in transformers' form,
+    and exported to it from PaddleFormers' form by ``python -m ernie_moe.export --format transformers``: zeros stand
+    in for the bias transformers' model always holds, so it loads either folder with nothing missing (nothing newly
+    initialised), and gives this model's logits."""
     import dataclasses
 
     from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
@@ -160,6 +161,16 @@ def test_a_model_without_a_correction_bias_is_written_with_zeros_for_it(made, tm
     for n in CASES:
         np.testing.assert_allclose(ours[n], vl_logits(model, encoder(data[n]), bfloat16_pixels=False), atol=1e-5)
         np.testing.assert_allclose(ours[n], theirs[n], rtol=0, atol=1e-4, err_msg=f"case {n}")
+    # the same model written in PaddleFormers' form (no bias at all), then exported for transformers: the zeros too
+    save_model(model, cfg, str(tmp_path / "paddleformers"), build_tokenizer(ernie_config(folder)), hf_layout=True)
+    assert not any("correction_bias" in n for n in tensors(tmp_path / "paddleformers"))
+    assert export_main([str(tmp_path / "paddleformers"), str(tmp_path / "exported"), "--format", "transformers"]) == 0
+    exported = {n: v for n, v in tensors(tmp_path / "exported").items() if n.endswith("e_score_correction_bias")}
+    assert exported.keys() == biases.keys() and all(v.shape == (2, 4) and not v.any() for v in exported.values())
+    again, theirs_again, report = compare_on_conversations(tmp_path / "exported", folder, tmp_path / "cmp_export")
+    assert report["missing_keys"] == [] and report["unexpected_keys"] == []
+    for n in CASES:
+        np.testing.assert_allclose(again[n], theirs_again[n], rtol=0, atol=1e-4, err_msg=f"exported, case {n}")
 
 
 def test_a_run_from_a_transformers_folder_ends_in_a_folder_transformers_reads(made, tmp_path):

@@ -281,6 +281,23 @@ def absent_correction_biases(model) -> list[tuple[str, np.ndarray]]:
             for moe in model.moe_layers() if moe.moe_statics is None]
 
 
+def correction_bias_zeros(model_cfg, names: set[str]) -> list[tuple[str, np.ndarray]]:
+    """Zeros as the correction bias of each MoE layer of ``model_cfg`` whose bias is not among ``names`` (a
+    folder's tensors), shaped as its router's groups and experts (``moe.layer.MoELayer``), for the export that
+    has no model built."""
+    out = []
+    counts = list(model_cfg.moe_num_experts)
+    for layer in range(model_cfg.num_hidden_layers):
+        modalities = model_cfg.moe_modalities_at(layer)
+        name = f"model.layers.{layer}.mlp.moe_statics.e_score_correction_bias"
+        if not modalities or name in names:
+            continue
+        groups = [counts[m] for m in modalities] if model_cfg.moe_use_hard_gate and len(counts) == 2 else \
+            [sum(counts)]
+        out.append((name, np.zeros([len(groups), max(groups)], np.float32)))
+    return out
+
+
 def written_config(model_cfg, hf_layout: bool, source: dict | None, tokenizer, form: str = PADDLEFORMERS) -> dict:
     """The config.json a run writes: the source folder's keys, this model's, and the tokenizer's special ids
     where the source names none; in transformers' form, its ERNIE-4.5-VL config (ValueError for a model it
