@@ -312,6 +312,21 @@ def test_data_format_keeps_only_its_records_and_erniekit_needs_ernies_tokenizer(
     assert caught.value.reason == "needs_ernie_tokenizer"
 
 
+def test_erniekit_records_without_an_ernie_tokenizer_stop_naming_the_fix(tmp_path, capsys):
+    """Only ERNIEKit records, and no ERNIE tokenizer: the run stops with one line that says what to give it."""
+    import run_trainer
+
+    record = {"system": "Be brief.", "src": ["Hi"], "tgt": ["Hello."], "label": [1]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(record) + "\n")
+    assert run_trainer.main(["--config", str(ROOT / "configs" / "vl_moe.yaml"), "data.dataset=jsonl",
+                             f"data.train_path={tmp_path / 'd.jsonl'}", "model.vocab_size=300",
+                             f"training.output_dir={tmp_path / 'out'}", "data.report_samples=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("data error: the training data has no usable sample") and len(err.splitlines()) == 1
+    assert "'needs_ernie_tokenizer': 1" in err and "training.model_name_or_path" in err
+    assert "data.tokenizer_path" in err
+
+
 # The Thinking model's chat template, written as a tokenizer folder's chat_template.jinja: another hand than the
 # built-in template's (a macro, string tests), the same structure.
 THINKING_JINJA = """{%- macro visual(part, n) -%}

@@ -16,7 +16,7 @@ from .chat import chat_format
 from .packing import BadSample, Encoded, Encoder, Row, make_row
 from .plan import check_position, sample_order
 from .preference import PairEncoder, SyntheticPairs
-from .sample import DataError
+from .sample import DataError, no_usable_sample
 from .sources import source_dataset
 from .tokenizer import ByteTokenizer, WordTokenizer, tokenizer_in
 from .workers import SampleWorkers, encode_in_order
@@ -185,8 +185,7 @@ class RowStream:
             if not self.shuffle:
                 return
             if len(self.unusable) >= len(self.dataset):
-                skipped = dict(self.stats) or "nothing; the data set is empty"
-                raise DataError(f"the training data has no usable sample (skipped: {skipped}).")
+                raise no_usable_sample(dict(self.stats))
             self.epoch, self.position = self.epoch + 1, 0
 
     def __iter__(self):

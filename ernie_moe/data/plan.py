@@ -13,7 +13,7 @@ from collections import Counter
 import numpy as np
 
 from .length_index import LengthIndex
-from .sample import DataError
+from .sample import DataError, no_usable_sample
 
 
 def sample_order(seed: int, epoch: int, size: int) -> np.ndarray:
@@ -28,9 +28,7 @@ class PackingPlan:
         """``stats``: the counts of skipped samples (each once, in the first epoch) and of fitted ones (each time
         one is planned), as reading the samples in order would count them."""
         if not (index.lengths >= 0).any():
-            skipped = Counter(index.reason(i) for i in range(len(index)))
-            raise DataError(f"the training data has no usable sample (skipped: "
-                            f"{dict(skipped) or 'nothing; the data set is empty'}).")
+            raise no_usable_sample(dict(Counter(index.reason(i) for i in range(len(index)))))
         self.index, self.seed, self.max_seq_len, self.stats = index, seed, max_seq_len, stats
         self.epoch, self.position = 0, 0
         self.open: list[int] = []  # the samples of the row being filled

@@ -11,6 +11,23 @@ class DataError(ValueError):
     """Data the trainer cannot use at all (individual bad samples are skipped and counted instead)."""
 
 
+# what to do when every sample was skipped for one of these reasons
+SKIP_FIXES = {
+    "needs_ernie_tokenizer": "ERNIEKit's records are written with ERNIE's special tokens: train from an ERNIE 4.5 "
+                             "model folder (training.model_name_or_path, whose tokenizer is used) or name an ERNIE "
+                             "4.5 tokenizer folder in data.tokenizer_path, with model.vocab_size its vocabulary",
+    "missing_image": "image paths are read relative to the data file; check that they exist there",
+    "bad_json": "each line of a JSONL file must be one JSON object",
+}
+
+
+def no_usable_sample(skipped: dict) -> DataError:
+    """The error of data whose every sample was skipped, with the fix for the reasons that have one."""
+    fixes = [SKIP_FIXES[reason] for reason in sorted(skipped, key=skipped.get, reverse=True) if reason in SKIP_FIXES]
+    return DataError(f"the training data has no usable sample (skipped: {skipped or 'nothing; the data set is empty'})"
+                     + (f". {'; '.join(fixes)}." if fixes else "."))
+
+
 class BadSample(Exception):
     """A sample that cannot be used; ``reason`` is the counter it is reported under."""
 
