@@ -160,6 +160,28 @@ def test_vlmevalkit_tsv_with_shared_images_and_bad_rows(tmp_path):
     assert user_content("mcq", bench.items[1]).startswith("<image>Hint: look")
 
 
+def test_a_short_base64_image_is_an_image_and_a_missing_path_a_counted_skip(tmp_path):
+    """A small PNG is under 200 base64 characters: read as the image, not as a file name; a path that names no
+    file is skipped as a missing image when the question is asked."""
+    from ernie_moe.data.sample import BadSample
+    from ernie_moe.evaluation.answering import item_sample
+
+    tiny = png_base64(size=4)
+    assert len(tiny) < 200
+    header = ["index", "question", "A", "B", "answer", "image"]
+    write_tsv(tmp_path / "b.tsv", header, [[0, "q", "x", "y", "A", tiny], [1, "q", "x", "y", "B", "9"]])
+    bench = read_benchmark(tmp_path / "b.tsv", "mcq")
+    assert bench.items[0].images == (base64.b64decode(tiny),) and dict(bench.skipped) == {"missing_image": 1}
+    assert item_sample(bench, 0, 10 ** 6).images[0].shape == (4, 4, 3)
+    rows = [{"question": "q", "answers": ["a"], "image": tiny}, {"question": "q", "answers": ["a"], "image": "no.png"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bench = read_benchmark(tmp_path / "d.jsonl", "docvqa")
+    assert item_sample(bench, 0, 10 ** 6).images[0].shape == (4, 4, 3)
+    with pytest.raises(BadSample) as caught:
+        item_sample(bench, 1, 10 ** 6)
+    assert caught.value.reason == "missing_image"
+
+
 def test_mmbench_circular_eval(tmp_path):
     header = ["index", "question", "A", "B", "C", "answer", "category", "image"]
     image = png_base64()

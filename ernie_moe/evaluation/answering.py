@@ -4,6 +4,7 @@ are summed over the data ranks."""
 
 from __future__ import annotations
 
+import io
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,10 +12,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
-from ..data.jsonl import decode_image, parse_messages
+from ..data.jsonl import decode_image, load_image, parse_messages
 from ..data.sample import BadSample, Sample
 from ..generation import ContextTooLong, Decoding, check_room, generate_batch, prompt_encoder
-from .formats import Benchmark, image_file
+from .formats import Benchmark
 from .scoring import figures, judge, unit_of, user_content
 
 
@@ -30,7 +31,8 @@ class Answered:
 def item_sample(bench: Benchmark, index: int, max_pixels: int) -> Sample:
     """Item ``index`` of ``bench`` as a user turn with its images decoded; BadSample when an image cannot be."""
     item = bench.items[index]
-    images = [decode_image(image_file(image), f"{bench.path.name} item {item.id} image {n}", max_pixels)
+    images = [decode_image(io.BytesIO(image), f"{bench.path.name} item {item.id} image {n}", max_pixels)
+              if isinstance(image, bytes) else load_image(image, max_pixels)
               for n, image in enumerate(item.images, start=1)]
     conversation, _, _ = parse_messages([{"role": "user", "content": user_content(bench.kind, item)}],
                                         ["image"] * len(images), [])
