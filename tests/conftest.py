@@ -1,7 +1,9 @@
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,24 @@ def tiny_cfg():
     return load_config(ROOT / "configs" / "vl_moe.yaml", [
         "data.image_size=56", "data.max_seq_len=48", "training.per_device_train_batch_size=2",
     ])
+
+
+def drain(process, kept: list) -> None:
+    """Keep a process's pipe drained; what it printed, once it closes, is appended to ``kept``."""
+    kept.append(process.stdout.read())
+
+
+def start(argv, cwd, marker: str, later: list | None = None):
+    """A command that prints ``marker``'s line once it is ready: (process, that line's match); what it prints
+    after that is appended to ``later``."""
+    process = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        found = re.search(marker, line)
+        if found:
+            kept = later if later is not None else []
+            threading.Thread(target=drain, args=(process, kept), daemon=True).start()
+            return process, found
+    raise AssertionError("the command ended before it was ready:\n" + "".join(seen[-40:]))

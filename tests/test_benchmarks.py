@@ -4,6 +4,8 @@ hand-written answers, where the harnesses disagree, and the figures (CircularEva
 import base64
 import io
 import json
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -432,3 +434,108 @@ def test_each_data_rank_answers_its_share_and_two_ranks_give_one_processes_figur
         assert last[f"eval_bench/{name}"] == pytest.approx(alone[name]["score"])
         assert last[f"eval_bench/{name}/category/bar"] == pytest.approx(alone[name]["category/bar"])
 
+
+
+# -- a harness users already run, against the server ---------------------------------------------------------
+
+EVALSCOPE_VENV = "evalscope-venv"  # .ci/run installs evalscope here, apart: its pins (datasets<=4.8.4) are its own
+
+
+def evalscope_command() -> str | None:
+    from conftest import ROOT
+
+    beside = ROOT / EVALSCOPE_VENV / "bin" / "evalscope"
+    return str(beside) if beside.is_file() else shutil.which("evalscope")
+
+
+def shape_colour_questions(folder, split: str, count: int):
+    """(index, question, options, gold letter, PNG bytes): what colour a synthetic shape is, four colours offered."""
+    from ernie_moe.data.synthetic import COLORS, SyntheticShapes
+
+    shapes = SyntheticShapes(0, split, count, 56)
+    for index in range(count):
+        d = shapes.describe(index)
+        rng = np.random.default_rng([5, index, SPLIT_SEEDS[split]])
+        options = [*rng.choice([c for c in COLORS if c != d["color"]], 3, replace=False), d["color"]]
+        rng.shuffle(options)
+        buffer = io.BytesIO()
+        Image.fromarray(shapes.draw(d)).save(buffer, format="PNG")
+        yield index, "What colour is the shape?", options, "ABCD"[options.index(d["color"])], buffer.getvalue()
+
+
+SPLIT_SEEDS = {"train": 0, "eval": 1}
+
+
+@pytest.mark.slow
+def test_evalscope_scores_the_server_as_evaluate_scores_the_folder(tmp_path):
+    """evalscope (its general_vmcq benchmark, its OpenAI-API model) against python -m ernie_moe.serve, on questions
+    built here: the same replies to the same questions, prompts and greedy decoding as python -m ernie_moe.evaluate
+    gives from the folder, and the same score."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, start
+
+    from ernie_moe.evaluation.formats import Item
+    from ernie_moe.evaluation.scoring import prompt_text
+
+    command = evalscope_command()
+    if command is None:
+        pytest.skip(f"evalscope is not installed (.ci/run installs it in {EVALSCOPE_VENV}/)")
+    # a model that answers with a letter: 100 steps on such questions (bytes, the training JSONL's conversations)
+    (tmp_path / "images").mkdir()
+    train = []
+    for index, question, options, letter, png in shape_colour_questions(tmp_path, "train", 2000):
+        (tmp_path / "images" / f"{index}.png").write_bytes(png)
+        text = prompt_text("mcq", Item(str(index), question, (letter,), dict(zip("ABCD", options))))
+        train.append({"images": [f"images/{index}.png"], "messages": [
+            {"role": "user", "content": f"<image>{text}"}, {"role": "assistant", "content": letter}]})
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    done = subprocess.run([sys.executable, "run_trainer.py", "--config", "configs/vl_moe.yaml", "data.dataset=jsonl",
+                           f"data.train_path={tmp_path / 'train.jsonl'}", "model.vocab_size=300",
+                           "data.max_seq_len=256", "training.max_steps=100", "training.eval_steps=0",
+                           "training.per_device_train_batch_size=8", f"training.output_dir={tmp_path / 'run'}",
+                           "logging.progress_bar=false"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = tmp_path / "run" / "final_model"
+    # the held-out questions: VLMEvalKit's TSV for evaluate, evalscope's general_vmcq JSONL with the same prompt text
+    rows, records = [], []
+    for index, question, options, letter, png in shape_colour_questions(tmp_path, "eval", 48):
+        encoded = base64.b64encode(png).decode()
+        rows.append([index, question, *options, letter, "colour", encoded])
+        text = prompt_text("mcq", Item(str(index), question, (letter,), dict(zip("ABCD", options))))
+        records.append({"question": f"<image 1>{text}", "options": options, "answer": letter,
+                        "image_1": f"data:image/png;base64,{encoded}"})
+    write_tsv(tmp_path / "colours.tsv", ["index", "question", "A", "B", "C", "D", "answer", "category", "image"], rows)
+    (tmp_path / "es").mkdir()
+    (tmp_path / "es" / "colours_val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    from ernie_moe import evaluate
+
+    assert evaluate.main(["--model", str(model), "--benchmark", f"mcq:{tmp_path / 'colours.tsv'}", "--max-new-tokens",
+                          "16", "--out", str(tmp_path / "ours.json"), "--no-progress"]) == 0
+    ours = json.loads((tmp_path / "ours.json").read_text())["benchmarks"]["colours"]
+    server, found = start([sys.executable, "-m", "ernie_moe.serve", "--model", str(model), "--port", "0",
+                           "--served-name", "m"], tmp_path, r"on (http://\S+) ")
+    try:
+        harness = subprocess.run([
+            command, "eval", "--model", "m", "--api-url", f"{found[1]}/v1", "--api-key", "unused", "--eval-type",
+            "openai_api", "--datasets", "general_vmcq", "--dataset-args", json.dumps({"general_vmcq": {
+                "local_path": str(tmp_path / "es"), "subset_list": ["colours"], "prompt_template": "{question}"}}),
+            "--generation-config", json.dumps({"max_tokens": 16, "temperature": 0}), "--eval-batch-size", "8",
+            "--work-dir", str(tmp_path / "evalscope"), "--no-timestamp"], capture_output=True, text=True,
+            timeout=900, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert harness.returncode == 0, harness.stdout[-3000:] + harness.stderr[-3000:]
+    reviews = [json.loads(line) for line in
+               (tmp_path / "evalscope" / "reviews" / "m" / "general_vmcq_colours.jsonl").read_text().splitlines()]
+    theirs = {r["index"]: r["sample_score"]["score"] for r in reviews}
+    assert len(theirs) == len(ours["items"]) == 48
+    for item in ours["items"]:  # the same reply to each question, read as the same letter
+        assert theirs[int(item["id"])]["prediction"] == item["reply"], item
+        assert theirs[int(item["id"])]["extracted_prediction"] == item["extracted"], item
+    score = json.loads((tmp_path / "evalscope" / "reports" / "m" / "general_vmcq.json").read_text())["metrics"][0]
+    print(f"evalscope {score['score']:.4f}, ernie_moe.evaluate {ours['score']:.4f}")
+    assert score["num"] == 48 and score["score"] == pytest.approx(ours["score"], abs=1e-4)  # evalscope rounds to 4
+    assert 0 < ours["score"] < 1  # answers both right and wrong: the comparison can fail

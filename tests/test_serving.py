@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, launch
+from conftest import ROOT, launch, start
 from PIL import Image
 from test_model_folders import conversations, published  # noqa: F401 (fixtures)
 
@@ -29,27 +29,6 @@ def square_png(colour=(220, 30, 30)) -> bytes:
     out = io.BytesIO()
     Image.fromarray(image).save(out, "PNG")
     return out.getvalue()
-
-
-def drain(process, kept: list) -> None:
-    """Keep a process's pipe drained; what it printed, once it closes, is appended to ``kept``."""
-    kept.append(process.stdout.read())
-
-
-def start(argv, cwd, marker: str, later: list | None = None):
-    """A command that prints ``marker``'s line once it is ready: (process, that line's match); what it prints
-    after that is appended to ``later``."""
-    process = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
-    seen = []
-    for line in process.stdout:
-        seen.append(line)
-        found = re.search(marker, line)
-        if found:
-            kept = later if later is not None else []
-            threading.Thread(target=drain, args=(process, kept), daemon=True).start()
-            return process, found
-    raise AssertionError("the command ended before it was ready:\n" + "".join(seen[-40:]))
 
 
 class PieceTokenizer:
