@@ -67,10 +67,16 @@ def test_the_weighted_sum_of_the_rewards_is_logged_beside_each_one(tmp_path, mon
 
 def test_rewards_that_cannot_work_are_config_errors(tmp_path, monkeypatch):
     (tmp_path / "broken_rewards.py").write_text(
-        "LIMIT = 3\ndef fails(a, r):\n    raise KeyError('x')\ndef nan(a, r):\n    return float('nan')\n")
+        "import numpy\nLIMIT = 3\ndef fails(a, r):\n    raise KeyError('x')\ndef nan(a, r):\n    return float('nan')\n"
+        "def half(a, r):\n    return numpy.float32(0.5)\ndef yes(a, r):\n    return True\n")
+    (tmp_path / "unparsable_rewards.py").write_text("def f(a, r)\n    return 1\n")
+    (tmp_path / "raising_rewards.py").write_text("raise RuntimeError('no config here')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cases = [(["training.rewards=[typo]"], "'typo' is neither a built-in"),
-             (["training.rewards=[no_such_module:f]"], "cannot load no_such_module:f"),
+             (["training.rewards=[no_such_module:f]"], "cannot load no_such_module:f: .* from PYTHONPATH"),
+             (["training.rewards=[unparsable_rewards:f]"], "unparsable_rewards raised SyntaxError: .* line 1"),
+             (["training.rewards=[raising_rewards:f]"], "raised RuntimeError: no config here"),
+             (["training.rewards=[broken_rewards:nothing]"], "module broken_rewards has no nothing"),
              (["training.rewards=[broken_rewards:LIMIT]"], "broken_rewards:LIMIT is not a function"),
              (["training.rewards=[exact_match,exact_match]"], "names a reward twice")]
     for overrides, message in cases:
@@ -84,7 +90,11 @@ def test_rewards_that_cannot_work_are_config_errors(tmp_path, monkeypatch):
             load_config(CONFIG, ["training.eval_generate=true", *overrides])
     with pytest.raises(ConfigError, match="set training.eval_generate=true"):
         load_config(CONFIG, ["training.rewards=[exact_match]"])
-    failing, nan = rewards_of("training.rewards=[broken_rewards:fails,broken_rewards:nan]")
+    failing, nan, half, yes = rewards_of("training.rewards=[broken_rewards:fails,broken_rewards:nan,"
+                                         "broken_rewards:half,broken_rewards:yes]")
+    assert half("a", "b") == 0.5  # a NumPy number is a number
+    with pytest.raises(ConfigError, match=r"returned True \(bool\)"):
+        yes("a", "b")
     with pytest.raises(ConfigError, match="the reward broken_rewards:fails failed on an answer: KeyError"):
         failing("a", "b")
     with pytest.raises(ConfigError, match="returned nan"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,8 +89,10 @@ class Reward:
             value = self.function(answer, reference)
         except Exception as err:  # the user's own code: say whose it is
             raise ConfigError(f"the reward {self.source} failed on an answer: {type(err).__name__}: {err}") from err
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"the reward {self.source} returned {value!r}; a reward is a finite number")
+        # any real number (NumPy's too), finite; not a truth value
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ConfigError(f"the reward {self.source} returned {value!r} ({type(value).__name__}); a reward is a "
+                              "finite number")
         return float(value)
 
 
@@ -118,9 +121,17 @@ def _user_function(spec: str) -> Callable[[str, str], float]:
                           "nor module:function")
     module, _, name = spec.partition(":")
     try:
-        function = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"training.rewards: cannot load {spec}: {err}") from None
+        loaded = importlib.import_module(module)
+    except ImportError as err:
+        raise ConfigError(f"training.rewards: cannot load {spec}: {err} (the module is imported from the folder of "
+                          "the script the run starts, or from PYTHONPATH: put its folder there)") from None
+    except Exception as err:  # the user's module itself: a syntax error, or raising while it is imported
+        where = f" ({err.filename} line {err.lineno})" if isinstance(err, SyntaxError) else ""
+        raise ConfigError(f"training.rewards: cannot load {spec}: importing {module} raised "
+                          f"{type(err).__name__}: {err}{where}") from None
+    function = getattr(loaded, name, None)
+    if function is None:
+        raise ConfigError(f"training.rewards: cannot load {spec}: module {module} has no {name}")
     if not callable(function):
         raise ConfigError(f"training.rewards: {spec} is not a function")
     return function
