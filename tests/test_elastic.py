@@ -58,6 +58,28 @@ def test_the_record_keeps_each_attempt_of_its_own_job_and_says_why_each_restart_
     assert why_restarted(Attempt(0, 2, 4, 0, "r", ended="failed", end_step=3), 2) == "attempt 0 failed at step 3"
 
 
+def test_a_record_with_impossible_counts_or_not_a_regular_file_is_never_trusted(tmp_path):
+    """A start line no attempt could have written (a global batch of -8, world size 0) is passed over as an
+    unreadable one; a record that is a FIFO or a link is one error naming it, not a start blocked forever."""
+    from ernie_moe.config import ConfigError
+
+    with open(tmp_path / RECORD, "w") as f:
+        for attempt, world, batch in ((0, 1, -8), (1, 0, 4), (2, 2, 4)):
+            f.write(json.dumps({"job": "j", "event": "start", "attempt": attempt, "world_size": world,
+                                "global_batch": batch, "step": 0, "run_id": "r"}) + "\n")
+    assert [a.number for a in JobRecord(tmp_path, "j").attempts()] == [2]
+    assert JobRecord(tmp_path, "j").first_global_batch() == 4
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / RECORD)
+    (tmp_path / "link").mkdir()
+    (tmp_path / "link" / RECORD).symlink_to(tmp_path / RECORD)
+    for folder in ("fifo", "link"):
+        with pytest.raises(ConfigError, match="the elastic job's record\\) is not a regular file"):
+            JobRecord(tmp_path / folder, "j").attempts()
+        with pytest.raises(ConfigError, match="is not a regular file"):
+            JobRecord(tmp_path / folder, "j").begin(Attempt(0, 1, 4, 0, "r"))
+
+
 def test_the_record_is_read_from_its_end_only(tmp_path, monkeypatch):
     monkeypatch.setattr("ernie_moe.elastic.job.MAX_READ_BYTES", 400)
     record = JobRecord(tmp_path, "j")

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config.errors import ConfigError
+
 JOB_VARIABLE = "PADDLE_JOB_ID"
 RECORD = "attempts.jsonl"
 MAX_READ_BYTES = 1 << 20  # thousands of restarts
@@ -62,9 +64,11 @@ class JobRecord:
                     continue
                 number = int(entry["attempt"])
                 if entry.get("event") == "start":
-                    found[number] = Attempt(number, int(entry["world_size"]), int(entry["global_batch"]),
-                                            int(entry["step"]), str(entry["run_id"]), str(entry.get("host", "")),
-                                            str(entry.get("time", "")))
+                    start = Attempt(number, int(entry["world_size"]), int(entry["global_batch"]), int(entry["step"]),
+                                    str(entry["run_id"]), str(entry.get("host", "")), str(entry.get("time", "")))
+                    if min(start.world_size, start.global_batch) < 1 or min(start.number, start.step) < 0:
+                        continue  # no attempt ran with these: not a line this package wrote
+                    found[number] = start
                 elif entry.get("event") == "end" and number in found:
                     found[number].ended, found[number].end_step = str(entry["status"]), int(entry["step"])
                     found[number].reason = str(entry.get("reason", ""))
@@ -89,12 +93,20 @@ class JobRecord:
 
     def _append(self, entry: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._check_regular()
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"job": self.job, **entry}) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
+    def _check_regular(self) -> None:
+        """ConfigError when the record is there as something other than a regular file: a FIFO would block every
+        start of the job, a link would have it write where the link points."""
+        if self.path.is_symlink() or (self.path.exists() and not self.path.is_file()):
+            raise ConfigError(f"'{self.path}' (the elastic job's record) is not a regular file: remove it")
+
     def _lines(self) -> list[str]:
+        self._check_regular()
         try:
             with open(self.path, "rb") as f:
                 size = f.seek(0, os.SEEK_END)
