@@ -320,6 +320,12 @@ def test_torn_changed_or_vanished_shards_are_a_skip_or_a_line(shards, tmp_path):
         source_dataset(str(folder / "gz.tar"), cfg.data)
     with pytest.raises(DataError, match="matches no file"):
         source_dataset(str(folder / "none-*.tar"), cfg.data)
+    # a compressed shard, named, globbed or beside others in a folder: one line saying why, never read as JSONL
+    # nor left out without a word
+    (folder / "d-0000.tar.gz").write_bytes(b"\x1f\x8b" + bytes(100))
+    for entry in (folder / "d-0000.tar.gz", folder / "d-*", folder):
+        with pytest.raises(DataError, match="d-0000.tar.gz' is compressed: shards are read at random"):
+            source_dataset(str(entry), cfg.data)
 
 
 def test_a_resumed_run_with_workers_on_jsonl_equals_the_uninterrupted_one(captions, tmp_path):

@@ -21,15 +21,19 @@ from .jsonl import JsonlDataset
 from .sample import BadSample, DataError
 
 SHARD_SUFFIXES = (".jsonl", ".tar", ".parquet")
+COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst", ".zip", ".7z")
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp")
 CAPTION_KEYS = ("caption", "text", "txt")
 
 
 def shard_files(entry: str) -> list[Path]:
     """The files of one ``train_path`` entry: the file itself, a folder's shards (by name), or a glob's matches
-    (sorted); DataError when it names none."""
+    (sorted); DataError when it names none, or a compressed one."""
     path = Path(entry)
     if path.is_dir():
+        compressed = sorted(p.name for p in path.iterdir() if p.name.endswith(COMPRESSED_SUFFIXES) and p.is_file())
+        if compressed:  # left out, its samples would be missing from the run without a word
+            raise DataError(_compressed(path / compressed[0]))
         files = sorted(p for p in path.iterdir() if p.suffix in SHARD_SUFFIXES and p.is_file())
         if not files:
             raise DataError(f"data folder '{entry}' holds no shard ({', '.join(SHARD_SUFFIXES)} files)")
@@ -38,8 +42,17 @@ def shard_files(entry: str) -> list[Path]:
         files = sorted(Path(p) for p in glob.glob(entry, recursive=True) if Path(p).is_file())
         if not files:
             raise DataError(f"data pattern '{entry}' matches no file")
-        return files
-    return [path]
+    else:
+        files = [path]
+    compressed = [f for f in files if f.name.endswith(COMPRESSED_SUFFIXES)]
+    if compressed:
+        raise DataError(_compressed(compressed[0]))
+    return files
+
+
+def _compressed(path: Path) -> str:
+    return (f"'{path}' is compressed: shards are read at random (tar members and JSONL lines at their offsets), "
+            "which a compressed file does not allow; decompress it (gunzip, or tar's own shards uncompressed)")
 
 
 def open_shard(path: Path, data_cfg, preference: bool = False):
