@@ -3,6 +3,7 @@ process builds; a resume reads no sample before its first step; the length index
 
 import itertools
 import json
+import os
 from collections import Counter
 from types import SimpleNamespace
 
@@ -239,6 +240,27 @@ def test_the_index_is_measured_once_kept_and_measured_again_when_the_data_or_set
                                                                             "max_seq_len": 128})})
     DataFeed(CountingReads(train), tok, longer, data_rank(0, 1), Counter())
     assert len([p for p in (tmp_path / "index").iterdir() if p.name != "offsets"]) == 2  # another key
+
+
+def test_kept_offsets_are_trusted_only_when_they_prove_they_are_whole(captions, tmp_path):
+    """The kept line offsets of a JSONL file rewritten as a valid array of 5 of its 40 records are not trusted (the
+    run would train on 5 records without a word): their digest no longer matches, the file is scanned again. A FIFO
+    in their place is not read (it would block the start): scanned again too."""
+    from ernie_moe.data.jsonl import JsonlDataset
+
+    cfg = configs(captions, tmp_path / "index")["jsonl"]
+    path = cfg.data.train_files[0]
+    assert len(JsonlDataset(path, index_dir=str(tmp_path / "index"))) == 40
+    (kept,) = (tmp_path / "index" / "offsets").glob("*.npy")
+    whole = np.load(kept)
+    np.save(kept, whole[:5])  # a valid int64 array, the first five records' offsets
+    assert len(JsonlDataset(path, index_dir=str(tmp_path / "index"))) == 40
+    np.save(kept, np.append(whole[:5], whole[5]))  # and one that ends in an offset where the digest was
+    assert len(JsonlDataset(path, index_dir=str(tmp_path / "index"))) == 40
+    kept.unlink()
+    os.mkfifo(kept)
+    assert len(JsonlDataset(path, index_dir=str(tmp_path / "index"))) == 40
+    assert kept.is_file()  # kept again, over the FIFO
 
 
 def read_all(dataset) -> dict:

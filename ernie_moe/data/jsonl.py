@@ -72,12 +72,12 @@ class JsonlDataset:
             raise DataError(f"{self.path} cannot be read: {err.strerror or err}") from None
         name = hashlib.sha256(repr((str(self.path.resolve()), _identity(stat))).encode()).hexdigest()[:32]
         self._kept = Path(index_dir or default_index_dir()) / "offsets" / f"{name}.npy"
-        offsets = kept_array(self._kept, np.int64)
+        offsets = kept_array(self._kept, np.int64, sealed=True)
         if offsets is not None:
             self.identity_stat = _identity(stat)
             return offsets
         offsets = self._scan()
-        if self.identity_stat != _identity(stat) or not keep_array(self._kept, offsets):
+        if self.identity_stat != _identity(stat) or not keep_array(self._kept, offsets, sealed=True):
             self._kept = None
         return offsets
 
@@ -90,7 +90,7 @@ class JsonlDataset:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         if self.offsets is None:
-            self.offsets = kept_array(self._kept, np.int64)
+            self.offsets = kept_array(self._kept, np.int64, sealed=True, check=False)  # the parent checked it
             if self.offsets is None:
                 raise DataError(f"the kept offsets of {self.path} ({self._kept}) cannot be read")
 
