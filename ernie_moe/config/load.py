@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -200,6 +201,9 @@ def _coerce(value, hint, name: str):
             texts = converted if isinstance(converted, list) else [converted]
             if any(isinstance(t, str) and "\x00" in t for t in texts):  # no file name or text holds one
                 raise ConfigError(f"{name} = {value!r} holds a NUL byte (\\x00).")
+            # no setting is infinite or not a number: one would reach the arithmetic and end the run at its step
+            if any(isinstance(t, float) and not math.isfinite(t) for t in texts):
+                raise ConfigError(f"{name} = {value!r} is not a finite number.")
             return converted
     raise ConfigError(f"{name} = {value!r} has the wrong type: expected {_describe(hint)}.")
 
