@@ -39,6 +39,7 @@ def test_overrides_follow_yaml_types():
     # numbers that would reach the arithmetic and end the run at its first step, with advice about something else
     ("training.reward_weights=[.nan]", ["training.reward_weights = [nan] is not a finite number"]),
     ("model.multi_token_pred_lambda=.inf", ["model.multi_token_pred_lambda = inf is not a finite number"]),
+    ("data.index_dir=/dev/null", ["data.index_dir '/dev/null' is not a folder"]),
     # a key of another section, not a look-alike of this one's (training.eval_steps)
     ("training.logging_steps=5", ["unknown key 'training.logging_steps'", "another section: logging.logging_steps."]),
     ("training.max_steps=abc", ["training.max_steps", "integer"]),

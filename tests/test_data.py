@@ -131,6 +131,19 @@ def test_bad_jsonl_records_are_skipped_and_counted(jsonl_dir):
     assert docs == 2
 
 
+def test_messages_given_as_text_are_named_as_not_a_list():
+    """A Parquet column of JSON text holds each record's messages as a string: not a list of messages, which it is
+    called, rather than an empty conversation."""
+    from ernie_moe.data.jsonl import parse_messages
+    from ernie_moe.data.sample import BadSample
+
+    with pytest.raises(BadSample, match="messages must be a list of messages, not a str") as caught:
+        parse_messages('[{"role": "user", "content": "Hi"}]', [], [])
+    assert caught.value.reason == "bad_message"
+    with pytest.raises(BadSample, match="messages is empty"):
+        parse_messages([], [], [])
+
+
 def test_chat_records_train_only_on_assistant_turns(jsonl_dir):
     cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={jsonl_dir}", "model.vocab_size=300"])
     tok = build_tokenizer(cfg)

@@ -181,6 +181,10 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
                  "neither negative, not both 0.")
         _require(d.max_image_side >= unit, f"data.max_image_side must be at least {unit} pixels.")
         _require(d.max_image_pixels >= unit * unit, f"data.max_image_pixels must be at least {unit * unit}.")
+    if d.index_dir and check_paths:
+        _require(not Path(d.index_dir).exists() or Path(d.index_dir).is_dir(),
+                 f"data.index_dir '{d.index_dir}' is not a folder: the length index and line offsets are kept in "
+                 "files under it; name a folder (it is made when missing).")
     if d.tokenizer_path and check_paths:
         _require(any((Path(d.tokenizer_path) / name).is_file() for name in TOKENIZER_FILES),
                  f"data.tokenizer_path '{d.tokenizer_path}' holds no tokenizer ({', '.join(TOKENIZER_FILES)}).")

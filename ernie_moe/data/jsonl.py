@@ -329,7 +329,9 @@ def parse_messages(messages, images: list[str], videos) -> tuple:
     String contents place ``images`` and ``videos`` at their ``<image>`` / ``<video>`` markers; content parts
     carry their own files; a video is a list of frame files or a video file. Unknown parts, a ``<video>``
     without a video and images given both ways are counted skips."""
-    if not isinstance(messages, list) or not messages:
+    if messages and not isinstance(messages, list):  # a Parquet column of JSON text, say: not a list
+        raise BadSample("bad_message", f"messages must be a list of messages, not a {type(messages).__name__}")
+    if not messages:
         raise BadSample("empty_text", "messages is empty")
     parts_given = any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
     if parts_given and (images or videos):
