@@ -396,6 +396,11 @@ def test_benchmarks_scored_in_training_equal_the_evaluate_commands_scores(captio
     # 300 steps: the whole caption right for about 0.3 of the images, where's questions about 0.02
     assert last["eval_bench/captions"] > last["eval_bench/where"] + 0.1
     assert {"eval_bench/captions/category/dot", "eval_bench/where/category/ring"} <= set(last)
+    from visualdl import LogReader  # the same figures on VisualDL's scalars page, the benchmark's group
+
+    (log,) = (out / "visualdl").glob("vdlrecords.*.log")
+    logged = LogReader(file_path=str(log)).get_data("scalar", "eval_bench/captions")
+    assert [(r.id, r.value) for r in logged] == [(TASK_STEPS, pytest.approx(last["eval_bench/captions"]))]
     specs = [f"ocrbench:{tasks / t / f'{t}.jsonl'}" for t in ("captions", "where")]
     assert evaluate.main(["--model", str(out / "final_model"), "--benchmark", specs[0], "--benchmark", specs[1],
                           "--out", str(tmp_path / "results.json"), "--no-progress"]) == 0
