@@ -19,8 +19,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config.errors import ConfigError
-
 JOB_VARIABLE = "PADDLE_JOB_ID"
 RECORD = "attempts.jsonl"
 MAX_READ_BYTES = 1 << 20  # thousands of restarts
@@ -100,10 +98,10 @@ class JobRecord:
             os.fsync(f.fileno())
 
     def _check_regular(self) -> None:
-        """ConfigError when the record is there as something other than a regular file: a FIFO would block every
-        start of the job, a link would have it write where the link points."""
+        """OSError when the record is there as something other than a regular file: a FIFO would block every start
+        of the job, a link would have it write where the link points."""
         if self.path.is_symlink() or (self.path.exists() and not self.path.is_file()):
-            raise ConfigError(f"'{self.path}' (the elastic job's record) is not a regular file: remove it")
+            raise OSError(f"'{self.path}' (the elastic job's record) is not a regular file: remove it")
 
     def _lines(self) -> list[str]:
         self._check_regular()
