@@ -12,7 +12,6 @@ when any benchmark or category regressed (``--fail-on-regression``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -35,11 +34,9 @@ def side(source: str, specs: list[str], config: str | None, batch_size: int, max
     """A side's results by benchmark: read from an ``evaluate --out`` file, or answered by a model folder."""
     path = Path(source)
     if path.is_file():
-        if path.stat().st_size > MAX_RESULTS_BYTES:
-            raise DataError(f"results file '{path}' is over {MAX_RESULTS_BYTES >> 20} MiB")
         try:
-            results = json.loads(path.read_bytes()).get("benchmarks")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+            results = json_files.read_json_object(path, DataError, MAX_RESULTS_BYTES).get("benchmarks")
+        except DataError as err:
             raise DataError(f"'{path}' is not a results file of python -m ernie_moe.evaluate: {err}") from None
         if not isinstance(results, dict) or not all(isinstance(r, dict) and isinstance(r.get("items"), list)
                                                      for r in results.values()):

@@ -264,6 +264,8 @@ def test_vqa_sets_and_text_multiple_choice(tmp_path):
     ("bench.tsv", "index\tquestion\n", "mcq", "holds no usable mcq question"),
     ("bench.jsonl", "{not json\n", "mmmu", "line 1 is not JSON"),
     ("bench.json", '{"a": 1}', "docvqa", "must hold a JSON list"),
+    ("bench.json", "[" * 100000, "docvqa", "cannot be read: it is nested too deep"),
+    ("bench.jsonl", "[" * 100000 + "\n", "chartqa", "line 1 is nested too deep to read"),
     ("bench.jsonl", '{"question": "q"}\n', "nonsense", "unknown benchmark kind"),
     ("bench.jsonl", '{"id": "x", "question": "q", "answer": "1", "image": "a.png"}\n' * 2, "chartqa",
      "item id 'x' appears 2 times"),

@@ -18,6 +18,7 @@ from ..config.transformers_form import special_ids, to_transformers
 from ..data.processor_config import processor_file
 from ..json_files import UnreadableJSON, read_json
 from ..model.parameter_kinds import MTP, is_expert
+from ..moe.layer import router_counts
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor
 from .files import WrittenFiles
@@ -283,18 +284,14 @@ def absent_correction_biases(model) -> list[tuple[str, np.ndarray]]:
 
 def correction_bias_zeros(model_cfg, names: set[str]) -> list[tuple[str, np.ndarray]]:
     """Zeros as the correction bias of each MoE layer of ``model_cfg`` whose bias is not among ``names`` (a
-    folder's tensors), shaped as its router's groups and experts (``moe.layer.MoELayer``), for the export that
-    has no model built."""
+    folder's tensors), shaped as its router's groups and experts, for the export that has no model built."""
     out = []
-    counts = list(model_cfg.moe_num_experts)
     for layer in range(model_cfg.num_hidden_layers):
         modalities = model_cfg.moe_modalities_at(layer)
         name = f"model.layers.{layer}.mlp.moe_statics.e_score_correction_bias"
-        if not modalities or name in names:
-            continue
-        groups = [counts[m] for m in modalities] if model_cfg.moe_use_hard_gate and len(counts) == 2 else \
-            [sum(counts)]
-        out.append((name, np.zeros([len(groups), max(groups)], np.float32)))
+        if modalities and name not in names:
+            counts = router_counts(model_cfg, modalities)
+            out.append((name, np.zeros([len(counts), max(counts)], np.float32)))
     return out
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ..config.schema import BENCHMARK_KINDS
 from ..data.sample import DataError
+from ..json_files import UnreadableJSON, read_json
 from ..paths import not_a_file
 
 KINDS = BENCHMARK_KINDS
@@ -126,7 +127,10 @@ def _rows(path: Path, headerless: bool = False) -> Iterator[dict]:
                     if line.strip():
                         yield _record(line, f"{path} line {number}")
         elif suffix == ".json":
-            records = json.loads(path.read_bytes())
+            try:
+                records = read_json(path, MAX_FILE_BYTES)
+            except UnreadableJSON as err:
+                raise DataError(f"benchmark file '{path}' cannot be read: {err}") from None
             if not isinstance(records, list):
                 raise DataError(f"benchmark file '{path}' must hold a JSON list of records")
             for number, record in enumerate(records, start=1):
@@ -147,6 +151,8 @@ def _record(line: bytes, where: str) -> dict:
         record = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise DataError(f"{where} is not JSON: {err}") from None
+    except RecursionError:
+        raise DataError(f"{where} is nested too deep to read") from None
     if not isinstance(record, dict):
         raise DataError(f"{where} is not a JSON object")
     return record

@@ -29,6 +29,21 @@ class MoEStatics(nn.Layer):
         self.frozen = False  # a run that freezes the routers keeps the bias too (fine_tuning, training.freeze)
 
 
+def group_modalities(cfg, modalities: list[int]) -> list[int | None]:
+    """The modality each router group of a layer with experts for ``modalities`` serves: with
+    ``moe_use_hard_gate`` and two expert groups, one group per such modality; otherwise one group (None) for every
+    token."""
+    if cfg.moe_use_hard_gate and len(cfg.moe_num_experts) == 2:
+        return [m for m in (TEXT, VISION) if m in modalities]
+    return [None]
+
+
+def router_counts(cfg, modalities: list[int]) -> list[int]:
+    """The experts each router group of such a layer chooses among (the correction bias's rows are these groups)."""
+    groups = group_modalities(cfg, modalities)
+    return [sum(cfg.moe_num_experts)] if groups == [None] else [cfg.moe_num_experts[m] for m in groups]
+
+
 class MoELayer(nn.Layer):
     """Routes each modality's tokens to its own experts.
 
@@ -42,14 +57,11 @@ class MoELayer(nn.Layer):
         self.layer_idx = layer_idx
         counts, widths = list(cfg.moe_num_experts), list(cfg.moe_intermediate_size)
         self.hard_gate = cfg.moe_use_hard_gate and len(counts) == 2
+        self.group_modality = group_modalities(cfg, modalities)
+        self.router_counts = router_counts(cfg, modalities)
         if self.hard_gate:
-            self.group_modality = [m for m in (TEXT, VISION) if m in modalities]
             counts = [counts[m] for m in self.group_modality]
             widths = [widths[m] for m in self.group_modality]
-            self.router_counts = counts
-        else:
-            self.group_modality = [None]
-            self.router_counts = [sum(counts)]
         self.expert_offsets = [sum(counts[:g]) for g in range(len(counts))] if self.hard_gate else [0]
         self.num_experts = sum(counts)
         self.expert_widths = [w for n, w in zip(counts, widths) for _ in range(n)]  # by global expert id

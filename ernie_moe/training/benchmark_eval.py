@@ -8,8 +8,7 @@ import paddle
 
 from ..evaluation import answer_benchmark, max_new_tokens
 from ..evaluation.formats import Benchmark
-
-SIDE_BY_SIDE = 8  # questions decoded together
+from .generation_eval import SIDE_BY_SIDE
 
 
 def benchmark_metrics(benches: dict[str, Benchmark], model, tokenizer, data_cfg, env) -> dict:
