@@ -29,10 +29,10 @@ import paddle
 from ernie_moe.config import load_config
 from ernie_moe.data import build_datasets, build_tokenizer
 from ernie_moe.data.loader import training_encoder
-from ernie_moe.data.packing import Encoder
 from ernie_moe.data.sample import Chunk, Sample
 from ernie_moe.data.synthetic import SyntheticShapes
 from ernie_moe.generation import Decoding, generate, generate_batch, load_model_folder
+from ernie_moe.generation.prompts import prompt_encoder
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def cache_against_plain(args) -> None:
         model = ErnieMoEForConditionalGeneration(model_cfg)
         model.eval()
     sample = SyntheticShapes(cfg.training.seed, "eval", 1, cfg.data.image_size)[0]
-    encoder = Encoder(tokenizer, model_cfg, 4096, "skip", cfg.data.max_image_side, Counter())
+    encoder = prompt_encoder(tokenizer, model_cfg, cfg.data)
     prompt = encoder.prompt(Sample(sample.images, sample.chunks[:1]))
     speed = {}
     for use_cache in (True, False):

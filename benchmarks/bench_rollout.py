@@ -14,17 +14,16 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
-from collections import Counter
 from pathlib import Path
 
 import paddle
 
 from ernie_moe.config import load_config
 from ernie_moe.data import build_tokenizer
-from ernie_moe.data.packing import Encoder
 from ernie_moe.data.sample import Sample
 from ernie_moe.data.synthetic import SyntheticShapes
 from ernie_moe.generation import Decoding, generate, generate_batch
+from ernie_moe.generation.prompts import prompt_encoder
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.parallel.cpu_fallbacks import reuse_freed_host_memory, use_avx2_math_on_amd
 
@@ -46,7 +45,7 @@ def main() -> None:
     model = ErnieMoEForConditionalGeneration(cfg.model)
     model.eval()
     shapes = SyntheticShapes(cfg.training.seed, "eval", max(args.sizes), cfg.data.image_size)
-    encoder = Encoder(tokenizer, cfg.model, 4096, "skip", cfg.data.max_image_side, Counter())
+    encoder = prompt_encoder(tokenizer, cfg.model, cfg.data)
     prompts = [encoder.prompt(Sample(shapes[i].images, shapes[i].chunks[: 1 + i % 3])) for i in range(len(shapes))]
     never = (cfg.model.im_patch_id,)
     print(f"{args.new_tokens} new tokens per sequence, prompts of {min(map(len, prompts))}-"

@@ -47,7 +47,7 @@ from .config.schema import ModelConfig
 from .config.transformers_form import special_ids, to_transformers
 from .config.validate import check_model
 from .data.processor_config import FILE as PROCESSOR_FILE
-from .data.processor_config import for_library, read_saved
+from .data.processor_config import for_library, longest_side_rule, read_saved
 from .data.tokenizer import tokenizer_in
 from .finetune.adapter_files import adapter_base, merged_weight, read_adapter
 from .finetune.peft_files import write_peft_adapter
@@ -71,7 +71,9 @@ def model_names(source_names) -> list[str]:
 
 
 def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 5 * 2 ** 30,
-           adapter_dir=None, form: str = PADDLEFORMERS, ema: bool = False) -> dict:
+           adapter_dir=None, form: str = PADDLEFORMERS, ema: bool = False, any_image_rule: bool = False) -> dict:
+    """``any_image_rule``: write a folder of a run that resized images by their longest side, which the
+    libraries' image processors cannot reproduce (refused without it)."""
     refuse_writing_into(output_dir, [source_dir, adapter_dir])
     source = SourceCheckpoint(source_dir)
     averages = ema_of(source_dir) if ema else None
@@ -80,6 +82,13 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
     source.check_size(cfg)
     adapter = read_adapter(adapter_dir, cfg) if adapter_dir is not None else None
     saved = read_saved(adapter_dir or source_dir)  # processor settings; an adapter's run encoded inputs its own way
+    side = longest_side_rule(saved)
+    if side and model_type == VL and not any_image_rule:
+        raise ValueError(f"the run that wrote {adapter_dir or source_dir} resized images by their longest side "
+                         f"(data.max_image_side {side}), a rule neither PaddleFormers' nor transformers' image "
+                         "processor follows: they would cut other patch grids than training did. Train with the pixel "
+                         "budget (data.max_image_side 0, data.image_max_pixels), or pass --any-image-rule to write "
+                         "the folder anyway (this package's commands still encode as training did)")
     if form == TRANSFORMERS:
         if model_type != VL:
             raise ValueError(f"--format transformers writes the VL model ({VL}), not {model_type}")
@@ -181,6 +190,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ema", action="store_true", help="write the checkpoint's EMA of the weights")
     parser.add_argument("--format", default=PADDLEFORMERS, choices=(PADDLEFORMERS, TRANSFORMERS),
                         help="whose config.json to write (the tensors are the same)")
+    parser.add_argument("--any-image-rule", action="store_true",
+                        help="write the folder of a run that resized images by their longest side "
+                             "(data.max_image_side), which the libraries' image processors cannot reproduce")
     args = parser.parse_args(argv)
     try:
         if args.adapter:
@@ -192,7 +204,7 @@ def main(argv=None) -> int:
             raise ValueError("--ema writes a full fine-tuning checkpoint's EMA; a LoRA run's EMA is its final_model "
                              "with training.save_ema_as_final")
         done = export(source, args.output, args.model_type, int(args.max_shard_size_gb * 2 ** 30), adapter,
-                      args.format, args.ema)
+                      args.format, args.ema, args.any_image_rule)
     except (CheckpointError, ConfigError, ValueError, OSError) as err:
         print(f"export error: {err}", file=sys.stderr)
         return 2

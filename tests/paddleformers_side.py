@@ -46,7 +46,7 @@ KINDS = {
     "vl": ("Ernie4_5_VLConfig", "Ernie4_5_VLMoeForConditionalGeneration",
            dict(BASE, freq_allocation=2, tie_word_embeddings=True, moe_num_experts=[4, 4],
                 moe_intermediate_size=[32, 16], moe_k=2, moe_layer_start_index=1, moe_num_shared_experts=1,
-                pixel_hidden_size=32, im_patch_id=5,
+                pixel_hidden_size=32, im_patch_id=4,
                 vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
                                    spatial_merge_size=2, in_channels=3))),
 }

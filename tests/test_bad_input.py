@@ -7,13 +7,11 @@ import os
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import CONFIG
 from safetensors.numpy import load_file, save_file
 
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.data import build_tokenizer
-
-CONFIG = str(ROOT / "configs" / "vl_moe.yaml")
 
 
 @pytest.fixture(scope="module")

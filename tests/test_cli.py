@@ -3,7 +3,7 @@
 import argparse
 
 import pytest
-from conftest import ROOT
+from conftest import CONFIG
 
 from ernie_moe import evaluate, export, generate, serve
 from ernie_moe.cli import at_least_one, bounded
@@ -24,9 +24,6 @@ def test_bounded_takes_finite_numbers_in_range_only():
                                  (fraction, "half", "must be a number, not 'half'")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             parse(text)
-
-
-CONFIG = str(ROOT / "configs" / "vl_moe.yaml")
 
 
 @pytest.mark.parametrize("main, argv, message", [

@@ -85,6 +85,49 @@ def test_a_model_folder_config_gives_the_expert_groups(tmp_path):
         assert (model.moe_num_experts, model.moe_intermediate_size, model.head_dim) == ([4, 4], expected, 16)
 
 
+def test_a_model_folder_sets_its_own_architecture_over_the_config_file(tmp_path):
+    """The default config's model section describes the default model: started from a folder of another shape,
+    the folder's architecture wins, the run's choices (capacity, loss weights) still come from the file and the
+    command line, and a command-line key that contradicts the folder is one problem naming both values."""
+    (tmp_path / "config.json").write_text(json.dumps({**FOLDER_CONFIG, "im_patch_id": 7, "moe_capacity": [4, 4, 4],
+                                                       "vision_config": {"depth": 3, "embed_dim": 32}}))
+    start = [f"training.model_name_or_path={tmp_path}"]
+    model = load_config(ROOT / "configs" / "vl_moe.yaml", start).model
+    assert (model.vocab_size, model.im_patch_id, model.moe_intermediate_size) == (300, 7, [32, 16])
+    assert model.vision_config.depth == 3 and model.vision_config.patch_size == 14  # the folder's, then the file's
+    assert model.moe_capacity == []  # the file's choice over the folder's
+    chosen = load_config(ROOT / "configs" / "vl_moe.yaml", [*start, "model.vocab_size=300", "model.moe_k=2",
+                                                            "model.moe_capacity=[2, 2, 2]"]).model
+    assert chosen.vocab_size == 300 and chosen.moe_capacity == [2.0, 2.0, 2.0]
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs" / "vl_moe.yaml", [*start, "model.vocab_size=32", "model.vision_config.depth=2",
+                                                       "training.max_steps=0"])
+    message = str(err.value)
+    assert message.startswith("3 problems:")
+    assert "model.vocab_size=32 on the command line contradicts" in message and "vocab_size = 300" in message
+    assert "vision_config.depth = 3" in message and "training.max_steps must be at least 1" in message
+
+
+def test_one_launch_names_every_problem_of_a_config():
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs" / "vl_moe.yaml", [
+            "training.logging_steps=3", "model.vocab_size=abc", "data.max_seq_len=4", "parallel.virtual_pp_degree=0",
+            "model.vocab_size2=1"])
+    lines = str(err.value).splitlines()
+    assert lines[0] == "6 problems:" and len(lines) == 7
+    for words in ("unknown key 'training.logging_steps'. It is a key of another section: logging.logging_steps",
+                  "model.vocab_size = 'abc' has the wrong type", "Did you mean 'vocab_size'?",
+                  "data.max_seq_len (4) must be at least 8", "parallel.virtual_pp_degree must be at least 1"):
+        assert any(words in line for line in lines), (words, lines)
+    # a value that did not build is not judged again at its default
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs" / "vl_moe.yaml", ["data.max_seq_len=long", "model.max_position_embeddings=16"])
+    assert str(err.value).startswith("data.max_seq_len = 'long' has the wrong type"), err.value
+    with pytest.raises(ConfigError) as err:  # one problem reads as it always did
+        load_config(ROOT / "configs" / "vl_moe.yaml", ["training.max_steps=0"])
+    assert str(err.value) == "training.max_steps must be at least 1, got 0."
+
+
 @pytest.mark.parametrize("change, words", [
     ([FOLDER_CONFIG], ["holds a JSON list, not an object"]),
     ({"num_attention_heads": "4"}, ["num_attention_heads must be a positive whole number, not '4'"]),

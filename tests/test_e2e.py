@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -111,11 +110,11 @@ def test_caption_words_need_the_image(tmp_path, blank):
     assert abs(summary["eval_generate_caption_accuracy"] - accuracy) <= 4 / (4 * 128) + 1e-9
     # the saved model, read back: the evaluation command gives the trainer's figures, and greedy captions of
     # held-out images are mostly the reference captions
-    from ernie_moe.data.packing import Encoder
     from ernie_moe.data.sample import Sample
     from ernie_moe.data.synthetic import SyntheticShapes, caption
     from ernie_moe.evaluate import scores
     from ernie_moe.generation import generate, load_model_folder
+    from ernie_moe.generation.prompts import prompt_encoder
 
     figures, _ = scores(summary["model_dir"], "synthetic", cfg, cfg.training.per_device_eval_batch_size,
                         cfg.training.max_eval_batches)
@@ -123,7 +122,7 @@ def test_caption_words_need_the_image(tmp_path, blank):
         assert abs(figures[key] - summary[key]) < 1e-5, key
     loaded = load_model_folder(summary["model_dir"])
     model, tokenizer, model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
-    encoder = Encoder(tokenizer, model_cfg, 64, "skip", cfg.data.max_image_side, Counter())
+    encoder = prompt_encoder(tokenizer, model_cfg, cfg.data)
     held_out = SyntheticShapes(cfg.training.seed, "eval", 20, cfg.data.image_size)
     right = 0
     for sample in (held_out[i] for i in range(20)):

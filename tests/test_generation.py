@@ -14,11 +14,11 @@ from PIL import Image
 from ernie_moe.checkpoint import save_model
 from ernie_moe.config import DataConfig, load_config
 from ernie_moe.data import build_tokenizer
-from ernie_moe.data.packing import Encoder
 from ernie_moe.data.sample import Chunk, Sample
 from ernie_moe.data.synthetic import SyntheticShapes
 from ernie_moe.generation import KVCache, forward_cached, generate
 from ernie_moe.generation.decoding import _extended, choose, prompt_inputs, token_inputs
+from ernie_moe.generation.prompts import prompt_encoder
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.nn.flashmask import RowBounds
 
@@ -41,7 +41,7 @@ def a_prompt(cfg, with_image: bool):
     chunks = [Chunk(image=0)] if with_image else []
     sample = Sample(sample.images if with_image else [], chunks + sample.chunks[1:3])
     tokenizer = build_tokenizer(cfg)
-    return Encoder(tokenizer, cfg.model, 64, "skip", cfg.data.max_image_side, Counter()).prompt(sample), tokenizer
+    return prompt_encoder(tokenizer, cfg.model, cfg.data).prompt(sample), tokenizer
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -105,7 +105,7 @@ def test_greedy_decoding_with_and_without_the_cache_agree():
 def side_by_side_prompts(cfg):
     """Prompts of different lengths: an image and text, text alone, more text, two images and text."""
     tokenizer = build_tokenizer(cfg)
-    encoder = Encoder(tokenizer, cfg.model, 64, "skip", cfg.data.max_image_side, Counter())
+    encoder = prompt_encoder(tokenizer, cfg.model, cfg.data)
     shapes = SyntheticShapes(0, "eval", 4, cfg.data.image_size)
     samples = [Sample(shapes[0].images, [Chunk(image=0), *shapes[0].chunks[1:3]]),
                Sample([], shapes[1].chunks[1:2]),

@@ -183,7 +183,7 @@ def test_generate_encodes_a_prompt_as_the_training_did(run_on_images):
     training = Encoder(loaded.tokenizer, cfg.model, 1024, "skip", cfg.data.max_image_side, Counter(),
                        cfg.data.pixel_budget, cfg.data.video_budget)
     default = folder_run_config(root).data  # a folder without the file: the package's defaults
-    assert default.pixel_budget is None and default.max_image_side == 448
+    assert default.pixel_budget == (3136, 200704) and default.max_image_side == 0
     grids = []
     for n, sample in enumerate(samples):
         got, want = ours.prompt(sample), training.prompt(sample)

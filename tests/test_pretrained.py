@@ -1,5 +1,6 @@
 """Starting from ERNIE 4.5 checkpoints made by PaddleFormers itself, and exporting back to it."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -193,9 +194,14 @@ def test_a_text_moe_model_grows_vision_experts(sources):
 
 
 def test_mismatches_and_unreadable_sources_are_errors_that_name_what_is_wrong(sources, tmp_path):
+    with pytest.raises(ConfigError, match=r"model\.intermediate_size=64 on the command line contradicts .*"
+                                          r"intermediate_size = 128"):
+        imported(sources / "dense" / "hf", "model.intermediate_size=64")
+    narrower = dataclasses.replace(load_config(None, [f"training.model_name_or_path={sources / 'dense' / 'hf'}"]).model,
+                                   intermediate_size=64)
     with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.up_gate_proj\.weight'.*\[64, 256\].*"
                                               r"\[64, 128\]"):
-        imported(sources / "dense" / "hf", "model.intermediate_size=64")
+        load_pretrained(build_model(narrower, DistEnv()), sources / "dense" / "hf")
     with pytest.raises(CheckpointError, match=r"cannot upcycle model\.layers\.1\.mlp\.up_gate_proj\.weight"):
         imported(sources / "dense" / "hf", "model.moe_num_experts=[4,4]", "model.moe_intermediate_size=[128,64]")
     with pytest.raises(ConfigError, match="has no config.json"):
@@ -225,7 +231,7 @@ def test_training_starts_from_a_paddleformers_checkpoint_and_ends_in_its_format(
     out = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "run_trainer.py", "--config", "configs/finetune_ernie45_vl.yaml",
-         f"training.model_name_or_path={sources / 'vl' / 'hf'}", f"training.output_dir={out}", "model.im_patch_id=4",
+         f"training.model_name_or_path={sources / 'vl' / 'hf'}", f"training.output_dir={out}",
          "data.dataset=synthetic", "data.max_seq_len=64", "data.image_size=56", "training.max_steps=4",
          "training.eval_steps=0", "training.per_device_train_batch_size=2", "data.num_eval_samples=8",
          "logging.progress_bar=false"],
@@ -247,7 +253,7 @@ def test_training_starts_from_a_paddleformers_checkpoint_and_ends_in_its_format(
 def train_lora(base, out):
     done = subprocess.run(
         [sys.executable, "run_trainer.py", "--config", "configs/finetune_ernie45_vl.yaml",
-         f"training.model_name_or_path={base}", f"training.output_dir={out}", "model.im_patch_id=4",
+         f"training.model_name_or_path={base}", f"training.output_dir={out}",
          "data.dataset=synthetic", "data.max_seq_len=64", "data.image_size=56", "training.max_steps=3",
          "training.eval_steps=0", "training.per_device_train_batch_size=2", "data.num_eval_samples=8",
          "logging.progress_bar=false", "training.fine_tuning=lora", "training.learning_rate=1e-2"],

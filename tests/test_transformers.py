@@ -7,13 +7,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import CONFIG, SMALL
 from safetensors.numpy import load_file
 from test_ernie_inputs import BUDGET, ernie_config, vl_logits
 from test_ernie_inputs import ernie_side as conversations  # noqa: F401 (a fixture)
 from test_model_folders import fine_tune
 from test_pretrained import other_side
 
+import run_trainer
 from ernie_moe.checkpoint import save_model
+from ernie_moe.config import load_config
+from ernie_moe.data.images import target_size
 from ernie_moe.data.jsonl import JsonlDataset
 from ernie_moe.data.loader import build_tokenizer
 from ernie_moe.data.packing import Encoder
@@ -171,6 +175,37 @@ def test_a_model_without_a_correction_bias_is_written_with_zeros_for_it(made, tm
     assert report["missing_keys"] == [] and report["unexpected_keys"] == []
     for n in CASES:
         np.testing.assert_allclose(again[n], theirs_again[n], rtol=0, atol=1e-4, err_msg=f"exported, case {n}")
+
+
+def test_a_default_run_exported_for_transformers_loads_whole_and_cuts_trainings_image_grids(tmp_path):
+    """The default config's model, exported with ``--format transformers``: transformers loads every tensor (the
+    correction biases it expects written as zeros), its image processor cuts the grid training cut from a
+    photo of each size, and the video placeholder it is told lies inside the vocabulary."""
+    run, exported, sizes = tmp_path / "run", tmp_path / "exported", ("300x200", "640x480", "1920x1080")
+    overrides = [*SMALL, "training.max_steps=2", "training.eval_steps=0", f"training.output_dir={run}"]
+    assert run_trainer.main(["--config", CONFIG, *overrides]) == 0
+    assert export_main([str(run / "final_model"), str(exported), "--format", "transformers"]) == 0
+    transformers("grids", exported, tmp_path, *sizes, cwd=tmp_path)
+    found = json.loads((tmp_path / "grids.json").read_text())
+    assert found["missing_keys"] == [] and found["unexpected_keys"] == [] and found["mismatched_keys"] == []
+    cfg = load_config(CONFIG, overrides)
+    data, vision = cfg.data, cfg.model.vision_config
+    unit = vision.patch_size * vision.spatial_merge_size
+    for size in sizes:
+        width, height = map(int, size.split("x"))
+        rows, cols = target_size(height, width, unit, data.max_image_side, data.pixel_budget)
+        assert found["grids"][size] == [1, rows // vision.patch_size, cols // vision.patch_size], size
+    assert found["grids"]["640x480"] == [1, 26, 36]  # 364 x 504 pixels: the most 28-pixel blocks within 448 x 448
+    assert 0 <= found["video_token_id"] < found["vocab_size"]
+    assert found["image_token_id"] == cfg.model.im_patch_id
+    refused = tmp_path / "refused"
+    side = run_trainer.main(["--config", CONFIG, *overrides[:-1], f"training.output_dir={refused}",
+                             "data.max_image_side=448"])
+    assert side == 0
+    assert export_main([str(refused / "final_model"), str(tmp_path / "no"), "--format", "transformers"]) == 2
+    assert not (tmp_path / "no").exists()
+    assert export_main([str(refused / "final_model"), str(tmp_path / "anyway"), "--format", "transformers",
+                        "--any-image-rule"]) == 0
 
 
 def test_a_run_from_a_transformers_folder_ends_in_a_folder_transformers_reads(made, tmp_path):

@@ -8,6 +8,9 @@
     python transformers_side.py peft BASE ADAPTER OUT CASES...  # the same with PeftModel.from_pretrained(ADAPTER)
                                                        # over BASE; the LoRA tensors it holds as OUT/peft_state.npz
     python transformers_side.py resave DIR OUT         # from_pretrained(DIR), then save_pretrained(OUT)
+    python transformers_side.py grids DIR OUT WxH...   # from_pretrained(DIR)'s loading info, its config's token
+                                                       # ids and AutoImageProcessor's grid of an image of each size
+                                                       # (OUT/grids.json)
 """
 
 import json
@@ -77,7 +80,24 @@ def resave(directory, out):
     model.save_pretrained(out)
 
 
+def grids(directory, out, *sizes):
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    model, info = load(directory)
+    processor = AutoImageProcessor.from_pretrained(directory)
+    found = {}
+    for size in sizes:
+        width, height = map(int, size.split("x"))
+        image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8))
+        found[size] = processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
+    text = model.config.text_config
+    info.update(grids=found, vocab_size=text.vocab_size, image_token_id=model.config.image_token_id,
+                video_token_id=model.config.video_token_id)
+    Path(out, "grids.json").write_text(json.dumps(info))
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"make": make, "logits": logits, "resave": resave,
+    {"make": make, "logits": logits, "resave": resave, "grids": grids,
      "peft": lambda base, adapter, out, *cases: logits(base, out, *cases, adapter=adapter)}[command](*args)

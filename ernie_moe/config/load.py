@@ -8,17 +8,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, collecting, raise_all, report
 from .kinds import fits
-from .model_folder import model_config_from
+from .model_folder import grown_keys, model_config_from, tuning_keys
 from .schema import Config
-from .validate import validate
+from .validate import problems_of, validate
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), check_paths: bool = True,
@@ -47,10 +48,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), check
         if not isinstance(raw, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, not {type(raw).__name__}.")
     raw = _overlay(base or {}, raw)
+    given: dict = {}  # what the command line set, which a model folder's own settings must agree with
     for item in overrides:
         _apply_override(raw, item)
-    _start_from_checkpoint(raw, check_paths)
-    cfg = build(Config, raw, "")
+        _apply_override(given, item)
+    problems: list[str] = []
+    _start_from_checkpoint(raw, given, check_paths, problems)
+    cfg = None
+    with collecting(problems):
+        cfg = build(Config, raw, "")
+    if cfg is None:
+        raise_all(problems)
+    if problems:  # a key that did not build holds its default: leave out the checks that would judge that
+        unbuilt = set(re.findall(r"\b(?:model|data|training|parallel|logging)\.[\w.]+", " ".join(problems)))
+        later = problems_of(cfg, check_paths)
+        raise_all(problems + [p for p in later if not any(key in p for key in unbuilt)])
     validate(cfg, check_paths)
     return cfg
 
@@ -91,23 +103,46 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _start_from_checkpoint(raw: dict, check_paths: bool = True) -> None:
-    """With ``training.model_name_or_path`` the checkpoint's config.json describes the model; keys of the
-    ``model`` section override it. Its tokenizer is used unless ``data.tokenizer_path`` names another.
-    Without ``check_paths`` (the memory planner on another machine) a folder that is not there is skipped:
-    the model section describes the model."""
+def _start_from_checkpoint(raw: dict, given: dict, check_paths: bool, problems: list[str]) -> None:
+    """With ``training.model_name_or_path`` the checkpoint's config.json describes the model, over the config
+    file's ``model`` section (which describes a model of its own), except the run's choices (router loss
+    weights, capacity, MTP depths: :func:`tuning_keys`). The command line may change the expert layout
+    (:func:`grown_keys`, which the loader grows); a command-line key that contradicts the rest of the folder's
+    architecture is a problem naming both values. The folder's tokenizer is used unless ``data.tokenizer_path``
+    names another. Without ``check_paths`` (the memory planner on another machine) a folder that is not there is
+    skipped: the model section describes the model."""
     training = raw.get("training")
     source = training.get("model_name_or_path") if isinstance(training, dict) else None
     if not source or not isinstance(source, str) or (not check_paths and not Path(source).exists()):
         return
     try:
-        base = model_config_from(source)
+        folder = model_config_from(source)
     except (OSError, ValueError) as err:
         raise ConfigError(f"training.model_name_or_path: {err}") from None
-    raw["model"] = _overlay(base, raw.get("model") or {})
+    said = given.get("model") if isinstance(given.get("model"), dict) else {}
+    own = {key: value for key, value in folder.items() if key not in tuning_keys()}
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    raw["model"] = _overlay(_overlay(_overlay(folder, model), own), said)
+    told = _flat(said)
+    for key, value in _flat(own).items():
+        if key not in grown_keys() and told.get(key, value) != value:
+            problems.append(f"model.{key}={told[key]!r} on the command line contradicts {source}: its config.json "
+                            f"gives {key} = {value!r}. A model folder sets its own architecture: leave model.{key} "
+                            "out (or start from a folder of that shape).")
     data = raw.setdefault("data", {})
     if isinstance(data, dict) and not data.get("tokenizer_path") and (Path(source) / "tokenizer.model").is_file():
         data["tokenizer_path"] = source
+
+
+def _flat(section: dict, prefix: str = "") -> dict:
+    """``{"vision_config": {"depth": 2}}`` -> ``{"vision_config.depth": 2}``."""
+    out = {}
+    for key, value in section.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _overlay(base: dict, top: dict) -> dict:
@@ -166,27 +201,35 @@ def build(cls, raw, where: str):
     hints = typing.get_type_hints(cls)
     values = {}
     for key, value in raw.items():
-        if key not in fields:
-            owners = [f"{owner}.{key}" for owner in _sections_with(str(key)) if owner != where]
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            if owners:  # the key itself, misplaced: its section, before any look-alike here
-                hint = f" It is a key of another section: {' or '.join(owners)}."
-            else:
-                hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(fields)}."
-            raise ConfigError(f"unknown key '{_join(where, key)}'.{hint}")
-        name = _join(where, key)
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            values[key] = build(hint, value if value is not None else {}, name)
-            continue
-        choices = fields[key].metadata.get("choices")
-        if value is False and choices and "off" in choices:
-            value = "off"  # YAML 1.1 reads a bare off as false
-        values[key] = _coerce(value, hint, name)
-        if choices and values[key] not in choices:
-            options = ", ".join(repr(c) for c in choices)
-            raise ConfigError(f"{name} = {value!r} is not one of {options}.")
+        try:
+            values[key] = _build_value(cls, key, value, where, fields, hints)
+        except ConfigError as err:
+            report(str(err))  # noted, and the other keys built, when the caller collects problems
     return cls(**values)
+
+
+def _build_value(cls, key, value, where: str, fields: dict, hints: dict):
+    """One key of ``cls`` built from ``value`` (a section: built whole); ConfigError naming it."""
+    if key not in fields:
+        owners = [f"{owner}.{key}" for owner in _sections_with(str(key)) if owner != where]
+        close = difflib.get_close_matches(str(key), fields, n=1)
+        if owners:  # the key itself, misplaced: its section, before any look-alike here
+            hint = f" It is a key of another section: {' or '.join(owners)}."
+        else:
+            hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(fields)}."
+        raise ConfigError(f"unknown key '{_join(where, key)}'.{hint}")
+    name = _join(where, key)
+    hint = hints[key]
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value if value is not None else {}, name)
+    choices = fields[key].metadata.get("choices")
+    if value is False and choices and "off" in choices:
+        value = "off"  # YAML 1.1 reads a bare off as false
+    built = _coerce(value, hint, name)
+    if choices and built not in choices:
+        options = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"{name} = {value!r} is not one of {options}.")
+    return built
 
 
 def _join(where: str, key) -> str:

@@ -1,6 +1,6 @@
 """The ``model`` section that describes a model folder (PaddleFormers' / Hugging Face ``config.json`` of an
-ERNIE 4.5 model, transformers' ERNIE-4.5-VL, or this package's own output): the base a run started from a
-checkpoint overrides."""
+ERNIE 4.5 model, transformers' ERNIE-4.5-VL, or this package's own output): the architecture of a run started
+from a checkpoint."""
 
 from __future__ import annotations
 
@@ -20,6 +20,27 @@ _SAME_NAME = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "temporal_conv_size", "pixel_hidden_size", "num_nextn_predict_layers", "multi_token_pred_lambda")
 _VISION_KEYS = ("depth", "embed_dim", "num_heads", "mlp_ratio", "patch_size", "spatial_merge_size", "in_channels",
                 "hidden_act")
+
+
+_TUNING = frozenset({"moe_capacity", "moe_aux_loss_lambda", "moe_z_loss_lambda", "moe_orthogonal_loss_lambda",
+                     "global_aux_loss", "multi_token_pred_lambda", "num_nextn_predict_layers", "initializer_range",
+                     "max_position_embeddings"})
+_GROWN = frozenset({"moe_num_experts", "moe_intermediate_size", "moe_layer_start_index", "moe_layer_end_index",
+                    "moe_layer_interval", "moe_num_shared_experts", "moe_k", "moe_use_aux_free"})
+
+
+def tuning_keys() -> frozenset[str]:
+    """The ``model`` keys that are a run's choices over a model folder's (from the config file too): how its
+    routers are trained and held to capacity, the MTP depths it trains (new depths start as
+    ``training.mtp_init`` says), the longest row it accepts."""
+    return _TUNING
+
+
+def grown_keys() -> frozenset[str]:
+    """The ``model`` keys a run may change on the command line, from what a model folder gives: its expert
+    layout, which the loader grows (a dense model upcycled into experts, a text MoE given vision experts). The
+    folder's other keys are its architecture and its inputs' encoding, which only the folder sets."""
+    return _GROWN
 
 
 def model_config_from(directory) -> dict:

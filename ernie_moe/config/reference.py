@@ -18,8 +18,17 @@ Written by `python -m ernie_moe.config.reference > docs/config.md` from the fiel
 a string key) and validates the result.
 An unknown key (with the closest valid name), a wrong type, a missing file or values that cannot work together
 (heads not divisible by KV heads, `moe_k` above a modality's expert count, a layer range outside the model, ...)
-stop it with one paragraph and exit code 2. The defaults below are the dataclass defaults; `configs/vl_moe.yaml`
-sets its own values for some of them.
+stop it with exit code 2 and one paragraph per problem, every problem of the config in the one launch. The
+defaults below are the dataclass defaults; `configs/vl_moe.yaml` sets its own values for some of them.
+
+A run started from a model folder (`training.model_name_or_path`) takes its architecture and its image placeholder
+from the folder's `config.json`, whatever the config file's `model` section says (that section describes a model
+of its own: the default config's tiny one), so any config file starts any folder. The run's choices still come from
+the file and the command line: `moe_capacity`, the router loss weights, `global_aux_loss`,
+`num_nextn_predict_layers` and `multi_token_pred_lambda`, `max_position_embeddings`. On the command line the
+expert layout may change too (`moe_num_experts`, `moe_intermediate_size`, the MoE layer range, `moe_k`, shared
+experts, `moe_use_aux_free`: a dense model is upcycled into experts, a text MoE given vision experts); any other
+`model.` key there that contradicts the folder is a problem naming both values.
 """
 
 

@@ -155,14 +155,15 @@ class DataConfig:
     max_seq_len: int = opt(64, "tokens per packed row")
     overlong: str = choice("truncate", "truncate", "skip", doc="what happens to a sample longer than max_seq_len")
     image_size: int = opt(56, "synthetic images: side in pixels")
-    max_image_side: int = opt(448, "JSONL images: longest side after resizing (rounded to patch x merge)")
-    image_min_pixels: int = opt(3136, "with image_max_pixels: ERNIE's resize grows smaller images to this many pixels")
-    image_max_pixels: int = opt(0, "ERNIE-4.5-VL's pixel-budget resize: sides multiples of 28, at most this many "
-                                   "pixels (ERNIE: 1003520 = 28 x 28 x 1280); 0 = max_image_side instead")
-    video_min_pixels: int = opt(234_416, "with image_max_pixels: ERNIE's resize grows smaller video frames to this "
-                                         "many pixels (ERNIE: 28 x 28 x 299)")
-    video_max_pixels: int = opt(937_664, "with image_max_pixels: video frames are resized to at most this many "
-                                         "pixels (ERNIE: 28 x 28 x 1196)")
+    max_image_side: int = opt(0, "JSONL images and video frames: with a value, resized by their longest side to at "
+                                 "most this many pixels (rounded to patch x merge) instead of ERNIE's pixel budget, "
+                                 "a rule no image processor of PaddleFormers or transformers follows; 0 = the "
+                                 "pixel budget")
+    image_min_pixels: int = opt(3136, "ERNIE-4.5-VL's pixel-budget resize grows smaller images to this many pixels")
+    image_max_pixels: int = opt(200_704, "ERNIE-4.5-VL's pixel-budget resize: sides multiples of 28, at most this "
+                                         "many pixels (448 x 448; ERNIE: 1003520 = 28 x 28 x 1280)")
+    video_min_pixels: int = opt(3136, "the pixel budget's least pixels of a video frame (ERNIE: 28 x 28 x 299)")
+    video_max_pixels: int = opt(200_704, "the pixel budget's most pixels of a video frame (ERNIE: 28 x 28 x 1196)")
     video_fps: float = opt(2.0, "video files: frames kept per second of video (ERNIE's sampling: the middle frame "
                                 "of each of that many equal intervals) ...")
     video_min_frames: int = opt(16, "... but at least this many ...")
@@ -185,7 +186,7 @@ class DataConfig:
     @property
     def pixel_budget(self) -> tuple[int, int] | None:
         """(min, max) pixels of ERNIE's resize, or None for the longest-side rule."""
-        return (self.image_min_pixels, self.image_max_pixels) if self.image_max_pixels else None
+        return None if self.max_image_side else (self.image_min_pixels, self.image_max_pixels)
 
     @property
     def video_reading(self) -> VideoReading:
@@ -194,7 +195,7 @@ class DataConfig:
     @property
     def video_budget(self) -> tuple[int, int] | None:
         """(min, max) pixels of a video frame under ERNIE's resize, or None for the longest-side rule."""
-        return (self.video_min_pixels, self.video_max_pixels) if self.image_max_pixels else None
+        return None if self.max_image_side else (self.video_min_pixels, self.video_max_pixels)
 
     @property
     def train_files(self) -> list[str]:
@@ -364,8 +365,8 @@ class TrainingConfig:
     vit_lr_ratio: float = opt(1.0, "ViT learning rate = learning_rate x this")
     visual_ld: float = opt(1.0, "layer-wise decay of the ViT learning rate: block i of D gets visual_ld^(D-i)")
     model_name_or_path: str = opt("", "start from this ERNIE 4.5 checkpoint folder (PaddleFormers, ERNIE Paddle or "
-                                      "PaddleNLP form); its config.json gives the model, the model section "
-                                      "overrides it; empty = random weights")
+                                      "PaddleNLP form); its config.json gives the model's architecture (see "
+                                      "above); empty = random weights")
     mtp_init: str = choice("scratch", "scratch", "last_layer",
                            doc="multi-token prediction layers that model_name_or_path lacks: drawn at random, or "
                                "each depth's attention and norms copied from the last decoder layer and its MLP from "

@@ -126,8 +126,10 @@ def to_transformers(model_cfg, special_ids: dict[str, int], source: dict | None 
         value = special_ids.get(key, source.get(key))
         if value is not None:
             out[key] = value
-    if "video_token_id" not in out and PUBLISHED_VIDEO_TOKEN_ID < m.vocab_size:
-        out["video_token_id"] = PUBLISHED_VIDEO_TOKEN_ID
+    if "video_token_id" not in out:
+        # a vocabulary without a video placeholder: this package marks a video's tokens with the image placeholder
+        # (their token type tells them apart); transformers' own default lies outside such a vocabulary
+        out["video_token_id"] = PUBLISHED_VIDEO_TOKEN_ID if PUBLISHED_VIDEO_TOKEN_ID < m.vocab_size else m.im_patch_id
     return out
 
 

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from ..paths import not_a_file
-from .errors import ConfigError
+from .errors import ConfigError, collecting, raise_all, report
 from .schema import (
     BENCHMARK_KINDS,
     FREEZE_PARTS,
@@ -21,12 +21,23 @@ from .transformers_form import to_transformers
 
 
 def validate(cfg: Config, check_paths: bool = True) -> None:
-    """``check_paths=False`` skips the checks that data and tokenizer files exist (planning a run elsewhere)."""
-    check_model(cfg.model)
-    _check_data(cfg, check_paths)
-    _check_training(cfg, check_paths)
-    _check_parallel(cfg)
-    _check_final_format(cfg)
+    """``check_paths=False`` skips the checks that data and tokenizer files exist (planning a run elsewhere).
+    One ConfigError names every problem found."""
+    raise_all(problems_of(cfg, check_paths))
+
+
+def problems_of(cfg: Config, check_paths: bool = True) -> list[str]:
+    """Every problem of ``cfg``, each section's checks going on past one (see :func:`errors.collecting`)."""
+    problems: list[str] = []
+    for check in (lambda: check_model(cfg.model), lambda: _check_data(cfg, check_paths),
+                  lambda: _check_training(cfg, check_paths), lambda: _check_parallel(cfg),
+                  lambda: _check_final_format(cfg), lambda: _check_logging(cfg)):
+        with collecting(problems):
+            check()
+    return problems
+
+
+def _check_logging(cfg: Config) -> None:
     lg = cfg.logging
     _require(lg.logging_steps >= 1 and lg.imbalance_warn_windows >= 1,
              "logging.logging_steps and logging.imbalance_warn_windows must be at least 1.")
@@ -42,7 +53,7 @@ MAX_SEQ_LEN = 1 << 22
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
-        raise ConfigError(message)
+        report(message)
 
 
 def check_model(m: ModelConfig) -> None:
@@ -97,7 +108,8 @@ def check_model(m: ModelConfig) -> None:
                                            f"be one number for all.")
 
     layers = m.num_hidden_layers
-    moe_depths = [k for k in range(min(m.num_nextn_predict_layers, layers)) if m.moe_modalities_at(k)]
+    moe_depths = [k for k in range(min(m.num_nextn_predict_layers, layers, MTP_MAX_DEPTH))
+                  if m.moe_modalities_at(k)]
     _require(not moe_depths,
              f"model.num_nextn_predict_layers {m.num_nextn_predict_layers}: PaddleFormers builds MTP depth k as "
              f"decoder layer k, and layer(s) {moe_depths} are MoE layers here (moe_layer_start_index "
@@ -140,7 +152,10 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
     _require(d.max_seq_len <= cfg.model.max_position_embeddings,
              f"data.max_seq_len ({d.max_seq_len}) exceeds model.max_position_embeddings "
              f"({cfg.model.max_position_embeddings}).")
-    if d.image_max_pixels:
+    _require(d.max_image_side > 0 or d.image_max_pixels > 0,
+             "data.image_max_pixels is 0 and data.max_image_side too: images need a rule, a pixel budget "
+             "(data.image_max_pixels, for example 200704) or a longest side (data.max_image_side).")
+    if d.pixel_budget and d.image_max_pixels:
         unit_area = (v.patch_size * v.spatial_merge_size) ** 2
         for kind in ("image", "video"):
             low, high = getattr(d, f"{kind}_min_pixels"), getattr(d, f"{kind}_max_pixels")
@@ -179,7 +194,8 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
         _require(len(d.modality_ratio) == 2 and min(d.modality_ratio) >= 0 and sum(d.modality_ratio) > 0,
                  f"data.modality_ratio ({d.modality_ratio}) needs two weights (train_path files, text_path files), "
                  "neither negative, not both 0.")
-        _require(d.max_image_side >= unit, f"data.max_image_side must be at least {unit} pixels.")
+        _require(d.max_image_side == 0 or d.max_image_side >= unit,
+                 f"data.max_image_side must be 0 (the pixel budget) or at least {unit} pixels.")
         _require(d.max_image_pixels >= unit * unit, f"data.max_image_pixels must be at least {unit * unit}.")
     if d.index_dir and check_paths:
         _require(not Path(d.index_dir).exists() or Path(d.index_dir).is_dir(),
@@ -382,6 +398,10 @@ def _check_final_format(cfg: Config) -> None:
              "training.final_model_format 'transformers' writes a whole model; a LoRA run writes its adapter in "
              "PaddleFormers' form: merge it with python -m ernie_moe.export ADAPTER OUT --merge-lora --format "
              "transformers.")
+    _require(not cfg.data.max_image_side,
+             f"training.final_model_format 'transformers': data.max_image_side ({cfg.data.max_image_side}) resizes "
+             "images by their longest side, which transformers' image processor cannot reproduce: use the pixel "
+             "budget (data.max_image_side 0, data.image_max_pixels).")
     try:
         to_transformers(cfg.model, {})
     except ValueError as err:

@@ -60,6 +60,8 @@ class Encoder:
         frame; None: ``max_image_side``."""
         self.tok = tokenizer
         self.chat = chat_format(tokenizer)
+        if pixel_budget is None and max_image_side < 1:
+            raise ValueError("an encoder needs an image rule: a pixel budget, or a longest side of at least 1")
         self.pixel_budget, self.video_budget = pixel_budget, video_budget or pixel_budget
         v = model_cfg.vision_config
         self.patch, self.merge, self.temporal = v.patch_size, v.spatial_merge_size, model_cfg.temporal_conv_size

@@ -34,12 +34,14 @@ def processor_config(data: DataConfig, model_cfg, seed: int, transformers: bool 
            "do_convert_rgb": True,
            "patch_size": vision.patch_size, "merge_size": vision.spatial_merge_size,
            "temporal_conv_size": model_cfg.temporal_conv_size}
-    if data.pixel_budget:  # the longest-side rule has no key in either library
+    if data.pixel_budget:  # the longest-side rule has no key in either library (the export refuses it)
         low, high = data.pixel_budget
         out.update(min_pixels=low, max_pixels=high, size={"shortest_edge": low, "longest_edge": high},
                    image_min_pixels=low, image_max_pixels=high, video_min_pixels=data.video_min_pixels,
                    video_max_pixels=data.video_max_pixels)
     encoding = {k: v for k, v in dataclasses.asdict(data).items() if k not in _NOT_ENCODING}
+    if data.max_image_side:  # the longest-side rule: no budget (a saved budget beside a side is the budget's)
+        encoding.update(image_max_pixels=0, video_max_pixels=0)
     out["ernie_moe"] = {"data": encoding, "seed": seed}
     return out
 
@@ -69,6 +71,8 @@ def folder_settings(directory) -> dict:
             raise ConfigError(f"{path}: 'ernie_moe' must be an object with the run's 'data' section.")
         known = {f.name for f in dataclasses.fields(DataConfig)}
         data = {k: v for k, v in own["data"].items() if k in known}  # a newer version's keys do not stop a read
+        if data.get("image_max_pixels") and data.get("max_image_side"):
+            data["max_image_side"] = 0  # a run that kept a longest side beside its budget resized by the budget
         settings = {"data": data}
         if own.get("seed") is not None:
             settings["training"] = {"seed": own["seed"]}
@@ -79,6 +83,17 @@ def folder_settings(directory) -> dict:
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
     return settings
+
+
+def longest_side_rule(saved: dict | None) -> int:
+    """The longest side a folder's run resized images to (its ``data.max_image_side``), 0 when it used the pixel
+    budget that PaddleFormers' and transformers' image processors read (or the folder does not say)."""
+    own = (saved or {}).get("ernie_moe")
+    data = own.get("data") if isinstance(own, dict) else None
+    if not isinstance(data, dict) or data.get("image_max_pixels"):
+        return 0
+    side = data.get("max_image_side")
+    return side if isinstance(side, int) and not isinstance(side, bool) and side > 0 else 0
 
 
 def read_saved(directory) -> dict | None:
