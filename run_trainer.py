@@ -37,6 +37,14 @@ def main(argv=None) -> int:
         label, code = next((label, code) for kind, label, code in expected if isinstance(err, kind))
         print(f"{label}: {err}", file=sys.stderr)
         return code
+    except RuntimeError as err:
+        from ernie_moe.parallel.env import peer_lost
+
+        line = peer_lost(err)
+        if line is None:
+            raise
+        print(f"distributed error: {line}", file=sys.stderr)
+        return 1
     if trainer.env.is_main:
         print(format_summary(summary), flush=True)
     mark_finished()  # for python -m ernie_moe.elastic: the job ended because it was done

@@ -235,6 +235,11 @@ def test_the_index_is_measured_once_kept_and_measured_again_when_the_data_or_set
     damaged = CountingReads(train)
     DataFeed(damaged, tok, cfg, data_rank(0, 1), Counter())
     assert damaged.sized == 40
+    lengths = np.load(kept[0] / "lengths.npy")  # valid, but not this data's: its digest no longer matches
+    np.save(kept[0] / "lengths.npy", np.full_like(lengths, 1))
+    wrong = CountingReads(train)
+    DataFeed(wrong, tok, cfg, data_rank(0, 1), Counter())
+    assert wrong.sized == 40 and np.array_equal(np.load(kept[0] / "lengths.npy"), lengths)
     longer = configs(captions, tmp_path / "index")["jsonl"]
     longer = type(longer)(**{**longer.__dict__, "data": type(longer.data)(**{**longer.data.__dict__,
                                                                             "max_seq_len": 128})})

@@ -18,7 +18,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_launch
+from conftest import CONFIG, ROOT, run_launch
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 from test_e2e import records
@@ -31,7 +31,6 @@ from ernie_moe.config import load_config
 from ernie_moe.data import RowStream, build_tokenizer
 from ernie_moe.data.jsonl import JsonlDataset
 
-CONFIG = str(ROOT / "configs" / "vl_moe.yaml")
 SMALL = ["data.image_size=56", "data.max_seq_len=48", "training.per_device_train_batch_size=2",
          "data.num_eval_samples=8", "training.eval_steps=0", "logging.logging_steps=1", "logging.progress_bar=false",
          "logging.visualdl=false"]
@@ -561,7 +560,7 @@ def test_nan_logits_give_a_nan_loss():
     ("model.rope_theta=0", "model.rope_theta must be positive"),
     ("model.vision_config.rope_theta=0", "model.vision_config.rope_theta must be positive"),
     ("model.vision_config.mlp_ratio=0", "model.vision_config.mlp_ratio must be positive"),
-    ("model.vision_config.spatial_merge_size=0", "spatial_merge_size must be at least 1"),
+    ("model.vision_config.depth=0", "vision_config depth, embed_dim, num_heads, patch_size and spatial_merge_size"),
     ("model.vision_config.in_channels=1", "RGB (3 channels)"),
     ("training.save_steps=-1", "training.save_steps cannot be negative"),
     ("training.save_total_limit=-2", "training.save_total_limit cannot be negative"),
@@ -854,6 +853,11 @@ def test_a_resume_with_other_model_settings_or_a_hand_edited_state_is_refused_na
                              "'open_row' must be a list of at most 48 sample indices below 20000"),
                             ({**state, "data": {**state["data"], "rows_read": -1}},
                              "'rows_read' must be a whole number of 0 or more"),
+                            ({**state, "data": {**state["data"], "open_row": [0] * 40}},
+                             r"open row \(40 samples, 520 tokens\) is no row the plan fills"),
+                            ({**state, "data": {**state["data"], "epoch": 10 ** 12}},
+                             r"'epoch' \(1000000000000\) is past the last one its 4 rows read could reach "
+                             r"\(epoch 240\)"),
                             ([state], "not an object"), (DEEP, "nested too deep")):
         state_file.write_text(edited if isinstance(edited, str) else json.dumps(edited))
         marker = json.loads((out / "checkpoint-2" / "COMPLETE").read_text())
@@ -974,3 +978,29 @@ def test_a_data_file_rewritten_during_a_run_or_a_fifo_for_a_shard_stops_with_a_l
     os.mkfifo(shard)
     with pytest.raises(CheckpointError, match="is not a regular file"):
         load_pretrained(tr.model, model)
+
+
+def test_a_peer_lost_in_a_collective_is_one_line_naming_the_ranks(monkeypatch, capsys):
+    """gloo's error for a rank that died (as rank 0's all_gather_object read it when rank 1 was killed with -9),
+    or did not answer in time, ends the run with one line naming this rank and the peer, exit 1 (the launcher's
+    cue to restart an elastic job), not gloo's trace; any other RuntimeError is not taken for one."""
+    from ernie_moe.parallel.env import peer_lost
+    from ernie_moe.training import trainer
+
+    reset = RuntimeError("[/paddle/third_party/gloo/gloo/transport/tcp/pair.cc:576] Read error [127.0.0.1]:18320: "
+                         "Connection reset by peer")
+    timeout = RuntimeError("[/paddle/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                           "1800000ms for recv operation to complete: TIMEOUT self_rank = 0 pair_rank = 1")
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
+    assert peer_lost(reset).startswith("rank 0 lost a peer: another rank of the job stopped answering")
+    assert "Connection reset by peer" in peer_lost(reset)
+    assert peer_lost(timeout).startswith("rank 0 lost a peer: rank 1 of the job stopped answering")
+    assert peer_lost(RuntimeError("out of memory")) is None and peer_lost(ValueError(str(reset))) is None
+
+    def lose_the_peer(self, cfg):
+        raise timeout
+
+    monkeypatch.setattr(trainer.Trainer, "__init__", lose_the_peer)
+    assert run_trainer.main(["--config", CONFIG, *SMALL, "training.max_steps=1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("distributed error: rank 0 lost a peer: rank 1") and len(err.splitlines()) == 1, err

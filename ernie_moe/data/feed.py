@@ -50,6 +50,7 @@ class DataFeed:
         """``stats``: where skipped and fitted samples are counted (``data/...`` in the metrics)."""
         self.rank, self.world = env.data_rank, env.data_world
         self.rows_read = 0  # global rows handed out so far
+        self.max_seq_len = cfg.data.max_seq_len
         self.stats = stats
         self.ahead: _Ahead | None = None  # the next step's rows, being read
         self.gated, self._may_read = False, threading.Event()
@@ -63,7 +64,6 @@ class DataFeed:
         index = length_index(dataset, self.encoder, cfg.data.index_dir, env, cfg.data.num_workers,
                              cfg.logging.progress_bar)
         self.plan = PackingPlan(index, cfg.training.seed, cfg.data.max_seq_len, stats)
-        self.max_seq_len = cfg.data.max_seq_len
         self.workers = SampleWorkers(dataset, self.encoder, cfg.data.num_workers) if cfg.data.num_workers else None
 
     def next_step(self, micro_batch_size: int, accumulation_steps: int) -> list[list[Row]]:
@@ -156,6 +156,12 @@ class DataFeed:
         rows = state.get("rows_read") if isinstance(state, dict) else None
         if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
             raise DataError(f"the saved data position's 'rows_read' must be a whole number of 0 or more, not {rows!r}")
+        # each epoch puts at least one token of a usable sample into the rows: more epochs than the rows' tokens
+        # is a position no run reached (the epoch picks the order every later sample is read in)
+        epoch, most = state.get("epoch"), (rows + 1) * self.max_seq_len
+        if isinstance(epoch, int) and epoch > most:
+            raise DataError(f"the saved data position's 'epoch' ({epoch}) is past the last one its {rows} rows read "
+                            f"could reach (epoch {most}): not a position in this data (a hand-edited checkpoint)")
         if self.ahead is not None:
             self._drop_ahead()
         (self.stream if self.plan is None else self.plan).load_state_dict(state)

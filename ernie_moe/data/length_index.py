@@ -9,7 +9,8 @@ read from their headers (``images.unread``): the encoder gives such an image its
 The measuring is shared out over every process of the job (and ``data.num_workers`` each), gathered, and kept in
 ``data.index_dir`` under a key made of the data's identity (its files' size and modification time) and the
 encoding settings: a later run with the same data and settings reads the index back in milliseconds. The files
-are NumPy arrays, memory-mapped, and a JSON list of reasons; nothing is unpickled.
+are NumPy arrays, memory-mapped, and a JSON list of reasons with the digest of all three: an index edited since
+it was kept is measured again; nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from .workers import SampleWorkers, encode_in_order
 
 # what the encoder counts of a sample it keeps: truncated, or its videos fitted (``packing.FIT_COUNTS``)
 ENCODER_COUNTS = ("overlong_truncated", *FIT_COUNTS)
-VERSION = 1  # of the index's contents: a change to how lengths are measured makes new keys
-FILES = ("lengths.npy", "fitted.npy", "reasons.json")
+VERSION = 2  # of the index's contents: a change to how lengths are measured makes new keys
+FILES = ("lengths.npy", "fitted.npy", "reasons.json")  # reasons.json: {"reasons": [...], "digest": of the three}
 
 
 @dataclass
@@ -201,7 +202,12 @@ def _write(folder: Path, index: LengthIndex) -> None:
         tmp.mkdir(parents=True)
         np.save(tmp / "lengths.npy", index.lengths)
         np.save(tmp / "fitted.npy", index.fitted)
-        (tmp / "reasons.json").write_text(json.dumps(index.reasons))
+        digest = _digest(index.lengths, index.fitted, index.reasons)
+        (tmp / "reasons.json").write_text(json.dumps({"reasons": index.reasons, "digest": digest}))
+        if folder.is_dir():  # a damaged or edited index, measured again: set aside, then replaced
+            stale = folder.with_name(f"{folder.name}.stale-{secrets.token_hex(4)}")
+            folder.rename(stale)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.rename(folder)
     except OSError:  # another process kept it first, or the cache cannot be written: the index is still used
         pass
@@ -217,11 +223,21 @@ def _read(folder: Path, size: int, max_seq_len: int) -> LengthIndex | None:
     try:
         lengths = np.load(folder / "lengths.npy", mmap_mode="r", allow_pickle=False)
         fitted = np.load(folder / "fitted.npy", allow_pickle=False)
-        reasons = read_json(folder / "reasons.json")
+        kept = read_json(folder / "reasons.json")
     except (OSError, ValueError, UnreadableJSON):
         return None
+    reasons = kept.get("reasons") if isinstance(kept, dict) else None
     ok = (lengths.dtype == np.int32 and lengths.shape == (size,) and fitted.dtype == np.int64 and fitted.ndim == 2
           and fitted.shape[1] == 1 + len(ENCODER_COUNTS) and isinstance(reasons, list)
           and all(isinstance(r, str) for r in reasons) and int(lengths.min(initial=0)) >= -len(reasons)
-          and int(lengths.max(initial=0)) <= max_seq_len)
+          and int(lengths.max(initial=0)) <= max_seq_len and kept.get("digest") == _digest(lengths, fitted, reasons))
     return LengthIndex(lengths, reasons, fitted) if ok else None
+
+
+def _digest(lengths: np.ndarray, fitted: np.ndarray, reasons: list[str]) -> str:
+    """The digest of an index's contents, kept beside them: one edited by hand no longer matches it."""
+    digest = hashlib.blake2b(digest_size=16)
+    for array in (lengths, fitted):
+        digest.update(np.ascontiguousarray(array).tobytes())
+    digest.update(json.dumps(reasons).encode())
+    return digest.hexdigest()

@@ -69,6 +69,10 @@ class PackingPlan:
         if (lengths < 0).any():
             raise DataError("the saved data position's open row holds a sample this data cannot use: the data "
                             "changed since it was saved")
+        if int(lengths.sum()) > self.max_seq_len:
+            raise DataError(f"the saved data position's open row ({len(state['open_row'])} samples, "
+                            f"{int(lengths.sum())} tokens) is no row the plan fills: its samples fit "
+                            f"data.max_seq_len ({self.max_seq_len}) together (a hand-edited checkpoint, or other data)")
         self.epoch, self.position = state["epoch"], state["position"]
         self.open, self.used = list(state["open_row"]), int(lengths.sum())
         self.stats.clear()

@@ -6,6 +6,8 @@ ep``) or are the tensor-parallel group itself (``moe_group: mp``).
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 import paddle
@@ -141,3 +143,21 @@ def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
     elif layout.expert_copies > 1:
         env.expert_replica_group = new_groups(layout.expert_replica_groups())
     return env
+
+
+_GLOO = re.compile(r"/gloo/[^\]]*\]\s*(?P<what>.*)", re.S)
+
+
+def peer_lost(err: BaseException) -> str | None:
+    """One line for a collective that lost a peer (gloo's error: a rank died, or answered later than its timeout),
+    naming this rank and, where gloo says it, the peer; None for any other error."""
+    found = _GLOO.search(str(err)) if isinstance(err, RuntimeError) else None
+    if found is None:
+        return None
+    rank = os.environ.get("PADDLE_TRAINER_ID", "0")
+    peer = re.search(r"pair_rank\s*=\s*(\d+)", found["what"])
+    who = f"rank {peer[1]}" if peer else "another rank"
+    said = " ".join(found["what"].split())[:200]
+    return (f"rank {rank} lost a peer: {who} of the job stopped answering (it died, or was slower than the "
+            f"collective's timeout): gloo: {said}. The launcher's log folder (workerlog.N) says which rank ended "
+            "first and why; an elastic job restarts within --max_restart")
