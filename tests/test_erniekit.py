@@ -312,19 +312,28 @@ def test_data_format_keeps_only_its_records_and_erniekit_needs_ernies_tokenizer(
     assert caught.value.reason == "needs_ernie_tokenizer"
 
 
-def test_erniekit_records_without_an_ernie_tokenizer_stop_naming_the_fix(tmp_path, capsys):
-    """Only ERNIEKit records, and no ERNIE tokenizer: the run stops with one line that says what to give it."""
+def test_erniekit_records_without_an_ernie_tokenizer_stop_naming_the_fix_that_trains(tmp_path, capsys, monkeypatch):
+    """Only ERNIEKit records, and no ERNIE tokenizer: the run stops with one line that says what to give it, and
+    the overrides it names train the default model on them (bytes and ERNIE's pieces), each record encoded in
+    ERNIE's layout."""
     import run_trainer
 
+    monkeypatch.chdir(ROOT)  # the named tokenizer folder is the repository's
     record = {"system": "Be brief.", "src": ["Hi"], "tgt": ["Hello."], "label": [1]}
     (tmp_path / "d.jsonl").write_text(json.dumps(record) + "\n")
-    assert run_trainer.main(["--config", str(ROOT / "configs" / "vl_moe.yaml"), "data.dataset=jsonl",
-                             f"data.train_path={tmp_path / 'd.jsonl'}", "model.vocab_size=300",
-                             f"training.output_dir={tmp_path / 'out'}", "data.report_samples=0"]) == 2
+    run = ["--config", str(ROOT / "configs" / "vl_moe.yaml"), "data.dataset=jsonl",
+           f"data.train_path={tmp_path / 'd.jsonl'}", "training.max_steps=1", "training.eval_steps=0",
+           "logging.progress_bar=false"]
+    assert run_trainer.main([*run, f"training.output_dir={tmp_path / 'out'}", "data.report_samples=0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("data error: the training data has no usable sample") and len(err.splitlines()) == 1
     assert "'needs_ernie_tokenizer': 1" in err and "training.model_name_or_path" in err
-    assert "data.tokenizer_path" in err
+    fix = err.strip().removesuffix(".").rsplit(": ", 1)[1].split()
+    assert fix == ["data.tokenizer_path=configs/tokenizers/ernie_bytes"]
+    assert run_trainer.main([*run, *fix, f"training.output_dir={tmp_path / 'fixed'}"]) == 0
+    report = json.loads((tmp_path / "fixed" / "data_report.json").read_text())
+    shown = json.dumps(report)
+    assert "<|begin_of_sentence|>" in shown and "Hello.<|end_of_sentence|>" in shown, shown[:2000]
 
 
 # The Thinking model's chat template, written as a tokenizer folder's chat_template.jinja: another hand than the

@@ -14,8 +14,10 @@ class DataError(ValueError):
 # what to do when every sample was skipped for one of these reasons
 SKIP_FIXES = {
     "needs_ernie_tokenizer": "ERNIEKit's records are written with ERNIE's special tokens: train from an ERNIE 4.5 "
-                             "model folder (training.model_name_or_path, whose tokenizer is used) or name an ERNIE "
-                             "4.5 tokenizer folder in data.tokenizer_path, with model.vocab_size its vocabulary",
+                             "model folder (training.model_name_or_path, whose tokenizer is used), name an ERNIE "
+                             "4.5 tokenizer folder in data.tokenizer_path (model.vocab_size its vocabulary), or try "
+                             "them on a model built here, whose tokenizer reads bytes and ERNIE's pieces: "
+                             "data.tokenizer_path=configs/tokenizers/ernie_bytes",
     "missing_image": "image paths are read relative to the data file; check that they exist there",
     "bad_json": "each line of a JSONL file must be one JSON object",
 }

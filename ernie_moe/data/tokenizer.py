@@ -49,39 +49,65 @@ class WordTokenizer:
         (Path(directory) / "vocab.json").write_text(json.dumps(self.vocab, indent=0))
 
 
-class ByteTokenizer:
-    """UTF-8 bytes shifted past the special ids: any text, 261 ids."""
+PLACEHOLDER_PIECES = ("<|IMAGE_PLACEHOLDER|>", "<image>")
+# ERNIE-4.5's sentence markers: the chat template opens a conversation and closes each answer with them
+BEGIN_OF_SENTENCE, END_OF_SENTENCE = "<|begin_of_sentence|>", "<|end_of_sentence|>"
+# the special pieces ERNIE's data processors write into a conversation (ERNIEKit's records, its chat layout)
+ERNIE_PIECES = (BEGIN_OF_SENTENCE, END_OF_SENTENCE, "<|IMAGE_START|>", "<|IMAGE_END|>", "<|VIDEO_START|>",
+                "<|VIDEO_END|>")
 
-    def __init__(self):
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past the special ids: any text, 261 ids. With ``ernie_pieces``, ERNIE's special pieces
+    (:data:`ERNIE_PIECES`) are one id each after the bytes, and its sentence markers the begin and end ids: the
+    tokenizer that lets a model built here read ERNIEKit's records and ERNIE's chat layout."""
+
+    def __init__(self, ernie_pieces: bool = False):
         self.pad_id, self.bos_id, self.eos_id, self.unk_id, self.image_token_id = range(5)
+        first = len(SPECIALS) + 256
+        self.pieces = {piece: first + i for i, piece in enumerate(ERNIE_PIECES)} if ernie_pieces else {}
+        self._piece_of_id = {i: piece for piece, i in self.pieces.items()}
+        self._split = re.compile("(" + "|".join(map(re.escape, self.pieces)) + ")") if self.pieces else None
+        if self.pieces:
+            self.bos_id, self.eos_id = self.pieces[BEGIN_OF_SENTENCE], self.pieces[END_OF_SENTENCE]
+        self.chat_template = None  # with ERNIE's pieces: ERNIE-4.5-VL's own layout (``chat.chat_format``)
 
     @property
     def vocab_size(self) -> int:
-        return len(SPECIALS) + 256
+        return len(SPECIALS) + 256 + len(self.pieces)
 
     def placeholder_id(self) -> int:
         return self.image_token_id
 
-    def token_id(self, token: str) -> None:
-        """No special tokens beyond the fixed ids (see :meth:`SentencePieceTokenizer.token_id`)."""
-        return None
+    def token_id(self, token: str) -> int | None:
+        """The id of one of ERNIE's pieces, when it has them (see :meth:`SentencePieceTokenizer.token_id`)."""
+        return self.pieces.get(token)
 
     def identity(self) -> dict:
-        return {"bytes": len(SPECIALS)}
+        return {"bytes": len(SPECIALS), **({"ernie_pieces": len(self.pieces)} if self.pieces else {})}
 
     def encode(self, text: str) -> list[int]:
-        return [len(SPECIALS) + b for b in text.encode("utf-8")]
+        ids = []
+        for part in self._split.split(text) if self._split else [text]:
+            if part in self.pieces:
+                ids.append(self.pieces[part])
+            else:
+                ids.extend(len(SPECIALS) + b for b in part.encode("utf-8"))
+        return ids
 
     def decode(self, ids) -> str:
-        return bytes(i - len(SPECIALS) for i in ids if i >= len(SPECIALS)).decode("utf-8", errors="replace")
+        text, run = [], bytearray()
+        for i in ids:
+            if i in self._piece_of_id:
+                text.append(run.decode("utf-8", errors="replace") + self._piece_of_id[i])
+                run = bytearray()
+            elif len(SPECIALS) <= i < len(SPECIALS) + 256:
+                run.append(i - len(SPECIALS))
+        return "".join(text) + run.decode("utf-8", errors="replace")
 
     def save(self, directory: Path) -> None:
-        (Path(directory) / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByteTokenizer"}))
-
-
-PLACEHOLDER_PIECES = ("<|IMAGE_PLACEHOLDER|>", "<image>")
-# ERNIE-4.5's sentence markers: the chat template opens a conversation and closes each answer with them
-BEGIN_OF_SENTENCE, END_OF_SENTENCE = "<|begin_of_sentence|>", "<|end_of_sentence|>"
+        config = {"tokenizer_class": "ByteTokenizer", **({"ernie_pieces": True} if self.pieces else {})}
+        (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 class SentencePieceTokenizer:
@@ -252,5 +278,5 @@ def tokenizer_in(directory, image_token_id: int):
         except (UnreadableJSON, AttributeError) as err:
             raise ValueError(f"cannot read {config}: {err}") from None
         if kind == "ByteTokenizer":
-            return ByteTokenizer()
+            return ByteTokenizer(ernie_pieces=read_json(config).get("ernie_pieces") is True)
     return None

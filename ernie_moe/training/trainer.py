@@ -69,14 +69,15 @@ class Trainer:
         # under the elastic launcher: a restart keeps the global batch of the job's first attempt
         job = JobRecord(cfg.training.output_dir, job_id()) if job_id() else None
         self.cfg = cfg = for_world(cfg, dist.get_world_size(), job.first_global_batch() if job else 0)
+        self.env = init_distributed(cfg.parallel, cfg.training)
+        self.tokenizer = build_tokenizer(cfg)
+        self.cfg = cfg = sized_to_tokenizer(cfg, self.tokenizer, self.env.is_main)
         t = cfg.training
-        self.env = init_distributed(cfg.parallel, t)
         check_memory(cfg, self.env)  # before the output folder is claimed: a layout that cannot fit writes nothing
         self.rewards = build_rewards(t)  # the user's reward functions imported, before anything is written
         earlier = claim_output_dir(t, self.env, job)
         self.run = Run.begin(self.env)
         paddle.seed(t.seed)
-        self.tokenizer = build_tokenizer(cfg)
         check_tokenizer(self.tokenizer, cfg.model)
         self.state = TrainingState.start(t)
         parts = assemble(cfg, self.env, self.state, device_bytes(t), self._initialise_from)
@@ -632,6 +633,20 @@ def check_memory(cfg, env) -> None:
     text, ok = report(cfg, env.world_size, device_bytes(cfg.training) / 2 ** 30, run_search=False)
     if not ok:
         raise ConfigError(f"the memory planner predicts that this layout does not fit the device:\n{text}")
+
+
+def sized_to_tokenizer(cfg: Config, tokenizer, say: bool) -> Config:
+    """A model built here (no ``training.model_name_or_path``) whose ``model.vocab_size`` the tokenizer outgrows
+    (the default config's 32 words, with data read as bytes) takes the tokenizer's vocabulary, rounded up to a
+    multiple of the tensor-parallel degree, and ``say`` prints a note; a loaded model's vocabulary is its own."""
+    m, tp = cfg.model, cfg.parallel.tensor_parallel_degree
+    if cfg.training.model_name_or_path or tokenizer.vocab_size <= m.vocab_size:
+        return cfg
+    size = -(-tokenizer.vocab_size // tp) * tp
+    if say:
+        print(f"note: model.vocab_size {m.vocab_size} is below the tokenizer's {tokenizer.vocab_size} tokens: the "
+              f"model built here has {size}", flush=True)
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=size))
 
 
 def check_tokenizer(tokenizer, model_cfg) -> None:
