@@ -31,7 +31,7 @@ from ernie_moe.data import build_datasets, build_tokenizer
 from ernie_moe.data.loader import training_encoder
 from ernie_moe.data.sample import Chunk, Sample
 from ernie_moe.data.synthetic import SyntheticShapes
-from ernie_moe.generation import Decoding, generate, generate_batch, load_model_folder
+from ernie_moe.generation import Decoding, generate, generate_drafting, load_model_folder
 from ernie_moe.generation.prompts import prompt_encoder
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 
@@ -97,8 +97,8 @@ def speculative(args) -> None:
 
     def run(drafts: int, new_tokens: int) -> tuple[float, list]:
         start = time.perf_counter()
-        outs = [generate_batch(model, [p], [Decoding(new_tokens)], tokenizer.eos_id, never=never,
-                               tokens=tokenizer.vocab_size, draft_tokens=drafts)[0] for p in prompts]
+        outs = [generate_drafting(model, [p], [Decoding(new_tokens)], tokenizer.eos_id, never=never,
+                                  tokens=tokenizer.vocab_size, draft_tokens=drafts)[0] for p in prompts]
         return time.perf_counter() - start, outs
 
     best, prefill, answers = Counter(), Counter(), {}

@@ -33,7 +33,7 @@ from .generation import (
     UsageError,
     check_room,
     folder_run_config,
-    generate_batch,
+    generate_drafting,
     load_model_folder,
     prompt_encoder,
 )
@@ -114,9 +114,9 @@ def main(argv=None) -> int:
         group = prompts[start: start + args.batch_size]
         decoding = Decoding(args.max_new_tokens, args.temperature, args.top_p, args.seed)
         began = time.perf_counter()
-        outs = generate_batch(model, group, [decoding] * len(group), tokenizer.eos_id,
-                              never=(cfg.im_patch_id,) if loaded.sees_images else (), tokens=tokenizer.vocab_size,
-                              draft_tokens=args.draft_tokens)
+        outs = generate_drafting(model, group, [decoding] * len(group), tokenizer.eos_id,
+                                 never=(cfg.im_patch_id,) if loaded.sees_images else (), tokens=tokenizer.vocab_size,
+                                 draft_tokens=args.draft_tokens)
         answered.update(seconds=time.perf_counter() - began, tokens=sum(len(o.ids) for o in outs),
                         drafted=sum(o.drafted for o in outs), accepted=sum(o.accepted for o in outs))
         for key, out in zip(keys[start: start + args.batch_size], outs):

@@ -24,7 +24,7 @@ from ernie_moe.data.images import MEAN, STD
 from ernie_moe.data.jsonl import JsonlDataset
 from ernie_moe.data.loader import build_tokenizer
 from ernie_moe.data.packing import Encoder
-from ernie_moe.generation import Decoding, generate_batch
+from ernie_moe.generation import Decoding, generate_batch, generate_drafting
 from ernie_moe.model.blocks import block_inputs
 from ernie_moe.model.mtp import labels_ahead
 from ernie_moe.parallel.env import DistEnv
@@ -370,7 +370,7 @@ def test_speculative_greedy_answers_on_images_and_video_are_plain_greedy_answers
     assert any(p.token_type_ids.max() == 2 for p in prompts)  # video tokens
     decodings, never = [Decoding(12)] * len(prompts), (cfg.model.im_patch_id,)
     plain = generate_batch(model, prompts, decodings, -1, never=never)
-    fast = generate_batch(model, prompts, decodings, -1, never=never, draft_tokens=3)
+    fast = generate_drafting(model, prompts, decodings, -1, never=never, draft_tokens=3)
     assert [o.ids for o in fast] == [o.ids for o in plain] and all(o.drafted > 0 for o in fast)
 
 

@@ -89,3 +89,52 @@ def test_the_walk_sees_relative_absolute_and_deferred_imports(tmp_path):
     assert imported_parts(probe, tmp_path) == {"nn", "moe", "model", "parallel", "training", "checkpoint"}
     (folder / "__init__.py").write_text("from .probe import later\nfrom ..data import loader\n")
     assert imported_parts(folder / "__init__.py", tmp_path) == {"nn", "data"}
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
+    """The package's modules a file imports (``ernie_moe.generation.decoding``), wherever the import stands: a
+    name imported from a module is that module, one that is itself a module is that one."""
+    module = path.relative_to(root).with_suffix("").parts
+    package = module[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.ImportFrom):
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
+            stem = base + (node.module.split(".") if node.module else [])
+            targets = [stem + [alias.name] for alias in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name.split(".") for alias in node.names]
+        for target in targets:
+            while target and not (root / Path(*target)).with_suffix(".py").is_file():
+                target = target[:-1]  # a name in a module, or a package: the module that holds it
+            if target and target[0] == "ernie_moe":
+                found.add(".".join(target))
+    return found
+
+
+def test_no_two_modules_import_each_other_through_any_path():
+    """Within a folder too: no module reaches itself through the modules it imports (package __init__ files,
+    which gather their modules' names, left out)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            graph[name] = {m for m in imported_modules(path) if not m.endswith("__init__")} - {name}
+    cycles = []
+
+    def visit(node, trail):
+        for nxt in graph.get(node, ()):
+            if nxt in trail:
+                cycles.append(trail[trail.index(nxt):] + [nxt])
+            elif nxt not in done:
+                visit(nxt, trail + [nxt])
+        done.add(node)
+
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start])
+    assert not cycles, f"modules that import each other: {cycles[:5]}"
+    probe = ROOT / "ernie_moe" / "generation" / "speculative.py"
+    assert "ernie_moe.generation.decoding" in imported_modules(probe)  # the walk sees a sibling's names

@@ -14,7 +14,7 @@ from ernie_moe.config import load_config
 from ernie_moe.data import build_datasets
 from ernie_moe.data.loader import training_encoder
 from ernie_moe.data.sample import Chunk, Sample
-from ernie_moe.generation import Decoding, KVCache, forward_cached, generate_batch
+from ernie_moe.generation import Decoding, KVCache, forward_cached, generate_batch, generate_drafting
 from ernie_moe.generation.decoding import _extended, prompt_inputs
 from ernie_moe.generation.speculative import distribution, verify
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
@@ -66,7 +66,7 @@ def test_greedy_speculative_answers_are_plain_greedy_answers(kind):
     eos = first[1].ids[3]
     decodings = [Decoding(12 - row) for row in range(len(prompts))]
     plain = generate_batch(model, prompts, decodings, eos, never=never)
-    fast = generate_batch(model, prompts, decodings, eos, never=never, draft_tokens=3)
+    fast = generate_drafting(model, prompts, decodings, eos, never=never, draft_tokens=3)
     assert [(o.ids, o.stop) for o in fast] == [(o.ids, o.stop) for o in plain]
     assert {o.stop for o in plain} >= {"eos", "length"}
     assert all(o.drafted >= len(o.ids) // 2 and 0 <= o.accepted <= o.drafted for o in fast)
@@ -85,8 +85,8 @@ def test_speculative_sampling_draws_what_plain_sampling_draws():
         logits = forward_cached(model, prompt_inputs(_extended(prompt, [int(x1)]), 588), KVCache(layers))
         second += first[x1] * distribution(logits.numpy()[0, -1], t, top_p)
     rows = 3000
-    outs = generate_batch(model, [prompt] * rows, [Decoding(2, t, top_p, seed) for seed in range(rows)], -1,
-                          draft_tokens=3)
+    outs = generate_drafting(model, [prompt] * rows, [Decoding(2, t, top_p, seed) for seed in range(rows)], -1,
+                             draft_tokens=3)
     assert all(len(o.ids) == 2 for o in outs)
     kept = sum(o.accepted for o in outs) / sum(o.drafted for o in outs)
     assert 0.05 < kept < 0.95, kept  # both ways through the check
@@ -123,8 +123,8 @@ def test_a_trained_mtp_layer_drafts_what_the_model_then_says(trained):
     never = (model.cfg.im_patch_id,)
     decodings = [Decoding(24)] * len(prompts)
     plain = generate_batch(model, prompts, decodings, tokenizer.eos_id, never=never, tokens=tokenizer.vocab_size)
-    fast = generate_batch(model, prompts, decodings, tokenizer.eos_id, never=never, tokens=tokenizer.vocab_size,
-                          draft_tokens=3)
+    fast = generate_drafting(model, prompts, decodings, tokenizer.eos_id, never=never, tokens=tokenizer.vocab_size,
+                             draft_tokens=3)
     assert [o.ids for o in fast] == [o.ids for o in plain] and all(o.stop == "eos" for o in plain)
     drafted, kept = sum(o.drafted for o in fast), sum(o.accepted for o in fast)
     assert drafted >= sum(len(o.ids) for o in fast) // 2 and kept > 0.8 * drafted, (kept, drafted)

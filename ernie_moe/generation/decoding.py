@@ -130,8 +130,7 @@ def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperatu
 def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos_id: int, use_cache: bool = True,
                    never: tuple[int, ...] = (), tokens: int | None = None,
                    on_token: Callable[[int, list[int]], bool] | None = None,
-                   with_logps: bool = False, lockstep: Callable[[bool], bool] | None = None,
-                   draft_tokens: int = 0) -> list[Generated]:
+                   with_logps: bool = False, lockstep: Callable[[bool], bool] | None = None) -> list[Generated]:
     """:func:`generate` for several prompts side by side, each with its own :class:`Decoding`: one forward per new
     token for all of them, each row's logits read back together. Each prompt's answer is the one :func:`generate`
     gives it alone where the MoE layers are dropless, as an evaluation's are unless ``moe_capacity`` sets an
@@ -139,14 +138,7 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
     per row; ``with_logps``: each answer with its tokens' log-probabilities and entropies (:class:`Generated`);
     ``lockstep(finished)``: whether any of the processes that run every forward together (an expert-parallel
     group exchanging tokens) has not finished, told whether this one has; a finished one feeds padding until all
-    have. ``draft_tokens``: that many drafts per step from the model's multi-token prediction layers where it has
-    them (speculative decoding, ``generation.speculative``; not with ``with_logps``, ``lockstep`` or without the
-    cache); 0: none."""
-    if draft_tokens and use_cache and not with_logps and lockstep is None:
-        from .speculative import drafter, generate_speculative  # it decodes with this module's pieces
-
-        if drafter(model) is not None:
-            return generate_speculative(model, prompts, decodings, eos_id, never, tokens, on_token, draft_tokens)
+    have. Drafting tokens with the model's multi-token prediction layers: ``speculative.generate_drafting``."""
     channels = model.cfg.vision_config.in_channels * model.cfg.vision_config.patch_size ** 2
     rngs = [np.random.default_rng(d.seed) for d in decodings]
     limit = model.cfg.max_position_embeddings

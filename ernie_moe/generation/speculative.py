@@ -31,7 +31,18 @@ from ..cli import DRAFT_TOKENS
 from ..data.packing import Encoded
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.mtp import MultiTokenPrediction
-from .decoding import NO_TOKEN, Decoding, Generated, batch_inputs, choosable, choose, nucleus, taken, tokens_inputs
+from .decoding import (
+    NO_TOKEN,
+    Decoding,
+    Generated,
+    batch_inputs,
+    choosable,
+    choose,
+    generate_batch,
+    nucleus,
+    taken,
+    tokens_inputs,
+)
 from .kv_cache import KVCache, forward_cached
 
 
@@ -131,6 +142,17 @@ class _Rows:
 
 
 @paddle.no_grad()
+def generate_drafting(model, prompts: list[Encoded], decodings: list[Decoding], eos_id: int,
+                      never: tuple[int, ...] = (), tokens: int | None = None,
+                      on_token: Callable[[int, list[int]], bool] | None = None,
+                      draft_tokens: int = DRAFT_TOKENS) -> list[Generated]:
+    """``decoding.generate_batch`` with ``draft_tokens`` drafts per step where the model has multi-token
+    prediction layers (:func:`generate_speculative`); without them, or with no drafts, ``generate_batch`` itself."""
+    if draft_tokens and drafter(model) is not None:
+        return generate_speculative(model, prompts, decodings, eos_id, never, tokens, on_token, draft_tokens)
+    return generate_batch(model, prompts, decodings, eos_id, never=never, tokens=tokens, on_token=on_token)
+
+
 def generate_speculative(model, prompts: list[Encoded], decodings: list[Decoding], eos_id: int,
                          never: tuple[int, ...] = (), tokens: int | None = None,
                          on_token: Callable[[int, list[int]], bool] | None = None,

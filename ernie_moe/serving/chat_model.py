@@ -1,7 +1,7 @@
 """A model folder ready to answer conversations: what the server and the terminal chat share.
 
 Conversations come as the training JSONL's messages are read (``data.jsonl.parse_messages``), their images and
-videos decoded; they are encoded by the folder's training encoder and answered by ``generation.generate_batch``:
+videos decoded; they are encoded by the folder's training encoder and answered by ``generation.generate_drafting``:
 the requests that wait while the model is busy are answered together in its next turn, side by side (one model per
 process).
 """
@@ -24,7 +24,7 @@ from ..generation import (
     UsageError,
     check_room,
     folder_run_config,
-    generate_batch,
+    generate_drafting,
     load_model_folder,
     prompt_encoder,
 )
@@ -157,10 +157,10 @@ class ChatModel:
                 return True
 
         try:
-            outs = generate_batch(self.model, [r.prompt for r in turn], [r.sampling for r in turn],
-                                  self.tokenizer.eos_id, never=(self.cfg.im_patch_id,) if self.sees_images else (),
-                                  tokens=self.tokenizer.vocab_size, on_token=on_token,
-                                  draft_tokens=self.draft_tokens)
+            outs = generate_drafting(self.model, [r.prompt for r in turn], [r.sampling for r in turn],
+                                     self.tokenizer.eos_id, never=(self.cfg.im_patch_id,) if self.sees_images else (),
+                                     tokens=self.tokenizer.vocab_size, on_token=on_token,
+                                     draft_tokens=self.draft_tokens)
         except Exception as err:  # noqa: BLE001 - every request of the turn hears of it
             for request in turn:
                 request.error, request.answered = request.error or err, True
