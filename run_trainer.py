@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     except tuple(kind for kind, _, _ in expected) as err:
         label, code = next((label, code) for kind, label, code in expected if isinstance(err, kind))
         print(f"{label}: {err}", file=sys.stderr)
+        if code == 2:
+            mark_finished(unfixable=True)  # python -m ernie_moe.elastic: a restart would meet it again
         return code
     except RuntimeError as err:
         from ernie_moe.parallel.env import peer_lost

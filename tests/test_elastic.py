@@ -6,6 +6,7 @@ conditions the package writes (a fault's marker, a process's end), each with a b
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -210,6 +211,38 @@ def test_the_command_passes_the_job_id_to_the_workers_and_leaves_the_script_s_ow
     assert launch.STOPPED == EXIT_CODE  # a worker that saved and stopped, as the trainer exits
 
 
+def test_the_launcher_is_started_again_while_restarts_remain_unless_a_worker_cannot_start(monkeypatch, capsys):
+    """Paddle's launcher exiting with an error code is started again, up to --max_restart times; not when a worker
+    stopped on its config, data or checkpoint (run_trainer marks it), which every restart would meet again."""
+    started = []
+
+    class Launcher:
+        def __init__(self, cmd, env):
+            started.append(cmd)
+            self.env = env
+
+        def wait(self):
+            if self.env.get("UNFIXABLE"):
+                with monkeypatch.context() as m:
+                    m.setenv(launch.FINISHED_VARIABLE, self.env[launch.FINISHED_VARIABLE])
+                    launch.mark_finished(unfixable=True)
+            return 1
+
+    monkeypatch.setattr(launch, "_problem", lambda *a: None)
+    monkeypatch.setattr(launch, "_answers", lambda host, port: True)
+    monkeypatch.setattr(launch, "_become_subreaper", lambda: None)
+    monkeypatch.setattr(launch, "_wait_for_orphans", lambda: [])
+    monkeypatch.setattr(launch.subprocess, "Popen", Launcher)
+    command = ["--master", "etcd://127.0.0.1:1", "--job_id", "j", "--max_restart", "2", "run_trainer.py"]
+    assert launch.main(command) == 1 and len(started) == 3
+    said = capsys.readouterr().err
+    assert said.count("starting it again") == 2 and "(2 of --max_restart 2)" in said
+    monkeypatch.setenv("UNFIXABLE", "1")
+    started.clear()
+    assert launch.main(command) == 1 and len(started) == 1
+    assert "starting it again" not in capsys.readouterr().err
+
+
 def test_a_fault_strikes_once_in_a_job_and_several_can_be_named(tmp_path, monkeypatch):
     monkeypatch.setenv(faults.VARIABLE, "hold_in_step@2, kill_in_step@4@1")
     monkeypatch.setenv(faults.ONCE_VARIABLE, str(tmp_path))
@@ -326,6 +359,28 @@ def test_a_worker_killed_mid_run_restarts_the_job_which_ends_with_the_uninterrup
     assert f"restart 1 of job j: step {attempts[1].step} on 2 process(es)" in said(tmp_path, "node")
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert {(r["job/restarts"], r["job/world_size"]) for r in metrics if "loss" in r} >= {(0, 2), (1, 2)}
+    assert_same_losses(tmp_path / "out", uninterrupted)
+
+
+@pytest.mark.slow
+def test_a_launcher_that_gives_up_is_started_again_and_the_job_finishes(tmp_path, etcd, uninterrupted):
+    """Paddle's launcher with --max_restart 1 restarts the worker killed in step 3 and again when it is killed
+    while saving step 5 (it restarts once more than the option says), then gives up when it is killed before its
+    checkpoint of step 6 is renamed (as it gives up on a restart that meets a slow or vanished peer): the command
+    starts the launcher again, the job resumes from its newest whole checkpoint and ends with the uninterrupted
+    run's losses."""
+    job = start_elastic(tmp_path, "node", etcd, "--nnodes", "1", "--nproc_per_node", "1", "--max_restart", "1",
+                        fault="kill_in_step@3,kill_during_save@5,kill_before_rename@6")
+    try:
+        code = job.wait(timeout=BOUND_S * 2)
+    finally:
+        job.kill()
+    output = said(tmp_path, "node")
+    assert code == 0, output[-6000:]
+    assert re.search(r"elastic: job j: Paddle's launcher ended with code \d+ before the job finished; starting it "
+                     r"again \(1 of --max_restart 1\)", output), output[-6000:]
+    assert all((tmp_path / point).exists() for point in ("kill_in_step", "kill_during_save", "kill_before_rename"))
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["status"] == "done"
     assert_same_losses(tmp_path / "out", uninterrupted)
 
 

@@ -11,7 +11,10 @@ runs ``python -m paddle.distributed.launch`` with the same options, after:
   makes each start of the trainer an attempt of the job (``elastic.job``), resumed on a restart;
 - ``--elastic_level 1`` unless given (a dead worker restarts the pod).
 
-Afterwards it says how the job ended. Paddle's launcher exits with code 0 when etcd dies under it, leaving its
+When Paddle's launcher itself gives up before the job finished (exits with an error code while etcd answers:
+a restart that met a slow or vanished peer ends it with "peer not ready"), it is started again, up to
+``--max_restart`` times, and the workers resume from the job's newest checkpoint. Afterwards it says how the job
+ended. Paddle's launcher exits with code 0 when etcd dies under it, leaving its
 workers running; here that becomes a line naming etcd and exit code :data:`ETCD_LOST`. This process is the
 workers' subreaper, so those orphans (which stop after their step with a checkpoint when their launcher is gone)
 are waited for before it exits. Paddle is not imported here.
@@ -37,6 +40,7 @@ FINISHED_VARIABLE = "ERNIE_MOE_ELASTIC_FINISHED"  # a folder where a worker that
 USAGE = 2  # a command that cannot start
 ETCD_LOST = 3  # etcd went away while the job ran
 STOPPED = 4  # a worker's code for "stopped on request, checkpoint saved" (training.stop.EXIT_CODE)
+DEFAULT_MAX_RESTART = 3  # Paddle's launcher's own default for --max_restart
 ORPHAN_WAIT_S = 300.0  # how long the workers a dead launcher left may take to save and stop
 PR_SET_CHILD_SUBREAPER = 36
 ENVIRONMENT = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python", "GRPC_ENABLE_FORK_SUPPORT": "false"}
@@ -57,21 +61,40 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in ENVIRONMENT.items()},
            JOB_VARIABLE: job, FINISHED_VARIABLE: str(finished)}
     _become_subreaper()
-    launcher = subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", *args], env=env)
     told: list[str] = []
+    launcher: subprocess.Popen | None = None
 
     def forward(signum, frame):  # the launcher stops its workers, which save their step and exit
         told.append(signal.Signals(signum).name)
-        launcher.send_signal(signum)
+        if launcher is not None:
+            launcher.send_signal(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    code = launcher.wait()
-    orphans = _wait_for_orphans()
-    done = any(finished.iterdir())
-    shutil.rmtree(finished, ignore_errors=True)
+    relaunches, most = 0, int(_option(args, "--max_restart") or DEFAULT_MAX_RESTART)
+    try:
+        while True:
+            launcher = subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", *args], env=env)
+            code = launcher.wait()
+            orphans = _wait_for_orphans()
+            unfixable = any(finished.glob("unfixable-*"))  # a worker's config or data error: a restart repeats it
+            if _finished(finished) or told or code <= 0 or unfixable or relaunches >= most or not _answers(host, port):
+                break
+            # the launcher gave up (a restart that met a slow or vanished peer: "peer not ready"); the job goes on
+            relaunches += 1
+            print(f"elastic: job {job}: Paddle's launcher ended with code {code} before the job finished; starting it "
+                  f"again ({relaunches} of --max_restart {most}): the workers resume from the job's newest "
+                  "checkpoint", file=sys.stderr, flush=True)
+    finally:
+        done = _finished(finished)
+        shutil.rmtree(finished, ignore_errors=True)
     if done:
         return 0
+    return _ended(job, code, orphans, told, host, port)
+
+
+def _ended(job: str, code: int, orphans: list[int], told: list[str], host: str, port: int) -> int:
+    """The line saying why the job did not finish, and the command's exit code."""
     left = ""
     if orphans:
         saved = all(c == STOPPED for c in orphans)
@@ -98,12 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
-def mark_finished() -> None:
+def _finished(folder: Path) -> bool:
+    return any(folder.glob("finished-*"))
+
+
+def mark_finished(unfixable: bool = False) -> None:
     """Called by a worker whose run finished, so that the command above can tell a finished job from a launcher
-    that gave up; nothing outside it."""
+    that gave up, or (``unfixable``) by one that stopped on an error a restart would meet again (its config, data
+    or checkpoint), so that the launcher is not started again for it; nothing outside the command."""
     folder = os.environ.get(FINISHED_VARIABLE)
     if folder and os.path.isdir(folder):
-        Path(folder, f"finished-{os.getpid()}").touch()
+        Path(folder, f"{'unfixable' if unfixable else 'finished'}-{os.getpid()}").touch()
 
 
 def _problem(master: str | None, job: str, args: list[str] = ()) -> str | None:
