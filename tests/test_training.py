@@ -82,3 +82,26 @@ def test_config_reference_page_is_current():
 def test_readme_test_command_is_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci in (ROOT / "README.md").read_text()
+
+
+def test_a_step_is_three_frames_from_the_loop_to_the_runner(tmp_path):
+    """What a reader follows: the loop calls train_step, which calls forward_backward, which calls the runner."""
+    import inspect
+
+    from conftest import SMALL
+
+    from ernie_moe.training import Trainer
+
+    trainer = Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [
+        *SMALL, "training.max_steps=1", "training.eval_steps=0", "training.save_steps=0", "logging.visualdl=false",
+        f"training.output_dir={tmp_path}"]))
+    real, seen = trainer.runner.forward_backward, []
+
+    def forward_backward(*args, **kwargs):
+        names = [frame.function for frame in inspect.stack()[1:]]
+        seen.append(names[: names.index("_train") + 1])
+        return real(*args, **kwargs)
+
+    trainer.runner.forward_backward = forward_backward
+    trainer.train()
+    assert seen == [["forward_backward", "train_step", "_train"]]

@@ -15,6 +15,8 @@ dropped first; no optimizer step has happened).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import paddle
@@ -40,7 +42,9 @@ class Rung:
 class MemoryGuard:
     def __init__(self, training_cfg, env, device_bytes: float, model, can_halve: bool):
         self.env, self.model = env, model
-        self.limit = training_cfg.memory_guard_fraction * device_bytes
+        self.fraction = training_cfg.memory_guard_fraction
+        self.limit = self.fraction * device_bytes
+        self.window_peak = 0.0  # the largest step peak of this logging window
         self.use_reentrant = training_cfg.recompute_use_reentrant
         self.can_halve = can_halve
         self.capacity = training_cfg.memory_guard_capacity
@@ -50,6 +54,29 @@ class MemoryGuard:
     @property
     def enabled(self) -> bool:
         return self.limit > 0
+
+    @contextlib.contextmanager
+    def attempt(self, state, rungs: list[Rung]) -> Iterator[None]:
+        """One attempt at step ``state.step``: an out-of-memory error in it takes the next rung (appended to
+        ``rungs``) instead of ending the run, and the caller runs the step again; any other error, or one with no
+        rung left, goes on."""
+        try:
+            yield
+        except Exception as err:
+            rung = self.step_down(state, f"out of memory in step {state.step}") if is_out_of_memory(err) else None
+            if rung is None:
+                raise
+            rungs.append(rung)
+
+    def after_step(self, state, step_peak: float, ends_window: bool) -> Rung | None:
+        """The step's memory peak noted; at a window's end (every rank together), the next rung when the window's
+        largest peak on any rank passed the limit, for the steps after it."""
+        self.window_peak = max(self.window_peak, step_peak)
+        if not ends_window:
+            return None
+        over, self.window_peak = self.over_limit(self.window_peak), 0.0
+        return self.step_down(state, f"step {state.step} passed {self.fraction:.0%} of the device's memory") \
+            if over else None
 
     def over_limit(self, step_peak: float) -> bool:
         """Whether any rank's peak (of the steps since the last check) passed the limit (a collective: every rank

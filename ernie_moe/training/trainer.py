@@ -51,7 +51,7 @@ from .assembly import assemble
 from .benchmark_eval import benchmark_metrics
 from .best_model import BestModel
 from .generation_eval import evaluate_by_generation
-from .memory_guard import is_out_of_memory
+from .memory_guard import Rung
 from .optimizer import clip_gradients, gradient_norms, optimizer_state_bytes
 from .precision import NonFiniteGradients
 from .preference import PrecomputedReference
@@ -86,7 +86,6 @@ class Trainer:
         self.optimizer, self.scheduler, self.param_groups = parts.optimizer, parts.scheduler, parts.param_groups
         self.step_times, self.ema = parts.step_times, parts.ema
         self.replicas = ReplicaCheck(t, self.env, self.model)
-        self.window_peak = 0  # the largest step memory peak of this logging window, for the memory guard
         if self.env.is_main:
             print(self.fine_tuning.describe(), flush=True)
         self._notes()
@@ -142,8 +141,11 @@ class Trainer:
             for self.step in range(first, t.max_steps + 1):
                 # the run's first step is not counted: its one-time reads set things up (fleet's pipeline learns its
                 # tensors' shapes, a fused kernel is checked at its first call)
-                with reads.counting() if reads and self.step > first else contextlib.nullcontext():
-                    window.append(self._guarded_step())
+                try:
+                    with reads.counting() if reads and self.step > first else contextlib.nullcontext():
+                        window.append(self.train_step())
+                except NonFiniteGradients as err:
+                    raise self._back_to_checkpoint(err) from None
                 if faults.at("hold_in_step", self.step, self.env.rank):
                     stop.hold(faults.released)
                 bar.update(1)
@@ -220,15 +222,12 @@ class Trainer:
         raise StopRequested(f"{reason}: stopped after step {self.step}, saved {where}; resume with "
                             "training.resume_from_checkpoint=auto")
 
-    def _guarded_step(self) -> StepResult:
-        """A training step; a stop for non-finite gradients names the checkpoint to go back to."""
-        try:
-            return self.train_step()
-        except NonFiniteGradients as err:
-            self._finish_save()  # its state is from before these steps
-            where = (f"the newest checkpoint, saved before these steps, is {self.last_checkpoint.path}"
-                     if self.last_checkpoint else "no checkpoint was saved before them")
-            raise NonFiniteGradients(f"{err} ({where})") from None
+    def _back_to_checkpoint(self, err: NonFiniteGradients) -> NonFiniteGradients:
+        """A stop for non-finite gradients, naming the checkpoint to go back to."""
+        self._finish_save()  # its state is from before these steps
+        where = (f"the newest checkpoint, saved before these steps, is {self.last_checkpoint.path}"
+                 if self.last_checkpoint else "no checkpoint was saved before them")
+        return NonFiniteGradients(f"{err} ({where})")
 
     def _save(self) -> None:
         """Checkpoint, unless the last steps were skipped: a checkpoint from inside a run of non-finite steps
@@ -271,58 +270,55 @@ class Trainer:
         return [collate(rows) for rows in self._next_rows()]
 
     def train_step(self, micro_batches=None) -> StepResult:
-        """One optimizer step over ``gradient_accumulation_steps`` micro-batches, its parts timed in the run's
-        ``step_times``. An out-of-memory error runs the step again on the memory guard's next rung; a step whose
-        peak passes its limit moves to the next rung for the following steps."""
+        """One optimizer step over the step's micro-batches (the feed's next, unless given), its parts timed in the
+        run's ``step_times``. An out-of-memory error runs the step again on the memory guard's next rung; a window
+        whose peak passed the guard's limit moves to the next rung for the steps after it."""
         with self.step_times.recording():
-            return self._train_step(micro_batches)
+            started, ends_window = time.perf_counter(), self._ends_window()
+            self.step_times.sample(ends_window)
+            self.step_times.pop()
+            released = self.guard.release(self.state)
+            if released:
+                self._announce(released)
+            with part("data"):
+                rows = None if micro_batches is not None else self._next_rows()
+            data_wait = time.perf_counter() - started  # measured whether or not the time breakdown is on
+            rungs: list[Rung] = []
+            result = None
+            while result is None:
+                with self.guard.attempt(self.state, rungs):
+                    with part("data"):
+                        batches = micro_batches or [collate(r) for r in rows]
+                    done = self.forward_backward(batches)
+                    with part("gradient_sync"):
+                        self.runner.finish_gradients()
+                    with part("optimizer"):
+                        self._update(done)
+                        if self.ema is not None:
+                            self.ema.update(self.step)
+                    result = done
+                if result is None:  # out of memory: the attempt's gradients dropped, its rows cut as the rung says
+                    self.optimizer.clear_grad()
+                    if rungs[-1].halved and rows is not None:
+                        rows = [half for r in rows for half in (r[: len(r) // 2], r[len(r) // 2:])]
+            if faults.at("perturb_weight", self.step, self.env.rank):
+                self.replicas.perturb()
+            for fault in ("sigterm_in_step", "launcher_killed", "kill_in_step", "node_lost"):
+                faults.hit(fault, self.step, self.env.rank)
+            later = self.guard.after_step(self.state, self.monitor.after_step(), ends_window)
+            for rung in rungs + ([later] if later is not None else []):
+                self._announce(rung.message)
+            result.memory_guard_rungs = len(rungs) + (later is not None)
+            result.loss_scale = self.precision.loss_scale
+            result.rows = self.state.micro_batch_size * self.env.data_world * self.state.accumulation_steps
+            result.flops = self.monitor.step_flops(batches)
+            result.time, result.times = time.perf_counter() - started, self.step_times.pop()
+            result.data_wait = data_wait
+        return result
 
     def _ends_window(self) -> bool:
         """Whether this step ends a logging window: the step whose figures the host may wait for."""
         return self.step % self.cfg.logging.logging_steps == 0 or self.step == self.cfg.training.max_steps
-
-    def _train_step(self, micro_batches) -> StepResult:
-        started = time.perf_counter()
-        ends_window = self._ends_window()
-        self.step_times.sample(ends_window)
-        self.step_times.pop()
-        released = self.guard.release(self.state)
-        if released:
-            self._announce(released)
-        with part("data"):
-            rows = None if micro_batches is not None else self._next_rows()
-        data_wait = time.perf_counter() - started  # measured whether or not the time breakdown is on
-        changes = []
-        while True:
-            try:
-                with part("data"):
-                    batches = micro_batches or [collate(r) for r in rows]
-                result = self._step(batches)
-                for fault in ("sigterm_in_step", "launcher_killed", "kill_in_step", "node_lost"):
-                    faults.hit(fault, self.step, self.env.rank)
-                break
-            except Exception as err:
-                rung = self.guard.step_down(self.state, f"out of memory in step {self.step}") \
-                    if is_out_of_memory(err) else None
-                if rung is None:
-                    raise
-                changes.append(rung)
-                self.optimizer.clear_grad()
-                if rung.halved and rows is not None:
-                    rows = [half for r in rows for half in (r[: len(r) // 2], r[len(r) // 2:])]
-        self.window_peak = max(self.window_peak, self.monitor.after_step())
-        if ends_window:  # the ranks' peaks compared once a window
-            if self.guard.over_limit(self.window_peak):
-                limit = self.cfg.training.memory_guard_fraction
-                rung = self.guard.step_down(self.state, f"step {self.step} passed {limit:.0%} of the device's memory")
-                changes += [rung] if rung is not None else []
-            self.window_peak = 0
-        for rung in changes:
-            self._announce(rung.message)
-        result.memory_guard_rungs = len(changes)
-        result.time, result.times = time.perf_counter() - started, self.step_times.pop()
-        result.data_wait = data_wait
-        return result
 
     def _check_replicas(self, when: str) -> None:
         """The replica check (every rank): its figures logged, a mismatch stopping the run or warning."""
@@ -343,22 +339,6 @@ class Trainer:
         if self.env.is_main:
             print(f"memory guard: {change}", flush=True)
         self.monitor.text("memory_guard", change, self.step)
-
-    def _step(self, micro_batches) -> StepResult:
-        rows = self.state.micro_batch_size * self.env.data_world * self.state.accumulation_steps  # as read
-        result = self.forward_backward(micro_batches)
-        with part("gradient_sync"):
-            self.runner.finish_gradients()
-        with part("optimizer"):
-            self._update(result)
-            if self.ema is not None:
-                self.ema.update(self.step)
-        if faults.at("perturb_weight", self.step, self.env.rank):
-            self.replicas.perturb()
-        result.loss_scale = self.precision.loss_scale
-        result.rows = rows
-        result.flops = self.monitor.step_flops(micro_batches)
-        return result
 
     def _update(self, result: StepResult) -> None:
         """Unscale, clip and step (or skip a step with non-finite gradients), then clear the gradients."""
