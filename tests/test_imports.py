@@ -2,6 +2,7 @@
 runs up and no two folders import each other. Every import counts, those inside functions too."""
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import ROOT
@@ -138,3 +139,36 @@ def test_no_two_modules_import_each_other_through_any_path():
     assert not cycles, f"modules that import each other: {cycles[:5]}"
     probe = ROOT / "ernie_moe" / "generation" / "speculative.py"
     assert "ernie_moe.generation.decoding" in imported_modules(probe)  # the walk sees a sibling's names
+
+
+def layout_entries() -> dict[str, str]:
+    """The README's Layout block: each entry (``nn/``, ``batch.py``) and its text."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("## Layout"):]
+    block = block[block.index("```\n") + 4:]
+    block = block[: block.index("```")]
+    entries, name = {}, None
+    for line in block.splitlines()[1:]:  # after "ernie_moe/"
+        found = re.match(r"^  (\S+)", line)
+        if found:
+            name = found[1]
+            entries[name] = line
+        elif name is not None:
+            entries[name] += " " + line.strip()
+    return entries
+
+
+def test_the_readme_layout_names_every_module_and_the_floors_in_order():
+    entries = layout_entries()
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if len(relative.parts) == 1:
+            if relative.name != "__init__.py" and relative.name not in entries:
+                missing.append(str(relative))
+        elif relative.name not in ("__init__.py", "__main__.py") and \
+                not re.search(rf"\b{re.escape(relative.name)}\b", entries.get(f"{relative.parts[0]}/", "")):
+            missing.append(str(relative))
+    assert not missing, f"modules the README's Layout does not name: {missing}"
+    floors = "; ".join(", ".join(f"`{p}`" for p in sorted(floor)) for floor in FLOORS)
+    assert floors in " ".join((ROOT / "README.md").read_text().split()), floors

@@ -5,7 +5,7 @@ from __future__ import annotations
 import paddle
 from paddle import nn
 
-from ..nn import kernels, layout
+from ..nn import contiguous, kernels
 from ..nn.flashmask import RowBounds, dense_attention
 from ..nn.recompute import Recomputable
 
@@ -45,7 +45,7 @@ class Attention(Recomputable, nn.Layer):
         heads = qkv.shape[2]
         q_heads = heads * self.num_heads // (self.num_heads + 2 * self.num_kv_heads)
         kv_heads = (heads - q_heads) // 2
-        q, k, v = layout.split(qkv, [q_heads, kv_heads, kv_heads], axis=2)
+        q, k, v = contiguous.split(qkv, [q_heads, kv_heads, kv_heads], axis=2)
         q, k = kernels.rotary(q, angles), kernels.rotary(k, angles)
         if cache is not None:
             k, v = cache.extend(k, v)

@@ -14,7 +14,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ..nn import kernels, layout
+from ..nn import contiguous, kernels
 from ..nn.layers import RMSNorm
 from ..nn.recompute import Recomputable
 from ..nn.rope import Rotation, vision_rope_angles
@@ -105,7 +105,7 @@ class VisionAttention(nn.Layer):
         """``groups``: (patch indices, images, patches per image) tensors of each image size, and the order
         that puts the groups' outputs back."""
         n = x.shape[0]
-        q, k, v = layout.split(self.qkv(x).reshape([n, 3 * self.num_heads, -1]), 3, axis=1)
+        q, k, v = contiguous.split(self.qkv(x).reshape([n, 3 * self.num_heads, -1]), 3, axis=1)
         q, k = kernels.vision_rotary(q, angles), kernels.vision_rotary(k, angles)
         sizes, restore = groups
         outs = []

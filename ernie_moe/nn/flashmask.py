@@ -21,7 +21,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
-from . import layout
+from . import contiguous
 
 BLOCK_ROWS = 512  # query rows per block: the transient is [batch, heads, BLOCK_ROWS, keys] float32 scores
 _HIDDEN = -1e30  # the score of a key a row does not see; finite, so a row that sees no key gives no NaN
@@ -101,10 +101,10 @@ def block_attention(q, k, v, bounds: RowBounds, block_rows: int = BLOCK_ROWS) ->
         return dense_attention(q, k, v, bounds.dense_bias(q.shape[1], q.shape[2]))
     group = q.shape[2] // k.shape[2]
     k, v = (paddle.repeat_interleave(t, group, axis=2) if group > 1 else t for t in (k, v))
-    q, k, v = (layout.transpose(t, [0, 2, 1, 3]) for t in (q, k, v))
+    q, k, v = (contiguous.transpose(t, [0, 2, 1, 3]) for t in (q, k, v))
     extra = [] if bounds.causal else [bounds.starts]
     out = _BlockAttention.apply(q, k, v, bounds.ends, *extra, first_row=bounds.first_row, block_rows=block_rows)
-    return layout.transpose(out, [0, 2, 1, 3])
+    return contiguous.transpose(out, [0, 2, 1, 3])
 
 
 def dense_attention(q, k, v, bias: paddle.Tensor | None = None) -> paddle.Tensor:
@@ -114,8 +114,8 @@ def dense_attention(q, k, v, bias: paddle.Tensor | None = None) -> paddle.Tensor
     batch, queries, heads, dim = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
-    q = layout.transpose(q * (dim ** -0.5), [0, 2, 1, 3])
-    k, v = layout.transpose(k, [0, 2, 1, 3]), layout.transpose(v, [0, 2, 1, 3])
+    q = contiguous.transpose(q * (dim ** -0.5), [0, 2, 1, 3])
+    k, v = contiguous.transpose(k, [0, 2, 1, 3]), contiguous.transpose(v, [0, 2, 1, 3])
     if group > 1:
         q = q.reshape([batch, kv_heads, group * queries, dim])
     scores = paddle.matmul(q, k, transpose_y=True)
@@ -125,7 +125,7 @@ def dense_attention(q, k, v, bias: paddle.Tensor | None = None) -> paddle.Tensor
     out = paddle.matmul(F.softmax(scores, axis=-1), v)
     if group > 1:
         out = out.reshape([batch, heads, queries, dim])
-    return layout.transpose(out, [0, 2, 1, 3])
+    return contiguous.transpose(out, [0, 2, 1, 3])
 
 
 def _blocks(bounds: RowBounds, queries: int, keys: int, block_rows: int):
