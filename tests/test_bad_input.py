@@ -74,7 +74,8 @@ def test_a_config_json_whose_vocabulary_disagrees_with_its_embedding_is_refused_
         assert not (tmp_path / "exported").exists()
 
 
-def test_nan_weights_are_refused_by_generate_and_evaluate(folder, tmp_path, capsys):
+def test_nan_weights_are_refused_by_generate_evaluate_and_training_naming_the_tensor(folder, tmp_path, capsys):
+    import run_trainer
     from ernie_moe.evaluate import main as evaluate
     from ernie_moe.generate import main as generate
 
@@ -86,6 +87,10 @@ def test_nan_weights_are_refused_by_generate_and_evaluate(folder, tmp_path, caps
     assert "model.norm.weight holds nan or inf values" in one_line(capsys)
     assert evaluate(["--model", str(model), "--data", "synthetic"]) == 2
     assert "model.norm.weight holds nan or inf values" in capsys.readouterr().err
+    assert run_trainer.main(["--config", CONFIG, "training.max_steps=1", f"training.model_name_or_path={model}",
+                             f"training.output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()  # not a stop at the first step advising rope_theta and the learning rate
+    assert err.startswith("checkpoint error: ") and "model.norm.weight holds nan or inf values" in err, err
 
 
 @pytest.fixture

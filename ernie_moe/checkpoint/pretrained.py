@@ -51,7 +51,11 @@ def load_pretrained(model, directory, env=None, source: SourceCheckpoint | None 
             raise CheckpointError(f"tensor '{stable}' from {directory} has shape {list(value.shape)}; this model "
                                   f"expects {whole} (check the model section of the config against "
                                   f"{directory}/config.json)")
-        param.set_value(paddle.to_tensor(np.ascontiguousarray(shard_of(param, value))).astype(param.dtype))
+        mine = np.ascontiguousarray(shard_of(param, value))
+        if not np.isfinite(mine).all():  # it would answer in padding tokens, and training stops at its first step
+            raise CheckpointError(f"'{directory}': tensor {stable} holds nan or inf values: the weights are damaged "
+                                  "(a diverged run, or a broken conversion)")
+        param.set_value(paddle.to_tensor(mine).astype(param.dtype))
         report[how].append(stable)
     report["read"] = sorted(source.used)
     if env is not None and env.world_size > 1:  # each rank filled its own parameters

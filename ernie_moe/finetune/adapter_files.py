@@ -198,6 +198,9 @@ def load_adapter(model, model_cfg, directory) -> LoRASettings:
         if list(value.shape) != list(param.shape):
             raise CheckpointError(f"LoRA tensor '{name}' in {directory} has shape {list(value.shape)}; this model "
                                   f"expects {list(param.shape)}: the adapter was trained on a model of another shape")
+        if not np.isfinite(value).all():
+            raise CheckpointError(f"LoRA tensor '{name}' in {directory} holds nan or inf values: the adapter is "
+                                  "damaged (a diverged run)")
         param.set_value(paddle.to_tensor(value).astype(param.dtype))
     return settings
 
