@@ -49,11 +49,14 @@ class HostCounts:
         return self.text_tokens + self.vision_tokens
 
 
-def _labels_ahead(labelled: np.ndarray, key_ends: np.ndarray, depths: int) -> tuple[int, ...]:
-    """Labelled positions at least k positions into their document, for k = 1 .. ``depths``."""
+def _labels_ahead(labelled: np.ndarray, key_ends: np.ndarray | None, depths: int) -> tuple[int, ...]:
+    """Labelled positions at least k positions into their document, for k = 1 .. ``depths`` (without
+    ``key_ends``, each row is one document)."""
     positions = np.broadcast_to(np.arange(labelled.shape[1]), labelled.shape)
-    first = np.ones_like(labelled)
-    first[:, 1:] = key_ends[:, 1:] != key_ends[:, :-1]  # a document's first position: the key end changes
+    first = np.zeros_like(labelled)
+    first[:, 0] = True
+    if key_ends is not None:
+        first[:, 1:] = key_ends[:, 1:] != key_ends[:, :-1]  # a document's first position: the key end changes
     into_document = positions - np.maximum.accumulate(np.where(first, positions, 0), axis=1)
     return tuple(int((labelled & (into_document >= k)).sum()) for k in range(1, depths + 1))
 

@@ -63,7 +63,7 @@ def _first_strike(point: str) -> bool:
 def released() -> bool:
     """Whether a test let a held run go on (``hold_in_step``)."""
     once = os.environ.get(ONCE_VARIABLE)
-    return bool(once) and os.path.exists(os.path.join(once, "release"))
+    return once is not None and os.path.exists(os.path.join(once, "release"))
 
 
 def hit(point: str, step: int, rank: int) -> None:

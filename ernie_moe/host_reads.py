@@ -18,6 +18,7 @@ import sys
 import threading
 from collections import Counter
 from pathlib import Path
+from types import FrameType
 
 import numpy as np
 import paddle
@@ -115,7 +116,7 @@ class HostReadCounter:
 
 def _caller() -> str:
     """``file:line`` of the innermost frame outside paddle's tensor plumbing and this module."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and (frame.f_code.co_filename.startswith(_PADDLE) or frame.f_code.co_filename == _THIS):
         frame = frame.f_back
     if frame is None:

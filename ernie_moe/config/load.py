@@ -11,6 +11,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -22,7 +23,7 @@ from .schema import Config
 from .validate import problems_of, validate
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), check_paths: bool = True,
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), check_paths: bool = True,
                 base: dict | None = None) -> Config:
     """``base``: sections under the YAML file's (a model folder's own settings, which the file overrides)."""
     raw: dict = {}
@@ -119,9 +120,9 @@ def _start_from_checkpoint(raw: dict, given: dict, check_paths: bool, problems: 
         folder = model_config_from(source)
     except (OSError, ValueError) as err:
         raise ConfigError(f"training.model_name_or_path: {err}") from None
-    said = given.get("model") if isinstance(given.get("model"), dict) else {}
+    said, model = given.get("model"), raw.get("model")
+    said, model = said if isinstance(said, dict) else {}, model if isinstance(model, dict) else {}
     own = {key: value for key, value in folder.items() if key not in tuning_keys()}
-    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
     raw["model"] = _overlay(_overlay(_overlay(folder, model), own), said)
     told = _flat(said)
     for key, value in _flat(own).items():

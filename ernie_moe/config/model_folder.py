@@ -5,6 +5,7 @@ from a checkpoint."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ..json_files import read_json_object
 from .errors import ConfigError
@@ -89,8 +90,9 @@ def model_config_from(directory) -> dict:
 
 def _numbers(source: dict, key: str, config_file: Path) -> list[int]:
     """``key``'s whole number, or list of them, as a list (absent or 0: an empty list)."""
-    value = source.get(key) or []
-    values = [value] if fits(value, int)[0] else value
-    if not fits(values, list[int])[0]:
+    value: Any = source.get(key) or []
+    if fits(value, int)[0]:
+        return [int(value)]
+    if not fits(value, list[int])[0]:
         raise ConfigError(f"{config_file}: {key} must be a whole number or a list of them, not {value!r}.")
-    return values
+    return [int(v) for v in value]

@@ -298,7 +298,7 @@ def _check_training(cfg: Config, check_paths: bool = True) -> None:
     _require(not t.save_best_metric or t.save_best_metric.startswith(("eval_", "ema_eval_")),
              f"training.save_best_metric {t.save_best_metric!r} is not an evaluation figure: name one of the eval_* "
              "(or ema_eval_*) figures in metrics.jsonl, for example eval_loss.")
-    _require(not t.early_stopping_patience or t.save_best_metric,
+    _require(not t.early_stopping_patience or bool(t.save_best_metric),
              "training.early_stopping_patience counts evaluations without an improvement of training.save_best_metric:"
              " set it too (for example eval_loss).")
     p = cfg.parallel

@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     master, job = _option(args, "--master"), _option(args, "--job_id") or os.environ.get(JOB_VARIABLE, "")
     problem = _problem(master, job, args)
-    if problem:
+    host, port = _address(master or "")
+    if problem or port is None:  # _problem names a missing port too
         print(f"elastic: {problem}", file=sys.stderr)
         return USAGE
-    host, port = _address(master)
     args = _without(args, "--job_id")
     if _option(args, "--elastic_level") is None:
         args = ["--elastic_level", "1", *args]
@@ -134,7 +134,7 @@ def mark_finished(unfixable: bool = False) -> None:
         Path(folder, f"{'unfixable' if unfixable else 'finished'}-{os.getpid()}").touch()
 
 
-def _problem(master: str | None, job: str, args: list[str] = ()) -> str | None:
+def _problem(master: str | None, job: str, args: list[str]) -> str | None:
     counts = _counts_problem(args)
     if counts:
         return counts
