@@ -33,7 +33,8 @@ setup(
         # PaddleFormers makes the ERNIE 4.5 checkpoints the interop tests load (pyarrow pinned: see README), and
         # brings transformers, whose ERNIE-4.5-VL (with PEFT for adapters) runs on torch's CPU build in the tests'
         # own processes; the openai client talks to the server in its tests; etcd3 for the elastic launcher's
-        "test": ["pytest>=7", "ruff>=0.5", "mypy==2.4.1", "paddleformers==1.2.0", "pyarrow==25.0.1", "av>=12", "torch==2.13.0",
-                 "peft==0.21.2", "openai>=1.40", "etcd3==0.12.0"],
+        # restarts in its tests; mypy checks the package's annotations
+        "test": ["pytest>=7", "ruff>=0.5", "mypy==2.4.1", "paddleformers==1.2.0", "pyarrow==25.0.1", "av>=12",
+                 "torch==2.13.0", "peft==0.21.2", "openai>=1.40", "etcd3==0.12.0"],
     },
 )

@@ -34,7 +34,8 @@ def commands(page: Path) -> list[str]:
                 if not part.startswith("python "):
                     continue  # output, a shell's own command
                 words = shlex.split(part, comments=True)
-                if words[:1] == ["python"] and words[1:3] not in (["-m", "pip"], ["-m", "pytest"], ["-m", "ruff"]):
+                tools = (["-m", "pip"], ["-m", "pytest"], ["-m", "ruff"], ["-m", "mypy"])  # CI runs these itself
+                if words[:1] == ["python"] and words[1:3] not in tools:
                     found.append(part.strip())
     return found
 
