@@ -165,7 +165,7 @@ class SentencePieceTokenizer:
         return [p for p in self._split.split(text) if p] if self._split else [text]
 
     def encode(self, text: str) -> list[int]:
-        out = []
+        out: list[int] = []
         for piece in self._pieces(text):
             out += [self.special[piece]] if piece in self.special else self.sp.encode(piece)
         return out
@@ -184,7 +184,8 @@ class SentencePieceTokenizer:
         return out
 
     def decode(self, ids) -> str:
-        text, run = [], []
+        text: list[str] = []
+        run: list[int] = []
         for i in (int(i) for i in ids):
             if i in self._special_of_id:
                 text += [self.sp.decode(run), self._special_of_id[i]]

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
+from paddle.distributed.communication.group import Group
 
 from . import cpu_fallbacks
 from .layout import Layout
@@ -22,16 +24,16 @@ from .layout import Layout
 class DistEnv:
     rank: int = 0
     world_size: int = 1
-    hcg: object = None  # fleet's HybridCommunicateGroup
+    hcg: Any = None  # fleet's HybridCommunicateGroup
     data_rank: int = 0  # which share of the global batch this rank reads
     data_world: int = 1  # data-parallel x sharding ranks: shares of the global batch
-    data_group: object = None  # ranks with this rank's tensor-parallel place that read other data
-    tp_group: object = None  # tensor-parallel ranks (None without tensor parallelism)
-    pp_group: object = None  # pipeline stages (None without pipeline parallelism)
+    data_group: Group | None = None  # ranks with this rank's tensor-parallel place that read other data
+    tp_group: Group | None = None  # tensor-parallel ranks (None without tensor parallelism)
+    pp_group: Group | None = None  # pipeline stages (None without pipeline parallelism)
     virtual_stages: int = 1
     sequence_parallel: bool = False
-    expert_group: object = None  # ranks that split the experts between them
-    expert_replica_group: object = None  # ranks holding the same experts (None when there is one copy)
+    expert_group: Group | None = None  # ranks that split the experts between them
+    expert_replica_group: Group | None = None  # ranks holding the same experts (None when there is one copy)
     sharding: str = ""
     stage_lead: int = 0  # the rank that writes this pipeline stage's shared weights (data rank 0, tp rank 0)
 
@@ -106,10 +108,10 @@ def init_distributed(parallel_cfg, training_cfg) -> DistEnv:
         return DistEnv()
     dp, tp, sh, pp = layout.dp, layout.tp, layout.sharding, layout.pp
     strategy = fleet.DistributedStrategy()
-    hybrid = {"dp_degree": dp, "mp_degree": tp, "pp_degree": pp, "sharding_degree": sh}
+    hybrid: dict[str, Any] = {"dp_degree": dp, "mp_degree": tp, "pp_degree": pp, "sharding_degree": sh}
     if pp > 1 and on_cpu:
         hybrid["pp_configs"] = cpu_fallbacks.PIPELINE_CONFIGS
-    strategy.hybrid_configs = hybrid
+    strategy.hybrid_configs = hybrid  # type: ignore[assignment]  # paddle's declared keys lack pp_configs, its setter takes it
     if pp > 1:
         strategy.pipeline_configs = {"accumulate_steps": training_cfg.gradient_accumulation_steps,
                                      "micro_batch_size": training_cfg.per_device_train_batch_size}

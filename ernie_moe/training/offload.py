@@ -24,7 +24,9 @@ def buckets(params: list, per_parameter: int, limit: int | None = None) -> list[
     """Consecutive runs of ``params`` whose states stay under ``limit`` bytes (default ``BUCKET_BYTES``; a
     larger tensor alone)."""
     limit = limit or BUCKET_BYTES
-    runs, run, size = [], [], 0
+    runs: list[list] = []
+    run: list = []
+    size = 0
     for param in params:
         if run and size + param.size * per_parameter > limit:
             runs.append(run)

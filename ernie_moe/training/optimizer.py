@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import paddle
 from paddle import _C_ops
 
@@ -138,7 +140,7 @@ def split_experts(model) -> dict[str, list]:
 
 @paddle.no_grad()
 def gradient_norms(groups: dict[str, list], reduce: dict | None = None, reduce_split=None, reduce_stages=None,
-                   uncounted: list = ()) -> dict[str, paddle.Tensor]:
+                   uncounted: Sequence = ()) -> dict[str, paddle.Tensor]:
     """The global L2 norm of all gradients (``grad_norm``) and of each group's (``grad_norm_<group>``), as device
     tensors: nothing here waits for the device.
 

@@ -74,7 +74,7 @@ class WarmupDecay(LRScheduler):
         """After a resume at ``step``: a warm restart when asked for, unless the checkpoint already follows one
         of this schedule (a restarted run resumed again, after a preemption say, continues it); otherwise the
         saved plan, re-planned where the config's differs. Returns what changed, for the log."""
-        restarted = bool(saved) and bool(saved.get("origin")) and tuple(saved[key] for key in KEYS) == self.args
+        restarted = saved is not None and bool(saved.get("origin")) and tuple(saved[key] for key in KEYS) == self.args
         if warm_restart and not restarted:
             return self.restart(step)
         return self.continue_plan(saved, step)
