@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from ernie_moe.config import load_config  # noqa: E402
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer  # noqa: E402
-from ernie_moe.data.feed import DataFeed  # noqa: E402
+from ernie_moe.data.feed import RowFeed  # noqa: E402
 from ernie_moe.data.loader import rank_batches  # noqa: E402
 
 
@@ -68,12 +68,12 @@ def config(data: Path, index: Path):
 def per_step(cfg, steps: int) -> None:
     train, _ = build_datasets(cfg)
     tok = build_tokenizer(cfg)
-    DataFeed(train, tok, cfg, rank(0, 1), Counter())  # the index, once
+    RowFeed(train, tok, cfg, rank(0, 1), Counter())  # the index, once
     print("| data ranks | feed: data time per step (rank 0) | row stream, as before | before / now |")
     print("|---|---|---|---|")
     base = None
     for world in (1, 2, 4):
-        feed = DataFeed(train, tok, cfg, rank(0, world), Counter())
+        feed = RowFeed(train, tok, cfg, rank(0, world), Counter())
         feed.next_step(2, 1)
         started = time.perf_counter()
         for _ in range(steps):
@@ -94,14 +94,14 @@ def resume(cfg) -> None:
     tok = build_tokenizer(cfg)
     print("\n| resumed at step | feed: to its first step | replaying the rows, as before |\n|---|---|---|")
     for step in (20, 2000):
-        planner = DataFeed(train, tok, cfg, rank(0, 1), Counter())
+        planner = RowFeed(train, tok, cfg, rank(0, 1), Counter())
         for _ in range(step):  # the position a checkpoint at this step keeps (planned, nothing read)
             for _ in range(2):
                 planner.plan.next_row()
         planner.rows_read = 2 * step
         saved = json.loads(json.dumps(planner.state_dict()))
         started = time.perf_counter()
-        feed = DataFeed(train, tok, cfg, rank(0, 1), Counter())
+        feed = RowFeed(train, tok, cfg, rank(0, 1), Counter())
         feed.load_state_dict(saved)
         feed.next_step(2, 1)
         now = time.perf_counter() - started
@@ -141,7 +141,7 @@ def measure_index(folder: Path) -> None:
     before = process.memory_info().rss
     started = time.perf_counter()
     train, _ = build_datasets(cfg)
-    feed = DataFeed(train, tok, cfg, rank(0, 1), Counter())
+    feed = RowFeed(train, tok, cfg, rank(0, 1), Counter())
     feed.next_step(1, 1)
     seconds = time.perf_counter() - started
     print(seconds, (process.memory_info().rss - before) / 2 ** 20)

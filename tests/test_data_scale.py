@@ -13,7 +13,7 @@ from PIL import Image
 
 from ernie_moe.config import load_config
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer
-from ernie_moe.data.feed import DataFeed
+from ernie_moe.data.feed import RowFeed
 from ernie_moe.data.loader import rank_share
 from ernie_moe.data.sample import BadSample
 
@@ -147,7 +147,7 @@ def test_each_data_rank_reads_only_the_samples_of_its_own_rows(captions, shards,
         everyone = Counter()
         for rank in range(world):
             data = CountingReads(train)
-            feed = DataFeed(data, tok, cfg, data_rank(rank, world), Counter())
+            feed = RowFeed(data, tok, cfg, data_rank(rank, world), Counter())
             rows = [row for _ in range(3) for micro_batch in feed.next_step(4, 2) for row in micro_batch]
             rows += [row for micro_batch in feed.ahead.rows.result()[0] for row in micro_batch]  # step 4, read ahead
             mine = [row for start in range(0, len(reference), 4 * world)
@@ -167,16 +167,16 @@ def test_a_resume_reads_no_sample_before_its_first_step_and_continues_the_rows(c
     cfg = configs(captions, tmp_path / "index")["jsonl"]
     train, _ = build_datasets(cfg)
     tok = build_tokenizer(cfg)
-    whole = DataFeed(train, tok, cfg, data_rank(0, 1), Counter())
+    whole = RowFeed(train, tok, cfg, data_rank(0, 1), Counter())
     steps = [whole.next_step(4, 2) for _ in range(6)]
-    first = DataFeed(train, tok, cfg, data_rank(0, 1), Counter())
+    first = RowFeed(train, tok, cfg, data_rank(0, 1), Counter())
     for _ in range(3):
         first.next_step(4, 2)
     saved = json.loads(json.dumps(first.state_dict()))
     assert saved["rows_read"] == 24 and saved["epoch"] >= 1  # past the end of the first epoch
     for rank in (0, 1):
         data = CountingReads(train)
-        resumed = DataFeed(data, tok, cfg, data_rank(rank, 2), Counter())
+        resumed = RowFeed(data, tok, cfg, data_rank(rank, 2), Counter())
         resumed.load_state_dict(saved)
         assert sum(data.reads.values()) == 0 and data.sized == 0  # nothing read: the index is kept
         for step in steps[3:]:
@@ -196,11 +196,11 @@ def test_a_sample_whose_reading_disagrees_with_its_index_changes_only_its_own_ro
     cfg = configs(folder / "train.jsonl", tmp_path / "index")["jsonl"]
     train, _ = build_datasets(cfg)
     tok = build_tokenizer(cfg)
-    before = [r for mb in DataFeed(train, tok, cfg, data_rank(0, 1), Counter()).next_step(40, 1) for r in mb]
+    before = [r for mb in RowFeed(train, tok, cfg, data_rank(0, 1), Counter()).next_step(40, 1) for r in mb]
     Image.fromarray(np.zeros((196, 196, 3), np.uint8)).save(folder / "3.png")  # 49 image tokens, not 1
     (folder / "8.png").write_bytes(b"not a png")
     stats = Counter()
-    feed = DataFeed(train, tok, cfg, data_rank(0, 1), stats)
+    feed = RowFeed(train, tok, cfg, data_rank(0, 1), stats)
     planned, plan_row = [], feed.plan.next_row
     feed.plan.next_row = lambda: planned.append(plan_row()) or planned[-1]
     after = [r for mb in feed.next_step(40, 1) for r in mb]
@@ -222,28 +222,28 @@ def test_the_index_is_measured_once_kept_and_measured_again_when_the_data_or_set
     train, _ = build_datasets(cfg)
     tok = build_tokenizer(cfg)
     data = CountingReads(train)
-    DataFeed(data, tok, cfg, data_rank(0, 1), Counter())
+    RowFeed(data, tok, cfg, data_rank(0, 1), Counter())
     assert data.sized == 40 and sum(data.reads.values()) == 0  # sizes only, never the pixels
     kept = [p for p in (tmp_path / "index").iterdir() if p.name != "offsets"]
     assert len(kept) == 1 and sorted(p.name for p in kept[0].iterdir()) == ["fitted.npy", "lengths.npy",
                                                                               "reasons.json"]
     assert len(list((tmp_path / "index" / "offsets").glob("*.npy"))) == 1  # the file's line offsets, kept too
     again = CountingReads(train)
-    DataFeed(again, tok, cfg, data_rank(0, 1), Counter())
+    RowFeed(again, tok, cfg, data_rank(0, 1), Counter())
     assert again.sized == 0  # read back
     (kept[0] / "lengths.npy").write_bytes(b"\x93NUMPY garbage")  # a damaged index is measured again
     damaged = CountingReads(train)
-    DataFeed(damaged, tok, cfg, data_rank(0, 1), Counter())
+    RowFeed(damaged, tok, cfg, data_rank(0, 1), Counter())
     assert damaged.sized == 40
     lengths = np.load(kept[0] / "lengths.npy")  # valid, but not this data's: its digest no longer matches
     np.save(kept[0] / "lengths.npy", np.full_like(lengths, 1))
     wrong = CountingReads(train)
-    DataFeed(wrong, tok, cfg, data_rank(0, 1), Counter())
+    RowFeed(wrong, tok, cfg, data_rank(0, 1), Counter())
     assert wrong.sized == 40 and np.array_equal(np.load(kept[0] / "lengths.npy"), lengths)
     longer = configs(captions, tmp_path / "index")["jsonl"]
     longer = type(longer)(**{**longer.__dict__, "data": type(longer.data)(**{**longer.data.__dict__,
                                                                             "max_seq_len": 128})})
-    DataFeed(CountingReads(train), tok, longer, data_rank(0, 1), Counter())
+    RowFeed(CountingReads(train), tok, longer, data_rank(0, 1), Counter())
     assert len([p for p in (tmp_path / "index").iterdir() if p.name != "offsets"]) == 2  # another key
 
 

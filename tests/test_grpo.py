@@ -86,6 +86,12 @@ def test_rollout_rows_advantages_and_a_data_ranks_share(tmp_path):
     assert figures["rollout/response_length"] == answer_tokens / 8
     assert 0 < figures["rollout/entropy"] <= np.log(trainer.cfg.model.vocab_size)
     assert 0 <= figures["rollout/reward"] <= 1 and 0 < figures["rollout/time_share"] < 1
+    shown = feed.window_answers()  # the window's first groups, to show: each answer with its reward and advantage
+    assert len(shown) == 2 and feed.window_answers() == []
+    for group, mine in zip(shown, (rows[:2], rows[2:4])):
+        assert [a["advantage"] for a in group["answers"]] == [r.advantage for r in mine]
+        assert group["prompt"].startswith("<s><image 1 x ") and group["reference"]
+        assert all(set(a["scores"]) == {"word_accuracy"} and 0 <= a["reward"] <= 1 for a in group["answers"])
 
     again = RolloutFeed(feed.dataset, trainer.runner, trainer.tokenizer, trainer.cfg, trainer.env, trainer.precision,
                         trainer.rewards, Counter())._rollout(8)
@@ -313,6 +319,9 @@ def test_a_grpo_run_resumes_at_its_next_prompts(tmp_path):
     assert again.step == 2 and again.feed.prompts_read == 4
     summary = again.train()
     assert summary["status"] == "done" and again.feed.prompts_read == 6
+    # each logging window's first groups in rollouts.jsonl, the resumed run's after the first run's up to its step
+    shown = [json.loads(line) for line in (tmp_path / "resumed" / "rollouts.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in shown] == [2, 2, 3, 3] and all(len(g["answers"]) == 2 for g in shown)
 
 
 @pytest.mark.parametrize("thinking", [None, True, False])

@@ -404,3 +404,24 @@ def test_metrics_and_summaries_are_strict_json_with_the_reason_beside_a_non_fini
                       "grad_norm_nonfinite": "inf", "lr": 1e-3, "scale": None, "scale_nonfinite": "-inf"}
     assert json.loads(dumps({"eval": [1.0, float("nan")], "nested": {"x": float("nan")}})) == \
         {"eval": [1.0, None], "nested": {"x": None, "x_nonfinite": "nan"}}
+
+
+def test_most_rollout_groups_scoring_alike_is_said_when_it_begins_and_ends():
+    """A window where most groups scored every answer alike (no advantage, no gradient) is said once, with what to
+    do for a task too hard or too easy, and once when it ends; the progress bar shows the reward first."""
+    from ernie_moe.monitor.alerts import Alerts
+    from ernie_moe.training.trainer import progress_figures
+
+    alerts = Alerts(load_config(None, []).logging, 0.0)
+    hard = alerts.check(5, {"rollout/equal_reward_groups": 0.75, "rollout/reward": 0.0}, 0.0)
+    assert len(hard) == 1 and hard[0].startswith("step 5: 75% of the rollout groups scored every answer alike")
+    assert "too hard" in hard[0] and "training.rl_dynamic_sampling=true" in hard[0]
+    assert alerts.check(6, {"rollout/equal_reward_groups": 0.9, "rollout/reward": 0.0}, 0.0) == []
+    ended = alerts.check(7, {"rollout/equal_reward_groups": 0.25, "rollout/reward": 0.4}, 0.0)
+    assert ended == ["step 7: 25% of the rollout groups scored their answers alike, fewer than 50% again"]
+    easy = Alerts(load_config(None, []).logging, 0.0).check(3, {"rollout/equal_reward_groups": 1.0,
+                                                                  "rollout/reward": 1.0}, 0.0)
+    assert "harder prompts, or a stricter reward" in easy[0]
+    assert Alerts(load_config(None, []).logging, 0.0).check(3, {"loss": 1.0}, 0.0) == []
+    shown = progress_figures({"loss": 0.5, "tokens_per_sec": 100.0, "rollout/reward": 0.25, "rollout/reward_std": 0.1})
+    assert list(shown) == ["reward", "loss", "tok_s"] and shown["reward"] == "0.250+-0.100"

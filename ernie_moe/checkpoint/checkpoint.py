@@ -30,6 +30,7 @@ from paddle.base import core
 from safetensors import safe_open
 
 from .. import faults
+from ..data.sample import DataError
 from ..json_files import read_json, read_json_object
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import full_shape
@@ -375,8 +376,8 @@ def _read_state(directory: Path, model_cfg) -> dict:
 
 
 def load_checkpoint(parts: TrainingParts, directory: Path, env) -> dict:
-    """Load model weights, optimizer state, schedule and loss scaling into this rank's layout; returns the
-    saved ``trainer_state.json`` (the caller restores its state from it)."""
+    """Load model weights, optimizer state, schedule, loss scaling and the data position into this rank's layout;
+    returns the saved ``trainer_state.json`` (the caller restores the step from it)."""
     state = _read_state(directory, parts.model.cfg)
     weights = IndexedTensors(directory, "model.safetensors.index.json")
     named = parts.model.stable_named_parameters(include_tied_copy=True)
@@ -406,6 +407,11 @@ def load_checkpoint(parts: TrainingParts, directory: Path, env) -> dict:
     _load_ema(parts, directory, state)
     if "loss_scaler" in state:
         parts.scaler.load_state_dict(state["loss_scaler"])
+    if "data" in state:  # where the data stream stopped (a checkpoint from before positions were kept has none)
+        try:
+            parts.data.load_state_dict(state["data"])
+        except DataError as err:
+            raise CheckpointError(f"{directory / 'trainer_state.json'}: {err}") from None
     rng_file = directory / f"rng_state-{env.rank:05d}.json"
     if rng_file.is_file():  # absent for a rank that the saving layout did not have
         try:

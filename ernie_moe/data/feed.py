@@ -1,5 +1,7 @@
 """The training data as the trainer takes it: this rank's rows of each micro-batch of each step, and a position
-that a checkpoint saves and a resume restores without reading a sample.
+that a checkpoint saves and a resume restores without reading a sample. Every kind of feed keeps one protocol
+(:class:`Feed`): packed rows (:class:`RowFeed`), preference pairs (:class:`PairFeed`) and, in the GRPO stage, the
+policy's rollouts (``training.rollouts.RolloutFeed``).
 
 The global rows do not depend on the layout: one seeded packing of the data, cut into global micro-batches of
 which each data rank keeps its contiguous share (tensor- and pipeline-parallel ranks of one data rank take the
@@ -24,15 +26,99 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 from .length_index import length_index
-from .loader import RowStream, is_preference, rank_share, training_encoder
+from .loader import RowStream, rank_share, training_encoder
 from .packing import Row, make_row
 from .plan import PackingPlan
 from .sample import DataError
 from .workers import SampleWorkers, encode_in_order
+
+
+class Feed(Protocol):
+    """What the trainer takes each step's rows from, and what its checkpoints save and restore."""
+
+    def next_step(self, micro_batch_size: int, accumulation_steps: int) -> list[list[Row]]:
+        """This rank's rows of each micro-batch of the next step (``micro_batch_size`` rows per rank)."""
+
+    def state_dict(self) -> dict:
+        """The position after the rows handed out, as JSON values, the same on every rank."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where ``state`` was saved (in this layout or another); DataError when it cannot be."""
+
+    def window_metrics(self, elapsed: float) -> dict:
+        """The feed's own figures of a logging window (``elapsed`` seconds of steps)."""
+
+    def window_answers(self) -> list[dict]:
+        """A few of the window's sampled answers, to show (a rollout's); empty for data read from files."""
+
+    def gate(self) -> None:
+        """From now on any reader in the background works only inside :meth:`reading` blocks."""
+
+    def reading(self) -> AbstractContextManager:
+        """Let a background reader work within the block."""
+
+    def close(self) -> None:
+        """Stop what runs in the background."""
+
+
+def rows_read_of(state, max_seq_len: int) -> int:
+    """The global rows a saved position has handed out; DataError when ``state`` cannot be a position (its epoch
+    past what those rows could reach, too)."""
+    rows = state.get("rows_read") if isinstance(state, dict) else None
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+        raise DataError(f"the saved data position's 'rows_read' must be a whole number of 0 or more, not {rows!r}")
+    # each epoch puts at least one token of a usable sample into the rows: more epochs than the rows' tokens
+    # is a position no run reached (the epoch picks the order every later sample is read in)
+    epoch, most = state.get("epoch"), (rows + 1) * max_seq_len
+    if isinstance(epoch, int) and epoch > most:
+        raise DataError(f"the saved data position's 'epoch' ({epoch}) is past the last one its {rows} rows read "
+                        f"could reach (epoch {most}): not a position in this data (a hand-edited checkpoint)")
+    return rows
+
+
+class PairFeed:
+    """Preference pairs, a row each, from the row stream every data rank reads (:class:`Feed`)."""
+
+    def __init__(self, dataset, tokenizer, cfg, env, stats: Counter):
+        self.rank, self.world = env.data_rank, env.data_world
+        self.rows_read, self.max_seq_len = 0, cfg.data.max_seq_len
+        self.stream = RowStream(dataset, tokenizer, cfg, stats, shuffle=True, workers=cfg.data.num_workers)
+
+    def next_step(self, micro_batch_size: int, accumulation_steps: int) -> list[list[Row]]:
+        global_rows = micro_batch_size * self.world
+        self.rows_read += global_rows * accumulation_steps
+        return [rank_share([next(self.stream) for _ in range(global_rows)], self.rank, self.world)
+                for _ in range(accumulation_steps)]
+
+    def state_dict(self) -> dict:
+        return {"rows_read": self.rows_read, **self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        rows = rows_read_of(state, self.max_seq_len)
+        self.stream.load_state_dict(state)
+        self.rows_read = rows
+
+    def window_metrics(self, elapsed: float) -> dict:
+        return {}
+
+    def window_answers(self) -> list[dict]:
+        return []
+
+    def gate(self) -> None:
+        """The stream reads in the step (or its workers, in their own processes): nothing to hold back."""
+
+    def reading(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def close(self) -> None:
+        self.stream.close()
 
 
 @dataclass
@@ -45,7 +131,10 @@ class _Ahead:
     rows: Future  # (rows of each micro-batch, the reasons counted while reading them)
 
 
-class DataFeed:
+class RowFeed:
+    """Packed rows planned from the samples' lengths, each rank reading its own rows' samples, the next step's
+    in the background (:class:`Feed`)."""
+
     def __init__(self, dataset, tokenizer, cfg, env, stats: Counter):
         """``stats``: where skipped and fitted samples are counted (``data/...`` in the metrics)."""
         self.rank, self.world = env.data_rank, env.data_world
@@ -55,11 +144,7 @@ class DataFeed:
         self.ahead: _Ahead | None = None  # the next step's rows, being read
         self.gated, self._may_read = False, threading.Event()
         self._may_read.set()
-        if is_preference(cfg):
-            self.stream, self.plan = RowStream(dataset, tokenizer, cfg, stats, shuffle=True,
-                                               workers=cfg.data.num_workers), None
-            return
-        self.stream, self.dataset, self.pad_id = None, dataset, tokenizer.pad_id
+        self.dataset, self.pad_id = dataset, tokenizer.pad_id
         self.encoder = training_encoder(tokenizer, cfg, Counter())  # its counts are the plan's, made once
         index = length_index(dataset, self.encoder, cfg.data.index_dir, env, cfg.data.num_workers,
                              cfg.logging.progress_bar)
@@ -67,25 +152,18 @@ class DataFeed:
         self.workers = SampleWorkers(dataset, self.encoder, cfg.data.num_workers) if cfg.data.num_workers else None
 
     def next_step(self, micro_batch_size: int, accumulation_steps: int) -> list[list[Row]]:
-        """This rank's rows of each micro-batch of the next step (``micro_batch_size`` rows per rank)."""
         shape = (micro_batch_size, accumulation_steps)
-        if self.plan is None:
-            global_rows = micro_batch_size * self.world
-            self.rows_read += global_rows * accumulation_steps
-            return [rank_share([next(self.stream) for _ in range(global_rows)], self.rank, self.world)
-                    for _ in range(accumulation_steps)]
         if self.ahead is not None and self.ahead.shape != shape:  # the memory guard changed the micro-batch
             self._drop_ahead()
-        if self.ahead is None:
-            self._read_ahead(shape)
+        ahead = self.ahead if self.ahead is not None else self._read_ahead(shape)
         with self.reading():
-            rows, counted = self.ahead.rows.result()
-        self.ahead = None
+            rows, counted = ahead.rows.result()
         self.stats.update(counted)
+        self.ahead = None
         self._read_ahead(shape)
         return rows
 
-    def _read_ahead(self, shape: tuple[int, int]) -> None:
+    def _read_ahead(self, shape: tuple[int, int]) -> _Ahead:
         """Plan the next step's rows and start reading them."""
         micro_batch_size, accumulation_steps = shape
         position, rows_read = self.plan.state_dict(), self.rows_read
@@ -94,10 +172,13 @@ class DataFeed:
                    for _ in range(accumulation_steps)]
         self.rows_read += global_rows * accumulation_steps
         self.ahead = _Ahead(shape, position, rows_read, _in_background(self._read, planned))
+        return self.ahead
 
     def _drop_ahead(self) -> None:
         """Forget the rows being read ahead: the position goes back to before them."""
         ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return
         with self.reading():
             ahead.rows.exception()  # wait: the reader must be idle before anything else reads
         self.plan.load_state_dict(ahead.position)
@@ -105,7 +186,7 @@ class DataFeed:
 
     def _read(self, planned: list) -> tuple[list[list[Row]], Counter]:
         """The planned rows read and encoded (in the reader thread), and the reasons counted on the way."""
-        counted = Counter()
+        counted: Counter = Counter()
         wanted = [index for rows in planned for row in rows for index in row]
         read = encode_in_order(self.dataset, self.encoder, wanted, self.workers, Counter())
 
@@ -129,13 +210,11 @@ class DataFeed:
         return make_row(docs, self.max_seq_len, self.pad_id)
 
     def gate(self) -> None:
-        """From now on the reader works only inside :meth:`reading` blocks (and while rows are awaited)."""
         self.gated = True
         self._may_read.clear()
 
     @contextlib.contextmanager
-    def reading(self):
-        """Let the reader work within the block."""
+    def reading(self) -> Iterator[None]:
         self._may_read.set()
         try:
             yield
@@ -144,39 +223,25 @@ class DataFeed:
                 self._may_read.clear()
 
     def state_dict(self) -> dict:
-        """The position after the rows handed out, as JSON values, the same on every rank."""
-        if self.plan is None:
-            return {"rows_read": self.rows_read, **self.stream.state_dict()}
         if self.ahead is not None:
             return {"rows_read": self.ahead.rows_read, **self.ahead.position}
         return {"rows_read": self.rows_read, **self.plan.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue where ``state`` was saved (in this layout or another); DataError when it cannot be."""
-        rows = state.get("rows_read") if isinstance(state, dict) else None
-        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
-            raise DataError(f"the saved data position's 'rows_read' must be a whole number of 0 or more, not {rows!r}")
-        # each epoch puts at least one token of a usable sample into the rows: more epochs than the rows' tokens
-        # is a position no run reached (the epoch picks the order every later sample is read in)
-        epoch, most = state.get("epoch"), (rows + 1) * self.max_seq_len
-        if isinstance(epoch, int) and epoch > most:
-            raise DataError(f"the saved data position's 'epoch' ({epoch}) is past the last one its {rows} rows read "
-                            f"could reach (epoch {most}): not a position in this data (a hand-edited checkpoint)")
-        if self.ahead is not None:
-            self._drop_ahead()
-        (self.stream if self.plan is None else self.plan).load_state_dict(state)
+        rows = rows_read_of(state, self.max_seq_len)
+        self._drop_ahead()
+        self.plan.load_state_dict(state)
         self.rows_read = rows
 
     def window_metrics(self, elapsed: float) -> dict:
-        """The feed's own figures of a logging window: none (the skipped samples are counted in ``stats``)."""
+        """None of its own (the skipped samples are counted in ``stats``)."""
         return {}
 
+    def window_answers(self) -> list[dict]:
+        return []
+
     def close(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
-            return
-        if self.ahead is not None:
-            self._drop_ahead()
+        self._drop_ahead()
         if self.workers is not None:
             self.workers.close()
 

@@ -1,4 +1,5 @@
-"""Warnings a person should see in the log: lasting expert imbalance, memory close to the device's size.
+"""Warnings a person should see in the log: lasting expert imbalance, memory close to the device's size, rollouts
+whose groups give the policy no gradient.
 
 Each condition is said once when it begins and once when it ends, not every window while it lasts: a long run
 with one imbalanced layer gets two lines about it, not one per window.
@@ -15,6 +16,7 @@ class Alerts:
         self.device_total_gb = device_total_gb
         self.streaks: dict[str, int] = {}
         self.memory_high = False
+        self.equal_rewards = False
 
     def check(self, step: int, scalars: dict, peak_memory_gb: float) -> list[str]:
         """Warning lines for this window: conditions that began or ended in it (empty when nothing changed)."""
@@ -42,4 +44,32 @@ class Alerts:
             lines.append(f"step {step}: memory {peak_memory_gb:.1f} GB is below {self.memory_fraction:.0%} of the "
                          "device's again")
         self.memory_high = high
+        lines += self._equal_rewards(step, scalars)
         return lines
+
+    def _equal_rewards(self, step: int, scalars: dict) -> list[str]:
+        """Most of a window's rollout groups scored all their answers alike: they carry no advantage, so no
+        gradient; said when it begins and when it ends."""
+        share = scalars.get("rollout/equal_reward_groups")
+        if share is None:
+            return []
+        equal, reward = share >= EQUAL_REWARD_SHARE, scalars.get("rollout/reward", 0.0)
+        lines = []
+        if equal and not self.equal_rewards:
+            if reward <= 0.5:
+                advice = ("the answers mostly score low: the task is too hard for the model as it is (fine-tune it "
+                          "first, or give partial credit, as word_accuracy does)")
+            else:
+                advice = "the answers mostly score high: give harder prompts, or a stricter reward"
+            lines.append(f"step {step}: {share:.0%} of the rollout groups scored every answer alike (mean reward "
+                         f"{reward:.3f}), so they give the policy no gradient; {advice}. "
+                         "training.rl_dynamic_sampling=true samples other prompts in their place. Said again when it "
+                         "ends")
+        elif self.equal_rewards and not equal:
+            lines.append(f"step {step}: {share:.0%} of the rollout groups scored their answers alike, fewer than "
+                         f"{EQUAL_REWARD_SHARE:.0%} again")
+        self.equal_rewards = equal
+        return lines
+
+
+EQUAL_REWARD_SHARE = 0.5  # "most" of a window's groups

@@ -1,4 +1,5 @@
-"""Where metrics go: ``metrics.jsonl`` (one object per logging step) and VisualDL, rank 0 only.
+"""Where metrics go: ``metrics.jsonl`` (one object per logging step) and VisualDL, rank 0 only; in the GRPO stage
+a few sampled answers of each window too, in ``rollouts.jsonl`` and VisualDL's text page.
 
 VisualDL draws the runs that share a tag in one chart, so each rank's figures (``memory/rank{r}/<name>`` in
 ``metrics.jsonl``) go to a run of their own, ``visualdl/rank{r}``, under the tag ``memory/<name>``: one chart per
@@ -22,10 +23,11 @@ PER_RANK = re.compile(r"memory/rank(\d+)/(.+)")
 class MetricsLogger:
     def __init__(self, output_dir: str, visualdl: bool, enabled: bool, resumed_at: int = 0):
         """``resumed_at``: the step a resumed run continues from; the records up to it are kept."""
-        self.enabled = enabled
+        self.enabled, self.output_dir, self.resumed_at = enabled, Path(output_dir), resumed_at
         self.writer = None
         self.rank_writers: dict[int, object] = {}
         self.file = None
+        self.rollouts = None  # rollouts.jsonl, opened at the first answers logged
         if not enabled:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -61,6 +63,22 @@ class MetricsLogger:
             self.rank_writers[rank] = _writer(self.logdir / f"rank{rank}", f"rank{rank}")
         return self.rank_writers[rank], f"memory/{per_rank.group(2)}"
 
+    def answers(self, step: int, groups: list[dict]) -> None:
+        """A window's sampled answers (``groups``: a prompt, its reference and its answers with their rewards and
+        advantages), a line each in ``rollouts.jsonl`` and one text entry per group."""
+        if not self.enabled or not groups:
+            return
+        if self.rollouts is None:
+            path = self.output_dir / "rollouts.jsonl"
+            kept = _records_up_to(path, self.resumed_at) if self.resumed_at and path.exists() else []
+            self.rollouts = open(path, "w")
+            self.rollouts.writelines(line + "\n" for line in kept)
+        for group in groups:
+            self.rollouts.write(json_files.dumps({"step": step, **group}) + "\n")
+            shown = " | ".join(f"{a['reward']:.3f} ({a['advantage']:+.2f}): {a['text']}" for a in group["answers"])
+            self.text("rollouts/answers", f"{group['prompt']} -> reference: {group['reference']} || {shown}", step)
+        self.rollouts.flush()
+
     def image(self, tag: str, image, step: int) -> None:
         if self.writer is not None:
             self.writer.add_image(tag=tag, img=image, step=step)
@@ -76,8 +94,9 @@ class MetricsLogger:
             self.text(f"config/{name}", config_line(section), 0)
 
     def close(self) -> None:
-        if self.file:
-            self.file.close()
+        for file in (self.file, self.rollouts):
+            if file:
+                file.close()
         for writer in [self.writer, *self.rank_writers.values()]:
             if writer is not None:
                 writer.close()

@@ -125,6 +125,10 @@ class TrainingMonitor:
     def log_eval(self, step: int, metrics: dict) -> None:
         self.logger.log(step, metrics, prefix="eval")
 
+    def answers(self, step: int, groups: list[dict]) -> None:
+        """A window's sampled answers (rank 0's, a few groups: ``MetricsLogger.answers``)."""
+        self.logger.answers(step, groups)
+
     def text(self, tag: str, text: str, step: int) -> None:
         self.logger.text(tag, text, step)
 

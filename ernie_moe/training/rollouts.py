@@ -37,6 +37,7 @@ from ..data import DataError
 from ..data.loader import collate, training_encoder
 from ..data.packing import BadSample, Encoded, Row, make_row
 from ..data.plan import sample_order
+from ..data.report import render
 from ..generation import Decoding, generate_batch
 from ..generation.decoding import Generated
 from ..moe.replay import moe_layer_ids, recording, routes_of_forward, rows_of_generation
@@ -67,8 +68,11 @@ class Group:
         return bool(np.all(self.rewards == self.rewards[0]))
 
 
+ANSWERS_SHOWN = 2  # groups of a window each rank keeps to show (rank 0 writes its own)
+
+
 class RolloutFeed:
-    """The trainer's feed in the GRPO stage (the interface of ``data.feed.DataFeed``)."""
+    """The trainer's feed in the GRPO stage (a ``data.feed.Feed``)."""
 
     def __init__(self, dataset, runner, tokenizer, cfg, env, precision, rewards: Sequence[Reward], stats: Counter):
         t = cfg.training
@@ -86,6 +90,7 @@ class RolloutFeed:
         self._order = (-1, None)  # (pass over the data, its seeded order of the samples)
         self.pending: list[Row] = []  # this rank's rows of the rollout being trained on
         self.window: Counter = Counter()  # the rollouts' sums since the last logging window
+        self.answers: list[dict] = []  # a few of the window's groups, to show
 
     # ---------------------------------------------------------------- the feed
     def next_step(self, micro_batch_size: int, accumulation_steps: int) -> list[list[Row]]:
@@ -117,6 +122,12 @@ class RolloutFeed:
 
     def close(self) -> None:
         """Nothing runs in the background."""
+
+    def window_answers(self) -> list[dict]:
+        """This rank's first groups of the window (:data:`ANSWERS_SHOWN`): the prompt as its tokens read, the
+        reference, and each answer's text, reward, each reward's score and advantage."""
+        answers, self.answers = self.answers, []
+        return answers
 
     def window_metrics(self, elapsed: float) -> dict:
         """The rollouts' figures since the last call (``rollout/...``) over every data rank: rewards' means and
@@ -286,6 +297,12 @@ class RolloutFeed:
         scale = self.cfg.training.rl_loss != "dr_grpo"
         advantages = group_advantages(group.rewards, self.group_size, scale)
         w = self.window
+        if len(self.answers) < ANSWERS_SHOWN:
+            self.answers.append({
+                "prompt": render(group.prompt.encoded, self.tokenizer), "reference": group.prompt.reference,
+                "answers": [{"text": self.tokenizer.decode(a.ids), "reward": float(total), "advantage": float(adv),
+                             "scores": {r.name: float(s) for r, s in zip(self.rewards, scores)}}
+                            for a, adv, scores, total in zip(group.answers, advantages, group.scores, group.rewards)]})
         rows = []
         for answer, advantage, scores, total, routes in zip(group.answers, advantages, group.scores, group.rewards,
                                                             group.routes):

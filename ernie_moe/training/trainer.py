@@ -16,7 +16,6 @@ from tqdm import tqdm
 
 from .. import faults, host_reads, json_files
 from ..checkpoint import (
-    CheckpointError,
     Run,
     TrainingParts,
     claim_output_dir,
@@ -30,8 +29,8 @@ from ..checkpoint.model_files import folder_config, inference_files
 from ..checkpoint.output_lock import release_output_dir
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
-from ..data import DataError, RowStream, build_datasets, build_tokenizer, collate, rank_batches
-from ..data.feed import DataFeed
+from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
+from ..data.feed import Feed
 from ..data.loader import sample_encoder, training_encoder
 from ..data.report import data_report, describe
 from ..elastic.job import Attempt, JobRecord, job_id, restart_history
@@ -50,13 +49,13 @@ from ..timing import part
 from .assembly import assemble
 from .benchmark_eval import benchmark_metrics
 from .best_model import BestModel
+from .feeds import build_feed
 from .generation_eval import evaluate_by_generation
 from .memory_guard import Rung
 from .optimizer import clip_gradients, gradient_norms, optimizer_state_bytes
 from .precision import NonFiniteGradients
 from .preference import PrecomputedReference
 from .replica_check import ReplicaCheck, ReplicasDiffer
-from .rollouts import RolloutFeed
 from .state import StepResult, TrainingState, read_results
 from .stop import StopRequested, StopWatch
 
@@ -153,7 +152,8 @@ class Trainer:
                     results = read_results(window)
                     metrics = self.monitor.end_window(self.step, results, self.data_stats,
                                                       self.feed.window_metrics(sum(r.time for r in results)))
-                    bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
+                    self.monitor.answers(self.step, self.feed.window_answers())
+                    bar.set_postfix(progress_figures(metrics))
                     for line in self.monitor.warnings if self.env.is_main else []:
                         bar.write(f"WARNING {line}")
                     window = []
@@ -439,16 +439,13 @@ class Trainer:
         return {**result, **benchmarks, **skips}
 
     # -------------------------------------------------------------- helpers
-    def _build_data(self) -> tuple[DataFeed | RolloutFeed, object]:
+    def _build_data(self) -> tuple[Feed, object]:
         """The training feed (the GRPO stage's: rollouts of the policy) and the held-out set; the data report; a
         preference run's precomputed reference, with the starting weights (before a resume loads others)."""
         cfg = self.cfg
         train_set, eval_set = build_datasets(cfg)
-        if cfg.training.stage == "grpo":
-            feed = RolloutFeed(train_set, self.runner, self.tokenizer, cfg, self.env, self.precision, self.rewards,
-                               self.data_stats)
-        else:
-            feed = DataFeed(train_set, self.tokenizer, cfg, self.env, self.data_stats)
+        feed = build_feed(cfg, train_set, self.tokenizer, self.env, self.data_stats, self.runner, self.precision,
+                          self.rewards)
         feed.gate()  # the reader's Python waits for the backward passes, so the forward's is not held up
         if self.env.is_main and cfg.data.report_samples:
             self._report_data(train_set)
@@ -472,13 +469,8 @@ class Trainer:
             checkpoint = resolve(t.resume_from_checkpoint, t.output_dir, self.env, warn=say)
         if checkpoint is None:
             return
-        saved = load_checkpoint(self.parts, checkpoint.path, self.env)
-        if "data" in saved:
-            try:
-                self.feed.load_state_dict(saved["data"])
-            except DataError as err:
-                raise CheckpointError(f"{checkpoint.path / 'trainer_state.json'}: {err}") from None
-        else:
+        saved = load_checkpoint(self.parts, checkpoint.path, self.env)  # the data position too
+        if "data" not in saved:
             say(f"WARNING {checkpoint.path} predates saved data positions: the data starts again from its first "
                 "sample", flush=True)
         self.state.step = saved["step"]
@@ -613,6 +605,15 @@ def check_memory(cfg, env) -> None:
     text, ok = report(cfg, env.world_size, device_bytes(cfg.training) / 2 ** 30, run_search=False)
     if not ok:
         raise ConfigError(f"the memory planner predicts that this layout does not fit the device:\n{text}")
+
+
+def progress_figures(metrics: dict) -> dict[str, str]:
+    """What the progress bar shows of a window: the loss and speed, and in the GRPO stage first the reward, mean and
+    spread, which its user watches."""
+    shown = {"loss": f"{metrics['loss']:.4f}", "tok_s": f"{metrics['tokens_per_sec']:.0f}"}
+    if "rollout/reward" in metrics:
+        shown = {"reward": f"{metrics['rollout/reward']:.3f}+-{metrics['rollout/reward_std']:.3f}", **shown}
+    return shown
 
 
 def sized_to_tokenizer(cfg: Config, tokenizer, say: bool) -> Config:

@@ -1,0 +1,25 @@
+"""The run's feed (``data.feed.Feed``), chosen in one place by what the run trains on: the policy's rollouts in the
+GRPO stage, preference pairs in the DPO stage, packed rows otherwise."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from ..config import Config
+from ..data.feed import Feed, PairFeed, RowFeed
+from ..data.loader import is_preference
+from ..objectives.rewards import Reward
+from ..parallel.env import DistEnv
+from .rollouts import RolloutFeed
+
+
+def build_feed(cfg: Config, train_set, tokenizer, env: DistEnv, stats: Counter, runner, precision,
+               rewards: Sequence[Reward]) -> Feed:
+    """``stats``: where the feed counts skipped and fitted samples; ``runner``, ``precision`` and ``rewards``:
+    what a rollout samples and scores with."""
+    if cfg.training.stage == "grpo":
+        return RolloutFeed(train_set, runner, tokenizer, cfg, env, precision, rewards, stats)
+    if is_preference(cfg):
+        return PairFeed(train_set, tokenizer, cfg, env, stats)
+    return RowFeed(train_set, tokenizer, cfg, env, stats)
