@@ -47,6 +47,9 @@ def test_the_first_update_sees_ratio_one_only_with_router_replay(tmp_path):
     assert abs(replayed["ratio"] - 1.0) < 1e-5 and replayed["clip_fraction"] == 0.0
     assert abs(old_policy["ratio"] - 1.0) < 1e-6 and old_policy["clip_fraction"] == 0.0
     assert abs(fresh["ratio"] - 1.0) > 1e-2
+    # the sampler-trainer mismatch as it is logged: near nothing with the routing replayed, plain without
+    assert replayed["mismatch_k3"] < 1e-8 and old_policy["mismatch_k3"] < 1e-9
+    assert fresh["mismatch_k3"] > 1e3 * max(replayed["mismatch_k3"], 1e-9)
     assert replayed["response_length"] == fresh["response_length"] == old_policy["response_length"]
 
 

@@ -82,6 +82,10 @@ def test_policy_losses_and_gradients_match_numpy(loss):
         clipped = (ratio * adv[:, None] > np.clip(ratio, 0.8, 1.28) * adv[:, None]) & (mask > 0)
         assert clipped.sum() > 0
         np.testing.assert_allclose(figures["clipped"].numpy(), clipped.sum(axis=1))
+    gap = (logp - old) * mask  # the sampler-trainer mismatch, token by token, whatever the loss
+    np.testing.assert_allclose(figures["mismatch_k3"].numpy(), ((np.exp(gap) - gap - 1) * mask).sum(axis=1),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(figures["mismatch_past"].numpy(), ((np.abs(gap) > np.log(2.0)) & (mask > 0)).sum(1))
 
 
 def test_unchanged_policy_gives_ratio_one_and_the_mean_advantage():

@@ -34,7 +34,10 @@ from .head import Predictions
 LOSSES = ("grpo", "dr_grpo", "dapo", "gspo")
 STD_EPS = 1e-6
 # the per-answer figures of a forward (summed over the answers for the metrics); a row without an answer has zeros
-FIGURES = ("answers", "loss", "kl", "clipped", "tokens", "ratio", "logp")
+FIGURES = ("answers", "loss", "kl", "clipped", "tokens", "ratio", "logp", "mismatch_k3", "mismatch_past")
+# a token's probability under the trainer over the one it was sampled with (or the reverse) past this counts as a
+# mismatch past the bound (veRL's and slime's logs use such a bound for the sampler-trainer gap)
+MISMATCH_BOUND = 2.0
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,14 @@ def policy_losses(settings: PolicySettings, logp: paddle.Tensor, old: paddle.Ten
     answers = (tokens > 0).astype("float32")
     losses = losses * answers
     clipped_tokens = ((ratio * a > clipped * a).astype("float32") * mask).sum(axis=1)
+    # each token's gap to the policy the old log-probabilities are from (the sampler's, unless the old policy's own
+    # forward gave them): k3 = r - 1 - log r, r = p_trainer / p_old, and the tokens past the bound either way
+    gap = log_ratio.detach()
+    past = (paddle.abs(gap) > float(np.log(MISMATCH_BOUND))).astype("float32") * mask
     figures = {"answers": answers, "loss": losses.detach(), "kl": kl.sum(axis=1).detach(),
                "clipped": clipped_tokens.detach(), "tokens": tokens,
-               "ratio": (ratio.expand_as(mask) * mask).sum(axis=1).detach(), "logp": (logp * mask).sum(axis=1).detach()}
+               "ratio": (ratio.expand_as(mask) * mask).sum(axis=1).detach(), "logp": (logp * mask).sum(axis=1).detach(),
+               "mismatch_k3": ((paddle.exp(gap) - gap - 1.0) * mask).sum(axis=1), "mismatch_past": past.sum(axis=1)}
     return losses.sum(), figures
 
 
@@ -155,7 +163,10 @@ class PolicyGradient(Objective):
 
     def metrics(self, totals: np.ndarray, prefix: str) -> dict:
         """``{prefix}loss`` (per answer, or per token for dapo), ``kl`` (per token), ``clip_fraction``, the mean
-        ``ratio``, ``response_length`` and the answers' mean log-probability per token."""
+        ``ratio``, ``response_length``, the answers' mean log-probability per token, and the gap to the policy that
+        sampled them: ``mismatch_k3`` (per token) and ``mismatch_past_bound`` (the share of tokens whose probability
+        ratio passes :data:`MISMATCH_BOUND` either way). At a rollout's first update (the weights that sampled it)
+        the gap is the sampler-trainer mismatch alone: routing, kernels, precision."""
         sums = dict(zip(FIGURES, (float(v) for v in totals)))
         answers, tokens = sums["answers"], max(sums["tokens"], 1.0)
         if not answers:
@@ -163,4 +174,6 @@ class PolicyGradient(Objective):
         loss = sums["loss"] / (answers if self.settings.per_answer else tokens)
         return {f"{prefix}loss": loss, f"{prefix}kl": sums["kl"] / tokens,
                 f"{prefix}clip_fraction": sums["clipped"] / tokens, f"{prefix}ratio": sums["ratio"] / tokens,
-                f"{prefix}response_length": sums["tokens"] / answers, f"{prefix}logp": sums["logp"] / tokens}
+                f"{prefix}response_length": sums["tokens"] / answers, f"{prefix}logp": sums["logp"] / tokens,
+                f"{prefix}mismatch_k3": sums["mismatch_k3"] / tokens,
+                f"{prefix}mismatch_past_bound": sums["mismatch_past"] / tokens}
