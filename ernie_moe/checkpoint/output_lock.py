@@ -106,10 +106,10 @@ def _take_over(fd: int, saved: dict, root: Path, say) -> bool:
     say(f"taking over training.output_dir '{root}' from an earlier attempt of job {saved['job']} "
         f"({_describe(saved)})", flush=True)
     # signalled only when this host's process of that number is one of the job's (a number may be reused)
-    ours = saved.get("host") == socket.gethostname() and _runs_job(pid, saved["job"])
+    ours = isinstance(pid, int) and saved.get("host") == socket.gethostname() and _runs_job(pid, saved["job"])
     signals = [(signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)] if ours else [(None, REMOTE_WAIT_S)]
     for sig, wait in signals:
-        if sig is not None:
+        if sig is not None and isinstance(pid, int):
             try:
                 os.kill(pid, sig)
             except OSError:  # gone already: the lock tells

@@ -64,7 +64,7 @@ def load_pretrained(model, directory, env=None, source: SourceCheckpoint | None 
         for part in gathered:
             for key, names in part.items():
                 report[key].extend(names)
-    result = {key: sorted(set(report[key])) for key in ("loaded", "converted", "upcycled", "copied", "new")}
+    result: dict = {key: sorted(set(report[key])) for key in ("loaded", "converted", "upcycled", "copied", "new")}
     result["ignored"] = sorted(set(source.names()) - set(report["read"]))
     result.update(source=str(directory), model_type=source.model_type, form=source.form)
     return result

@@ -25,7 +25,8 @@ SKIP_FIXES = {
 
 def no_usable_sample(skipped: dict) -> DataError:
     """The error of data whose every sample was skipped, with the fix for the reasons that have one."""
-    fixes = [SKIP_FIXES[reason] for reason in sorted(skipped, key=skipped.get, reverse=True) if reason in SKIP_FIXES]
+    most_first = sorted(skipped, key=lambda reason: skipped[reason], reverse=True)
+    fixes = [SKIP_FIXES[reason] for reason in most_first if reason in SKIP_FIXES]
     return DataError(f"the training data has no usable sample (skipped: {skipped or 'nothing; the data set is empty'})"
                      + (f". {'; '.join(fixes)}." if fixes else "."))
 

@@ -52,7 +52,8 @@ def answer_benchmark(model, tokenizer, data_cfg, bench: Benchmark, max_new_token
     never = (model.cfg.im_patch_id,)
     count = len(bench.items)
     scores, answered = np.zeros(count), np.zeros(count)
-    records, skipped = [], Counter()
+    records: list[dict] = []
+    skipped: Counter = Counter()
     group: list[tuple[int, object]] = []
 
     def flush():

@@ -12,6 +12,7 @@ only on ten or more questions.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from .scoring import units
@@ -65,7 +66,7 @@ def compare(before: dict[str, dict], after: dict[str, dict]) -> list[Row]:
         scopes = {"overall": lambda unit: True}
         for field in ("category", "l2_category"):
             for value in sorted({u[field] for u in a.values() if u[field]}):
-                scopes[f"{field}/{value}"] = lambda unit, f=field, v=value: unit[f] == v
+                scopes[f"{field}/{value}"] = _in(field, value)
         for scope, member in scopes.items():
             was = {k: u["score"] for k, u in a.items() if member(u)}
             now = {k: u["score"] for k, u in b.items() if k in was}
@@ -92,3 +93,8 @@ def as_markdown(rows: list[Row], before: str, after: str) -> str:
         lines.append(f"| {r.benchmark} | {r.scope} | {r.questions} | {r.before:.3f} | {r.after:.3f} | "
                      f"{r.difference:+.3f} ({r.low:+.3f} to {r.high:+.3f}) | {marks[r.verdict]} |")
     return "\n".join(lines) + "\n"
+
+
+def _in(field: str, value) -> Callable[[dict], bool]:
+    """Whether a unit's ``field`` is ``value`` (a category's scope)."""
+    return lambda unit: unit[field] == value

@@ -64,8 +64,8 @@ def prepare_fine_tuning(model, training_cfg, model_cfg, env) -> FineTuning:
     named = model.stable_named_parameters(include_tied_copy=True)
     # LoRA pairs asked for in a frozen part would be made and never train: say so (every rank, as a stage may
     # hold the part alone)
-    local = {part for name, _ in named if is_lora(name) for part in t.freeze if PARTS[part](name)}
-    clashes = sorted(set().union(*env.all_gather_object(local))) if t.fine_tuning == "lora" else []
+    clashing = {part for name, _ in named if is_lora(name) for part in t.freeze if PARTS[part](name)}
+    clashes = sorted(set().union(*env.all_gather_object(clashing))) if t.fine_tuning == "lora" else []
     if clashes:
         raise ConfigError(f"training.lora_targets puts LoRA pairs in {', '.join(clashes)}, which training.freeze "
                           f"{list(t.freeze)} freezes: take {', '.join(clashes)} out of training.freeze to train "

@@ -66,7 +66,7 @@ class Workload:
     @classmethod
     def from_batch(cls, batch) -> Workload:
         types = batch.token_type_ids.numpy()
-        sizes = Counter()
+        sizes: Counter = Counter()
         for frames, rows, cols in np.asarray(batch.grid_thw).reshape(-1, 3).tolist():
             sizes[int(rows * cols)] += int(frames)
         return cls(rows=types.shape[0], seq=types.shape[1], image_tokens=int((types > 0).sum()),

@@ -103,8 +103,7 @@ def build_rewards(training_cfg) -> list[Reward]:
     rewards = []
     for spec, weight in zip(t.rewards, weights):
         if spec == "regex":
-            pattern = re.compile(t.reward_pattern)
-            rewards.append(Reward("regex", weight, lambda a, r, p=pattern: float(p.search(a) is not None), spec))
+            rewards.append(Reward("regex", weight, _found(re.compile(t.reward_pattern)), spec))
         elif spec in BUILT_IN:
             rewards.append(Reward(spec, weight, BUILT_IN[spec], spec))
         else:
@@ -113,6 +112,11 @@ def build_rewards(training_cfg) -> list[Reward]:
     if len(set(names)) != len(names):
         raise ConfigError(f"training.rewards {t.rewards} names a reward twice (figures are named by {names})")
     return rewards
+
+
+def _found(pattern: re.Pattern) -> Callable[[str, str], float]:
+    """The ``regex`` reward: 1 when ``pattern`` is found in the answer."""
+    return lambda answer, reference: float(pattern.search(answer) is not None)
 
 
 def _user_function(spec: str) -> Callable[[str, str], float]:

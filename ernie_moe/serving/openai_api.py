@@ -177,7 +177,7 @@ class Completion:
 
 def usage(reply: Reply) -> dict:
     """OpenAI's usage; speculative decoding's drafts as its predicted-output counts (kept and rejected)."""
-    out = {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+    out: dict = {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
     if reply.drafted:
         out["completion_tokens_details"] = {"accepted_prediction_tokens": reply.accepted,

@@ -96,7 +96,7 @@ def evaluate_by_generation(model, dataset, encoder, tokenizer, env, count: int, 
     was_training = model.training
     model.eval()
     sums = np.zeros(SUMS + len(rewards))
-    skipped = Counter()
+    skipped: Counter = Counter()
     never = (model.cfg.im_patch_id,)  # images come from the prompt
     group = []  # samples answered side by side, SIDE_BY_SIDE at a time
 
