@@ -210,7 +210,7 @@ def test_image_placeholder_id_must_match_the_tokenizer(tmp_path):
     import sentencepiece as spm
 
     from ernie_moe.config import ConfigError
-    from ernie_moe.training.trainer import check_tokenizer
+    from ernie_moe.training.startup import check_tokenizer
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"a blue ring number {i}" for i in range(100)))

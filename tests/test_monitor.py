@@ -410,7 +410,7 @@ def test_most_rollout_groups_scoring_alike_is_said_when_it_begins_and_ends():
     """A window where most groups scored every answer alike (no advantage, no gradient) is said once, with what to
     do for a task too hard or too easy, and once when it ends; the progress bar shows the reward first."""
     from ernie_moe.monitor.alerts import Alerts
-    from ernie_moe.training.trainer import progress_figures
+    from ernie_moe.monitor.monitor import progress_figures
 
     alerts = Alerts(load_config(None, []).logging, 0.0)
     hard = alerts.check(5, {"rollout/equal_reward_groups": 0.75, "rollout/reward": 0.0}, 0.0)

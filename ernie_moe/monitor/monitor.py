@@ -164,3 +164,12 @@ def mtp_metrics(totals: np.ndarray) -> dict:
     sums, counts = np.split(np.asarray(totals, dtype=np.float64), 2)
     losses = sums / np.maximum(counts, 1.0)
     return {"mtp/loss": float(losses.mean()), **{f"mtp/depth{k}_loss": float(v) for k, v in enumerate(losses, 1)}}
+
+
+def progress_figures(metrics: dict) -> dict[str, str]:
+    """What the progress bar shows of a window: the loss and speed, and in the GRPO stage first the reward, mean and
+    spread, which its user watches."""
+    shown = {"loss": f"{metrics['loss']:.4f}", "tok_s": f"{metrics['tokens_per_sec']:.0f}"}
+    if "rollout/reward" in metrics:
+        shown = {"reward": f"{metrics['rollout/reward']:.3f}+-{metrics['rollout/reward_std']:.3f}", **shown}
+    return shown

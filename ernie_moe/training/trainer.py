@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import time
 from collections import Counter
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import paddle
 import paddle.distributed as dist
-import yaml
 from tqdm import tqdm
 
 from .. import faults, host_reads, json_files
@@ -33,18 +31,17 @@ from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_bat
 from ..data.feed import Feed
 from ..data.loader import sample_encoder, training_encoder
 from ..data.report import data_report, describe
-from ..elastic.job import Attempt, JobRecord, job_id, restart_history
+from ..elastic.job import JobRecord, job_id
 from ..evaluation.results import read_benchmarks
 from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
 from ..host_reads import HostReadCounter
 from ..model.mtp import trained_depths
 from ..model.parameter_kinds import MTP
-from ..monitor.memory import MemoryMonitor
-from ..monitor.monitor import TrainingMonitor
+from ..monitor.monitor import TrainingMonitor, progress_figures
 from ..objectives.rewards import build_rewards
 from ..parallel import init_distributed
-from ..parallel.global_batch import for_world, global_batch
+from ..parallel.global_batch import for_world
 from ..timing import part
 from .assembly import assemble
 from .benchmark_eval import benchmark_metrics
@@ -56,6 +53,8 @@ from .optimizer import clip_gradients, gradient_norms, optimizer_state_bytes
 from .precision import NonFiniteGradients
 from .preference import PrecomputedReference
 from .replica_check import ReplicaCheck, ReplicasDiffer
+from .run_folder import RunFolder
+from .startup import check_memory, check_tokenizer, device_bytes, sized_to_tokenizer
 from .state import StepResult, TrainingState, read_results
 from .stop import StopRequested, StopWatch
 
@@ -96,9 +95,8 @@ class Trainer:
         self.pending_save = None  # a save being written in the background (PendingCheckpoint)
         if t.resume_from_checkpoint or earlier:
             self._resume({a.run_id for a in earlier})
-        self.job, self.attempt, self.restarts = job, None, []
-        if job is not None:
-            self._begin_attempt(earlier)
+        self.folder = RunFolder(cfg, self.env, job)
+        self.folder.begin_attempt(earlier, self.step, self.run.run_id)
         self.best = BestModel(t, resumed=self.step > 0)
         job_figures = {"job/restarts": len(earlier), "job/world_size": self.env.world_size} if job else {}
         self.monitor = TrainingMonitor(cfg, self.env, self.model, self.runner.gather_stages, resumed_at=self.step,
@@ -128,7 +126,7 @@ class Trainer:
 
     def _train(self) -> dict:
         t = self.cfg.training
-        self._write_run_config()
+        self.monitor.config(self.folder.write_config())
         self._check_replicas(f"after the resume at step {self.step}" if self.step else "at the start")
         self.monitor.start()
         bar = tqdm(total=t.max_steps, initial=self.step, mininterval=2.0, dynamic_ncols=True, desc="train",
@@ -187,7 +185,7 @@ class Trainer:
                    **{f"data/{k}": v for k, v in sorted(self.data_stats.items())},
                    **({"host_reads": self._host_reads(reads, ran - 1)} if reads else {})}
         if skipped > ran * MAX_SKIPPED_FRACTION:
-            self._write_summary({**summary, "status": "failed"})
+            self.folder.write_summary({**summary, "status": "failed"})
             self.monitor.close()
             raise NonFiniteGradients(
                 f"{skipped} of the {ran} steps of this run were skipped for non-finite gradients (inf/nan), so "
@@ -215,7 +213,7 @@ class Trainer:
             self._save()
             self._finish_save()
         where = self.last_checkpoint.path if self.last_checkpoint else "no checkpoint (the last steps were skipped)"
-        self._write_summary({"status": "stopped", "steps": self.step, "reason": reason,
+        self.folder.write_summary({"status": "stopped", "steps": self.step, "reason": reason,
                              "checkpoint": str(where)})
         self.feed.close()
         self.monitor.close()
@@ -329,7 +327,7 @@ class Trainer:
         if mismatch is None:
             return
         if self.cfg.training.replica_check == "stop":
-            self._write_summary({"status": "failed", "steps": self.step, "reason": mismatch})
+            self.folder.write_summary({"status": "failed", "steps": self.step, "reason": mismatch})
             self.monitor.close()
             raise ReplicasDiffer(mismatch)
         if self.env.is_main:
@@ -484,20 +482,6 @@ class Trainer:
             say(f"nothing to train: the checkpoint is at step {step} and training.max_steps is {t.max_steps}; "
                 "raise training.max_steps to train further", flush=True)
 
-    def _begin_attempt(self, earlier: list[Attempt]) -> None:
-        """Record this start of the elastic job (rank 0) and say, on a restart, where it resumed and why."""
-        self.attempt = Attempt(len(earlier), self.env.world_size, global_batch(self.cfg, self.env.world_size),
-                               self.step, self.run.run_id)
-        self.restarts = restart_history([*earlier, self.attempt])
-        if not self.env.is_main:
-            return
-        self.job.begin(self.attempt)
-        if earlier:
-            t = self.cfg.training
-            print(f"restart {len(earlier)} of job {self.job.job}: step {self.step} on {self.env.world_size} "
-                  f"process(es), a global batch of {self.attempt.global_batch} rows in "
-                  f"{t.gradient_accumulation_steps} accumulation step(s); {self.restarts[-1]['why']}", flush=True)
-
     def _loss_denominator(self, label_tokens: paddle.Tensor) -> paddle.Tensor:
         """What a loss summed over ``label_tokens`` (a device count, or one per MTP depth) is divided by."""
         t = self.cfg.training
@@ -513,15 +497,6 @@ class Trainer:
                 moe.update_correction_bias(self.env.all_reduce_sum(moe.stats.pop_usage(), self.env.data_group))
             else:
                 moe.stats.pop_usage()
-
-    def _write_run_config(self) -> None:
-        if not self.env.is_main:
-            return
-        out = Path(self.cfg.training.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        sections = dataclasses.asdict(self.cfg)
-        (out / "run_config.yaml").write_text(yaml.safe_dump(sections, sort_keys=False))
-        self.monitor.config(sections)
 
     def _initialise_from(self, model, directory: str) -> None:
         report = load_pretrained(model, directory, self.env, mtp_init=self.cfg.training.mtp_init)
@@ -567,7 +542,7 @@ class Trainer:
         final = Path(self.cfg.training.output_dir) / "final_model"
         averaged = self._export(final)
         summary.update(status="done", model_dir=str(final), final_model_weights="ema" if averaged else "trained")
-        self._write_summary(summary)
+        self.folder.write_summary(summary)
         self.monitor.close()
 
     def _export(self, folder: Path) -> bool:
@@ -583,58 +558,3 @@ class Trainer:
                 save_model(self.model, self.cfg.model, str(folder), self.tokenizer, self.env, hf_layout=True,
                            source=folder_config(t.model_name_or_path), extra=files, form=t.final_model_format)
         return averaged
-
-    def _write_summary(self, summary: dict) -> None:
-        if not self.env.is_main:
-            return
-        if self.job is not None:
-            summary = {**summary, "job": self.job.job, "restarts": len(self.restarts),
-                       "restart_history": self.restarts}
-            self.job.end(self.attempt, summary["status"], summary["steps"], summary.get("reason", ""))
-        (Path(self.cfg.training.output_dir) / "summary.json").write_text(json_files.dumps(summary, indent=2))
-
-
-def device_bytes(training_cfg) -> float:
-    return (training_cfg.device_memory_gb or MemoryMonitor().device_total_gb()) * 2 ** 30
-
-
-def check_memory(cfg, env) -> None:
-    """Stop before building anything when the memory planner predicts that the layout does not fit."""
-    from ..memory.report import report
-
-    text, ok = report(cfg, env.world_size, device_bytes(cfg.training) / 2 ** 30, run_search=False)
-    if not ok:
-        raise ConfigError(f"the memory planner predicts that this layout does not fit the device:\n{text}")
-
-
-def progress_figures(metrics: dict) -> dict[str, str]:
-    """What the progress bar shows of a window: the loss and speed, and in the GRPO stage first the reward, mean and
-    spread, which its user watches."""
-    shown = {"loss": f"{metrics['loss']:.4f}", "tok_s": f"{metrics['tokens_per_sec']:.0f}"}
-    if "rollout/reward" in metrics:
-        shown = {"reward": f"{metrics['rollout/reward']:.3f}+-{metrics['rollout/reward_std']:.3f}", **shown}
-    return shown
-
-
-def sized_to_tokenizer(cfg: Config, tokenizer, say: bool) -> Config:
-    """A model built here (no ``training.model_name_or_path``) whose ``model.vocab_size`` the tokenizer outgrows
-    (the default config's 32 words, with data read as bytes) takes the tokenizer's vocabulary, rounded up to a
-    multiple of the tensor-parallel degree, and ``say`` prints a note; a loaded model's vocabulary is its own."""
-    m, tp = cfg.model, cfg.parallel.tensor_parallel_degree
-    if cfg.training.model_name_or_path or tokenizer.vocab_size <= m.vocab_size:
-        return cfg
-    size = -(-tokenizer.vocab_size // tp) * tp
-    if say:
-        print(f"note: model.vocab_size {m.vocab_size} is below the tokenizer's {tokenizer.vocab_size} tokens: the "
-              f"model built here has {size}", flush=True)
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=size))
-
-
-def check_tokenizer(tokenizer, model_cfg) -> None:
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
-                          f"{model_cfg.vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size}.")
-    own = tokenizer.placeholder_id()
-    if own is not None and own != model_cfg.im_patch_id:
-        raise ConfigError(f"the tokenizer's image placeholder piece has id {own} but model.im_patch_id is "
-                          f"{model_cfg.im_patch_id}; set model.im_patch_id={own}.")
