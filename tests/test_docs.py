@@ -77,6 +77,7 @@ def stand_in(folder: str, tmp_path: Path) -> Path:
     return made
 
 
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package:RuntimeWarning")  # runpy's
 @pytest.mark.parametrize("page, command", ALL, ids=[f"{page}:{command[:60]}" for page, command in ALL])
 def test_a_documented_command_is_one_this_version_accepts(page, command, monkeypatch, capsys, tmp_path):
     words = shlex.split(command, comments=True)[1:]
