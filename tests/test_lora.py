@@ -9,6 +9,7 @@ import paddle
 import pytest
 from conftest import ROOT
 from paddle import nn
+from safetensors.numpy import load_file, save_file
 
 from ernie_moe.checkpoint import save_model
 from ernie_moe.checkpoint.errors import CheckpointError
@@ -259,3 +260,14 @@ def test_an_adapter_of_another_shape_does_not_merge_or_load(tmp_path, base):
     other = trainer(tmp_path / "other", "model.intermediate_size=96")
     with pytest.raises(CheckpointError, match="another shape"):
         load_adapter(other.model, other.cfg.model, tmp_path / "run" / "final_model")
+    # a pair of nan values (a diverged run) is named as it loads, not met at the first step
+    folder = tmp_path / "run" / "final_model"
+    shard = folder / sorted(set(json.loads((folder / "peft_model.safetensors.index.json").read_text())
+                                ["weight_map"].values()))[0]
+    tensors = load_file(str(shard))
+    name = sorted(n for n in tensors if "lora_B" in n)[0]
+    tensors[name][:] = np.nan
+    save_file(tensors, str(shard), metadata={"format": "np"})
+    same = trainer(tmp_path / "same")
+    with pytest.raises(CheckpointError, match="holds nan or inf values: the adapter is damaged"):
+        load_adapter(same.model, same.cfg.model, folder)
