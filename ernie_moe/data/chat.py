@@ -20,6 +20,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
@@ -130,7 +131,8 @@ class PlainChat:
     prefix = {"system": "System: ", "user": "User: ", "assistant": "Assistant: ", "tool": "Tool: "}
 
     def chunks(self, conversation: Conversation, open_turn: bool = False) -> list[Chunk]:
-        chunks, image, video = [], 0, 0
+        chunks: list[Chunk] = []
+        image = video = 0
         for message in conversation.messages:
             trained = message["role"] == "assistant"
             chunks.append(Chunk(text=("\n" if chunks else "") + self.prefix[message["role"]]))
@@ -217,7 +219,7 @@ class TemplateChat:
         # the same options for the whole text and for each answer's rendering; training passes thinking on only:
         # its off is the plain form, where no turn opens with the empty block
         thinking = conversation.enable_thinking if open_turn else (True if conversation.enable_thinking else None)
-        options = {"enable_thinking": thinking, "tools": tools}
+        options: dict[str, Any] = {"enable_thinking": thinking, "tools": tools}
         text = self.render(messages, add_generation_prompt=open_turn, **options)
         trained = [] if open_turn else self._answers(messages, text, options)
         if not open_turn and not trained:

@@ -76,10 +76,11 @@ def lay_out(record: dict, where: str, enable_thinking: bool) -> Layout:
     if "text_info" in record:
         texts, media, system = _vl_texts(record, where)
     else:
-        texts, media, system = _text_sft_texts(record, where), {}, record.get("system") or ""
-        if not isinstance(system, str):
-            raise BadSample("bad_record", f"{where}: system must be text, not {system!r}")
-        system = [system.strip()] if system.strip() else []
+        texts, media = _text_sft_texts(record, where), {}
+        given = record.get("system") or ""
+        if not isinstance(given, str):
+            raise BadSample("bad_record", f"{where}: system must be text, not {given!r}")
+        system = [given.strip()] if given.strip() else []
     turns = _turns(texts, media, where)
     answers = "".join(t["text"] for t in texts if t["tag"] == "no_mask")
     if thinking and not check_think(answers, where):
@@ -278,7 +279,7 @@ def _add_visuals(out: Layout, images: list[dict], where: str) -> None:
         if any(t is not None for t in times) and None in times:
             raise BadSample("bad_video", f"{where}: some frames of video {len(out.videos)} have a time_stamp and "
                                          "some do not")
-        out.video_times.append(None if None in times else [float(t) for t in times])
+        out.video_times.append(None if None in times else [float(t) for t in times if t is not None])
 
 
 def _is_tool_output(part) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image
@@ -68,7 +69,7 @@ def prepare(image: np.ndarray, unit: int, max_side: int, pixel_budget: tuple[int
     """uint8 HxWxC -> float32 HxWxC normalised, sides a multiple of ``unit``, at :func:`target_size`."""
     h, w = target_size(image.shape[0], image.shape[1], unit, max_side, pixel_budget)
     if (h, w) != image.shape[:2]:
-        image = np.asarray(Image.fromarray(image).resize((w, h), Image.BICUBIC))
+        image = np.asarray(Image.fromarray(image).resize((w, h), Image.Resampling.BICUBIC))
     return (image.astype(np.float32) / 255.0 - MEAN) / STD
 
 
@@ -81,8 +82,8 @@ def patchify(image: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, np.
     return x.reshape(gh * gw, channels * patch * patch), np.array([1, gh, gw], np.int64)
 
 
-def video_frames(frames: np.ndarray, temporal: int) -> list[np.ndarray]:
-    """A video's frames, the last repeated until their number is a multiple of ``temporal`` (ERNIE's rule:
-    the adapter merges frames in pairs)."""
-    frames = list(frames)
-    return frames + frames[-1:] * (-len(frames) % temporal)
+def video_frames(frames: Sequence | np.ndarray, temporal: int) -> list:
+    """A video's frames (or anything standing for them), the last repeated until their number is a multiple of
+    ``temporal`` (ERNIE's rule: the adapter merges frames in pairs)."""
+    kept = list(frames)
+    return kept + kept[-1:] * (-len(kept) % temporal)

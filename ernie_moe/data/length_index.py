@@ -100,7 +100,8 @@ def length_index(dataset, encoder, index_dir: str, env, workers: int = 0, progre
     when kept there, otherwise measured by every process of the job together and kept. Every rank calls this."""
     folder = Path(index_dir or default_index_dir()) / index_key(dataset, encoder)
     found = _read(folder, len(dataset), encoder.max_seq_len)
-    if not any(env.all_gather_object(found is None)):
+    missing = env.all_gather_object(found is None)  # every rank asks together: a rank that lacks it, all measure
+    if found is not None and not any(missing):
         return found
     lengths, reasons, fitted = _measure(dataset, encoder, env.rank, env.world_size, workers,
                                         progress and env.is_main)
@@ -227,6 +228,8 @@ def _read(folder: Path, size: int, max_seq_len: int) -> LengthIndex | None:
     except (OSError, ValueError, UnreadableJSON):
         return None
     reasons = kept.get("reasons") if isinstance(kept, dict) else None
+    if not isinstance(kept, dict) or not isinstance(reasons, list):
+        return None
     ok = (lengths.dtype == np.int32 and lengths.shape == (size,) and fitted.dtype == np.int64 and fitted.ndim == 2
           and fitted.shape[1] == 1 + len(ENCODER_COUNTS) and isinstance(reasons, list)
           and all(isinstance(r, str) for r in reasons) and int(lengths.min(initial=0)) >= -len(reasons)

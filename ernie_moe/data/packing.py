@@ -205,7 +205,8 @@ class Encoder:
 
     def _grid_only(self, frames: int, size, side: int, budget) -> tuple[np.ndarray, np.ndarray]:
         """No patches, and the (t, h, w) grid the image's or video's pixels would give."""
-        h, w = target_size(*size, self.patch * self.merge, side, budget)
+        height, width = size
+        h, w = target_size(height, width, self.patch * self.merge, side, budget)
         return np.zeros([0, 3 * self.patch * self.patch], np.float32), np.array([frames, h // self.patch,
                                                                                  w // self.patch], np.int64)
 

@@ -33,7 +33,7 @@ class PackingPlan:
         self.epoch, self.position = 0, 0
         self.open: list[int] = []  # the samples of the row being filled
         self.used = 0  # their tokens
-        self._order = (-1, None)  # (epoch, its order)
+        self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (epoch, its order)
 
     def next_row(self) -> list[int]:
         """The samples of the next row, in order."""

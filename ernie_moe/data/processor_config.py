@@ -107,10 +107,11 @@ def read_saved(directory) -> dict | None:
 
 def _library_budget(saved: dict) -> dict:
     """The pixel budget of a PaddleFormers (``min_pixels`` / ``max_pixels``) or transformers (``size``) processor."""
-    size = saved.get("size") if isinstance(saved.get("size"), dict) else {}
+    given = saved.get("size")
+    size: dict = given if isinstance(given, dict) else {}
     low = saved.get("image_min_pixels", saved.get("min_pixels", size.get("shortest_edge")))
     high = saved.get("image_max_pixels", saved.get("max_pixels", size.get("longest_edge")))
-    data = {}
+    data: dict = {}
     if high is not None:
         data.update(image_max_pixels=high, **({"image_min_pixels": low} if low is not None else {}))
     for key in ("video_min_pixels", "video_max_pixels"):

@@ -21,7 +21,9 @@ TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"  # marks the tokens a sample trains on 
 def render(encoded, tokenizer) -> str:
     """The sample's text as its tokens decode, the trained tokens between [[ and ]], each image or video as
     ``<image t x h x w: N tokens>``."""
-    out, run, run_trained = [], [], False
+    out: list[str] = []
+    run: list[int] = []
+    run_trained = False
     grids = iter(encoded.grids)
 
     def flush():
@@ -58,7 +60,9 @@ def data_report(dataset, encoder, tokenizer, count: int, seed: int) -> dict:
     sample, the share of image tokens, of trained tokens and of truncated samples; and the first usable sample
     rendered. ``encoder`` counts what it truncates in its own ``stats``: give it one the run does not read."""
     order = sample_order(seed, 0, len(dataset))[:count]
-    sources, skipped, lengths = Counter(), Counter(), []
+    sources: Counter = Counter()
+    skipped: Counter = Counter()
+    lengths: list[int] = []
     image_tokens = trained = 0
     first = None
     truncated_before = encoder.stats["overlong_truncated"]
