@@ -20,7 +20,7 @@ from .errors import ConfigError, collecting, raise_all, report
 from .kinds import fits
 from .model_folder import grown_keys, model_config_from, tuning_keys
 from .schema import Config
-from .validate import problems_of, validate
+from .validate import problems_of
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), check_paths: bool = True,
@@ -60,11 +60,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), c
         cfg = build(Config, raw, "")
     if cfg is None:
         raise_all(problems)
-    if problems:  # a key that did not build holds its default: leave out the checks that would judge that
-        unbuilt = set(re.findall(r"\b(?:model|data|training|parallel|logging)\.[\w.]+", " ".join(problems)))
-        later = problems_of(cfg, check_paths)
-        raise_all(problems + [p for p in later if not any(key in p for key in unbuilt)])
-    validate(cfg, check_paths)
+    # a key that did not build holds its default: leave out the checks that would judge that
+    unbuilt = set(re.findall(r"\b(?:model|data|training|parallel|logging)\.[\w.]+", " ".join(problems)))
+    later = problems_of(cfg, check_paths)
+    raise_all(problems + [p for p in later if not any(key in p for key in unbuilt)])
     return cfg
 
 

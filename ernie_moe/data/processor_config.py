@@ -69,11 +69,7 @@ def folder_settings(directory) -> dict:
     if own is not None:
         if not isinstance(own, dict) or not isinstance(own.get("data"), dict):
             raise ConfigError(f"{path}: 'ernie_moe' must be an object with the run's 'data' section.")
-        known = {f.name for f in dataclasses.fields(DataConfig)}
-        data = {k: v for k, v in own["data"].items() if k in known}  # a newer version's keys do not stop a read
-        if data.get("image_max_pixels") and data.get("max_image_side"):
-            data["max_image_side"] = 0  # a run that kept a longest side beside its budget resized by the budget
-        settings = {"data": data}
+        settings = {"data": _run_data(own["data"])}
         if own.get("seed") is not None:
             settings["training"] = {"seed": own["seed"]}
     else:
@@ -90,10 +86,18 @@ def longest_side_rule(saved: dict | None) -> int:
     budget that PaddleFormers' and transformers' image processors read (or the folder does not say)."""
     own = (saved or {}).get("ernie_moe")
     data = own.get("data") if isinstance(own, dict) else None
-    if not isinstance(data, dict) or data.get("image_max_pixels"):
-        return 0
-    side = data.get("max_image_side")
+    side = _run_data(data).get("max_image_side") if isinstance(data, dict) else None
     return side if isinstance(side, int) and not isinstance(side, bool) and side > 0 else 0
+
+
+def _run_data(saved: dict) -> dict:
+    """The data section a folder's run kept (under ``ernie_moe``), as a config reads it: its keys this version
+    knows (a newer version's do not stop a read), and a longest side kept beside a budget read as the budget's."""
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    data = {k: v for k, v in saved.items() if k in known}
+    if data.get("image_max_pixels") and data.get("max_image_side"):
+        data["max_image_side"] = 0  # such a run resized by the budget
+    return data
 
 
 def read_saved(directory) -> dict | None:

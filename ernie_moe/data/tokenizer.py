@@ -49,6 +49,19 @@ class WordTokenizer:
         (Path(directory) / "vocab.json").write_text(json.dumps(self.vocab, indent=0))
 
 
+class SpecialSplitter:
+    """Cuts a text at the special ``tokens`` (the longest first, where one begins another), each kept as a piece of
+    its own and no piece empty; without tokens, the text whole. A class, so that a tokenizer holding one pickles
+    (data workers receive the tokenizer)."""
+
+    def __init__(self, tokens):
+        self.pattern = re.compile("(" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True))
+                                  + ")") if tokens else None
+
+    def __call__(self, text: str) -> list[str]:
+        return [piece for piece in self.pattern.split(text) if piece] if self.pattern else [text]
+
+
 PLACEHOLDER_PIECES = ("<|IMAGE_PLACEHOLDER|>", "<image>")
 # ERNIE-4.5's sentence markers: the chat template opens a conversation and closes each answer with them
 BEGIN_OF_SENTENCE, END_OF_SENTENCE = "<|begin_of_sentence|>", "<|end_of_sentence|>"
@@ -67,7 +80,7 @@ class ByteTokenizer:
         first = len(SPECIALS) + 256
         self.pieces = {piece: first + i for i, piece in enumerate(ERNIE_PIECES)} if ernie_pieces else {}
         self._piece_of_id = {i: piece for piece, i in self.pieces.items()}
-        self._split = re.compile("(" + "|".join(map(re.escape, self.pieces)) + ")") if self.pieces else None
+        self._pieces = SpecialSplitter(self.pieces)
         if self.pieces:
             self.bos_id, self.eos_id = self.pieces[BEGIN_OF_SENTENCE], self.pieces[END_OF_SENTENCE]
         self.chat_template = None  # with ERNIE's pieces: ERNIE-4.5-VL's own layout (``chat.chat_format``)
@@ -88,7 +101,7 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         ids = []
-        for part in self._split.split(text) if self._split else [text]:
+        for part in self._pieces(text):
             if part in self.pieces:
                 ids.append(self.pieces[part])
             else:
@@ -132,8 +145,7 @@ class SentencePieceTokenizer:
         self.special = special_tokens(folder, self.sp)
         self._special_of_id = {i: t for t, i in self.special.items()}
         self.chat_template = chat_template_in(folder)
-        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(self.special, key=len, reverse=True))
-                                 + ")") if self.special else None
+        self._pieces = SpecialSplitter(self.special)  # text cut at the special tokens, each one piece
         self.pad_id = max(self.sp.pad_id(), 0)
         self.bos_id = self.special.get(BEGIN_OF_SENTENCE, self.sp.bos_id())
         self.eos_id = self.special.get(END_OF_SENTENCE, self.sp.eos_id())
@@ -159,10 +171,6 @@ class SentencePieceTokenizer:
         return {"sentencepiece": hashlib.sha256(self.sp.serialized_model_proto()).hexdigest(),
                 "special": self.special, "template": self.chat_template, "ids": [self.bos_id, self.eos_id,
                                                                                  self.image_token_id]}
-
-    def _pieces(self, text: str) -> list[str]:
-        """``text`` cut at the special tokens (kept as pieces of their own)."""
-        return [p for p in self._split.split(text) if p] if self._split else [text]
 
     def encode(self, text: str) -> list[int]:
         out: list[int] = []

@@ -12,6 +12,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import TextIO
 
 import yaml
 
@@ -32,9 +33,7 @@ class MetricsLogger:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         path = Path(output_dir) / "metrics.jsonl"
-        kept = _records_up_to(path, resumed_at) if resumed_at and path.exists() else []
-        self.file = open(path, "w")
-        self.file.writelines(line + "\n" for line in kept)
+        self.file = _reopened(path, resumed_at)
         if visualdl:
             self.logdir = Path(output_dir) / "visualdl"
             if not resumed_at:  # an earlier run's curves would mix with this one's
@@ -69,10 +68,7 @@ class MetricsLogger:
         if not self.enabled or not groups:
             return
         if self.rollouts is None:
-            path = self.output_dir / "rollouts.jsonl"
-            kept = _records_up_to(path, self.resumed_at) if self.resumed_at and path.exists() else []
-            self.rollouts = open(path, "w")
-            self.rollouts.writelines(line + "\n" for line in kept)
+            self.rollouts = _reopened(self.output_dir / "rollouts.jsonl", self.resumed_at)
         for group in groups:
             self.rollouts.write(json_files.dumps({"step": step, **group}) + "\n")
             shown = " | ".join(f"{a['reward']:.3f} ({a['advantage']:+.2f}): {a['text']}" for a in group["answers"])
@@ -117,6 +113,14 @@ def _plain(value):
     if hasattr(value, "item"):
         value = value.item()
     return round(value, 8) if isinstance(value, float) else value
+
+
+def _reopened(path: Path, resumed_at: int) -> TextIO:
+    """``path`` opened for writing, holding its records up to step ``resumed_at`` when a run resumes there."""
+    kept = _records_up_to(path, resumed_at) if resumed_at and path.exists() else []
+    file = open(path, "w")
+    file.writelines(line + "\n" for line in kept)
+    return file
 
 
 def _records_up_to(path: Path, step: int) -> list[str]:
