@@ -199,6 +199,7 @@ def test_dynamic_sampling_drops_groups_whose_answers_all_score_the_same(tmp_path
             assert any(equal) and window["groups"] == 8 and trainer.feed.prompts_read == 8
 
 
+@pytest.mark.slow
 def test_grpo_raises_the_reward_of_a_weak_captioner(tmp_path):
     """A 300-step supervised run captions about half of the caption words right; 400 GRPO steps from it (8 answers
     to each of 8 prompts a step, the words-right reward) raise the held-out reward of its greedy captions from
