@@ -7,8 +7,8 @@ import os
 
 import numpy as np
 import pytest
-from conftest import CONFIG
 from safetensors.numpy import load_file, save_file
+from support.runs import CONFIG
 
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.data import build_tokenizer

@@ -344,7 +344,7 @@ TASK_STEPS = 300
 def captioner(tmp_path_factory):
     """(the shape tasks' folder, a run trained on the captions conversations with both tasks' benchmarks scored at
     its last evaluation)."""
-    from conftest import ROOT
+    from support.runs import ROOT
 
     from ernie_moe.config import load_config
     from ernie_moe.data.shape_tasks import write_task, write_tokenizer
@@ -421,7 +421,7 @@ def test_benchmarks_scored_in_training_equal_the_evaluate_commands_scores(captio
 def test_each_data_rank_answers_its_share_and_two_ranks_give_one_processes_figures(captioner, tmp_path):
     """Two data ranks scoring the benchmarks in training (one step at a rate of 1e-12 from the captioner, so its
     answers are the captioner's): the figures of python -m ernie_moe.evaluate answering every question alone."""
-    from conftest import launch
+    from support.runs import launch
 
     from ernie_moe.evaluation.results import benchmark_results
     from ernie_moe.generation import folder_run_config
@@ -449,7 +449,7 @@ EVALSCOPE_VENV = "evalscope-venv"  # .ci/run installs evalscope here, apart: its
 
 
 def evalscope_command() -> str | None:
-    from conftest import ROOT
+    from support.runs import ROOT
 
     beside = ROOT / EVALSCOPE_VENV / "bin" / "evalscope"
     return str(beside) if beside.is_file() else shutil.which("evalscope")
@@ -481,7 +481,7 @@ def test_evalscope_scores_the_server_as_evaluate_scores_the_folder(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT, start
+    from support.runs import ROOT, start
 
     from ernie_moe.evaluation.formats import Item
     from ernie_moe.evaluation.scoring import prompt_text

@@ -4,8 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import ROOT, launch
-from test_e2e import load_model, records
+from support.runs import ROOT, launch, load_model, records
 
 from ernie_moe import export
 from ernie_moe.config import ConfigError, load_config

@@ -8,8 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, launch
-from test_e2e import load_model, records
+from support.runs import ROOT, launch, load_model, records
 
 from ernie_moe.checkpoint.lineage import MARKER, scan
 

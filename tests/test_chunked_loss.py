@@ -4,25 +4,10 @@ whole logits never held."""
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT, launch
-from test_e2e import load_model, records
+from support.runs import ROOT, launch, load_model, records, trained
 
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.training import Trainer
-
-SMALL = ["data.image_size=56", "data.max_seq_len=48", "training.per_device_train_batch_size=2",
-         "logging.visualdl=false", "training.eval_steps=0", "data.num_eval_samples=8", "training.max_steps=5",
-         "logging.logging_steps=1", "training.adam_epsilon=1e-6"]
-
-
-def trained(tmp_path, *overrides):
-    tr = Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [*SMALL, f"training.output_dir={tmp_path}",
-                                                                  *overrides]))
-    losses = []
-    for tr.step in range(1, 6):
-        result = tr.train_step().read()
-        losses.append(result.lm_loss_sum / result.label_tokens)
-    return losses, {name: p.numpy() for name, p in tr.model.stable_named_parameters()}, tr
 
 
 @pytest.mark.parametrize("tied", ["true", "false"])

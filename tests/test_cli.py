@@ -3,7 +3,7 @@
 import argparse
 
 import pytest
-from conftest import CONFIG
+from support.runs import CONFIG
 
 from ernie_moe import evaluate, export, generate, serve
 from ernie_moe.cli import at_least_one, bounded

@@ -4,7 +4,7 @@ import sys
 
 import paddle
 import pytest
-from conftest import ROOT
+from support.runs import ROOT
 
 from ernie_moe.config import ConfigError, load_config
 

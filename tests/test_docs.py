@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
+from support.runs import ROOT
 
 from ernie_moe.config import load_config
 

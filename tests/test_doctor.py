@@ -5,7 +5,7 @@ import sys
 
 import paddle
 import pytest
-from conftest import ROOT
+from support.runs import ROOT
 
 import ernie_moe.doctor.kernels as kernels
 from ernie_moe.doctor.__main__ import main

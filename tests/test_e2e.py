@@ -6,13 +6,10 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, launch
 from safetensors.numpy import load_file
+from support.runs import ROOT, launch, records
 
 pytestmark = pytest.mark.slow  # starts processes
-
-def records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_launched_run_writes_metrics_visualdl_and_model(tmp_path):
@@ -73,16 +70,6 @@ def test_two_data_parallel_ranks_match_one_process_and_log_per_rank(tmp_path):
     b = load_file(str(two / "final_model" / "model-00001-of-00001.safetensors"))
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-5, err_msg=name)
-
-
-def load_model(model_dir, index="model.safetensors.index.json"):
-    """The tensors of a safetensors index in ``model_dir`` (a model's, or a checkpoint's optimizer or EMA)."""
-    index = json.loads((model_dir / index).read_text())
-    tensors = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        tensors.update(load_file(str(model_dir / shard)))
-    assert set(tensors) == set(index["weight_map"])
-    return tensors
 
 
 @pytest.mark.parametrize("blank", [False, True])

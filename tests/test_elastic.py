@@ -16,8 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT
-from test_faults import CONFIG, SMALL, losses, train
+from support.runs import CONFIG, QUIET, ROOT, losses, train
 
 from ernie_moe import faults
 from ernie_moe.checkpoint.output_lock import lock_output_dir, note_attempt, release_output_dir
@@ -307,7 +306,7 @@ def start_elastic(tmp_path, name, etcd, *launcher, fault=""):
     env.pop(JOB_VARIABLE, None)
     cmd = [sys.executable, "-m", "ernie_moe.elastic", "--master", f"etcd://127.0.0.1:{etcd.port}", "--job_id", "j",
            "--host", "127.0.0.1", "--log_dir", str(tmp_path / f"{name}_log"), *launcher,
-           str(ROOT / "run_trainer.py"), "--config", CONFIG, f"training.output_dir={tmp_path / 'out'}", *SMALL, *JOB]
+           str(ROOT / "run_trainer.py"), "--config", CONFIG, f"training.output_dir={tmp_path / 'out'}", *QUIET, *JOB]
     output = open(tmp_path / name, "w")
     return subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
 

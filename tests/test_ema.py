@@ -5,10 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import EARLIER_DEFAULT, ROOT
-from test_e2e import load_model, records
-from test_faults import train
-from test_memory_guard import trainer
+from support.runs import EARLIER_DEFAULT, ROOT, load_model, records, same_loss_trainer, train
 
 from ernie_moe import export
 from ernie_moe.config import ConfigError, load_config
@@ -19,7 +16,7 @@ DECAY, START, EVERY = 0.8, 3, 2
 
 def test_the_ema_follows_the_numpy_recurrence_exactly(tmp_path):
     """Ten steps: nothing before step 3, a copy of the weights after it, then the recurrence every second step."""
-    tr = trainer(tmp_path, f"training.ema_decay={DECAY}", f"training.ema_start_step={START}",
+    tr = same_loss_trainer(tmp_path, f"training.ema_decay={DECAY}", f"training.ema_start_step={START}",
                  f"training.ema_update_every={EVERY}", "data.num_eval_samples=4")
     params = dict(tr.model.stable_named_parameters())
     assert [n for n, _, _ in tr.ema.owned] == [n for n, p in params.items() if not p.stop_gradient]
@@ -116,7 +113,7 @@ def test_bad_ema_replica_and_capacity_settings_are_config_errors(override, words
 def test_the_planner_counts_each_ranks_share_of_the_ema(tmp_path):
     """One process holds the whole EMA in float32 (4 bytes per trained weight); the planner adds that, over the
     data ranks, to each rank's states."""
-    tr = trainer(tmp_path, "training.ema_decay=0.9")
+    tr = same_loss_trainer(tmp_path, "training.ema_decay=0.9")
     tr.step = 1
     tr.train_step()
     held = sum(v.size * v.element_size() for v in tr.ema.values.values())

@@ -1,7 +1,6 @@
 """ERNIE-4.5-VL's inputs: the tokenizer's special tokens, the chat template, images, videos and 3D positions,
 against PaddleFormers' own processor (``Ernie4_5_VLProcessor``) on a tokenizer made here."""
 
-import io
 import json
 import shutil
 import subprocess
@@ -11,55 +10,36 @@ from collections import Counter
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
 from PIL import Image
-from test_pretrained import paddleformers
+from support.ernie import (
+    BUDGET,
+    SPECIALS,
+    VL_MODEL,
+    a_font,
+    assert_same_visuals,
+    ernie_config,
+    make_ernie_tokenizer,
+    media,
+    mtp_logits,
+    one_row_batch,
+    paddleformers,
+    picture,
+    text,
+    vl_logits,
+)
+from support.runs import ROOT
 
-from ernie_moe.batch import Batch
 from ernie_moe.checkpoint.model_files import save_model
 from ernie_moe.checkpoint.pretrained import load_pretrained
 from ernie_moe.config import load_config
 from ernie_moe.data.chat import ERNIE_VL_TEMPLATE
-from ernie_moe.data.images import MEAN, STD
 from ernie_moe.data.jsonl import JsonlDataset
 from ernie_moe.data.loader import build_tokenizer
 from ernie_moe.data.packing import Encoder
 from ernie_moe.generation import Decoding, generate_batch, generate_drafting
-from ernie_moe.model.blocks import block_inputs
 from ernie_moe.model.mtp import labels_ahead
 from ernie_moe.parallel.env import DistEnv
 from ernie_moe.training.runner import build_model
-
-# ERNIE-4.5-VL's special tokens (the slot strings the processor expands are not tokens), and a video placeholder
-# for transformers, which marks video tokens with an id of their own
-SPECIALS = ["<|begin_of_sentence|>", "<|end_of_sentence|>", "<|IMAGE_START|>", "<|IMAGE_END|>", "<|VIDEO_START|>",
-            "<|VIDEO_END|>", "<|IMAGE_PLACEHOLDER|>", "<|VIDEO_PLACEHOLDER|>"]
-WORDS = ("a the cat dog red green blue square round grid what is this describe compare them colour shape and "
-         "hello there small animal moves left same object yes tiny both first then ok picture video user "
-         "assistant you are brief").split()
-BUDGET = {"image_min_pixels": 4 * 28 * 28, "image_max_pixels": 128 * 28 * 28,
-          "video_min_pixels": 4 * 28 * 28, "video_max_pixels": 16 * 28 * 28}
-
-
-def make_ernie_tokenizer(folder, chat_template: str | None = ERNIE_VL_TEMPLATE):
-    """A small SentencePiece model carrying ERNIE-4.5-VL's special tokens, with its chat template."""
-    import sentencepiece
-
-    rng = np.random.default_rng(0)
-    corpus = [" ".join(rng.choice(WORDS, 12)) + " Picture 1: Video 2: User: Assistant: ?!., \n" for _ in range(300)]
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_writer=model, vocab_size=400, user_defined_symbols=SPECIALS,
-        model_type="bpe", byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=False, unk_id=0, bos_id=1, eos_id=2, pad_id=3,
-        minloglevel=2)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tokenizer.model").write_bytes(model.getvalue())
-    config = {"tokenizer_class": "Ernie4_5_VLTokenizer", "additional_special_tokens": SPECIALS}
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
 
 
 def test_a_tokenizer_config_whose_added_tokens_decoder_is_not_a_mapping_is_refused(tmp_path):
@@ -70,102 +50,6 @@ def test_a_tokenizer_config_whose_added_tokens_decoder_is_not_a_mapping_is_refus
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "added_tokens_decoder": ["<a>"]}))
     with pytest.raises(ValueError, match=r"added_tokens_decoder must map token ids to tokens, not \['<a>'\]"):
         tokenizer_in(folder, 4)
-
-
-def picture(folder, name, height, width, seed):
-    """A smooth random colour image, saved as PNG (lossless): what both sides read."""
-    rng = np.random.default_rng(seed)
-    small = rng.integers(0, 256, (max(height // 8, 2), max(width // 8, 2), 3), dtype=np.uint8)
-    Image.fromarray(small).resize((width, height), Image.BILINEAR).save(folder / name)
-    return name
-
-
-def text(t):
-    return {"type": "text", "text": t}
-
-
-def conversations(folder):
-    """(messages with their image and video files as parts, images, videos): the issue's cases and more."""
-    img = {name: picture(folder, f"{name}.png", h, w, i) for i, (name, h, w) in enumerate([
-        ("small", 70, 100), ("tall", 330, 60), ("wide", 60, 330), ("large", 600, 500), ("tiny", 20, 20),
-        ("other", 112, 84)])}
-    clip = [picture(folder, f"clip{i}.png", 90, 120, 10 + i) for i in range(4)]
-    walk = [picture(folder, f"walk{i}.png", 64, 64, 20 + i) for i in range(6)]
-
-    def image(name):
-        return {"type": "image", "image": img[name]}
-
-    def video(frames):
-        return {"type": "video", "video": frames}
-
-    return [
-        [{"role": "user", "content": "Hello there, what is a cat?"},
-         {"role": "assistant", "content": "A small animal."}],
-        [{"role": "user", "content": [image("small"), text("What is this?")]},
-         {"role": "assistant", "content": "A red square."}],
-        [{"role": "user", "content": [image("tall"), image("wide"), image("large"), text("Compare them.")]},
-         {"role": "assistant", "content": "Tall, wide and large."}],
-        [{"role": "user", "content": [image("small"), text("What colour?")]},
-         {"role": "assistant", "content": "Green."},
-         {"role": "user", "content": "And the shape?"},
-         {"role": "assistant", "content": "Round."}],
-        [{"role": "system", "content": "You are brief."},
-         {"role": "user", "content": [image("other"), text("Describe.")]},
-         {"role": "assistant", "content": "A grid."}],
-        [{"role": "user", "content": [video(clip), text("What happens?")]},
-         {"role": "assistant", "content": "It moves left."}],
-        [{"role": "user", "content": [image("small"), video(walk), text("Same object?")]},
-         {"role": "assistant", "content": "Yes."}],
-        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-         {"role": "user", "content": [image("wide"), text("And this?")]},
-         {"role": "assistant", "content": "A dog."}],
-        [{"role": "user", "content": [image("other"), text("Wie heißt das? café")]},
-         {"role": "assistant", "content": "Ein Café – naïve."}],
-        [{"role": "user", "content": [text("First "), image("small"), text(" then "), image("tall"), text(" ok?")]},
-         {"role": "assistant", "content": "Both blue."}],
-        [{"role": "system", "content": "Two clips."},
-         {"role": "user", "content": [video(clip), video(walk), text("Which is longer?")]},
-         {"role": "assistant", "content": "The second."}],
-        [{"role": "user", "content": [image("tiny"), text("  Tiny?\n\nReally  ")]},
-         {"role": "assistant", "content": " Yes, tiny.\n"}],
-    ]
-
-
-def shown(messages):
-    """The messages as a chat template receives them: text-only contents as strings, media as bare parts."""
-    out = []
-    for m in messages:
-        content = m["content"]
-        if isinstance(content, list):
-            content = [{"type": p["type"]} if p["type"] != "text" else p for p in content]
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
-def media(messages, kind):
-    return [p[kind] for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == kind]
-
-
-@pytest.fixture(scope="module")
-def ernie_side(tmp_path_factory):
-    """The tokenizer, the conversations as JSONL, and PaddleFormers' processor outputs for them."""
-    folder = tmp_path_factory.mktemp("ernie_inputs")
-    make_ernie_tokenizer(folder / "tokenizer")
-    cases = conversations(folder)
-    (folder / "data.jsonl").write_text("\n".join(json.dumps({"messages": m}) for m in cases) + "\n")
-    reference = [{"messages": shown(m), "budget": BUDGET, "images": [str(folder / p) for p in media(m, "image")],
-                  "videos": [[str(folder / f) for f in v] for v in media(m, "video")]} for m in cases]
-    (folder / "cases.json").write_text(json.dumps(reference))
-    (folder / "out").mkdir()
-    paddleformers("process", folder / "tokenizer", folder / "cases.json", folder / "out", cwd=folder)
-    return folder, cases
-
-
-def ernie_config(folder, *overrides):
-    """A config for the tokenizer in ``folder/tokenizer``, its placeholder id as model.im_patch_id."""
-    tokenizer = [f"data.tokenizer_path={folder / 'tokenizer'}"]
-    placeholder = build_tokenizer(load_config(None, tokenizer)).placeholder_id()
-    return load_config(None, [*tokenizer, "model.vocab_size=400", f"model.im_patch_id={placeholder}", *overrides])
 
 
 def our_encoder(folder):
@@ -186,18 +70,6 @@ def test_the_special_tokens_resolve_to_their_ids(tmp_path):
     assert tokenizer.placeholder_id() == sp.piece_to_id("<|IMAGE_PLACEHOLDER|>")
     assert (tokenizer.bos_id, tokenizer.eos_id) == (sp.piece_to_id(SPECIALS[0]), sp.piece_to_id(SPECIALS[1]))
     assert tokenizer.decode(tokenizer.encode("User: a cat<|end_of_sentence|>")) == "User: a cat<|end_of_sentence|>"
-
-
-def assert_same_visuals(ours, ref, where: str) -> None:
-    """Our grids and patches equal the processor's grids and pixels."""
-    if not ours.grids:
-        assert ref["grid_thw"].size == 0, where
-        return
-    np.testing.assert_array_equal(np.stack(ours.grids), ref["grid_thw"], err_msg=where)
-    # the processor leaves rescaling and normalisation to the model: apply them to its uint8 pixels
-    pixels = ref["images"].astype(np.float32).reshape(-1, 3, 14 * 14) / 255.0
-    expected = ((pixels - MEAN[None, :, None]) / STD[None, :, None]).reshape(ref["images"].shape)
-    np.testing.assert_allclose(np.concatenate(ours.patches), expected, atol=1e-5, err_msg=where)
 
 
 @pytest.mark.slow
@@ -228,13 +100,6 @@ def test_encoded_conversations_equal_ernies_processor(ernie_side):
         runs += [run] if run else []
         answers = [m["content"] + "<|end_of_sentence|>" for m in messages if m["role"] == "assistant"]
         assert [tokenizer.decode(r).lstrip(" ") for r in runs] == [a.lstrip(" ") for a in answers], where
-
-
-# A tiny ERNIE-4.5-VL with the published routing: aux-loss-free (a random correction bias), text and vision
-# experts, every layer from the second a MoE layer, the published dispatch (all-gather, unpadded all-to-all)
-# with capacity for every token.
-VL_MODEL = {"vocab_size": 400, "max_position_embeddings": 4096, "moe_use_aux_free": True, "moe_layer_interval": 1,
-            "moe_capacity": [8, 8, 8], "moe_multimodal_dispatch_use_allgather": "v2-alltoall-unpad"}
 
 
 @pytest.mark.slow
@@ -274,38 +139,6 @@ def paddleformers_vl(folder, tmp_path, command: str, cases: list[int], **made):
     cfg = load_config(None, [f"training.model_name_or_path={tmp_path / 'model' / 'hf'}",
                              f"data.tokenizer_path={folder / 'tokenizer'}", *budget])
     return cfg, build_model(cfg.model, DistEnv()), placeholder
-
-
-def vl_logits(model, sample, bfloat16_pixels: bool = True) -> np.ndarray:
-    """Our logits on an encoded conversation, its pixels rounded to bfloat16 as PaddleFormers' ViT takes them
-    (or as they are)."""
-    with paddle.no_grad():
-        return model(one_row_batch(sample, bfloat16_pixels), return_logits=True).logits.numpy()
-
-
-def one_row_batch(sample, bfloat16_pixels: bool = True, labelled: bool = False) -> Batch:
-    """An encoded conversation as a batch of one row; ``labelled``: every position's label is the next token (the
-    last has none), else no labels."""
-    ids = paddle.to_tensor(sample.input_ids[None])
-    labels = paddle.full_like(ids, -100)
-    if labelled:
-        labels = paddle.concat([ids[:, 1:], labels[:, :1]], axis=1)
-    patches = np.concatenate(sample.patches) if sample.patches else np.zeros([0, 588], np.float32)
-    pixels = paddle.to_tensor(patches)
-    if bfloat16_pixels:
-        pixels = pixels.astype("bfloat16").astype("float32")
-    grids = np.stack(sample.grids) if sample.grids else np.zeros([0, 3], np.int64)
-    types, positions = (paddle.to_tensor(a[None]) for a in (sample.token_type_ids, sample.position_ids))
-    return Batch(ids, labels, types, positions, paddle.full_like(ids, ids.shape[1]), pixels, grids)
-
-
-def mtp_logits(model, batch: Batch) -> np.ndarray:
-    """The logits of a batch's rows, then each MTP depth's: ``[(1 + depths) x rows, seq, vocab]``."""
-    with paddle.no_grad():
-        x = block_inputs(batch)
-        for block in model.trunk():
-            x = block(x)
-        return model.head(x[0]).numpy()
 
 
 @pytest.mark.slow
@@ -454,14 +287,6 @@ def test_video_frames_are_sampled_as_ernies_processor_samples_them(tmp_path):
     expected = json.loads((tmp_path / "frames.json").read_text())
     assert [frame_indices(n, s, ERNIE_VIDEO_READING) for n, s in cases] == expected
     assert [len(e) for e in expected] == [20, 16, 180, 10, 16, 180]
-
-
-def a_font(folder):
-    """A TrueType font file: the one Pillow carries inside (ERNIE's Roboto is not installed here)."""
-    from PIL import ImageFont
-
-    (folder / "font.ttf").write_bytes(ImageFont.load_default(12).path.getvalue())
-    return str(folder / "font.ttf")
 
 
 @pytest.mark.slow

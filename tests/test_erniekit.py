@@ -10,9 +10,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import ROOT
-from test_ernie_inputs import BUDGET, assert_same_visuals, ernie_config, make_ernie_tokenizer, picture
-from test_pretrained import paddleformers
+from support.ernie import BUDGET, assert_same_visuals, ernie_config, make_ernie_tokenizer, paddleformers, picture
+from support.runs import ROOT
 
 from ernie_moe.config import load_config
 from ernie_moe.data.chat import ERNIE_VL_TEMPLATE
@@ -528,7 +527,7 @@ def test_frame_time_stamps_are_drawn_on_erniekit_frames_given_a_font(tmp_path):
     """ERNIEKit draws each frame's ``time_stamp`` on it (render_timestamp, the renderer checked against
     PaddleFormers' in test_ernie_inputs): with data.video_timestamp_font the frames carry their times; without,
     they stay as read. Frames with and without times in one video, or a time that is not seconds, are skips."""
-    from test_ernie_inputs import a_font
+    from support.ernie import a_font
 
     from ernie_moe.data.video import draw_timestamp
 

@@ -18,48 +18,16 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import CONFIG, ROOT, run_launch
 from PIL import Image
 from safetensors.numpy import load_file, save_file
-from test_e2e import records
+from support.runs import CONFIG, QUIET, ROOT, losses, records, train
 
 import run_trainer
-from ernie_moe import faults
 from ernie_moe.checkpoint import lineage
 from ernie_moe.checkpoint.lineage import MARKER, Run, marker_text, prune, read, resolve, scan
 from ernie_moe.config import load_config
 from ernie_moe.data import RowStream, build_tokenizer
 from ernie_moe.data.jsonl import JsonlDataset
-
-SMALL = ["data.image_size=56", "data.max_seq_len=48", "training.per_device_train_batch_size=2",
-         "data.num_eval_samples=8", "training.eval_steps=0", "logging.logging_steps=1", "logging.progress_bar=false",
-         "logging.visualdl=false"]
-
-
-def train(out, *overrides, fault=None, nproc=1, check=True):
-    """The trainer as users start it: ``run_trainer.py`` (through ``paddle.distributed.launch`` for several
-    processes). Returns the process result with the workers' logs appended to its stdout."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    env.pop(faults.VARIABLE, None)
-    if fault:
-        env[faults.VARIABLE] = fault
-    args = [str(ROOT / "run_trainer.py"), "--config", CONFIG, f"training.output_dir={out}", *SMALL, *overrides]
-    logs = out.parent / f"{out.name}_log"
-    if nproc > 1:
-        args = ["-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir", str(logs), *args]
-        result = run_launch([sys.executable, *args], logs, env=env, timeout=600, cwd=out.parent)
-    else:
-        result = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600,
-                                cwd=out.parent)
-    for log in sorted(logs.glob("workerlog.*")) if nproc > 1 else []:
-        result.stdout += log.read_text()
-    if check:
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
-def losses(out) -> dict:
-    return {r["step"]: r["loss"] for r in records(out) if "loss" in r}
 
 
 class TouchesAFile:
@@ -488,13 +456,13 @@ def test_a_background_write_that_fails_fails_its_checkpoint_not_the_writer(tmp_p
 def trainer(tmp_path, *overrides):
     from ernie_moe.training import Trainer
 
-    return Trainer(load_config(CONFIG, [*SMALL, f"training.output_dir={tmp_path}", *overrides]))
+    return Trainer(load_config(CONFIG, [*QUIET, f"training.output_dir={tmp_path}", *overrides]))
 
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_streak_of_skipped_steps_saves_nothing_and_names_the_checkpoint_before_it(tmp_path, async_save):
     """Also with saves written in the background: the one being written when the run stops is completed first."""
-    from test_precision import poison_gradients
+    from support.runs import poison_gradients
 
     from ernie_moe.training.precision import NonFiniteGradients
 
@@ -518,7 +486,7 @@ def test_a_run_whose_every_step_is_non_finite_fails(tmp_path):
     from ernie_moe.training.precision import NonFiniteGradients
 
     out = tmp_path / "run"
-    trainer = Trainer(load_config(CONFIG, [*SMALL, "training.max_steps=3", "training.max_skipped_steps=0",
+    trainer = Trainer(load_config(CONFIG, [*QUIET, "training.max_steps=3", "training.max_skipped_steps=0",
                                            f"training.output_dir={out}", "logging.visualdl=false"]))
     embedding = trainer.model.model.embed_tokens.weight
     embedding.set_value(np.full(embedding.shape, np.nan, np.float32))
@@ -565,7 +533,7 @@ def test_nan_logits_give_a_nan_loss():
     ("training.device_memory_gb=-4", "training.device_memory_gb cannot be negative"),
 ])
 def test_bad_config_values_are_one_line_errors(override, words, capsys):
-    assert run_trainer.main(["--config", CONFIG, *SMALL, "training.max_steps=1", override]) == 2
+    assert run_trainer.main(["--config", CONFIG, *QUIET, "training.max_steps=1", override]) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: ") and words in err and len(err.strip().splitlines()) == 1
 
@@ -575,7 +543,7 @@ def test_bad_config_files_are_one_line_errors(tmp_path, capsys):
     (tmp_path / "twice.yaml").write_text("training:\n  max_steps: 3\n  max_steps: 4\n")
     (tmp_path / "a_file").write_text("")
     cases = {str(tmp_path / "empty.yaml"): [], str(tmp_path / "twice.yaml"): [],
-             CONFIG: [*SMALL, "training.max_steps=1", f"training.output_dir={tmp_path / 'a_file' / 'out'}"]}
+             CONFIG: [*QUIET, "training.max_steps=1", f"training.output_dir={tmp_path / 'a_file' / 'out'}"]}
     words = ["is empty", "key 'max_steps' is given twice", "is a file"]
     for (config, overrides), expected in zip(cases.items(), words):
         assert run_trainer.main(["--config", config, *overrides]) == 2
@@ -586,7 +554,7 @@ def test_bad_config_files_are_one_line_errors(tmp_path, capsys):
 def test_garbage_tokenizer_and_model_files_are_clear_errors(tmp_path, capsys):
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.model").write_bytes(b"\x00garbage" * 50)
-    assert run_trainer.main(["--config", CONFIG, *SMALL, f"training.output_dir={tmp_path / 'a'}",
+    assert run_trainer.main(["--config", CONFIG, *QUIET, f"training.output_dir={tmp_path / 'a'}",
                              f"data.tokenizer_path={tmp_path / 'tok'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("data error: ") and "is not a SentencePiece model" in err and len(err.splitlines()) == 1
@@ -606,7 +574,7 @@ def test_garbage_tokenizer_and_model_files_are_clear_errors(tmp_path, capsys):
     past_the_end = header(a=[0, 16], b=[16, 32])
     for content in (garbage, b"x" * 3, overlapping, aliased, past_the_end):
         (model / "model.safetensors").write_bytes(content)
-        assert run_trainer.main(["--config", CONFIG, *SMALL, f"training.output_dir={tmp_path / 'b'}",
+        assert run_trainer.main(["--config", CONFIG, *QUIET, f"training.output_dir={tmp_path / 'b'}",
                                  f"training.model_name_or_path={model}", "model.moe_num_experts=[]",
                                  "model.moe_intermediate_size=[]"]) == 2
         err = capsys.readouterr().err
@@ -718,7 +686,7 @@ def test_a_lock_file_that_is_a_link_or_a_fifo_is_refused_and_nothing_it_names_is
     fifo.mkdir()
     os.mkfifo(fifo / ".run.lock")
     for out, words in ((linked, "is a symbolic link"), (fifo, "is not a regular file")):
-        assert run_trainer.main(["--config", CONFIG, *SMALL, "training.max_steps=1",
+        assert run_trainer.main(["--config", CONFIG, *QUIET, "training.max_steps=1",
                                  f"training.output_dir={out}"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("config error: ") and words in err and ".run.lock" in err, err
@@ -759,7 +727,7 @@ def test_export_into_the_folder_it_reads_is_refused_before_any_write(tmp_path):
     out = tmp_path / "run"
     from ernie_moe.training import Trainer
 
-    Trainer(load_config(CONFIG, [f"training.output_dir={out}", *SMALL, "training.max_steps=1"])).train()
+    Trainer(load_config(CONFIG, [f"training.output_dir={out}", *QUIET, "training.max_steps=1"])).train()
     checkpoint = out / "checkpoint-1"
     files = {p: p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()}
     for target in (checkpoint, checkpoint / "exported"):
@@ -816,7 +784,7 @@ def test_a_torn_blank_or_undecodable_metrics_line_does_not_stop_a_resume(tmp_pat
     from ernie_moe.training import Trainer
 
     out = tmp_path / "run"
-    steps = [f"training.output_dir={out}", *SMALL, "training.save_steps=2"]
+    steps = [f"training.output_dir={out}", *QUIET, "training.save_steps=2"]
     Trainer(load_config(CONFIG, [*steps, "training.max_steps=2"])).train()
     whole = (out / "metrics.jsonl").read_bytes()
     (out / "metrics.jsonl").write_bytes(whole + b"\n\n\xff\xfe\n" + b'{"step": 3, "loss": 0.')
@@ -836,7 +804,7 @@ def test_a_resume_with_other_model_settings_or_a_hand_edited_state_is_refused_na
     from ernie_moe.training import Trainer
 
     out = tmp_path / "run"
-    steps = [f"training.output_dir={out}", *SMALL, "training.save_steps=2"]
+    steps = [f"training.output_dir={out}", *QUIET, "training.save_steps=2"]
     Trainer(load_config(CONFIG, [*steps, "training.max_steps=2"])).train()
     resume = [*steps, "training.max_steps=4", "training.resume_from_checkpoint=auto"]
     with pytest.raises(CheckpointError, match=r"model\.moe_k: 2 in the checkpoint, 1 now"):
@@ -915,7 +883,7 @@ def test_silent_cases_speak(tmp_path, monkeypatch, capsys):
     out, held_out = tmp_path / "run", tmp_path / "eval.jsonl"
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a red dot"}]}
     held_out.write_text(json.dumps(good) + "\n{broken\n")
-    tr = Trainer(load_config(CONFIG, [f"training.output_dir={out}", *SMALL, "training.save_steps=1",
+    tr = Trainer(load_config(CONFIG, [f"training.output_dir={out}", *QUIET, "training.save_steps=1",
                                       "training.max_steps=2", f"data.eval_path={held_out}", "data.dataset=jsonl",
                                       f"data.train_path={held_out}", "model.vocab_size=300"]))
     summary = tr.train()
@@ -926,7 +894,7 @@ def test_silent_cases_speak(tmp_path, monkeypatch, capsys):
     assert any("checkpoint-2 has no readable COMPLETE marker" in w for w in warnings)
     # resumed from step 1, the run saves step 2 again: beside the damaged folder, whose files stay
     intact = sorted(p.name for p in (out / "checkpoint-2").iterdir())
-    resumed = Trainer(load_config(CONFIG, [f"training.output_dir={out}", *SMALL, "training.save_steps=1",
+    resumed = Trainer(load_config(CONFIG, [f"training.output_dir={out}", *QUIET, "training.save_steps=1",
                                            "training.max_steps=2", "data.dataset=jsonl", f"data.train_path={held_out}",
                                            "model.vocab_size=300", "training.resume_from_checkpoint=auto"]))
     resumed.train()
@@ -958,7 +926,7 @@ def test_a_data_file_rewritten_during_a_run_or_a_fifo_for_a_shard_stops_with_a_l
     data.write_text((json.dumps(good) + "\n") * 8)
     for workers in (0, 2):
         out = tmp_path / f"run{workers}"
-        tr = Trainer(load_config(CONFIG, [f"training.output_dir={out}", *SMALL, "training.max_steps=50",
+        tr = Trainer(load_config(CONFIG, [f"training.output_dir={out}", *QUIET, "training.max_steps=50",
                                           "data.dataset=jsonl", f"data.train_path={data}", "model.vocab_size=300",
                                           f"data.num_workers={workers}"]))
         tr.train_step()
@@ -999,6 +967,6 @@ def test_a_peer_lost_in_a_collective_is_one_line_naming_the_ranks(monkeypatch, c
         raise timeout
 
     monkeypatch.setattr(trainer.Trainer, "__init__", lose_the_peer)
-    assert run_trainer.main(["--config", CONFIG, *SMALL, "training.max_steps=1"]) == 1
+    assert run_trainer.main(["--config", CONFIG, *QUIET, "training.max_steps=1"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("distributed error: rank 0 lost a peer: rank 1") and len(err.splitlines()) == 1, err

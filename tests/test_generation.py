@@ -8,8 +8,9 @@ from collections import Counter
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
 from PIL import Image
+from support.models import side_by_side_prompts
+from support.runs import ROOT
 
 from ernie_moe.checkpoint import save_model
 from ernie_moe.config import DataConfig, load_config
@@ -100,18 +101,6 @@ def test_greedy_decoding_with_and_without_the_cache_agree():
     assert image[0] not in cached.ids
     sampled = [generate(model, prompt, 12, eos_id=-1, temperature=1.0, seed=s, never=image).ids for s in (1, 1, 2)]
     assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
-
-
-def side_by_side_prompts(cfg):
-    """Prompts of different lengths: an image and text, text alone, more text, two images and text."""
-    tokenizer = build_tokenizer(cfg)
-    encoder = prompt_encoder(tokenizer, cfg.model, cfg.data)
-    shapes = SyntheticShapes(0, "eval", 4, cfg.data.image_size)
-    samples = [Sample(shapes[0].images, [Chunk(image=0), *shapes[0].chunks[1:3]]),
-               Sample([], shapes[1].chunks[1:2]),
-               Sample([], shapes[2].chunks[1:4]),
-               Sample(shapes[3].images + shapes[0].images, [Chunk(image=0), Chunk(image=1), *shapes[3].chunks[1:2]])]
-    return [encoder.prompt(sample) for sample in samples]
 
 
 @pytest.mark.parametrize("kind", ["text_moe", "vl"])

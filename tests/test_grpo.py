@@ -8,8 +8,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import EARLIER_DEFAULT, ROOT, SMALL, launch
 from safetensors.numpy import load_file
+from support.runs import EARLIER_DEFAULT, ROOT, SMALL, launch
 
 from ernie_moe.batch import IGNORE_INDEX
 from ernie_moe.config import ConfigError, load_config
@@ -287,7 +287,7 @@ def test_a_grpo_layout_equals_one_process(tmp_path, base, one_process, layout):
     decoding stage by stage and replaying the routes in the schedule's order (through recomputes too): the same
     rollouts (rewards, answer lengths), losses, KL, ratios, clip fractions, gradient norms and trained weights as
     one process over the whole batch; every host read a step makes is a declared one."""
-    from test_e2e import records
+    from support.runs import records
 
     from ernie_moe.host_reads import DECLARED
 
@@ -334,7 +334,7 @@ def test_a_conversation_is_asked_without_its_answer_as_generation_opens_the_turn
     generation opens it: left open for the Thinking model where thinking is asked or not said, with the empty think
     block where it is turned off (a training encoding would put that block in every prompt); the answer's text is
     the reference. An answer holding an image is a counted skip."""
-    from test_ernie_inputs import make_ernie_tokenizer
+    from support.ernie import make_ernie_tokenizer
 
     from ernie_moe.data.chat import Conversation
     from ernie_moe.data.loader import build_tokenizer

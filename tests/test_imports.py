@@ -5,7 +5,7 @@ import ast
 import re
 from pathlib import Path
 
-from conftest import ROOT
+from support.runs import ROOT
 
 PACKAGE = ROOT / "ernie_moe"
 # lowest first; a part may import from any lower floor, and within itself
@@ -172,3 +172,19 @@ def test_the_readme_layout_names_every_module_and_the_floors_in_order():
     assert not missing, f"modules the README's Layout does not name: {missing}"
     floors = "; ".join(", ".join(f"`{p}`" for p in sorted(floor)) for floor in FLOORS)
     assert floors in " ".join((ROOT / "README.md").read_text().split()), floors
+
+
+def test_test_modules_share_helpers_through_support_alone():
+    """A test module imports no other test module and not conftest: what they share is in ``tests/support``
+    (fixtures in conftest reach tests by name)."""
+    tests = ROOT / "tests"
+    found = {}
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            wrong = [n for n in names if n.split(".")[0] == "conftest" or n.split(".")[0].startswith("test_")]
+            if wrong:
+                found.setdefault(str(path.relative_to(tests)), []).extend(wrong)
+    assert found == {}
+    assert not any(p.name.startswith("test_") for p in (tests / "support").iterdir())

@@ -14,8 +14,8 @@ import tarfile
 import urllib.request
 
 import pytest
-from conftest import ROOT, start
 from PIL import Image
+from support.runs import ROOT, start
 
 pytestmark = pytest.mark.slow  # starts processes
 

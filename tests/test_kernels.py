@@ -11,7 +11,7 @@ import numpy as np
 import paddle
 import pytest
 from paddle.base import core
-from test_model import first_batch
+from support.models import first_batch
 
 import ernie_moe.doctor.kernels as doctor
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration

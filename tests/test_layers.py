@@ -1,6 +1,6 @@
 import numpy as np
 import paddle
-from test_rope import numpy_rope
+from support.models import numpy_rope
 
 from ernie_moe.config import load_config
 from ernie_moe.data.packing import document_ends

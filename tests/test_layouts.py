@@ -11,8 +11,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import launch
-from test_e2e import load_model, records
+from support.layouts import ACCUMULATE, MTP, PP2, TP2
+from support.runs import launch, load_model, records
 
 from ernie_moe.host_reads import DECLARED
 
@@ -30,15 +30,9 @@ COMMON = [f"training.max_steps={STEPS}", "logging.logging_steps=1", f"training.e
           "training.ema_decay=0.5", "training.ema_start_step=2", "training.replica_check_steps=1",
           "logging.count_host_reads=true"]
 ROWS = 4  # rows of each global micro-batch
-# Router statistics are those of one micro-batch: layouts that accumulate micro-batches (every pipeline) are
-# compared with a single process that accumulates the same micro-batches.
-ACCUMULATE = ["training.gradient_accumulation_steps=2"]
 # fleet's interleaved schedule needs 3 stages or more and 2 x stages micro-batches: 4 stages x 2 chunks of one layer
 INTERLEAVED = ["training.gradient_accumulation_steps=8", "model.num_hidden_layers=8"]
-TP2, PP2 = "parallel.tensor_parallel_degree=2", "parallel.pipeline_parallel_degree=2"
 RECOMPUTE = "training.recompute=true"
-# one multi-token prediction depth; and PaddleFormers' train_mtp_only: everything else frozen
-MTP = ["model.num_nextn_predict_layers=1"]
 MTP_ONLY = MTP + ["training.freeze=[vision,adapter,lm]"]
 
 # name: (processes, data ranks, layout overrides, overrides shared with the reference run)

@@ -7,11 +7,11 @@ import sys
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
 from paddle import nn
 from safetensors.numpy import load_file, save_file
+from support.lora import logits, lora, trainer
+from support.runs import ROOT
 
-from ernie_moe.checkpoint import save_model
 from ernie_moe.checkpoint.errors import CheckpointError
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.config.schema import FREEZE_PARTS, LORA_TARGET_GROUPS
@@ -20,37 +20,6 @@ from ernie_moe.finetune.adapter_files import load_adapter, merged_weight, read_a
 from ernie_moe.finetune.lora import LoRALinear, LoRASettings, is_lora
 from ernie_moe.generation.model_folder import load_model_folder
 from ernie_moe.model.parameter_kinds import LORA_TARGETS, PARTS
-from ernie_moe.training import Trainer
-
-SMALL = ["data.image_size=56", "data.max_seq_len=48", "training.per_device_train_batch_size=2",
-         "logging.visualdl=false", "training.eval_steps=0", "data.num_eval_samples=8", "training.max_steps=3",
-         "logging.logging_steps=1", "training.learning_rate=1e-2", "logging.progress_bar=false"]
-
-
-def trainer(tmp_path, *overrides) -> Trainer:
-    return Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [*SMALL, f"training.output_dir={tmp_path}",
-                                                                    *overrides]))
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """The default model at its seed's weights, saved as a model folder with its tokenizer."""
-    tmp = tmp_path_factory.mktemp("base")
-    tr = trainer(tmp / "run")
-    save_model(tr.model, tr.cfg.model, str(tmp / "model"), tr.tokenizer, hf_layout=True)
-    return tmp / "model"
-
-
-def lora(tmp_path, base, *overrides) -> Trainer:
-    return trainer(tmp_path, "training.fine_tuning=lora", f"training.model_name_or_path={base}", *overrides)
-
-
-def logits(tr, batch) -> np.ndarray:
-    tr.model.eval()
-    with paddle.no_grad():
-        out = tr.model(batch, return_logits=True).logits.numpy()
-    tr.model.train()
-    return out
 
 
 def test_the_names_the_config_accepts_are_the_ones_finetune_knows():

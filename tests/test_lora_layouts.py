@@ -13,10 +13,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, launch
-from safetensors.numpy import load_file
-from test_e2e import load_model, records
-from test_layouts import ACCUMULATE, MTP, PP2, TP2
+from support.layouts import ACCUMULATE, MTP, PP2, TP2
+from support.runs import ROOT, adapter, launch, load_model, records
 
 from ernie_moe.generation.model_folder import load_model_folder
 
@@ -83,14 +81,6 @@ def reference(tmp_path_factory, base):
         return runs[key]
 
     return get
-
-
-def adapter(folder) -> dict:
-    index = json.loads((folder / "peft_model.safetensors.index.json").read_text())
-    tensors = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        tensors.update(load_file(str(folder / shard)))
-    return tensors
 
 
 def module_of(hf_name: str) -> str:

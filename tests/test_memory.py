@@ -8,10 +8,8 @@ import sys
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT, SMALL, launch, run_launch
 from paddle.base import core
-from test_e2e import records
-from test_model_folders import conversations, published  # noqa: F401 (fixtures)
+from support.runs import ROOT, SMALL, launch, records, run_launch
 
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.config.schema import LORA_TARGET_GROUPS
@@ -153,7 +151,7 @@ def test_lora_and_freezing_lower_the_peak_as_predicted(measured):
 
 
 @pytest.mark.slow
-def test_a_lora_fine_tune_of_a_paddleformers_model_is_predicted_within_10_percent(published, tmp_path):  # noqa: F811
+def test_a_lora_fine_tune_of_a_paddleformers_model_is_predicted_within_10_percent(published, tmp_path):
     """The smoke config's LoRA run of a tiny ERNIE-4.5-VL saved by PaddleFormers, on its conversations (one has
     a 6-frame video, which the frozen ViT's attention makes the peak): the peaks of steps 2 and 3 (step 1's
     window also holds the loading of the base) against the planner's for the same micro-batches."""

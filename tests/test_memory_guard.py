@@ -5,19 +5,12 @@ import re
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT, launch
-from test_e2e import records
-from test_moe import make_layer
+from support.models import make_layer
+from support.runs import ROOT, SAME_LOSS, launch, records, same_loss_trainer
 
 from ernie_moe.config import load_config
 from ernie_moe.memory.estimate import estimate, kept_copies, sample_workload
 from ernie_moe.memory.report import report
-from ernie_moe.training import Trainer
-
-# router losses are statistics of each micro-batch: off, so that halving the micro-batch leaves the loss as it is
-SAME_LOSS = ["model.moe_aux_loss_lambda=0", "model.moe_z_loss_lambda=0", "model.moe_orthogonal_loss_lambda=0",
-             "training.adam_epsilon=1e-6", "training.max_steps=8", "logging.logging_steps=1", "training.eval_steps=0",
-             "data.num_eval_samples=0"]
 
 
 @pytest.mark.slow
@@ -37,12 +30,6 @@ def test_a_low_limit_steps_down_the_ladder_and_the_losses_stay(tmp_path):
     assert peaks[-1] < 0.8 * max(peaks[1:5])
 
 
-def trainer(tmp_path, *overrides):
-    return Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [
-        "data.image_size=56", "data.max_seq_len=48", "training.per_device_train_batch_size=4",
-        "logging.visualdl=false", f"training.output_dir={tmp_path}", *SAME_LOSS, *overrides]))
-
-
 def out_of_memory_on(tr, calls: set):
     real, seen = tr.forward_backward, []
 
@@ -57,9 +44,9 @@ def out_of_memory_on(tr, calls: set):
 
 
 def test_an_out_of_memory_step_runs_again_on_the_next_rungs(tmp_path):
-    expected = trainer(tmp_path / "plain")
+    expected = same_loss_trainer(tmp_path / "plain")
     expected.train_step()
-    tr = trainer(tmp_path / "oom", "training.recompute=true", "training.recompute_granularity=full")
+    tr = same_loss_trainer(tmp_path / "oom", "training.recompute=true", "training.recompute_granularity=full")
     seen = out_of_memory_on(tr, {1})  # the ladder's last recompute rung is on: the micro-batch halves
     result = tr.train_step()
     assert result.memory_guard_rungs == 1 and seen == [1, 2]  # one micro-batch, then two halves
@@ -72,7 +59,7 @@ def test_an_out_of_memory_step_runs_again_on_the_next_rungs(tmp_path):
 
 
 def test_out_of_memory_with_no_rung_left_is_raised(tmp_path):
-    tr = trainer(tmp_path, "training.recompute=true", "training.recompute_granularity=full",
+    tr = same_loss_trainer(tmp_path, "training.recompute=true", "training.recompute_granularity=full",
                  "training.per_device_train_batch_size=1")
     out_of_memory_on(tr, {1, 2, 3})
     with pytest.raises(MemoryError, match="injected"):

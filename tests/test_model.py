@@ -3,21 +3,11 @@ from collections import Counter
 import numpy as np
 import paddle
 import pytest
+from support.models import first_batch, first_rows
 
 from ernie_moe.config import load_config
-from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.model.vision import Adapter, VisionTransformer, frame_shares, image_token_count
-
-
-def first_rows(cfg, rows=2):
-    tok = build_tokenizer(cfg)
-    train, _ = build_datasets(cfg)
-    return next(rank_batches(RowStream(train, tok, cfg, Counter(), True), rows, 0, 1))
-
-
-def first_batch(cfg, rows=2):
-    return collate(first_rows(cfg, rows))
 
 
 def build(cfg, seed=0):

@@ -8,11 +8,18 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_launch
 from PIL import Image
-from test_ernie_inputs import BUDGET, VL_MODEL, ernie_config, make_ernie_tokenizer, mtp_logits, one_row_batch, vl_logits
-from test_ernie_inputs import ernie_side as conversations  # noqa: F401 (a fixture)
-from test_pretrained import paddleformers
+from support.ernie import (
+    BUDGET,
+    VL_MODEL,
+    ernie_config,
+    make_ernie_tokenizer,
+    mtp_logits,
+    one_row_batch,
+    paddleformers,
+    vl_logits,
+)
+from support.runs import ROOT, fine_tune, run_launch
 
 from ernie_moe.config import load_config
 from ernie_moe.data.jsonl import JsonlDataset
@@ -27,29 +34,6 @@ from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.training import Trainer
 
 CASES = [0, 1, 2, 6]  # text only, one image, three images, an image and a video
-
-
-@pytest.fixture(scope="module")
-def published(conversations, tmp_path_factory):  # noqa: F811 (the fixture imported above)
-    """(The conversations' folder, a tiny ERNIE-4.5-VL saved by PaddleFormers with the published settings: capacity
-    list, dispatch mode.)"""
-    folder, _ = conversations
-    root = tmp_path_factory.mktemp("published")
-    placeholder = build_tokenizer(ernie_config(folder)).placeholder_id()
-    paddleformers("make", "vl", root / "model", json.dumps(dict(VL_MODEL, im_patch_id=placeholder)), cwd=root)
-    return folder, root / "model" / "hf"
-
-
-def fine_tune(base, folder, out, *overrides):
-    """Two steps of the README's fine-tuning config on the conversations, from ``base``."""
-    cfg = load_config(ROOT / "configs" / "finetune_ernie45_vl.yaml", [
-        f"training.model_name_or_path={base}", f"training.output_dir={out}", f"data.train_path={folder / 'data.jsonl'}",
-        f"data.tokenizer_path={folder / 'tokenizer'}", *(f"data.{k}={v}" for k, v in BUDGET.items()),
-        "data.max_seq_len=1024", "training.max_steps=2", "training.gradient_accumulation_steps=1",
-        "training.eval_steps=0", "training.save_steps=0", "training.warmup_steps=0", "training.learning_rate=1e-2",
-        "logging.progress_bar=false", "logging.visualdl=false", *overrides])
-    Trainer(cfg).train()
-    return out / "final_model"
 
 
 def conversation_encoder(model_cfg, folder) -> Encoder:
@@ -104,11 +88,11 @@ def test_paddleformers_lora_model_reads_every_pair_of_a_vl_adapter(published, tm
 
 
 @pytest.mark.slow
-def test_paddleformers_lora_model_reads_the_pairs_of_an_mtp_depth(conversations, tmp_path):  # noqa: F811
+def test_paddleformers_lora_model_reads_the_pairs_of_an_mtp_depth(ernie_side, tmp_path):
     """A LoRA run over a VL checkpoint PaddleFormers made with an MTP depth, the depth adapted too (``mtp``):
     LoRAModel.from_pretrained holds exactly the adapter's tensors, the depth's among them, and through it the
     depth's logits equal ours on text, an image, and an image with a video."""
-    folder, _ = conversations
+    folder, _ = ernie_side
     cases = [0, 1, 6]
     placeholder = build_tokenizer(ernie_config(folder)).placeholder_id()
     made = dict(VL_MODEL, im_patch_id=placeholder, num_nextn_predict_layers=1, moe_layer_start_index=2)

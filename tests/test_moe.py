@@ -2,28 +2,11 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
+from support.models import inputs, make_layer
 
-from ernie_moe.config import load_config
 from ernie_moe.moe.expert_matmul import expert_loop, grouped_swiglu
 from ernie_moe.moe.experts import use_expert_matmul
-from ernie_moe.moe.layer import MoELayer
-from ernie_moe.nn.init import init_layer
 from ernie_moe.parallel import SingleDevicePlan
-
-
-def make_layer(*overrides, seed=0):
-    cfg = load_config(None, ["model.hidden_size=16", "model.moe_num_experts=[4, 3]",
-                             "model.moe_intermediate_size=[8, 6]", "model.moe_k=2", *overrides]).model
-    paddle.seed(seed)
-    layer = init_layer(MoELayer(SingleDevicePlan(), cfg, [0, 1], layer_idx=1), seed)
-    return layer, cfg
-
-
-def inputs(n=24, seed=1, vision_every=3):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((1, n, 16)).astype(np.float32)
-    types = np.array([[1 if i % vision_every == 0 else 0 for i in range(n)]])
-    return x, types
 
 
 def np_swiglu(expert, x):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT, launch
+from support.runs import ROOT, launch
 
 from ernie_moe.config import load_config
 from ernie_moe.json_files import dumps
@@ -343,8 +343,8 @@ def screenshot(url, path, drawn, height=900):
     import shutil
     import time
 
-    from devtools import Browser
     from PIL import Image
+    from support.devtools import Browser
 
     browser = Browser(url, path.parent / (path.stem + "_profile"), width=1400, height=height)
     try:

@@ -5,7 +5,7 @@ tests/test_layouts.py."""
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
+from support.runs import ROOT
 
 from ernie_moe.batch import IGNORE_INDEX, HostCounts
 from ernie_moe.checkpoint.model_files import save_model

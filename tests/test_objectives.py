@@ -3,7 +3,7 @@ metrics) that the runner, the step's sums, the monitor and evaluation take as th
 
 import numpy as np
 import paddle
-from conftest import ROOT, SMALL
+from support.runs import ROOT, SMALL
 
 from ernie_moe.batch import IGNORE_INDEX
 from ernie_moe.config import load_config

@@ -6,9 +6,7 @@ the plain one, step by step and weight by weight.
 
 import numpy as np
 import pytest
-from conftest import launch
-from test_chunked_loss import trained
-from test_e2e import load_model, records
+from support.runs import launch, load_model, records, trained
 
 from ernie_moe.training import offload
 from ernie_moe.training.offload import OffloadedOptimizer, buckets

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
+from support.runs import ROOT, poison_gradients
 
 from ernie_moe.config import load_config
 from ernie_moe.moe.router import Router
@@ -28,21 +28,6 @@ def trainer(tmp_path, *overrides):
 
 def weights(tr) -> dict:
     return {name: p.numpy().copy() for name, p in tr.model.stable_named_parameters()}
-
-
-def poison_gradients(tr, steps: set):
-    """Make one gradient inf in the given steps (1-based, counted from the trainer's first step)."""
-    real, calls = tr.forward_backward, []
-
-    def forward_backward(micro_batches):
-        result = real(micro_batches)
-        calls.append(None)
-        if len(calls) in steps:
-            param = tr.model.model.layers[0].self_attn.o_proj.weight
-            param.grad.set_value(paddle.full_like(param.grad, float("inf")))
-        return result
-
-    tr.forward_backward = forward_backward
 
 
 def test_fp16_loss_scaling_gives_the_float32_updates(tmp_path):

@@ -8,8 +8,8 @@ from collections import Counter
 import numpy as np
 import paddle
 import pytest
-from conftest import EARLIER_DEFAULT, ROOT, SMALL
-from test_ernie_inputs import ernie_config, make_ernie_tokenizer, picture
+from support.ernie import ernie_config, make_ernie_tokenizer, picture
+from support.runs import EARLIER_DEFAULT, ROOT, SMALL
 
 from ernie_moe.batch import IGNORE_INDEX
 from ernie_moe.config import ConfigError, load_config
@@ -322,7 +322,8 @@ def test_the_dpo_loss_of_a_batch_equals_paddleformers(tmp_path, loss):
     """A dense ERNIE 4.5 made by PaddleFormers, imported here: the shared-prompt rows, this model and this loss
     against PaddleFormers' model run on each side on its own, its DPO layout and its ``DPOCriterion`` (CPU), on
     the same reference log-probabilities: each answer's log-probability and the batch's loss within 1e-5."""
-    from test_pretrained import imported, paddleformers
+    from support.ernie import paddleformers
+    from support.models import imported
 
     from ernie_moe.data.preference import pair_row
 

@@ -9,10 +9,8 @@ moves (the reference keeps the starting one), and router losses are on, taken ov
 
 import numpy as np
 import pytest
-from conftest import launch
-from test_e2e import load_model, records
-from test_layouts import ACCUMULATE, PP2, TP2
-from test_lora_layouts import adapter
+from support.layouts import ACCUMULATE, PP2, TP2
+from support.runs import adapter, launch, load_model, records
 
 pytestmark = pytest.mark.slow  # starts processes
 

@@ -5,13 +5,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
-from test_e2e import load_model
+from support.ernie import paddleformers
+from support.models import imported
+from support.runs import ROOT, load_model
 
 from ernie_moe.checkpoint import save_model
 from ernie_moe.checkpoint.formats import CheckpointError
@@ -24,21 +24,6 @@ from ernie_moe.training.runner import build_model
 
 pytestmark = pytest.mark.slow  # starts processes
 
-PF_SIDE = Path(__file__).with_name("paddleformers_side.py")
-
-
-def other_side(script: Path, *args, cwd, timeout: int = 300) -> None:
-    """Run another library's side of an interop test (``script`` with ``args``) in its own process."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(script), *map(str, args)], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-def paddleformers(*args, cwd):
-    """Run PaddleFormers' side in its own process."""
-    other_side(PF_SIDE, *args, cwd=cwd)
-
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
@@ -48,13 +33,6 @@ def sources(tmp_path_factory):
     for kind in ("dense", "moe", "vl"):
         paddleformers("make", kind, root / kind, cwd=root)
     return root
-
-
-def imported(directory, *overrides):
-    cfg = load_config(None, [f"training.model_name_or_path={directory}", *overrides])
-    paddle.seed(0)
-    model = build_model(cfg.model, DistEnv())
-    return cfg, model, load_pretrained(model, directory)
 
 
 def weights(model) -> dict:

@@ -8,9 +8,8 @@ import shutil
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
-from test_e2e import load_model
-from test_lora import base, logits, lora  # noqa: F401 - base: the module's base model folder (a fixture)
+from support.lora import logits, lora
+from support.runs import ROOT, load_model
 
 from ernie_moe import export
 from ernie_moe.config import ConfigError, load_config
@@ -92,7 +91,7 @@ def quantized_layers(tr) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["wint8", "wint4"])
-def test_lora_on_a_quantised_base_is_lora_on_its_dequantised_weights(tmp_path, base, mode):  # noqa: F811
+def test_lora_on_a_quantised_base_is_lora_on_its_dequantised_weights(tmp_path, base, mode):
     """The same three steps: one run holds the base quantised, the other full-precision weights set to the
     dequantised values. Logits at the start, losses and trained pairs agree: only the weights' precision
     changed."""
@@ -127,7 +126,7 @@ def test_lora_on_a_quantised_base_is_lora_on_its_dequantised_weights(tmp_path, b
 
 
 @pytest.mark.parametrize("mode, group", [("wint8", 0), ("wint4", 0), ("wint4", GROUP)])
-def test_the_planner_counts_the_quantised_bytes(tmp_path, base, mode, group):  # noqa: F811
+def test_the_planner_counts_the_quantised_bytes(tmp_path, base, mode, group):
     """What the allocator holds once the run is built (the full-precision base it loaded freed again) against the
     planner's parameter bytes: within 2%, and below the full-precision model's."""
     gc.collect()
@@ -142,7 +141,7 @@ def test_the_planner_counts_the_quantised_bytes(tmp_path, base, mode, group):  #
     assert held < sum(p.size * p.element_size() for p in full.model.parameters())
 
 
-def test_bad_quantisation_settings_are_one_line_config_errors(tmp_path, base):  # noqa: F811
+def test_bad_quantisation_settings_are_one_line_config_errors(tmp_path, base):
     config = str(ROOT / "configs" / "vl_moe.yaml")
     with pytest.raises(ConfigError, match="needs training.fine_tuning: lora"):
         load_config(config, ["training.quantize_base=wint8"])
@@ -160,7 +159,7 @@ def test_bad_quantisation_settings_are_one_line_config_errors(tmp_path, base):  
         lora(tmp_path / "again", quantized, "training.quantize_base=wint8")
 
 
-def test_the_adapter_of_a_quantised_run_merges_into_the_full_precision_base(tmp_path, base):  # noqa: F811
+def test_the_adapter_of_a_quantised_run_merges_into_the_full_precision_base(tmp_path, base):
     """The run saves the pairs and the base's digest only; ``export --merge-lora`` adds them to the base read
     from its folder in full precision, never to the dequantised weights."""
     tr = lora(tmp_path / "run", base, "training.quantize_base=wint4")

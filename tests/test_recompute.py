@@ -3,8 +3,7 @@
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT, launch
-from test_e2e import load_model, records
+from support.runs import ROOT, launch, load_model, records
 
 import ernie_moe.nn.recompute as recompute_module
 from ernie_moe.config import ConfigError, load_config

@@ -6,8 +6,7 @@ import json
 import numpy as np
 import paddle
 import pytest
-from test_e2e import records
-from test_faults import train
+from support.runs import records, train
 
 from ernie_moe.parallel import replicas
 from ernie_moe.parallel.replicas import digest

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from support.runs import ROOT
 
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.objectives.rewards import (

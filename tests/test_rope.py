@@ -1,22 +1,8 @@
 import numpy as np
 import paddle
+from support.models import numpy_rope
 
 from ernie_moe.nn.rope import apply_rotary, apply_rotary_half, rope_angles, vision_rope_angles
-
-
-def numpy_rope(x, pos, theta, t_slots):
-    """Reference: slot i rotates pair (2i, 2i+1) by pos[axis(i)] * theta^(-2i/D)."""
-    dim = x.shape[-1]
-    half = dim // 2
-    inv = theta ** (-(2.0 * np.arange(half)) / dim)
-    axis = [0 if i >= half - t_slots else 1 + i % 2 for i in range(half)]
-    ang = pos[..., axis].astype(np.float64) * inv  # [B, S, half]
-    cos, sin = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    out = np.empty_like(x)
-    out[..., 0::2] = x0 * cos - x1 * sin
-    out[..., 1::2] = x0 * sin + x1 * cos
-    return out
 
 
 def test_3d_rope_matches_numpy():

@@ -7,7 +7,7 @@ from collections import deque
 
 import numpy as np
 import paddle
-from test_moe import inputs, make_layer
+from support.models import inputs, make_layer
 
 from ernie_moe.moe.replay import DROPPED, NOT_RECORDED
 

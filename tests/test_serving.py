@@ -14,9 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, launch, start
 from PIL import Image
-from test_model_folders import conversations, published  # noqa: F401 (fixtures)
+from support.runs import ROOT, launch, start
 
 from ernie_moe.generate import main as generate_main
 
@@ -241,7 +240,7 @@ def test_the_chat_page_sends_typed_questions_with_an_uploaded_image_and_renders_
         served, client, tmp_path):
     """Two turns typed into the page (Enter sends), the second with an image picked in its file input: the
     answers the API gives for the same conversation."""
-    from devtools import Browser
+    from support.devtools import Browser
 
     images = served[2]
     first = ask(client, PROMPT, max_tokens=32).choices[0].message.content  # the page asks for the server's default
@@ -276,7 +275,7 @@ def test_the_chat_page_sends_typed_questions_with_an_uploaded_image_and_renders_
 
 
 @pytest.fixture(scope="module")
-def fine_tuned(published, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+def fine_tuned(published, tmp_path_factory):
     """(the conversations' folder, a final model): two steps of the smoke config from the PaddleFormers model."""
     folder, base = published
     out = tmp_path_factory.mktemp("fine_tuned") / "run"

@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
-from test_generation import side_by_side_prompts
+from support.models import side_by_side_prompts
+from support.runs import ROOT
 
 from ernie_moe.config import load_config
 from ernie_moe.data import build_datasets

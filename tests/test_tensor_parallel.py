@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_launch
+from support.runs import ROOT, run_launch
 
 from ernie_moe.nn.sharding import shard_index
 
@@ -23,7 +23,7 @@ def test_shard_index_splits_every_segment():
 def test_parallel_layers_match_unsharded_references(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
-           str(tmp_path / "log"), str(ROOT / "tests" / "dist_tensor_parallel_layers.py")]
+           str(tmp_path / "log"), str(ROOT / "tests" / "support" / "dist_tensor_parallel_layers.py")]
     result = run_launch(cmd, tmp_path / "log", env=env, timeout=300)
     logs = [(tmp_path / "log" / f"workerlog.{r}").read_text() for r in range(2)]
     assert result.returncode == 0, result.stderr[-2000:] + logs[0][-3000:] + logs[1][-3000:]

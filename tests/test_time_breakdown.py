@@ -4,7 +4,7 @@ import json
 import time
 
 import pytest
-from conftest import ROOT
+from support.runs import ROOT
 
 from ernie_moe.config import load_config
 from ernie_moe.timing import StepTimes

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
+from support.runs import ROOT
 
 from ernie_moe.config import load_config
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
@@ -88,7 +88,7 @@ def test_a_step_is_three_frames_from_the_loop_to_the_runner(tmp_path):
     """What a reader follows: the loop calls train_step, which calls forward_backward, which calls the runner."""
     import inspect
 
-    from conftest import SMALL
+    from support.runs import SMALL
 
     from ernie_moe.training import Trainer
 

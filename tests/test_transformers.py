@@ -7,12 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CONFIG, SMALL
 from safetensors.numpy import load_file
-from test_ernie_inputs import BUDGET, ernie_config, vl_logits
-from test_ernie_inputs import ernie_side as conversations  # noqa: F401 (a fixture)
-from test_model_folders import fine_tune
-from test_pretrained import other_side
+from support.ernie import BUDGET, HF_SIDE, ernie_config, other_side, vl_logits
+from support.runs import CONFIG, SMALL, fine_tune
 
 import run_trainer
 from ernie_moe.checkpoint import save_model
@@ -27,7 +24,6 @@ from ernie_moe.generation.model_folder import load_model_folder
 
 pytestmark = pytest.mark.slow  # starts transformers' processes
 
-HF_SIDE = Path(__file__).with_name("transformers_side.py")
 CASES = [0, 1, 9, 5, 6]  # text only, one image, two images, a video, an image and a video
 
 
@@ -37,9 +33,9 @@ def transformers(*args, cwd):
 
 
 @pytest.fixture(scope="module")
-def made(conversations, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+def made(ernie_side, tmp_path_factory):
     """(The conversations' folder, a tiny random ERNIE-4.5-VL saved by transformers for its tokenizer.)"""
-    folder, _ = conversations
+    folder, _ = ernie_side
     tokenizer = build_tokenizer(ernie_config(folder))
     ids = {f"{kind}_{end}_token_id": tokenizer.token_id(f"<|{kind.upper()}_{end.upper()}|>")
            for kind in ("image", "video") for end in ("start", "end")}
