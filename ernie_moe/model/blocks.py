@@ -30,7 +30,7 @@ from ..nn.flashmask import RowBounds
 from ..nn.init import mark_default_rules
 from ..nn.rope import Rotation, rope_angles
 from .decoder import DecoderLayer
-from .mtp import MultiTokenPrediction, trained_depths
+from .mtp import MultiTokenPrediction
 from .vision import Adapter, VisionTransformer, blank_merge_block
 
 
@@ -170,7 +170,7 @@ def ordered_blocks(cfg, plan) -> list[Block]:
 def set_objective(blocks, cfg, objective) -> None:
     """Multi-token prediction runs (and the embeddings are carried to it) where the model has it and ``objective``
     trains it."""
-    active = trained_depths(cfg, objective) > 0
+    active = objective.mtp_depths(cfg) > 0
     for block in blocks:
         if isinstance(block, ImageFeatures):
             block.carries_embeddings = active

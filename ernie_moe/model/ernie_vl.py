@@ -16,10 +16,10 @@ from paddle import nn
 from ..batch import Batch
 from ..nn.init import init_weights
 from ..objectives import LanguageModelling, Objective, Predictions
-from ..objectives.head import token_losses
+from ..objectives.sums import loss_sums
 from .blocks import ImageFeatures, block_inputs, ordered_blocks, set_objective, stable_names_of, tied_head
 from .decoder import DecoderLayer
-from .mtp import MultiTokenPrediction, depth_sums, labels_ahead, split_rows
+from .mtp import MultiTokenPrediction, labels_ahead, split_rows
 from .single_device import SingleDevicePlan
 
 
@@ -32,31 +32,6 @@ class ModelOutput(NamedTuple):
     logits: paddle.Tensor | None = None
     figures: paddle.Tensor | None = None  # the objective's figures of each row (a reference pass: what it keeps)
     mtp_sums: paddle.Tensor | None = None  # [depths]: each multi-token prediction depth's loss, summed (training)
-
-
-def step_sums(loss_sum: paddle.Tensor, router_loss: paddle.Tensor, *figures: paddle.Tensor) -> paddle.Tensor:
-    """``[loss, router losses, *figures]`` of a micro-batch as one float64 vector, detached, on the device
-    (``figures``: the objective's, summed over rows, then the MTP depths' loss sums)."""
-    parts = [loss_sum.detach().reshape([1]), router_loss.detach().sum().reshape([1]), *figures]
-    return paddle.concat([t.astype("float64") for t in parts])
-
-
-def weighted_loss(loss_sum: paddle.Tensor, mtp_sums: paddle.Tensor | None,
-                  scale: float | paddle.Tensor) -> paddle.Tensor:
-    """What the backward pass starts from (besides the router losses): ``loss_sum x scale[0]``, plus each MTP
-    depth's loss sum times its weight ``scale[1:]`` (the trainer's loss weights; a number: the loss's alone)."""
-    if not isinstance(scale, paddle.Tensor):
-        return loss_sum * scale
-    loss = loss_sum * scale[0]
-    return loss if mtp_sums is None else loss + (mtp_sums * scale[1:]).sum()
-
-
-def mtp_loss_sums(plan, head, mtp_final: paddle.Tensor, mtp_labels: paddle.Tensor, depths: int, chunk: int,
-                  train: bool) -> paddle.Tensor:
-    """``[depths]``: the multi-token prediction depths' cross-entropy sums, from their final hidden states (or
-    logits, where ``head`` is the identity) and labels (``model.mtp.labels_ahead``), depth after depth along the
-    batch axis."""
-    return depth_sums(token_losses(plan, head, mtp_final, mtp_labels, chunk, train), depths)
 
 
 class BlockQueries:
@@ -130,13 +105,9 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         if reference_pass:
             figures = objective.reference(predictions, batch.labels, *inputs)
             return ModelOutput(paddle.zeros([]), units, router_loss.sum(), figures=figures)
-        loss_sum, figures = objective.loss(predictions, batch.labels, *inputs)
-        mtp_sums = None
-        if mtp_hidden is not None:
-            depths = self.cfg.num_nextn_predict_layers
-            mtp_labels = labels_ahead(batch.labels, batch.key_ends, depths)
-            mtp_sums = mtp_loss_sums(self.plan, self.head, mtp_hidden, mtp_labels, depths, self.loss_chunk,
-                                     predictions.train)
+        mtp_labels = None if mtp_hidden is None else labels_ahead(batch.labels, batch.key_ends,
+                                                                  self.cfg.num_nextn_predict_layers)
+        loss_sum, figures, mtp_sums = loss_sums(objective, predictions, batch.labels, inputs, mtp_hidden, mtp_labels)
         return ModelOutput(loss_sum, units, router_loss.sum(), predictions.logits if return_logits else None, figures,
                            mtp_sums)
 

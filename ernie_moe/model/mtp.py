@@ -73,12 +73,6 @@ class MultiTokenPrediction(nn.Layer):
         return x
 
 
-def trained_depths(cfg, objective) -> int:
-    """The MTP depths that train beside ``objective`` (0: the model has none, or the objective does not train them:
-    preference and RL losses leave them as they are)."""
-    return cfg.num_nextn_predict_layers if objective.trains_mtp else 0
-
-
 def ahead(x: paddle.Tensor, k: int) -> paddle.Tensor:
     """``x[:, i + k]`` at position i (``[batch, seq, ...]``); the last k positions wrap around to the first, which
     trains nothing: their labels ahead are ignored, and causal attention keeps them from earlier positions."""
@@ -100,8 +94,3 @@ def split_rows(final: paddle.Tensor, rows: int) -> tuple[paddle.Tensor, paddle.T
     if final.shape[0] == rows:
         return final, None
     return final[:rows], final[rows:]
-
-
-def depth_sums(token_losses: paddle.Tensor, depths: int) -> paddle.Tensor:
-    """``[depths]``: the depths' losses summed over their labels, from their per-position losses."""
-    return token_losses.reshape([depths, -1]).sum(axis=1)

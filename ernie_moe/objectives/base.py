@@ -23,6 +23,11 @@ class Objective:
 
     input_names: tuple[str, ...] = ()  # the batch's fields the loss reads besides its labels
 
+    def mtp_depths(self, model_cfg) -> int:
+        """The multi-token prediction depths that train beside this objective (0: the model has none, or the
+        objective leaves them as they are, as preference and RL losses do)."""
+        return model_cfg.num_nextn_predict_layers if self.trains_mtp else 0
+
     @property
     def evaluates_figures(self) -> bool:
         """Whether held-out data is evaluated by the figures (else by its token scores)."""

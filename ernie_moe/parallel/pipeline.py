@@ -27,10 +27,11 @@ from ..model.blocks import (
     tied_head,
 )
 from ..model.decoder import DecoderLayer
-from ..model.ernie_vl import BlockQueries, mtp_loss_sums, step_sums, weighted_loss
-from ..model.mtp import MultiTokenPrediction, labels_ahead, split_rows, trained_depths
+from ..model.ernie_vl import BlockQueries
+from ..model.mtp import MultiTokenPrediction, labels_ahead, split_rows
 from ..nn.init import init_weights
 from ..objectives import Objective, Predictions
+from ..objectives.sums import loss_sums, step_sums, weighted_loss
 from ..timing import part
 
 
@@ -66,12 +67,8 @@ class PipelineLoss(nn.Layer):
         if self.collect_reference:
             self.references.append(self.objective.reference(predictions, label_ids, *inputs))
             return router_loss.sum() * 0.0
-        loss_sum, figures = self.objective.loss(predictions, label_ids, *inputs)
-        mtp_sums = None if mtp_final is None else mtp_loss_sums(self.plan, head, mtp_final, mtp_labels,
-                                                                 self.mtp_depths, self.chunk, predictions.train)
-        figures = ([] if figures is None else [figures.detach().sum(axis=0)]) + \
-            ([] if mtp_sums is None else [mtp_sums.detach()])
-        summed = step_sums(loss_sum, router_loss, *figures)
+        loss_sum, figures, mtp_sums = loss_sums(self.objective, predictions, label_ids, inputs, mtp_final, mtp_labels)
+        summed = step_sums(loss_sum, router_loss, figures, mtp_sums)
         self.sums = summed if self.sums is None else self.sums + summed
         if scored:
             self.evaluated.append((self.plan.predict(predictions.logits), label_ids, scored[0].numpy(),
@@ -86,7 +83,7 @@ class ErniePipeline(BlockQueries, PipelineLayer):
         self.cfg, self.plan = cfg, plan
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # drawn before fleet reseeds per layer
         descs = []
-        self.mtp_depths = trained_depths(cfg, objective)
+        self.mtp_depths = objective.mtp_depths(cfg)
         for block in ordered_blocks(cfg, plan):
             if block.layer is TokenEmbedding and cfg.tie_word_embeddings:
                 head = tied_head(plan, passes_hidden=bool(loss_chunk)) if block.tied else None

@@ -18,11 +18,12 @@ from paddle.distributed import fleet
 
 from ..batch import IGNORE_INDEX
 from ..data import collate
-from ..model.ernie_vl import ErnieMoEForConditionalGeneration, step_sums, weighted_loss
+from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.parameter_kinds import is_expert
 from ..moe.replay import replayed
 from ..nn.param_spec import describe
 from ..objectives import LanguageModelling, Objective
+from ..objectives.sums import step_sums, weighted_loss
 from ..parallel import build_plan
 from ..parallel.grad_sync import GradSync
 from ..parallel.pipeline import ErniePipeline, time_schedule_parts
@@ -84,9 +85,7 @@ class PlainRunner:
                     self.grad_sync.expect_backward([loss])
                 with part("backward"), during_backward():  # overlap_grad_sync: the gradient all-reduce too
                     self.precision.scale(loss).backward()
-            figures = [] if out.figures is None else [out.figures.detach().sum(axis=0)]
-            figures += [] if out.mtp_sums is None else [out.mtp_sums.detach()]
-            sums.append(step_sums(out.loss_sum, out.router_loss, *figures))
+            sums.append(step_sums(out.loss_sum, out.router_loss, out.figures, out.mtp_sums))
         return paddle.add_n(sums) if len(sums) > 1 else sums[0]
 
     @property

@@ -36,10 +36,10 @@ from ..evaluation.results import read_benchmarks
 from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
 from ..host_reads import HostReadCounter
-from ..model.mtp import trained_depths
 from ..model.parameter_kinds import MTP
 from ..monitor.monitor import TrainingMonitor, progress_figures
 from ..objectives.rewards import build_rewards
+from ..objectives.sums import loss_weights
 from ..parallel import init_distributed
 from ..parallel.global_batch import for_world
 from ..timing import part
@@ -365,23 +365,19 @@ class Trainer:
         device (read once per logging window)."""
         env, m = self.env, self.cfg.model
         counts = [b.host_counts() for b in micro_batches]  # from the host: nothing to wait for
-        units, depths = self.runner.objective.units, trained_depths(m, self.runner.objective)
-        local = [sum(units(c) for c in counts), sum(c.tokens for c in counts)]
+        objective = self.runner.objective
+        depths = objective.mtp_depths(m)
+        local = [sum(objective.units(c) for c in counts), sum(c.tokens for c in counts)]
         local += [sum(c.labels_ahead[k] for c in counts) for k in range(depths)]  # what each MTP depth trains on
         with part("step_reduce"):
             totals = env.all_reduce_sum(paddle.to_tensor(local, dtype="float64"), env.data_group)
         label_tokens, tokens, labels_ahead = totals[0], totals[1], totals[2:]
-        # Every label token of the step weighs the same, however the batch is split over micro-batches and ranks;
-        # shared gradients are averaged over the data ranks, hence their number as a factor. An MTP depth's loss is
-        # a mean over its own labels, weighted lambda / depths (PaddleFormers' criterion).
-        scale = (env.data_world / self._loss_denominator(label_tokens)).reshape([1])
-        if depths:
-            weights = env.data_world * m.multi_token_pred_lambda / depths / self._loss_denominator(labels_ahead)
-            scale = paddle.concat([scale, weights.reshape([depths])])
+        scale = loss_weights(env.data_world, self._loss_denominator, label_tokens, labels_ahead,
+                             m.multi_token_pred_lambda)
         sums = self.runner.forward_backward(micro_batches, scale, during_backward=self.feed.reading)
         with part("step_reduce"):
             sums = env.all_reduce_sum(sums, env.data_group)
-        figures = len(self.runner.objective.figures)
+        figures = len(objective.figures)
         return StepResult(lm_loss_sum=sums[0], label_tokens=label_tokens,
                           router_loss=sums[1] / (len(micro_batches) * env.data_world), tokens=tokens,
                           figures=sums[2:2 + figures] if figures else None,

@@ -1,0 +1,61 @@
+"""A micro-batch's loss terms and the step's weights on them: the objective's loss and the multi-token prediction
+depths' beside it, written once for the model on one device and for a pipeline's last stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import paddle
+
+from .base import Objective
+from .head import Predictions, token_losses
+
+
+def loss_sums(objective: Objective, predictions: Predictions, labels: paddle.Tensor, inputs: Sequence[paddle.Tensor],
+              mtp_final: paddle.Tensor | None = None, mtp_labels: paddle.Tensor | None = None,
+              ) -> tuple[paddle.Tensor, paddle.Tensor | None, paddle.Tensor | None]:
+    """(the objective's loss summed over its units, its figures of each row or None, ``[depths]`` the MTP depths'
+    cross-entropy sums or None). ``mtp_final``: the depths' final hidden states (logits where the predictions'
+    head is the identity), depth after depth along the batch axis, with their labels ahead (``model.mtp``)."""
+    loss_sum, figures = objective.loss(predictions, labels, *inputs)
+    if mtp_final is None or mtp_labels is None:
+        return loss_sum, figures, None
+    depths = mtp_labels.shape[0] // labels.shape[0]
+    per_position = token_losses(predictions.plan, predictions.head, mtp_final, mtp_labels, predictions.chunk,
+                                predictions.train)
+    return loss_sum, figures, per_position.reshape([depths, -1]).sum(axis=1)
+
+
+def weighted_loss(loss_sum: paddle.Tensor, mtp_sums: paddle.Tensor | None,
+                  scale: float | paddle.Tensor) -> paddle.Tensor:
+    """What the backward pass starts from (besides the router losses): ``loss_sum x scale[0]``, plus each MTP
+    depth's loss sum times its weight ``scale[1:]`` (:func:`loss_weights`; a number: the loss's alone)."""
+    if not isinstance(scale, paddle.Tensor):
+        return loss_sum * scale
+    loss = loss_sum * scale[0]
+    return loss if mtp_sums is None else loss + (mtp_sums * scale[1:]).sum()
+
+
+def step_sums(loss_sum: paddle.Tensor, router_loss: paddle.Tensor, figures: paddle.Tensor | None,
+              mtp_sums: paddle.Tensor | None) -> paddle.Tensor:
+    """``[loss, router losses, the objective's figures summed over rows, the MTP depths' loss sums]`` of a
+    micro-batch as one float64 vector, detached, on the device: what the step logs."""
+    parts = [loss_sum.detach().reshape([1]), router_loss.detach().sum().reshape([1])]
+    parts += [] if figures is None else [figures.detach().sum(axis=0)]
+    parts += [] if mtp_sums is None else [mtp_sums.detach()]
+    return paddle.concat([t.astype("float64") for t in parts])
+
+
+def loss_weights(data_ranks: int, denominator: Callable[[paddle.Tensor], paddle.Tensor], units: paddle.Tensor,
+                 labels_ahead: paddle.Tensor, mtp_lambda: float) -> paddle.Tensor:
+    """``[1 + depths]``: the weights of a step's loss sums, the objective's then each MTP depth's (``labels_ahead``:
+    the labels each depth trains on, over every rank). Every unit of the step (label token, pair) weighs the same
+    however the batch is split over micro-batches and ranks; shared gradients are averaged over the data ranks,
+    hence their number as a factor. An MTP depth's loss is a mean over its own labels, weighted lambda / depths
+    (PaddleFormers' criterion). ``denominator``: what a loss summed over some units is divided by."""
+    scale = (data_ranks / denominator(units)).reshape([1])
+    depths = labels_ahead.shape[0]
+    if not depths:
+        return scale
+    weights = data_ranks * mtp_lambda / depths / denominator(labels_ahead)
+    return paddle.concat([scale, weights.reshape([depths])])
