@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
@@ -72,17 +72,13 @@ class Batch:
     key_ends: paddle.Tensor  # [batch, seq] int64, the first position that no longer sees each key (model.attention)
     pixel_patches: paddle.Tensor  # [patches, channels * patch * patch] float32
     grid_thw: np.ndarray  # [images, 3] patches per image along t, h, w
-    # preference pairs (training.stage: dpo): each row one pair, its positions marked 1 (chosen answer), 2
-    # (rejected answer) or 0 (the shared prompt, padding); the reference model's log-probabilities of both
-    # answers [batch, 2], once its pass has run (training.preference)
-    pair_sides: paddle.Tensor | None = None
-    reference_logps: paddle.Tensor | None = None
-    pair_keys: np.ndarray | None = None  # each row's pair's key (data.packing.Row.pair_key)
-    # sampled answers (training.stage: grpo, training.rollouts): each row's advantage [batch], the sampling
-    # policy's log-probability of each label [batch, seq], and the experts each token went to when it was sampled
-    # [batch, moe layers, seq, k] (moe.replay; None without router replay)
-    advantages: paddle.Tensor | None = None
-    old_logps: paddle.Tensor | None = None
+    # what the objective reads besides the labels, by name (objectives.Objective.input_names): a preference
+    # pair's sides and its reference's log-probabilities, a sampled answer's advantage and its sampler's
+    # log-probabilities, ... (each objective's module says what they hold)
+    objective_inputs: dict[str, paddle.Tensor] = field(default_factory=dict)
+    row_keys: np.ndarray | None = None  # each row's key in its data, where figures are kept per row (a pair's key)
+    # the experts each token went to when it was sampled [batch, moe layers, seq, k] (moe.replay; None without
+    # router replay)
     routes: paddle.Tensor | None = None
     counts: HostCounts | None = None  # counted by ``collate``; None in a batch made by hand
 
@@ -90,6 +86,7 @@ class Batch:
         """The batch's counts; a batch made without them counts its tensors (reading them back), but for
         ``labels_ahead``: multi-token prediction trains on collated batches (``data.collate``)."""
         if self.counts is None:
-            sides = None if self.pair_sides is None else self.pair_sides.numpy()
+            given = self.objective_inputs.get("pair_sides")
+            sides = None if given is None else given.numpy()
             return HostCounts.of(self.labels.numpy(), self.token_type_ids.numpy(), sides)
         return self.counts

@@ -247,13 +247,13 @@ def test_the_first_step_starts_at_the_reference(tmp_path, fine_tuning):
     first = trainer.train_step(batches).read()
     assert first.figures[0] == trainer.state.micro_batch_size * trainer.env.data_world
     np.testing.assert_allclose(first.lm_loss_sum / first.label_tokens, math.log(2), rtol=1e-5)
-    start = [b.reference_logps.numpy() for b in batches]
+    start = [b.objective_inputs["reference_logps"].numpy() for b in batches]
     for _ in range(4):
         trainer.train_step()
     again = [dataclass_copy(b) for b in batches]
     trainer.runner.reference_pass(again)
     for before, after in zip(start, again):
-        np.testing.assert_allclose(after.reference_logps.numpy(), before, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(after.objective_inputs["reference_logps"].numpy(), before, rtol=1e-5, atol=1e-4)
     trainer.runner.model.eval()
     with paddle.no_grad():
         moved = trainer.model(again[0]).figures.numpy()
@@ -265,7 +265,8 @@ def test_the_first_step_starts_at_the_reference(tmp_path, fine_tuning):
 def dataclass_copy(batch):
     import dataclasses
 
-    return dataclasses.replace(batch, reference_logps=None)
+    kept = {k: v for k, v in batch.objective_inputs.items() if k != "reference_logps"}
+    return dataclasses.replace(batch, objective_inputs=kept)
 
 
 
@@ -341,7 +342,7 @@ def test_the_dpo_loss_of_a_batch_equals_paddleformers(tmp_path, loss):
         rows.append(pair_row(_text_side(prompt, chosen), _text_side(prompt, rejected), 24, 0, -1))
     reference = rng.uniform(-40, -20, (3, 2))
     batch = collate(rows)
-    batch.reference_logps = paddle.to_tensor(reference.astype(np.float32))
+    batch.objective_inputs["reference_logps"] = paddle.to_tensor(reference.astype(np.float32))
     with paddle.no_grad():
         out = model(batch)
     figures = out.figures.numpy()

@@ -290,10 +290,11 @@ def collate(rows: list[Row]) -> Batch:
         key_ends=paddle.to_tensor(key_ends),
         pixel_patches=paddle.to_tensor(np.concatenate(patches) if patches else np.zeros([0, channels], np.float32)),
         grid_thw=np.stack(grids) if grids else np.zeros([0, 3], np.int64),
-        pair_sides=paddle.to_tensor(sides) if sides is not None else None,
-        pair_keys=np.array([r.pair_key for r in rows], np.int64) if sides is not None else None,
-        advantages=_stacked(rows, "advantage", np.float32),
-        old_logps=_stacked(rows, "old_logps", np.float32),
+        objective_inputs={name: value for name, value in [
+            ("pair_sides", paddle.to_tensor(sides) if sides is not None else None),
+            ("advantages", _stacked(rows, "advantage", np.float32)),
+            ("old_logps", _stacked(rows, "old_logps", np.float32))] if value is not None},
+        row_keys=np.array([r.pair_key for r in rows], np.int64) if sides is not None else None,
         routes=_stacked(rows, "routes", np.int32),
         counts=HostCounts.of(labels, types, sides, key_ends, MTP_MAX_DEPTH),  # whatever depths the model has
     )

@@ -40,7 +40,7 @@ class Objective:
     def inputs(self, batch, placeholders: bool = False) -> list[paddle.Tensor | None]:
         """The loss's inputs of ``batch`` (:attr:`input_names`); ``placeholders``: a tensor of the right shape
         for one not filled yet (a pipeline carries tensors only, with the labels)."""
-        return [getattr(batch, name) for name in self.input_names]
+        return [batch.objective_inputs.get(name) for name in self.input_names]
 
     def loss(self, predictions: Predictions, labels: paddle.Tensor,
              *inputs: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor | None]:

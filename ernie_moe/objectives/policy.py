@@ -142,10 +142,11 @@ class PolicyGradient(Objective):
         return self.settings.kl_beta > 0
 
     def inputs(self, batch, placeholders: bool = False) -> list:
-        reference = batch.reference_logps
+        given = batch.objective_inputs
+        reference = given.get("reference_logps")
         if reference is None and placeholders:
             reference = paddle.zeros(batch.labels.shape, dtype="float32")
-        return [batch.advantages, batch.old_logps, reference]
+        return [given.get("advantages"), given.get("old_logps"), reference]
 
     def loss(self, predictions: Predictions, labels, advantages, old_logps, reference):
         """(the loss summed over its units, the figures ``[rows, len(FIGURES)]``); a batch without advantages

@@ -160,7 +160,7 @@ class PreferenceLoss(Objective):
         return counts.pairs
 
     def inputs(self, batch, placeholders: bool = False) -> list:
-        sides, reference = batch.pair_sides, batch.reference_logps
+        sides, reference = batch.objective_inputs.get("pair_sides"), batch.objective_inputs.get("reference_logps")
         if reference is None and placeholders:
             reference = paddle.zeros([batch.labels.shape[0], 2], dtype="float32")
         return [sides, reference]

@@ -71,9 +71,9 @@ class PrecomputedReference:
 
     def fill(self, runner, micro_batches) -> None:
         for batch in micro_batches:
-            keys = batch.pair_keys
+            keys = batch.row_keys
             values = np.stack([self.tables["eval"][-1 - k] if k < 0 else self.tables["train"][k] for k in keys])
-            batch.reference_logps = paddle.to_tensor(np.nan_to_num(values).astype(np.float32))
+            batch.objective_inputs["reference_logps"] = paddle.to_tensor(np.nan_to_num(values).astype(np.float32))
 
     def prepare(self, runner, datasets: dict, tokenizer, cfg, env) -> str:
         """Read the figures from the output folder when they were computed for this data and start, else compute
@@ -110,10 +110,11 @@ class PrecomputedReference:
         for group in runner.micro_batch_groups(batches, t):
             runner.logps_pass(group)
             for batch in group:
-                if batch.reference_logps is None:  # a pipeline stage before the last
+                reference = batch.objective_inputs.get("reference_logps")
+                if reference is None:  # a pipeline stage before the last
                     continue
-                held = rows_with_pairs(batch.labels.numpy(), batch.pair_sides.numpy())
-                for key, value, real in zip(batch.pair_keys, batch.reference_logps.numpy(), held):
+                held = rows_with_pairs(batch.labels.numpy(), batch.objective_inputs["pair_sides"].numpy())
+                for key, value, real in zip(batch.row_keys, reference.numpy(), held):
                     if real:
                         found[int(key)] = value.astype(np.float64).tolist()
         table = np.full([len(dataset), 2], np.nan)

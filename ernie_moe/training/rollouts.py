@@ -283,8 +283,9 @@ class RolloutFeed:
                 self.runner.logps_pass(batches[first:first + accumulation_steps])
         for i, batch in enumerate(batches):
             mine = rows[i * micro_batch_size:(i + 1) * micro_batch_size]
-            if batch.reference_logps is not None:
-                for row, logps in zip(mine, host_reads.read(batch.reference_logps, "rollout")):
+            reference = batch.objective_inputs.get("reference_logps")
+            if reference is not None:
+                for row, logps in zip(mine, host_reads.read(reference, "rollout")):
                     row.old_logps = logps
             routes = routes_of_forward(records, i, moe_layer_ids(self.model.cfg), len(mine), self.length,
                                        self.model.cfg.moe_k)

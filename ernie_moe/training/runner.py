@@ -103,12 +103,12 @@ class PlainRunner:
     def logps_pass(self, micro_batches) -> None:
         """What the objective's reference pass keeps of each batch (a preference pair's answers'
         log-probabilities) under the weights the model holds now, in evaluation mode, into
-        ``batch.reference_logps``."""
+        ``batch.objective_inputs["reference_logps"]``."""
         self.model.eval()
         try:
             with self.precision.autocast():
                 for batch in micro_batches:
-                    batch.reference_logps = self.model(batch, reference_pass=True).figures
+                    batch.objective_inputs["reference_logps"] = self.model(batch, reference_pass=True).figures
         finally:
             self.model.train()
 
@@ -223,7 +223,8 @@ class PipelineRunner(PlainRunner):
             schedule.train()
             loss.collect_reference = False
         for batch, logps in zip(micro_batches, loss.references or [None] * len(micro_batches)):
-            batch.reference_logps = logps
+            if logps is not None:  # a stage before the last has none
+                batch.objective_inputs["reference_logps"] = logps
 
     @paddle.no_grad()
     def evaluate(self, batches, training_cfg) -> dict:
