@@ -24,6 +24,7 @@ from ..config.schema import OFFLOAD_BUCKET_BYTES
 from ..model.recompute import selected_layers
 from ..moe.replay import moe_layer_ids
 from ..nn.flashmask import BLOCK_ROWS
+from ..objectives import build_objective
 from ..parallel.layout import Layout
 from .params import frozen_parts, stage_layers, stage_lora_params, stage_params, stage_quantized
 
@@ -340,6 +341,7 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
     ``data_world``: the data-parallel x sharding ranks (default: the sharding ranks alone); ``capacity``: the
     experts' training capacity factor (default: the configured one, ``model.moe_capacity``)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    objective = build_objective(t)  # what trains beside it, what it keeps and where its data comes from
     capacity = capacity or (m.moe_capacity[0] if m.moe_capacity else None)
     low = t.bf16 or t.fp16
     o2 = low and t.fp16_opt_level == "O2"
@@ -392,7 +394,7 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         for layer_kept, rerun in reversed(per_layer):
             transient = max(transient, rerun - later)
             later += layer_kept
-        depths = m.num_nextn_predict_layers if t.stage == "sft" else 0  # multi-token prediction trains
+        depths = objective.mtp_depths(m)  # multi-token prediction trains
         if depths and stage > 0:  # the token embeddings, carried to the last stage
             kept += 4 * workload.tokens * m.hidden_size
         if stage == p.pipeline_parallel_degree - 1:  # the head's backward runs first: nothing is freed yet
@@ -403,16 +405,14 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
         transient = act_scale * transient
         inputs = data_inputs * t.gradient_accumulation_steps
         rollout = 0.0
-        if t.stage == "grpo":  # a rollout's rows, kept for its updates, and its decoding's key/value cache
+        if objective.trains_on == "rollouts":  # a rollout's rows, kept for its updates, its decoding's keys and values
             rows, length = rollout_rows(t), cfg.data.max_seq_len
             replayed = len(moe_layer_ids(m)) * m.moe_k if t.router_replay != "off" else 0  # int32 routes
             inputs = rows * (data_inputs / t.per_device_train_batch_size + length * 4 * (1 + replayed))
             heads = max(m.num_key_value_heads // p.tensor_parallel_degree, 1)
             rollout = 2 * (2 if low else 4) * rows * length * len(layers) * heads * m.head_dim  # keys and values
         # a full fine-tune's reference: the trained weights as they started (LoRA's is its base)
-        holds = t.fine_tuning != "lora" and (
-            (t.stage == "dpo" and t.dpo_reference == "model" and t.dpo_loss != "simpo")
-            or (t.stage == "grpo" and t.rl_kl_beta > 0))
+        holds = t.fine_tuning != "lora" and objective.reference_source == "model"
         reference = param_bytes * sum(trainable) if holds else 0.0
         out.append(StageMemory(stage, parameters, gradients, optimizer, inputs, activations, transient,
                                t.offload_optim, reference, rollout, save_copy))

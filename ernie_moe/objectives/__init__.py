@@ -17,11 +17,13 @@ __all__ = ["LanguageModelling", "Objective", "PolicyGradient", "PreferenceLoss",
            "token_losses"]
 
 
-def build_objective(training_cfg, env) -> Objective:
+def build_objective(training_cfg, env=None) -> Objective:
     """``training.stage``'s objective: language modelling (pretraining, SFT), the DPO family (``dpo``), whose
-    sums over the pairs of other data ranks (kto_pair) run over the data group, or the GRPO family (``grpo``)."""
+    sums over the pairs of other data ranks (kto_pair) run over the data group, or the GRPO family (``grpo``).
+    ``env``: None where the objective is read for its rules (the memory planner), not run."""
     if training_cfg.stage == "grpo":
         return PolicyGradient(PolicySettings.of(training_cfg))
     if training_cfg.stage != "dpo":
         return LanguageModelling()
-    return PreferenceLoss(PreferenceSettings.of(training_cfg), lambda x: env.all_reduce_sum(x, env.data_group))
+    reduce_sum = None if env is None else (lambda x: env.all_reduce_sum(x, env.data_group))
+    return PreferenceLoss(PreferenceSettings.of(training_cfg), reduce_sum)

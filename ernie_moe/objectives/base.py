@@ -20,8 +20,17 @@ class Objective:
     figures: tuple[str, ...] = ()
     needs_reference = False  # whether a reference pass fills each batch's reference figures before the step
     trains_mtp = False  # whether the model's multi-token prediction layers train beside it (model.mtp)
+    # the data it trains on: "rows" (packed samples), "pairs" (preference pairs, one a row) or "rollouts" (answers
+    # sampled from the policy as it trains)
+    trains_on = "rows"
 
     input_names: tuple[str, ...] = ()  # the batch's fields the loss reads besides its labels
+
+    @property
+    def reference_source(self) -> str | None:
+        """Where its reference figures come from: "model" (the starting weights' pass each step), "precomputed"
+        (computed once before the run), or None (it needs none)."""
+        return "model" if self.needs_reference else None
 
     def mtp_depths(self, model_cfg) -> int:
         """The multi-token prediction depths that train beside this objective (0: the model has none, or the

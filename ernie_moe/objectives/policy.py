@@ -124,6 +124,7 @@ class PolicyGradient(Objective):
 
     name = "rl"
     figures = FIGURES
+    trains_on = "rollouts"
     input_names = ("advantages", "old_logps", "reference_logps")
 
     def __init__(self, settings: PolicySettings):

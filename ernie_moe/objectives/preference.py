@@ -47,12 +47,13 @@ class PreferenceSettings:
     dpop_lambda: float = 50.0
     normalize_length: bool = False
     sft_weight: float = 0.0
+    reference: str = "model"  # where the reference's log-probabilities come from (training.dpo_reference)
 
     @classmethod
     def of(cls, training_cfg) -> PreferenceSettings:
         t = training_cfg
         return cls(t.dpo_loss, t.dpo_beta, t.dpo_label_smoothing, t.dpo_simpo_gamma, t.dpo_dpop_lambda,
-                   t.dpo_normalize_length, t.dpo_sft_weight)
+                   t.dpo_normalize_length, t.dpo_sft_weight, t.dpo_reference)
 
     @property
     def needs_reference(self) -> bool:
@@ -145,6 +146,7 @@ class PreferenceLoss(Objective):
 
     name = "dpo"
     figures = FIGURES
+    trains_on = "pairs"
 
     def __init__(self, settings: PreferenceSettings, reduce_sum=None):
         self.settings, self.reduce_sum = settings, reduce_sum
@@ -152,6 +154,10 @@ class PreferenceLoss(Objective):
     @property
     def needs_reference(self) -> bool:
         return self.settings.needs_reference
+
+    @property
+    def reference_source(self) -> str | None:
+        return self.settings.reference if self.needs_reference else None
 
     input_names = ("pair_sides", "reference_logps")  # the reference's log-probabilities: None before its pass
 

@@ -91,11 +91,10 @@ def build(cfg, env, objective: Objective | None = None):
 def reference_model(model, t) -> ReferenceModel | PrecomputedReference | None:
     """The reference of an objective that has one (a precomputed one is filled by the trainer, which has the
     data)."""
-    if not model.objective.needs_reference:
+    source = model.objective.reference_source
+    if source is None:
         return None
-    if t.stage == "dpo" and t.dpo_reference == "precomputed":
-        return PrecomputedReference()
-    return ReferenceModel(model, lora=t.fine_tuning == "lora")
+    return PrecomputedReference() if source == "precomputed" else ReferenceModel(model, lora=t.fine_tuning == "lora")
 
 
 def recompute(model, t, state) -> None:

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 from ..config import Config
 from ..data.feed import Feed, PairFeed, RowFeed
-from ..data.loader import is_preference
 from ..objectives.rewards import Reward
 from ..parallel.env import DistEnv
 from .rollouts import RolloutFeed
@@ -18,8 +17,9 @@ def build_feed(cfg: Config, train_set, tokenizer, env: DistEnv, stats: Counter, 
                rewards: Sequence[Reward]) -> Feed:
     """``stats``: where the feed counts skipped and fitted samples; ``runner``, ``precision`` and ``rewards``:
     what a rollout samples and scores with."""
-    if cfg.training.stage == "grpo":
+    kind = runner.objective.trains_on
+    if kind == "rollouts":
         return RolloutFeed(train_set, runner, tokenizer, cfg, env, precision, rewards, stats)
-    if is_preference(cfg):
+    if kind == "pairs":
         return PairFeed(train_set, tokenizer, cfg, env, stats)
     return RowFeed(train_set, tokenizer, cfg, env, stats)

@@ -35,6 +35,10 @@ class ReferenceModel:
                 if is_router_bias(name) or (not lora and not p.stop_gradient)]
         self.weights = [(p, p.detach().clone()) for p in kept]
 
+    def prepare(self, runner, datasets: dict, tokenizer, cfg, env) -> str | None:
+        """Nothing: the reference's pass runs in each step."""
+        return None
+
     def fill(self, runner, micro_batches) -> None:
         with self.active():
             runner.logps_pass(micro_batches)

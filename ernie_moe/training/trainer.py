@@ -51,7 +51,6 @@ from .generation_eval import evaluate_by_generation
 from .memory_guard import Rung
 from .optimizer import clip_gradients, gradient_norms, optimizer_state_bytes
 from .precision import NonFiniteGradients
-from .preference import PrecomputedReference
 from .replica_check import ReplicaCheck, ReplicasDiffer
 from .run_folder import RunFolder
 from .startup import check_memory, check_tokenizer, device_bytes, sized_to_tokenizer
@@ -443,11 +442,11 @@ class Trainer:
         feed.gate()  # the reader's Python waits for the backward passes, so the forward's is not held up
         if self.env.is_main and cfg.data.report_samples:
             self._report_data(train_set)
-        if isinstance(self.runner.reference, PrecomputedReference):
+        if self.runner.reference is not None:  # a precomputed one is computed or read now, with the data
             done = self.runner.reference.prepare(self.runner, {"train": train_set, "eval": eval_set} if
                                                  eval_set is not None else {"train": train_set},
                                                  self.tokenizer, cfg, self.env)
-            if self.env.is_main:
+            if done and self.env.is_main:
                 print(done, flush=True)
         return feed, eval_set
 
