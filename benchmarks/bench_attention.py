@@ -19,7 +19,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle.base import core
 
-from ernie_moe.data.packing import document_ends
+from ernie_moe.data.encoding.packing import document_ends
 from ernie_moe.nn.flashmask import RowBounds, block_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32

@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from ernie_moe.config import load_config  # noqa: E402
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer  # noqa: E402
-from ernie_moe.data.feed import RowFeed  # noqa: E402
-from ernie_moe.data.loader import rank_batches  # noqa: E402
+from ernie_moe.data.feeding.feed import RowFeed  # noqa: E402
+from ernie_moe.data.feeding.loader import rank_batches  # noqa: E402
 
 
 def write_photos(folder: Path, count: int) -> Path:

@@ -28,9 +28,9 @@ import paddle
 
 from ernie_moe.config import load_config
 from ernie_moe.data import build_datasets, build_tokenizer
-from ernie_moe.data.loader import training_encoder
-from ernie_moe.data.sample import Chunk, Sample
-from ernie_moe.data.synthetic import SyntheticShapes
+from ernie_moe.data.feeding.loader import training_encoder
+from ernie_moe.data.formats.sample import Chunk, Sample
+from ernie_moe.data.formats.synthetic import SyntheticShapes
 from ernie_moe.generation import Decoding, generate, generate_drafting, load_model_folder
 from ernie_moe.generation.prompts import prompt_encoder
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration

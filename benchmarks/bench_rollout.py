@@ -20,8 +20,8 @@ import paddle
 
 from ernie_moe.config import load_config
 from ernie_moe.data import build_tokenizer
-from ernie_moe.data.sample import Sample
-from ernie_moe.data.synthetic import SyntheticShapes
+from ernie_moe.data.formats.sample import Sample
+from ernie_moe.data.formats.synthetic import SyntheticShapes
 from ernie_moe.generation import Decoding, generate, generate_batch
 from ernie_moe.generation.prompts import prompt_encoder
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration

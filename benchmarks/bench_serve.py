@@ -27,8 +27,8 @@ from PIL import Image
 from ernie_moe.checkpoint import save_model
 from ernie_moe.config import load_config
 from ernie_moe.data import build_tokenizer
-from ernie_moe.data.jsonl import parse_messages
-from ernie_moe.data.synthetic import SyntheticShapes
+from ernie_moe.data.formats.jsonl import parse_messages
+from ernie_moe.data.formats.synthetic import SyntheticShapes
 from ernie_moe.generation import generate
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.serving.chat_model import ChatModel

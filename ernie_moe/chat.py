@@ -18,8 +18,8 @@ from pathlib import Path
 from .checkpoint.errors import CheckpointError
 from .cli import add_decoding_arguments, thinking_of
 from .config import ConfigError
-from .data.jsonl import IMAGE_MARK, VIDEO_MARK, load_image, load_video, local, parse_messages
-from .data.packing import BadSample
+from .data.encoding.packing import BadSample
+from .data.formats.jsonl import IMAGE_MARK, VIDEO_MARK, load_image, load_video, local, parse_messages
 from .generation import UsageError
 from .paths import not_a_file
 from .serving.chat_model import ChatModel, Sampling

@@ -25,8 +25,8 @@ from .checkpoint.errors import CheckpointError
 from .cli import bounded
 from .config import ConfigError
 from .data import DataError, RowStream, rank_batches
-from .data.loader import source_dataset
-from .data.synthetic import SyntheticShapes
+from .data.feeding.loader import source_dataset
+from .data.formats.synthetic import SyntheticShapes
 from .evaluation.results import MAX_NEW_TOKENS, MAX_SIDE_BY_SIDE, benchmark_results
 from .generation import folder_run_config, load_model_folder
 from .parallel import DistEnv

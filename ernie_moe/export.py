@@ -46,9 +46,9 @@ from .config.model_folder import model_config_from
 from .config.schema import ModelConfig
 from .config.transformers_form import special_ids, to_transformers
 from .config.validate import check_model
-from .data.processor_config import FILE as PROCESSOR_FILE
-from .data.processor_config import for_library, longest_side_rule, read_saved
-from .data.tokenizer import tokenizer_in
+from .data.encoding.processor_config import FILE as PROCESSOR_FILE
+from .data.encoding.processor_config import for_library, longest_side_rule, read_saved
+from .data.encoding.tokenizer import tokenizer_in
 from .finetune.adapter_files import adapter_base, merged_weight, read_adapter
 from .finetune.peft_files import write_peft_adapter
 from .model.parameter_kinds import MTP

@@ -24,10 +24,10 @@ from .checkpoint.errors import CheckpointError
 from .cli import add_decoding_arguments, at_least_one, thinking_of
 from .config import ConfigError
 from .config.schema import DataConfig
-from .data.erniekit import record_thinking
-from .data.jsonl import images_of, load_image, load_video, local, parse_messages, parse_record
-from .data.packing import BadSample
-from .data.sample import Chunk, Sample
+from .data.encoding.packing import BadSample
+from .data.formats.erniekit import record_thinking
+from .data.formats.jsonl import images_of, load_image, load_video, local, parse_messages, parse_record
+from .data.formats.sample import Chunk, Sample
 from .generation import (
     Decoding,
     UsageError,

@@ -28,7 +28,7 @@ from support.lora import trainer  # noqa: E402
 from support.runs import ROOT  # noqa: E402
 
 from ernie_moe.checkpoint import save_model  # noqa: E402
-from ernie_moe.data.loader import build_tokenizer  # noqa: E402
+from ernie_moe.data.feeding.loader import build_tokenizer  # noqa: E402
 
 
 @pytest.fixture

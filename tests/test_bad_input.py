@@ -125,8 +125,8 @@ def test_paths_that_are_not_files_are_named_so(folder, not_files, capsys):
 
 
 def test_an_image_url_is_named_as_it_was_written(folder, tmp_path, capsys):
-    from ernie_moe.data.jsonl import JsonlDataset
-    from ernie_moe.data.sample import BadSample
+    from ernie_moe.data.formats.jsonl import JsonlDataset
+    from ernie_moe.data.formats.sample import BadSample
     from ernie_moe.generate import main as generate
 
     url = "http://example.com/cat.jpg"

@@ -165,7 +165,7 @@ def test_vlmevalkit_tsv_with_shared_images_and_bad_rows(tmp_path):
 def test_a_short_base64_image_is_an_image_and_a_missing_path_a_counted_skip(tmp_path):
     """A small PNG is under 200 base64 characters: read as the image, not as a file name; a path that names no
     file is skipped as a missing image when the question is asked."""
-    from ernie_moe.data.sample import BadSample
+    from ernie_moe.data.formats.sample import BadSample
     from ernie_moe.evaluation.answering import item_sample
 
     tiny = png_base64(size=4)
@@ -457,7 +457,7 @@ def evalscope_command() -> str | None:
 
 def shape_colour_questions(folder, split: str, count: int):
     """(index, question, options, gold letter, PNG bytes): what colour a synthetic shape is, four colours offered."""
-    from ernie_moe.data.synthetic import COLORS, SyntheticShapes
+    from ernie_moe.data.formats.synthetic import COLORS, SyntheticShapes
 
     shapes = SyntheticShapes(0, split, count, 56)
     for index in range(count):

@@ -8,7 +8,7 @@ from support.runs import ROOT, launch, load_model, records
 
 from ernie_moe import export
 from ernie_moe.config import ConfigError, load_config
-from ernie_moe.data.packing import Encoded
+from ernie_moe.data.encoding.packing import Encoded
 from ernie_moe.training.best_model import BestModel
 from ernie_moe.training.evaluate import CATEGORIES
 from ernie_moe.training.generation_eval import answer_sums, generation_metrics, split_answer, token_f1
@@ -161,8 +161,8 @@ def test_two_data_ranks_answer_half_the_samples_each_and_give_the_whole_sets_fig
     same weights (the run's final model, read back)."""
     from collections import Counter
 
-    from ernie_moe.data.loader import training_encoder
-    from ernie_moe.data.synthetic import SyntheticShapes
+    from ernie_moe.data.feeding.loader import training_encoder
+    from ernie_moe.data.formats.synthetic import SyntheticShapes
     from ernie_moe.generation import load_model_folder
     from ernie_moe.parallel import DistEnv
     from ernie_moe.training.generation_eval import evaluate_by_generation

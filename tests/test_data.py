@@ -9,12 +9,12 @@ from PIL import Image
 from ernie_moe.batch import IGNORE_INDEX as IGNORE
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
-from ernie_moe.data.images import patchify
-from ernie_moe.data.jsonl import JsonlDataset
-from ernie_moe.data.packing import BadSample, Encoder
-from ernie_moe.data.sample import Chunk, Sample
-from ernie_moe.data.synthetic import SyntheticShapes
-from ernie_moe.data.tokenizer import SentencePieceTokenizer
+from ernie_moe.data.encoding.images import patchify
+from ernie_moe.data.encoding.packing import BadSample, Encoder
+from ernie_moe.data.encoding.tokenizer import SentencePieceTokenizer
+from ernie_moe.data.formats.jsonl import JsonlDataset
+from ernie_moe.data.formats.sample import Chunk, Sample
+from ernie_moe.data.formats.synthetic import SyntheticShapes
 from ernie_moe.model.vision import image_token_count, patch_positions
 
 
@@ -134,8 +134,8 @@ def test_bad_jsonl_records_are_skipped_and_counted(jsonl_dir):
 def test_messages_given_as_text_are_named_as_not_a_list():
     """A Parquet column of JSON text holds each record's messages as a string: not a list of messages, which it is
     called, rather than an empty conversation."""
-    from ernie_moe.data.jsonl import parse_messages
-    from ernie_moe.data.sample import BadSample
+    from ernie_moe.data.formats.jsonl import parse_messages
+    from ernie_moe.data.formats.sample import BadSample
 
     with pytest.raises(BadSample, match="messages must be a list of messages, not a str") as caught:
         parse_messages('[{"role": "user", "content": "Hi"}]', [], [])
@@ -188,7 +188,7 @@ def test_a_fine_tune_encodes_with_its_base_folders_tokenizer_and_a_word_list_is_
     and one without a tokenizer is one error."""
     from ernie_moe.checkpoint import save_model
     from ernie_moe.config import ConfigError
-    from ernie_moe.data.tokenizer import ByteTokenizer, WordTokenizer
+    from ernie_moe.data.encoding.tokenizer import ByteTokenizer, WordTokenizer
     from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 
     cfg = load_config(None, ["model.vocab_size=32"])

@@ -13,9 +13,9 @@ from PIL import Image
 
 from ernie_moe.config import load_config
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer
-from ernie_moe.data.feed import RowFeed
-from ernie_moe.data.loader import rank_share
-from ernie_moe.data.sample import BadSample
+from ernie_moe.data.feeding.feed import RowFeed
+from ernie_moe.data.feeding.loader import rank_share
+from ernie_moe.data.formats.sample import BadSample
 
 
 class CountingReads:
@@ -251,7 +251,7 @@ def test_kept_offsets_are_trusted_only_when_they_prove_they_are_whole(captions, 
     """The kept line offsets of a JSONL file rewritten as a valid array of 5 of its 40 records are not trusted (the
     run would train on 5 records without a word): their digest no longer matches, the file is scanned again. A FIFO
     in their place is not read (it would block the start): scanned again too."""
-    from ernie_moe.data.jsonl import JsonlDataset
+    from ernie_moe.data.formats.jsonl import JsonlDataset
 
     cfg = configs(captions, tmp_path / "index")["jsonl"]
     path = cfg.data.train_files[0]
@@ -309,8 +309,8 @@ def test_torn_changed_or_vanished_shards_are_a_skip_or_a_line(shards, tmp_path):
     damaged after it was opened, or a shard removed during the run: a data error naming the file."""
     import shutil
 
-    from ernie_moe.data.sample import DataError
-    from ernie_moe.data.sources import source_dataset
+    from ernie_moe.data.formats.sample import DataError
+    from ernie_moe.data.formats.sources import source_dataset
 
     folder = tmp_path / "shards"
     shutil.copytree(shards, folder)

@@ -97,8 +97,8 @@ def test_caption_words_need_the_image(tmp_path, blank):
     assert abs(summary["eval_generate_caption_accuracy"] - accuracy) <= 4 / (4 * 128) + 1e-9
     # the saved model, read back: the evaluation command gives the trainer's figures, and greedy captions of
     # held-out images are mostly the reference captions
-    from ernie_moe.data.sample import Sample
-    from ernie_moe.data.synthetic import SyntheticShapes, caption
+    from ernie_moe.data.formats.sample import Sample
+    from ernie_moe.data.formats.synthetic import SyntheticShapes, caption
     from ernie_moe.evaluate import scores
     from ernie_moe.generation import generate, load_model_folder
     from ernie_moe.generation.prompts import prompt_encoder
@@ -138,7 +138,7 @@ def test_training_on_jsonl_files_with_a_sentencepiece_tokenizer(tmp_path):
     import sentencepiece as spm
     from PIL import Image
 
-    from ernie_moe.data.synthetic import SyntheticShapes
+    from ernie_moe.data.formats.synthetic import SyntheticShapes
 
     shapes = SyntheticShapes(0, "train", 24, 84)
     lines, texts = [], []

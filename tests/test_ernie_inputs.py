@@ -32,10 +32,10 @@ from support.runs import ROOT
 from ernie_moe.checkpoint.model_files import save_model
 from ernie_moe.checkpoint.pretrained import load_pretrained
 from ernie_moe.config import load_config
-from ernie_moe.data.chat import ERNIE_VL_TEMPLATE
-from ernie_moe.data.jsonl import JsonlDataset
-from ernie_moe.data.loader import build_tokenizer
-from ernie_moe.data.packing import Encoder
+from ernie_moe.data.encoding.packing import Encoder
+from ernie_moe.data.feeding.loader import build_tokenizer
+from ernie_moe.data.formats.chat import ERNIE_VL_TEMPLATE
+from ernie_moe.data.formats.jsonl import JsonlDataset
 from ernie_moe.generation import Decoding, generate_batch, generate_drafting
 from ernie_moe.model.mtp import labels_ahead
 from ernie_moe.parallel.env import DistEnv
@@ -43,7 +43,7 @@ from ernie_moe.training.runner import build_model
 
 
 def test_a_tokenizer_config_whose_added_tokens_decoder_is_not_a_mapping_is_refused(tmp_path):
-    from ernie_moe.data.tokenizer import tokenizer_in
+    from ernie_moe.data.encoding.tokenizer import tokenizer_in
 
     folder = make_ernie_tokenizer(tmp_path / "tokenizer")
     config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -235,8 +235,8 @@ def test_marker_strings_and_the_built_in_template_give_the_same_samples(ernie_si
 
 
 def test_a_generation_prompt_ends_with_the_assistant_turn_opened(tmp_path):
-    from ernie_moe.data.jsonl import parse_messages
-    from ernie_moe.data.sample import Sample
+    from ernie_moe.data.formats.jsonl import parse_messages
+    from ernie_moe.data.formats.sample import Sample
 
     make_ernie_tokenizer(tmp_path / "tokenizer")
     encoder = our_encoder(tmp_path)
@@ -247,8 +247,8 @@ def test_a_generation_prompt_ends_with_the_assistant_turn_opened(tmp_path):
 
 
 def test_bad_chat_templates_are_counted_skips(tmp_path):
-    from ernie_moe.data.chat import TemplateChat, check_messages
-    from ernie_moe.data.sample import BadSample
+    from ernie_moe.data.formats.chat import TemplateChat, check_messages
+    from ernie_moe.data.formats.sample import BadSample
 
     conversation = check_messages([{"role": "user", "content": [{"type": "image"}, text("hi")]},
                                    {"role": "assistant", "content": [text("yo")]}])
@@ -279,7 +279,7 @@ def test_bad_chat_templates_are_counted_skips(tmp_path):
 def test_video_frames_are_sampled_as_ernies_processor_samples_them(tmp_path):
     """Short, long, very long and few-frame videos: the same frame indices as PaddleFormers' processor picks
     (duration x 2 frames per second, clamped to 16..180 and to the video's length, the middle of each interval)."""
-    from ernie_moe.data.video import ERNIE_VIDEO_READING, frame_indices
+    from ernie_moe.data.formats.video import ERNIE_VIDEO_READING, frame_indices
 
     cases = [(300, 10.0), (30, 1.0), (9000, 300.0), (10, 0.4), (250, 8.3), (1000, 200.0)]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
@@ -293,7 +293,7 @@ def test_video_frames_are_sampled_as_ernies_processor_samples_them(tmp_path):
 def test_frame_times_are_drawn_as_ernies_processor_draws_them(tmp_path):
     """Frames of three sizes at times from 0 s to over an hour: the pixels equal those PaddleFormers' processor
     draws with the same font, and the mark is there (the top-left corner changed, the rest did not)."""
-    from ernie_moe.data.video import clock, draw_timestamp
+    from ernie_moe.data.formats.video import clock, draw_timestamp
 
     rng = np.random.default_rng(0)
     times = [0.0, 0.5, 59.999, 61.25, 3725.5, 7.0]
@@ -319,7 +319,7 @@ def test_frame_times_are_drawn_as_ernies_processor_draws_them(tmp_path):
 def test_a_video_file_without_a_decoder_is_a_counted_skip(tmp_path, monkeypatch):
     import sys
 
-    from ernie_moe.data.loader import RowStream
+    from ernie_moe.data.feeding.loader import RowStream
 
     monkeypatch.setitem(sys.modules, "av", None)  # PyAV absent, whether or not it is installed
     make_ernie_tokenizer(tmp_path / "tokenizer")
@@ -345,8 +345,8 @@ def test_a_video_file_too_large_with_frames_of_two_sizes_or_an_unknown_codec_is_
 
     import av
 
-    from ernie_moe.data.jsonl import load_video
-    from ernie_moe.data.sample import BadSample
+    from ernie_moe.data.formats.jsonl import load_video
+    from ernie_moe.data.formats.sample import BadSample
 
     with av.open(str(tmp_path / "mixed.avi"), "w") as container:
         stream = container.add_stream("mjpeg", rate=5)
@@ -392,7 +392,7 @@ def test_a_video_file_is_decoded_and_sampled(tmp_path):
     in grey level to its source frame, through the codec's loss), and encode as 8 frame pairs of video tokens."""
     import av
 
-    from ernie_moe.data.video import ERNIE_VIDEO_READING, frame_indices
+    from ernie_moe.data.formats.video import ERNIE_VIDEO_READING, frame_indices
 
     with av.open(str(tmp_path / "clip.mp4"), "w") as container:
         stream = container.add_stream("mpeg4", rate=5)
@@ -416,7 +416,7 @@ def test_a_video_file_is_decoded_and_sampled(tmp_path):
                       cfg.data.video_budget)(sample)
     assert (encoded.token_type_ids == 2).sum() == 8 * 2 * 2 and encoded.grids[0].tolist() == [16, 4, 4]
     # with a font, each frame carries its time: frame i of this 5-per-second clip at i / 5 seconds
-    from ernie_moe.data.video import VideoReading, draw_timestamp
+    from ernie_moe.data.formats.video import VideoReading, draw_timestamp
 
     font = a_font(tmp_path)
     stamped = JsonlDataset(str(tmp_path / "data.jsonl"), reading=VideoReading(timestamp_font=font))[0].videos[0]
@@ -426,7 +426,7 @@ def test_a_video_file_is_decoded_and_sampled(tmp_path):
 
 
 def test_a_tokenizer_file_nested_too_deep_is_named_not_the_sentencepiece_model(tmp_path):
-    from ernie_moe.data.tokenizer import tokenizer_in
+    from ernie_moe.data.encoding.tokenizer import tokenizer_in
 
     folder = make_ernie_tokenizer(tmp_path / "tokenizer")
     (folder / "special_tokens_map.json").write_text('{"bos_token": ' + "[" * 100_000 + "]" * 100_000 + "}")
@@ -438,7 +438,7 @@ def test_a_tokenizer_file_nested_too_deep_is_named_not_the_sentencepiece_model(t
 def test_images_of_every_mode_are_prepared_as_ernies_processor_prepares_them(tmp_path):
     """Transparent pixels (RGBA, LA, P with a transparent index) pasted on white, 16-bit grey to 8 bits, CMYK
     and EXIF-rotated JPEGs: the pixels PaddleFormers' ERNIE-4.5-VL preparation gives, element for element."""
-    from ernie_moe.data.jsonl import load_image
+    from ernie_moe.data.formats.jsonl import load_image
 
     rng = np.random.default_rng(0)
     colours = rng.integers(0, 256, (40, 56, 3), dtype=np.uint8)

@@ -14,10 +14,10 @@ from support.ernie import BUDGET, assert_same_visuals, ernie_config, make_ernie_
 from support.runs import ROOT
 
 from ernie_moe.config import load_config
-from ernie_moe.data.chat import ERNIE_VL_TEMPLATE
-from ernie_moe.data.loader import build_tokenizer, source_dataset
-from ernie_moe.data.packing import Encoder
-from ernie_moe.data.sample import BadSample
+from ernie_moe.data.encoding.packing import Encoder
+from ernie_moe.data.feeding.loader import build_tokenizer, source_dataset
+from ernie_moe.data.formats.chat import ERNIE_VL_TEMPLATE
+from ernie_moe.data.formats.sample import BadSample
 from ernie_moe.training.trainer import Trainer
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -508,8 +508,8 @@ def test_tool_calls_in_chat_messages_are_laid_out_as_erniekit_lays_them_out(tmp_
 def test_a_prompt_opens_the_turn_as_the_thinking_model_is_asked(tmp_path):
     """``--thinking`` / ``chat_template_kwargs``: thinking off opens the turn to generate with the empty think
     block, on or not given leaves it open; the folder's Thinking template and the built-in one agree."""
-    from ernie_moe.data.chat import Conversation
-    from ernie_moe.data.sample import Sample
+    from ernie_moe.data.formats.chat import Conversation
+    from ernie_moe.data.formats.sample import Sample
 
     make_ernie_tokenizer(tmp_path / "builtin")
     make_ernie_tokenizer(tmp_path / "folder", chat_template=None)
@@ -529,7 +529,7 @@ def test_frame_time_stamps_are_drawn_on_erniekit_frames_given_a_font(tmp_path):
     they stay as read. Frames with and without times in one video, or a time that is not seconds, are skips."""
     from support.ernie import a_font
 
-    from ernie_moe.data.video import draw_timestamp
+    from ernie_moe.data.formats.video import draw_timestamp
 
     make_ernie_tokenizer(tmp_path / "tokenizer")
     frames = [picture(tmp_path, f"f{i}.png", 90, 120, i) for i in range(2)]

@@ -27,7 +27,7 @@ from ernie_moe.checkpoint import lineage
 from ernie_moe.checkpoint.lineage import MARKER, Run, marker_text, prune, read, resolve, scan
 from ernie_moe.config import load_config
 from ernie_moe.data import RowStream, build_tokenizer
-from ernie_moe.data.jsonl import JsonlDataset
+from ernie_moe.data.formats.jsonl import JsonlDataset
 
 
 class TouchesAFile:
@@ -858,7 +858,7 @@ def test_every_json_file_of_a_model_folder_read_by_generate_is_a_clear_error(tmp
 
 
 def test_a_chat_template_file_too_large_or_not_text_is_refused_before_it_is_read(tmp_path):
-    from ernie_moe.data.tokenizer import MAX_TEMPLATE_BYTES, chat_template_in
+    from ernie_moe.data.encoding.tokenizer import MAX_TEMPLATE_BYTES, chat_template_in
 
     template = tmp_path / "chat_template.jinja"
     template.write_bytes(b"{{ messages }}")

@@ -5,7 +5,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from ernie_moe.data.packing import document_ends, document_starts
+from ernie_moe.data.encoding.packing import document_ends, document_starts
 from ernie_moe.model.attention import core_attention
 from ernie_moe.nn.flashmask import RowBounds, block_attention
 

@@ -15,8 +15,8 @@ from support.runs import ROOT
 from ernie_moe.checkpoint import save_model
 from ernie_moe.config import DataConfig, load_config
 from ernie_moe.data import build_tokenizer
-from ernie_moe.data.sample import Chunk, Sample
-from ernie_moe.data.synthetic import SyntheticShapes
+from ernie_moe.data.formats.sample import Chunk, Sample
+from ernie_moe.data.formats.synthetic import SyntheticShapes
 from ernie_moe.generation import KVCache, forward_cached, generate
 from ernie_moe.generation.decoding import _extended, choose, prompt_inputs, token_inputs
 from ernie_moe.generation.prompts import prompt_encoder
@@ -147,7 +147,7 @@ def test_sampling_keeps_to_the_nucleus():
 def test_a_messages_file_names_its_images_as_training_records_do(tmp_path):
     from argparse import Namespace
 
-    from ernie_moe.data.sample import BadSample
+    from ernie_moe.data.formats.sample import BadSample
     from ernie_moe.generate import keyed_prompts
 
     Image.fromarray(np.zeros((28, 28, 3), np.uint8)).save(tmp_path / "a.png")

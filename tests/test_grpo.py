@@ -336,10 +336,10 @@ def test_a_conversation_is_asked_without_its_answer_as_generation_opens_the_turn
     the reference. An answer holding an image is a counted skip."""
     from support.ernie import make_ernie_tokenizer
 
-    from ernie_moe.data.chat import Conversation
-    from ernie_moe.data.loader import build_tokenizer
-    from ernie_moe.data.packing import BadSample, Encoder
-    from ernie_moe.data.sample import Sample
+    from ernie_moe.data.encoding.packing import BadSample, Encoder
+    from ernie_moe.data.feeding.loader import build_tokenizer
+    from ernie_moe.data.formats.chat import Conversation
+    from ernie_moe.data.formats.sample import Sample
     from ernie_moe.training.rollouts import asked
 
     make_ernie_tokenizer(tmp_path / "tok")

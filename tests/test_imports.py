@@ -158,6 +158,12 @@ def layout_entries() -> dict[str, str]:
     return entries
 
 
+def room_text(entry: str, room: str) -> str:
+    """What a folder's entry says of one of its sub-folders: from ``room/`` to the next sub-folder's name."""
+    found = re.search(rf"(?:^|\s){re.escape(room)}/\s(.*?)(?=\s\w+/\s|$)", entry)
+    return found[1] if found else ""
+
+
 def test_the_readme_layout_names_every_module_and_the_floors_in_order():
     entries = layout_entries()
     missing = []
@@ -166,8 +172,13 @@ def test_the_readme_layout_names_every_module_and_the_floors_in_order():
         if len(relative.parts) == 1:
             if relative.name != "__init__.py" and relative.name not in entries:
                 missing.append(str(relative))
-        elif relative.name not in ("__init__.py", "__main__.py") and \
-                not re.search(rf"\b{re.escape(relative.name)}\b", entries.get(f"{relative.parts[0]}/", "")):
+            continue
+        if relative.name in ("__init__.py", "__main__.py"):
+            continue
+        said = entries.get(f"{relative.parts[0]}/", "")
+        for room in relative.parts[1:-1]:  # a module in a sub-folder is named under that sub-folder's name
+            said = room_text(said, room)
+        if not re.search(rf"\b{re.escape(relative.name)}\b", said):
             missing.append(str(relative))
     assert not missing, f"modules the README's Layout does not name: {missing}"
     floors = "; ".join(", ".join(f"`{p}`" for p in sorted(floor)) for floor in FLOORS)

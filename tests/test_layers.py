@@ -3,7 +3,7 @@ import paddle
 from support.models import numpy_rope
 
 from ernie_moe.config import load_config
-from ernie_moe.data.packing import document_ends
+from ernie_moe.data.encoding.packing import document_ends
 from ernie_moe.model.attention import Attention
 from ernie_moe.nn.flashmask import RowBounds
 from ernie_moe.nn.init import init_layer

@@ -13,7 +13,7 @@ from support.runs import ROOT, SMALL, launch, records, run_launch
 
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.config.schema import LORA_TARGET_GROUPS
-from ernie_moe.data.packing import document_ends
+from ernie_moe.data.encoding.packing import document_ends
 from ernie_moe.finetune import prepare_fine_tuning
 from ernie_moe.memory.estimate import Workload, attention_core, estimate, sample_workload, sample_workloads
 from ernie_moe.memory.params import mtp_params, stage_lora_params, stage_params

@@ -22,9 +22,9 @@ from support.ernie import (
 from support.runs import ROOT, fine_tune, run_launch
 
 from ernie_moe.config import load_config
-from ernie_moe.data.jsonl import JsonlDataset
-from ernie_moe.data.loader import build_tokenizer
-from ernie_moe.data.packing import Encoder
+from ernie_moe.data.encoding.packing import Encoder
+from ernie_moe.data.feeding.loader import build_tokenizer
+from ernie_moe.data.formats.jsonl import JsonlDataset
 from ernie_moe.evaluate import main as evaluate_main
 from ernie_moe.finetune.adapter_files import read_adapter
 from ernie_moe.generate import keyed_prompts
@@ -195,7 +195,7 @@ def test_processor_settings_of_other_libraries_and_bad_files(tmp_path):
     """PaddleFormers' and transformers' processor files give their pixel budget; a file that is not an object, holds
     a value of the wrong kind or is far too large is a config error naming it."""
     from ernie_moe.config import ConfigError
-    from ernie_moe.data.processor_config import FILE, folder_settings
+    from ernie_moe.data.encoding.processor_config import FILE, folder_settings
 
     file = tmp_path / FILE
     file.write_text(json.dumps({"min_pixels": 3136, "max_pixels": 1003520, "patch_size": 14}))

@@ -14,9 +14,9 @@ from support.runs import EARLIER_DEFAULT, ROOT, SMALL
 from ernie_moe.batch import IGNORE_INDEX
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate
-from ernie_moe.data.loader import sample_encoder
-from ernie_moe.data.packing import make_row
-from ernie_moe.data.preference import PairEncoder, PreferenceJsonl
+from ernie_moe.data.encoding.packing import make_row
+from ernie_moe.data.feeding.loader import sample_encoder
+from ernie_moe.data.formats.preference import PairEncoder, PreferenceJsonl
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.objectives.preference import LOSSES, PreferenceLoss, PreferenceSettings, pair_losses
 from ernie_moe.training.trainer import Trainer
@@ -297,8 +297,8 @@ def test_dpo_learns_to_prefer_the_true_caption_word(tmp_path):
 def true_word_share(folder, cfg) -> float:
     """The share of held-out pairs whose greedy caption (from the image and "a") has the chosen word where the
     chosen and rejected captions differ."""
-    from ernie_moe.data.loader import training_encoder
-    from ernie_moe.data.preference import SyntheticPairs
+    from ernie_moe.data.feeding.loader import training_encoder
+    from ernie_moe.data.formats.preference import SyntheticPairs
     from ernie_moe.generation import generate
     from ernie_moe.generation.model_folder import load_model_folder
     from ernie_moe.training.generation_eval import split_answer
@@ -326,7 +326,7 @@ def test_the_dpo_loss_of_a_batch_equals_paddleformers(tmp_path, loss):
     from support.ernie import paddleformers
     from support.models import imported
 
-    from ernie_moe.data.preference import pair_row
+    from ernie_moe.data.formats.preference import pair_row
 
     paddleformers("make", "dense", tmp_path / "dense", cwd=tmp_path)
     folder = tmp_path / "dense" / "hf"
@@ -358,7 +358,7 @@ def test_the_dpo_loss_of_a_batch_equals_paddleformers(tmp_path, loss):
 
 def _text_side(prompt, answer):
     """A text sample: the prompt, then the answer's tokens trained; positions along the row."""
-    from ernie_moe.data.packing import Encoded
+    from ernie_moe.data.encoding.packing import Encoded
 
     ids = np.concatenate([prompt, answer])
     zeros = np.zeros(len(ids), np.int64)

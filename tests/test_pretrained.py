@@ -65,7 +65,7 @@ def test_dense_model_gives_paddleformers_logits(sources, tmp_path):
 
 def test_greedy_tokens_equal_paddleformers_generate(sources, tmp_path):
     """5 prompts, 32 new tokens each, through the key/value cache: PaddleFormers' greedy ``generate()`` tokens."""
-    from ernie_moe.data.packing import Encoded
+    from ernie_moe.data.encoding.packing import Encoded
     from ernie_moe.generation import generate, load_model_folder
 
     prompts = np.random.RandomState(1).randint(3, 96, size=[5, 8]).astype("int64")
@@ -285,7 +285,7 @@ def test_pixel_budget_images_are_those_of_ernies_image_processor(tmp_path):
     a below-minimum and a 448 x 896 image, the grid equals PaddleFormers' Ernie4_5_VLImageProcessor's and the
     normalised patches (in merge-block order) equal its pixel_values, which it returns in bfloat16, once ours
     are rounded to bfloat16."""
-    from ernie_moe.data.images import patchify, prepare
+    from ernie_moe.data.encoding.images import patchify, prepare
 
     rng = np.random.default_rng(0)
     for i, (height, width) in enumerate([(70, 100), (1500, 300), (300, 1600), (2000, 2000), (30, 40), (448, 896)]):

@@ -361,7 +361,7 @@ def test_requests_that_wait_for_the_model_are_answered_together_each_as_if_alone
     """Three requests (other prompts, one with an image, other lengths, one sampled, one streamed) come while the
     model is busy: its next turn answers the three side by side, each as it is answered alone. Of two waiting
     requests, the one whose stream raises (a client gone) ends alone, with its error; the other is answered."""
-    from ernie_moe.data.jsonl import parse_messages
+    from ernie_moe.data.formats.jsonl import parse_messages
     from ernie_moe.serving.chat_model import ChatModel, Sampling
 
     chat = ChatModel(served[0])

@@ -12,8 +12,8 @@ from support.runs import ROOT
 
 from ernie_moe.config import load_config
 from ernie_moe.data import build_datasets
-from ernie_moe.data.loader import training_encoder
-from ernie_moe.data.sample import Chunk, Sample
+from ernie_moe.data.feeding.loader import training_encoder
+from ernie_moe.data.formats.sample import Chunk, Sample
 from ernie_moe.generation import Decoding, KVCache, forward_cached, generate_batch, generate_drafting
 from ernie_moe.generation.decoding import _extended, prompt_inputs
 from ernie_moe.generation.speculative import distribution, verify

@@ -14,10 +14,10 @@ from support.runs import CONFIG, SMALL, fine_tune
 import run_trainer
 from ernie_moe.checkpoint import save_model
 from ernie_moe.config import load_config
-from ernie_moe.data.images import target_size
-from ernie_moe.data.jsonl import JsonlDataset
-from ernie_moe.data.loader import build_tokenizer
-from ernie_moe.data.packing import Encoder
+from ernie_moe.data.encoding.images import target_size
+from ernie_moe.data.encoding.packing import Encoder
+from ernie_moe.data.feeding.loader import build_tokenizer
+from ernie_moe.data.formats.jsonl import JsonlDataset
 from ernie_moe.export import main as export_main
 from ernie_moe.finetune.adapter_files import adapter_base
 from ernie_moe.generation.model_folder import load_model_folder

@@ -1,4 +1,4 @@
-"""Over-long videos shrunk, then thinned, to fit max_seq_len (``data.video_fit``), against the rule written out
+"""Over-long videos shrunk, then thinned, to fit max_seq_len (``data.encoding.video_fit``), against the rule written out
 here: the largest frame budget that fits, by a plain scan from the configured one down; then one adapter step of
 frames at a time off the video keeping the most, its frames spread evenly with the first and last kept."""
 
@@ -10,10 +10,10 @@ import pytest
 
 from ernie_moe.config import load_config
 from ernie_moe.data import build_tokenizer
-from ernie_moe.data.images import MEAN, STD, fit_size, pixel_budget_size
-from ernie_moe.data.packing import Encoder
-from ernie_moe.data.sample import BadSample, Chunk, Sample
-from ernie_moe.data.video_fit import fit_videos
+from ernie_moe.data.encoding.images import MEAN, STD, fit_size, pixel_budget_size
+from ernie_moe.data.encoding.packing import Encoder
+from ernie_moe.data.encoding.video_fit import fit_videos
+from ernie_moe.data.formats.sample import BadSample, Chunk, Sample
 
 BLOCK, TEMPORAL = 28, 2
 

@@ -30,7 +30,7 @@ from paddle.base import core
 from safetensors import safe_open
 
 from .. import faults
-from ..data.sample import DataError
+from ..data.formats.sample import DataError
 from ..json_files import read_json, read_json_object
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import full_shape

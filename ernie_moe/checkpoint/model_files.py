@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 
 from ..config.transformers_form import special_ids, to_transformers
-from ..data.processor_config import processor_file
+from ..data.encoding.processor_config import processor_file
 from ..json_files import UnreadableJSON, read_json
 from ..model.parameter_kinds import MTP, is_expert
 from ..moe.layer import router_counts

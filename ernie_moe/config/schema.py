@@ -214,7 +214,7 @@ def _files(paths: str | list[str]) -> list[str]:
 
 # benchmark file kinds (ernie_moe.evaluation reads and scores them)
 BENCHMARK_KINDS = ("mcq", "mmbench", "mmmu", "chartqa", "docvqa", "infovqa", "ocrbench", "text_mcq")
-# a tokenizer folder holds one of these (data.tokenizer.tokenizer_in reads them)
+# a tokenizer folder holds one of these (data.encoding.tokenizer.tokenizer_in reads them)
 TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 # training.offload_optim: optimizer states of one visit to the device (the planner counts with it too)

@@ -1,5 +1,5 @@
 """Data: synthetic and JSONL sources, tokenizers, encoding, packing, batching."""
 
-from .loader import DataError, RowStream, build_datasets, build_tokenizer, collate, rank_batches
+from .feeding.loader import DataError, RowStream, build_datasets, build_tokenizer, collate, rank_batches
 
 __all__ = ["DataError", "RowStream", "build_datasets", "build_tokenizer", "collate", "rank_batches"]

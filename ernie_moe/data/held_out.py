@@ -13,7 +13,7 @@ from PIL import Image
 
 from ..cli import bounded
 from ..config import ConfigError, load_config
-from .synthetic import SyntheticShapes, caption
+from .formats.synthetic import SyntheticShapes, caption
 
 MAX_COUNT = 1_000_000  # the held-out split's images are drawn one by one: far more is a typo
 

@@ -22,8 +22,8 @@ import numpy as np
 from PIL import Image
 
 from ..cli import bounded
-from .synthetic import COLORS, COLUMNS, ROWS, SHAPES, paint, vocabulary
-from .tokenizer import WordTokenizer
+from .encoding.tokenizer import WordTokenizer
+from .formats.synthetic import COLORS, COLUMNS, ROWS, SHAPES, paint, vocabulary
 
 TASKS = ("captions", "where")
 WORDS = vocabulary() + ["User:", "Assistant:", "describe", "where", "is"]  # the chat's plain prefixes are words

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from ..data.packing import document_ends, document_starts
+from ..data.encoding.packing import document_ends, document_starts
 from ..model.attention import core_attention
 from ..model.single_device import SingleDevicePlan
 from ..moe.dispatcher import LocalDispatcher

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
-from ..data.jsonl import decode_image, load_image, parse_messages
-from ..data.sample import BadSample, Sample
+from ..data.formats.jsonl import decode_image, load_image, parse_messages
+from ..data.formats.sample import BadSample, Sample
 from ..generation import ContextTooLong, Decoding, check_room, generate_batch, prompt_encoder
 from .formats import Benchmark
 from .scoring import figures, judge, unit_of, user_content

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config.schema import BENCHMARK_KINDS
-from ..data.sample import DataError
+from ..data.formats.sample import DataError
 from ..json_files import UnreadableJSON, read_json
 from ..paths import not_a_file
 

@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 
 from .. import host_reads
-from ..data.packing import Encoded
+from ..data.encoding.packing import Encoded
 from .kv_cache import KVCache, forward_cached
 
 NO_TOKEN = -1  # the token type of padding: no expert takes it, no image is written there
@@ -115,7 +115,7 @@ def choose(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
 def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, use_cache: bool = True, never: tuple[int, ...] = (),
              tokens: int | None = None, on_token: Callable[[list[int]], bool] | None = None) -> Generated:
-    """Continue ``prompt`` (``data.packing.Encoder.prompt``) until the end-of-sentence token,
+    """Continue ``prompt`` (``data.encoding.packing.Encoder.prompt``) until the end-of-sentence token,
     ``max_new_tokens`` or the model's last position, never choosing the ids in ``never`` (the image
     placeholder of a model that sees images: images come from the prompt) nor ids from ``tokens`` on (a
     vocabulary larger than the tokenizer's: ids it cannot decode). ``use_cache=False`` runs the whole sequence

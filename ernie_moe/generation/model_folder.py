@@ -17,8 +17,8 @@ from ..config.load import build
 from ..config.model_folder import model_config_from
 from ..config.schema import ModelConfig
 from ..config.validate import check_model
-from ..data.processor_config import folder_settings
-from ..data.tokenizer import tokenizer_in
+from ..data.encoding.processor_config import folder_settings
+from ..data.encoding.tokenizer import tokenizer_in
 from ..finetune.adapter_files import adapter_base, load_adapter
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.parameter_kinds import is_vision

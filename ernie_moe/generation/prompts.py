@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..config.schema import DataConfig
-from ..data.packing import Encoder
+from ..data.encoding.packing import Encoder
 
 
 class UsageError(ValueError):

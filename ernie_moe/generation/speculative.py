@@ -28,7 +28,7 @@ import paddle
 
 from .. import host_reads
 from ..cli import DRAFT_TOKENS
-from ..data.packing import Encoded
+from ..data.encoding.packing import Encoded
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.mtp import MultiTokenPrediction
 from .decoding import (

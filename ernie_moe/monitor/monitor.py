@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from ..data.packing import FIT_COUNTS
+from ..data.encoding.packing import FIT_COUNTS
 from ..timing import COMMUNICATION
 from .alerts import Alerts
 from .expert_balance import layer_windows, summarize

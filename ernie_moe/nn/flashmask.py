@@ -31,7 +31,7 @@ _HIDDEN = -1e30  # the score of a key a row does not see; finite, so a row that 
 class RowBounds:
     """Which rows see each key column: ``starts[b, j] <= row < ends[b, j]``.
 
-    ``ends [batch, keys]``: the first row that no longer sees key j (``data.packing.Row.key_ends``).
+    ``ends [batch, keys]``: the first row that no longer sees key j (``data.encoding.packing.Row.key_ends``).
     ``starts``: the first row that sees it; None for causal attention, where that is the key's own row.
     ``first_row``: the row index of the first query, when the queries are the last rows (generation, whose
     earlier rows are cached keys).

@@ -1,6 +1,6 @@
 """A model folder ready to answer conversations: what the server and the terminal chat share.
 
-Conversations come as the training JSONL's messages are read (``data.jsonl.parse_messages``), their images and
+Conversations come as the training JSONL's messages are read (``data.formats.jsonl.parse_messages``), their images and
 videos decoded; they are encoded by the folder's training encoder and answered by ``generation.generate_drafting``:
 the requests that wait while the model is busy are answered together in its next turn, side by side (one model per
 process).
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cli import DRAFT_TOKENS
-from ..data.packing import Encoded
-from ..data.sample import Sample
+from ..data.encoding.packing import Encoded
+from ..data.formats.sample import Sample
 from ..generation import (
     Decoding,
     Generated,
@@ -113,7 +113,7 @@ class ChatModel:
         self.side_by_side = side_by_side
 
     def encode(self, conversation, images: list[np.ndarray], videos: list[np.ndarray] = ()) -> Encoded:
-        """The prompt of ``conversation`` (``data.jsonl.parse_messages``'s, its images and videos decoded in
+        """The prompt of ``conversation`` (``data.formats.jsonl.parse_messages``'s, its images and videos decoded in
         order), the assistant's turn opened. Raises UsageError or BadSample saying what is wrong."""
         if (images or videos) and not self.sees_images:
             raise UsageError("this is a text model (its folder holds no vision encoder): it cannot take images")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data.chat import Conversation
-from ..data.jsonl import decode_image, load_image, parse_messages
-from ..data.packing import BadSample
+from ..data.encoding.packing import BadSample
+from ..data.formats.chat import Conversation
+from ..data.formats.jsonl import decode_image, load_image, parse_messages
 from .chat_model import Reply, Sampling
 
 MAX_STOP_STRINGS = 4  # as the API

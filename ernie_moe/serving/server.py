@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
 
-from ..data.packing import BadSample
+from ..data.encoding.packing import BadSample
 from ..generation import ContextTooLong, UsageError
 from .chat_model import ChatModel
 from .openai_api import ApiError, Completion, Limits, models_list, parse_request

@@ -7,7 +7,7 @@ import paddle
 
 from ..batch import IGNORE_INDEX
 from ..data import collate
-from ..data.packing import SCORE_CATEGORIES
+from ..data.encoding.packing import SCORE_CATEGORIES
 
 CATEGORIES = len(SCORE_CATEGORIES) + 1
 SCORE_SIZE = 3 + 2 * CATEGORIES  # loss sum, label tokens, correct tokens, then (scored, correct) per category

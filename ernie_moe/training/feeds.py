@@ -1,5 +1,5 @@
-"""The run's feed (``data.feed.Feed``), chosen in one place by what the run trains on: the policy's rollouts in the
-GRPO stage, preference pairs in the DPO stage, packed rows otherwise."""
+"""The run's feed (``data.feeding.feed.Feed``), chosen in one place by what the objective trains on: the policy's
+rollouts in the GRPO stage, preference pairs in the DPO stage, packed rows otherwise."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from ..config import Config
-from ..data.feed import Feed, PairFeed, RowFeed
+from ..data.feeding.feed import Feed, PairFeed, RowFeed
 from ..objectives.rewards import Reward
 from ..parallel.env import DistEnv
 from .rollouts import RolloutFeed

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import paddle
 
-from ..data.packing import BadSample, Encoded
+from ..data.encoding.packing import BadSample, Encoded
 from ..generation import Decoding, generate_batch
 from ..objectives.rewards import Reward, exact_match
 from .evaluate import CATEGORIES, caption_accuracy

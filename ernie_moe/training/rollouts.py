@@ -34,10 +34,10 @@ import paddle
 
 from .. import host_reads
 from ..data import DataError
-from ..data.loader import collate, training_encoder
-from ..data.packing import BadSample, Encoded, Row, make_row
-from ..data.plan import sample_order
-from ..data.report import render
+from ..data.encoding.packing import BadSample, Encoded, Row, make_row
+from ..data.feeding.loader import collate, training_encoder
+from ..data.feeding.plan import sample_order
+from ..data.feeding.report import render
 from ..generation import Decoding, generate_batch
 from ..generation.decoding import Generated
 from ..moe.replay import moe_layer_ids, recording, routes_of_forward, rows_of_generation
@@ -72,7 +72,7 @@ ANSWERS_SHOWN = 2  # groups of a window each rank keeps to show (rank 0 writes i
 
 
 class RolloutFeed:
-    """The trainer's feed in the GRPO stage (a ``data.feed.Feed``)."""
+    """The trainer's feed in the GRPO stage (a ``data.feeding.feed.Feed``)."""
 
     def __init__(self, dataset, runner, tokenizer, cfg, env, precision, rewards: Sequence[Reward], stats: Counter):
         t = cfg.training

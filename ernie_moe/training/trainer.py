@@ -28,9 +28,9 @@ from ..checkpoint.output_lock import release_output_dir
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
 from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
-from ..data.feed import Feed
-from ..data.loader import sample_encoder, training_encoder
-from ..data.report import data_report, describe
+from ..data.feeding.feed import Feed
+from ..data.feeding.loader import sample_encoder, training_encoder
+from ..data.feeding.report import data_report, describe
 from ..elastic.job import JobRecord, job_id
 from ..evaluation.results import read_benchmarks
 from ..finetune.adapter_files import save_adapter

@@ -14,9 +14,9 @@ from PIL import Image
 
 from ernie_moe.batch import Batch
 from ernie_moe.config import load_config
-from ernie_moe.data.chat import ERNIE_VL_TEMPLATE
-from ernie_moe.data.images import MEAN, STD
-from ernie_moe.data.loader import build_tokenizer
+from ernie_moe.data.encoding.images import MEAN, STD
+from ernie_moe.data.feeding.loader import build_tokenizer
+from ernie_moe.data.formats.chat import ERNIE_VL_TEMPLATE
 from ernie_moe.model.blocks import block_inputs
 
 # the other libraries' sides of the interop tests, each run in its own process

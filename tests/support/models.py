@@ -8,8 +8,8 @@ import paddle
 from ernie_moe.checkpoint.pretrained import load_pretrained
 from ernie_moe.config import load_config
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
-from ernie_moe.data.sample import Chunk, Sample
-from ernie_moe.data.synthetic import SyntheticShapes
+from ernie_moe.data.formats.sample import Chunk, Sample
+from ernie_moe.data.formats.synthetic import SyntheticShapes
 from ernie_moe.generation.prompts import prompt_encoder
 from ernie_moe.moe.layer import MoELayer
 from ernie_moe.nn.init import init_layer

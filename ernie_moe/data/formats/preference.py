@@ -8,7 +8,7 @@ Records, one JSON object per line, recognised by their keys::
      "sort": [1, 0]}                                                                   # ERNIEKit's DPO shape
 
 ``messages`` (or TRL's ``prompt``) is the conversation up to the answer, written as chat records are
-(``data.jsonl``); ``chosen`` and ``rejected`` are each an answer text, an assistant message, or a list holding
+(``data.formats.jsonl``); ``chosen`` and ``rejected`` are each an answer text, an assistant message, or a list holding
 one. In ERNIEKit's shape ``src`` has one question more than ``tgt`` has answers, and the higher ``sort`` marks the
 chosen one of the two ``response`` answers.
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..batch import CHOSEN, IGNORE_INDEX, REJECTED
+from ...batch import CHOSEN, IGNORE_INDEX, REJECTED
+from ..encoding.packing import PAD_TYPE, Encoded, Encoder, Row
 from .jsonl import JsonlDataset, parse_record
-from .packing import PAD_TYPE, Encoded, Encoder, Row
 from .sample import BadSample, Chunk, Sample
 from .synthetic import COLORS, COLUMNS, ROWS, SHAPES, SyntheticShapes
 

@@ -9,16 +9,16 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from ..batch import IGNORE_INDEX, Batch, HostCounts
-from ..config.schema import MTP_MAX_DEPTH
-from . import synthetic
-from .chat import chat_format
-from .packing import BadSample, Encoded, Encoder, Row, make_row
+from ...batch import IGNORE_INDEX, Batch, HostCounts
+from ...config.schema import MTP_MAX_DEPTH
+from ..encoding.packing import BadSample, Encoded, Encoder, Row, make_row
+from ..encoding.tokenizer import ByteTokenizer, WordTokenizer, tokenizer_in
+from ..formats import synthetic
+from ..formats.chat import chat_format
+from ..formats.preference import PairEncoder, SyntheticPairs
+from ..formats.sample import DataError, no_usable_sample
+from ..formats.sources import source_dataset
 from .plan import check_position, sample_order
-from .preference import PairEncoder, SyntheticPairs
-from .sample import DataError, no_usable_sample
-from .sources import source_dataset
-from .tokenizer import ByteTokenizer, WordTokenizer, tokenizer_in
 from .workers import SampleWorkers, encode_in_order
 
 

@@ -20,8 +20,8 @@ import signal
 from collections import Counter, deque
 from multiprocessing.connection import wait
 
-from .. import faults
-from .sample import BadSample, DataError
+from ... import faults
+from ..formats.sample import BadSample, DataError
 
 
 def _serve(conn, dataset, encoder, generation: int, fault: str | None) -> None:

@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from ..json_files import UnreadableJSON, read_json, read_json_object
+from ...json_files import UnreadableJSON, read_json, read_json_object
 
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
 

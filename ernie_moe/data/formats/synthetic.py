@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .images import unread
+from ..encoding.images import unread
 from .sample import Chunk, Sample
 
 COLORS = {

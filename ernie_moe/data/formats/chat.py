@@ -25,9 +25,9 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+from ..encoding.tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE
 from .erniekit import CALL, EMPTY_THINK, TOOL_LIST, TOOL_OUTPUT, check_think, tool_calls
 from .sample import BadSample, Chunk
-from .tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE
 
 IMAGE_SLOT = "<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>"
 VIDEO_SLOT = "<|VIDEO_START|><|video@placeholder|><|VIDEO_END|>"

@@ -11,9 +11,9 @@ from collections import Counter
 
 import numpy as np
 
-from .packing import Row
+from ..encoding.packing import Row
+from ..formats.sample import BadSample
 from .plan import sample_order
-from .sample import BadSample
 
 TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"  # marks the tokens a sample trains on in the rendered text
 

@@ -54,5 +54,5 @@ class Sample:
     images: list[np.ndarray] = field(default_factory=list)  # HxWxC uint8
     chunks: list[Chunk] = field(default_factory=list)
     videos: list[np.ndarray] = field(default_factory=list)  # TxHxWxC uint8 frames
-    conversation: object = None  # data.chat.Conversation: the encoder's chat format makes the chunks
+    conversation: object = None  # data.formats.chat.Conversation: the encoder's chat format makes the chunks
     closed: bool = False  # the chunks hold the begin and end tokens themselves (ERNIE's special tokens)

@@ -6,8 +6,8 @@ policy's rollouts (``training.rollouts.RolloutFeed``).
 The global rows do not depend on the layout: one seeded packing of the data, cut into global micro-batches of
 which each data rank keeps its contiguous share (tensor- and pipeline-parallel ranks of one data rank take the
 same rows), so layouts, and resumes in another layout, see the same rows. Every rank plans every row from the
-samples' lengths (``data.plan``, over ``data.length_index``) and reads, decodes and encodes only the samples of its
-own rows: a rank's data cost does not grow with the number of ranks.
+samples' lengths (``data.feeding.plan``, over ``data.feeding.length_index``) and reads, decodes and encodes only
+the samples of its own rows: a rank's data cost does not grow with the number of ranks.
 
 A sample whose encoding now differs from its index entry (a file changed, an image body that turns out broken)
 changes only the row it is in, on the rank that reads it: a sample that cannot be read is left out (counted under
@@ -32,11 +32,11 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..encoding.packing import Row, make_row
+from ..formats.sample import DataError
 from .length_index import length_index
 from .loader import RowStream, rank_share, training_encoder
-from .packing import Row, make_row
 from .plan import PackingPlan
-from .sample import DataError
 from .workers import SampleWorkers, encode_in_order
 
 

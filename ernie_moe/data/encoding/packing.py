@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..batch import IGNORE_INDEX
-from .chat import chat_format
+from ...batch import IGNORE_INDEX
+from ..formats.chat import chat_format
+from ..formats.sample import BadSample, Chunk, Sample
 from .images import is_unread, patchify, prepare, target_size, video_frames
-from .sample import BadSample, Chunk, Sample
 from .tokenizer import END_OF_SENTENCE
 from .video_fit import VideoFit, fit_videos
 
@@ -78,7 +78,7 @@ class Encoder:
 
     def __call__(self, sample: Sample) -> Encoded:
         """A training sample: the prompt, its trained tokens and the end-of-sentence token closing them, fitted to
-        ``max_seq_len``: over-long videos shrunk (``data.video_fit``), then as ``data.overlong`` says."""
+        ``max_seq_len``: over-long videos shrunk (``data.encoding.video_fit``), then as ``data.overlong`` says."""
         e = self.whole(sample)
         if len(e) > self.max_seq_len and sample.videos:
             fit = self._video_fit(sample, e)
@@ -89,7 +89,7 @@ class Encoder:
         return self._fit(e)
 
     def _video_fit(self, sample: Sample, e: Encoded) -> VideoFit | None:
-        """The frame budget and frames of ``sample``'s videos that fit ``max_seq_len`` (``data.video_fit``)."""
+        """The frame budget and frames of ``sample``'s videos that fit ``max_seq_len`` (``data.encoding.video_fit``)."""
         unit = self.patch * self.merge
         if self.video_budget is not None:  # ERNIE's rule: the most pixels of a frame, in merge blocks
             low, high = self.video_budget

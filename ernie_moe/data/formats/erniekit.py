@@ -26,8 +26,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..encoding.tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE
 from .sample import BadSample, Chunk
-from .tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 EMPTY_THINK = "<think>\n\n</think>\n\n"

@@ -1,5 +1,5 @@
 """Each training sample's encoded length, found once from what is cheap to read, so that the rows can be planned
-without reading a sample (``data.plan``) and each data rank reads only the samples of its own rows.
+without reading a sample (``data.feeding.plan``) and each data rank reads only the samples of its own rows.
 
 For sample ``i`` the index holds the number of tokens it encodes to under the run's encoding settings (fitted to
 ``data.max_seq_len`` as training fits it), or the reason it cannot be used; and, for the few samples fitting
@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..json_files import UnreadableJSON, read_json
-from .packing import FIT_COUNTS
+from ...json_files import UnreadableJSON, read_json
+from ..encoding.packing import FIT_COUNTS
 from .workers import SampleWorkers, encode_in_order
 
 # what the encoder counts of a sample it keeps: truncated, or its videos fitted (``packing.FIT_COUNTS``)

@@ -12,8 +12,8 @@ from collections import Counter
 
 import numpy as np
 
+from ..formats.sample import DataError, no_usable_sample
 from .length_index import LengthIndex
-from .sample import DataError, no_usable_sample
 
 
 def sample_order(seed: int, epoch: int, size: int) -> np.ndarray:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config.schema import VideoReading
-from ..paths import not_a_file
-from .images import is_unread, unread
+from ...config.schema import VideoReading
+from ...paths import not_a_file
+from ..encoding.images import is_unread, unread
 from .sample import BadSample
 
 ERNIE_VIDEO_READING = VideoReading()  # ERNIE-4.5-VL's processor's defaults

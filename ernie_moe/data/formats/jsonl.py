@@ -1,6 +1,6 @@
 """Real data: one JSON object per line, with image and video paths relative to the file.
 
-Each record is a caption, a chat ``messages`` list or one of ERNIEKit's SFT shapes (``data.erniekit``),
+Each record is a caption, a chat ``messages`` list or one of ERNIEKit's SFT shapes (``data.formats.erniekit``),
 recognised by its keys unless ``data.format`` names one::
 
     {"image": "cat.jpg", "text": "a cat on a mat"}                       # caption (or "images": [...])
@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from ..paths import is_url, not_a_file
+from ...paths import is_url, not_a_file
+from ..encoding.images import is_unread, unread
+from ..feeding.length_index import default_index_dir, keep_array, kept_array
 from .chat import check_messages
 from .erniekit import is_erniekit, lay_out, record_thinking
-from .images import is_unread, unread
-from .length_index import default_index_dir, keep_array, kept_array
 from .sample import BadSample, Chunk, DataError, Sample
 from .video import ERNIE_VIDEO_READING, VideoReading, read_video, stack_frames, stamp_frames
 

@@ -13,9 +13,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..config import ConfigError, DataConfig
-from ..config.load import build
-from ..json_files import read_json_object
+from ...config import ConfigError, DataConfig
+from ...config.load import build
+from ...json_files import read_json_object
 from .images import MEAN, STD
 
 FILE = "preprocessor_config.json"
