@@ -25,6 +25,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
@@ -101,7 +102,10 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
         config = model_config_dict(cfg, hf_layout=True, model_type=model_type, base=source.config)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards, weight_map, shard, size, total = [], {}, {}, 0, 0
+    shards: list[list[str]] = []
+    weight_map: dict[str, str] = {}
+    shard: dict[str, Any] = {}  # name -> array
+    size = total = 0
 
     def flush():
         nonlocal shard, size
@@ -125,6 +129,8 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
         names.remove("lm_head.weight")  # a copy of the embedding that a tied model does not read
     for name in names:
         value, _ = source.paddle_tensor(name)
+        if value is None:  # a fused weight whose pieces the folder does not all hold
+            raise CheckpointError(f"{source_dir} lacks {name} (or a piece of it)")
         if averages is not None and name in averages.where:
             value = averages.get(name)
         if adapter is not None:

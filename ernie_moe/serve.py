@@ -63,10 +63,15 @@ def main(argv=None) -> int:
         print(f"serve error: cannot listen on {args.host}:{args.port}: {err.strerror}", file=sys.stderr)
         return 2
     host, port = server.server_address[:2]
+    host = host.decode() if isinstance(host, bytes) else host
     # kill (SIGTERM) stops the server as Ctrl-C does; Paddle's own handler would print a C++ error block
-    stopped = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: (stopped.append(signum),
-                                                         threading.Thread(target=server.shutdown).start()))
+    stopped: list[int] = []
+
+    def stop(signum, frame) -> None:
+        stopped.append(signum)
+        threading.Thread(target=server.shutdown).start()
+
+    signal.signal(signal.SIGTERM, stop)
     print(f"serving '{served}' on http://{host}:{port} (OpenAI API under /v1, chat page at /; Ctrl-C or kill "
           "stops it)", flush=True)
     try:

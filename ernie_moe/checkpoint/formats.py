@@ -194,8 +194,9 @@ class SourceCheckpoint:
         (None, False) when the folder lacks it."""
         for fused, pieces in FUSED_PIECES.items():
             if name.endswith(f"{fused}.weight") and not self.has(name):
-                parts = [self.paddle_tensor(name.replace(fused, piece))[0] for piece in pieces]
-                if any(p is None for p in parts):
+                found = [self.paddle_tensor(name.replace(fused, piece))[0] for piece in pieces]
+                parts = [p for p in found if p is not None]
+                if len(parts) < len(found):
                     return None, False
                 return np.concatenate(parts, axis=1), True
         if not self.has(name):

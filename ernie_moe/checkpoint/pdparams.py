@@ -14,6 +14,7 @@ import os
 import re
 import struct
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -53,7 +54,7 @@ def _dtype(code, state) -> np.dtype:
         raise _Refused(f"it holds a dtype written {code!r}, not a type code such as 'f4'")
     if not isinstance(state, tuple) or len(state) < 5 or any(part is not None for part in state[2:5]):
         raise _Refused("it holds a structured dtype")
-    order = state[1] if state[1] in ("<", ">") else "="
+    order: Literal["<", ">", "="] = "<" if state[1] == "<" else ">" if state[1] == ">" else "="
     dtype = np.dtype(code).newbyteorder(order)
     if dtype.kind not in _PLAIN_KINDS:
         raise _Refused(f"it holds an array of dtype {dtype}, which a state dict of tensors never holds")

@@ -46,14 +46,15 @@ class KVCache:
         token per row sees every key (most decoding steps): its attention needs no mask."""
         first = self.length if first is None else first
         total = first + new
-        padded = self.padding is not None and bool(self.padding.any())
+        padding = self.padding
+        padded = padding is not None and bool(padding.any())
         unseen = None if self.unseen is None else self.unseen[:, :total]
         if new == 1 and not padded and (unseen is None or not unseen.any()):
             return None
         keys = np.arange(total)
         ends = np.full([rows, total], total, dtype=np.int64)
-        if padded:
-            ends = np.where(keys[None, :] < self.padding[:, None], keys[None, :], ends)  # seen by no row
+        if padding is not None and padded:
+            ends = np.where(keys[None, :] < padding[:, None], keys[None, :], ends)  # seen by no row
         if unseen is not None:
             ends[:, : unseen.shape[1]] = np.where(unseen, keys[: unseen.shape[1]], ends[:, : unseen.shape[1]])
         return RowBounds.causal_on_host(ends, new, first)

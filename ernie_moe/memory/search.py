@@ -100,9 +100,9 @@ def search(cfg, workload_for, world: int, device_bytes: float, limit: int = 10) 
             candidate = with_layout(cfg, tp, pp, vpp, data, ep, recompute, mb, world, moe_group, offload, chunk)
             if candidate is None:
                 continue
-            stages = estimate(candidate, workload_for(mb), data)
-            if fits(stages, device_bytes):
-                peak = max(s.total for s in stages)
+            per_stage = estimate(candidate, workload_for(mb), data)
+            if fits(per_stage, device_bytes):
+                peak = max(s.total for s in per_stage)
                 found.append((relative_time(candidate, world, micro_batches[0]), candidate, peak))
     found.sort(key=lambda x: (x[0], x[2]))
     if not found:

@@ -71,7 +71,7 @@ def frame_shares(grid_thw: np.ndarray, parts: int) -> list[tuple[int, int, np.nd
     cuts = [min(cut, len(sizes)) for cut in cuts] + [len(sizes)]
     shares = []
     for first, end in zip(cuts[:-1], cuts[1:]):
-        frames = []
+        frames: list[list[int]] = []
         for frame in range(first, end):  # consecutive frames of one image stay one grid row
             if frames and frames[-1][0] == images[frame]:
                 frames[-1][1] += 1
@@ -173,6 +173,7 @@ class VisionTransformer(nn.Layer):
         angles = Rotation(vision_rope_angles(positions[:, 1:], head_dim, self.cfg.rope_theta),
                           interleaved=False)
         sizes = same_size_groups(grid_thw)
+        groups: tuple[list, paddle.Tensor | None]
         if len(sizes) == 1:  # frames of one size: every patch, in order
             groups = ([(None, *sizes[0][1:])], None)
         else:

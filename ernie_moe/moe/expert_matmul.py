@@ -9,6 +9,8 @@ over the rows padded to the busiest expert's count.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import paddle
 from paddle import _C_ops
@@ -161,7 +163,7 @@ class _OverStackedWeights(PyLayer):
                          paddle.zeros_like(w) for j, (w, wants) in enumerate(zip(weights, wants_weights))]
 
 
-def _stacked(weights: list[paddle.Tensor], dtype) -> paddle.Tensor:
+def _stacked(weights: Sequence[paddle.Tensor], dtype) -> paddle.Tensor:
     """The experts' weights as one ``[experts, in, out]`` tensor in ``dtype``."""
     return paddle.stack(weights).astype(dtype)
 

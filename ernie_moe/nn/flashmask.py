@@ -70,6 +70,7 @@ class RowBounds:
         if self.causal:
             first = paddle.arange(keys, dtype="int64")[None, None, :]
         else:
+            assert self.starts is not None  # bidirectional bounds carry their start rows
             first = self.starts[:, :keys].astype("int64")[:, None, :]
         return paddle.logical_and(seen, rows[None, :, None] >= first).unsqueeze(1)
 

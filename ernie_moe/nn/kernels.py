@@ -35,7 +35,7 @@ from .rope import Rotation, rotate
 try:  # Paddle's grouped GEMM; a build without it runs the padded batched matmul (``moe.expert_matmul``)
     from paddle.incubate.nn.functional import batched_gemm
 except ImportError:
-    batched_gemm = None
+    batched_gemm = None  # type: ignore[assignment]
 
 # largest difference allowed, relative to the reference's largest magnitude; float32 matmuls on GPUs may run in
 # TF32 (10-bit mantissa)
@@ -174,6 +174,7 @@ def fused_flashmask_attention(q, k, v, bounds: RowBounds) -> paddle.Tensor:
     if bounds.causal:
         rows = bounds.ends.unsqueeze(-1)
     else:
+        assert bounds.starts is not None  # bidirectional bounds carry their start rows
         rows = paddle.stack([bounds.ends, bounds.starts], axis=-1)
     return F.flashmask_attention(q, k, v, rows.unsqueeze(1).astype("int32"), causal=bounds.causal)
 

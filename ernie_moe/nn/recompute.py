@@ -77,7 +77,7 @@ class Recomputable:
         recompute, which takes tensors and plain values."""
         plain = getattr(self, method)
         use_reentrant = getattr(self, "_recomputed", {}).get(method)
-        if use_reentrant is None or not self.training:
+        if use_reentrant is None or not getattr(self, "training", False):  # nn.Layer's flag, beside this mixin
             return plain(*args, **kwargs)
         return recomputed(functools.partial(plain, **kwargs), *_taking_gradient(args, self),
                           use_reentrant=use_reentrant)
@@ -89,10 +89,10 @@ def _taking_gradient(args: tuple, layer) -> tuple:
     tensors = [a for a in args if isinstance(a, paddle.Tensor)]
     if any(not t.stop_gradient for t in tensors) or all(p.stop_gradient for p in layer.parameters()):
         return args
-    args = list(args)
-    for i, a in enumerate(args):
+    given = list(args)
+    for i, a in enumerate(given):
         if isinstance(a, paddle.Tensor) and a.dtype in (paddle.float32, paddle.bfloat16, paddle.float16):
-            args[i] = a.detach()
-            args[i].stop_gradient = False
+            given[i] = a.detach()
+            given[i].stop_gradient = False
             break
-    return tuple(args)
+    return tuple(given)

@@ -19,7 +19,7 @@ def rope_angles(position_ids: paddle.Tensor, head_dim: int, theta: float, t_slot
     half = head_dim // 2
     inv_freq, axes = _frequencies(head_dim, theta, t_slots, position_ids.place)
     pos = position_ids.astype("float32")
-    if t_slots is None:
+    if axes is None:
         per_slot = pos[..., :1].expand(pos.shape[:-1] + [half])
     else:
         per_slot = paddle.index_select(pos, axes, axis=-1)

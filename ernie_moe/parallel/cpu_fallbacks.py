@@ -15,6 +15,7 @@ import ctypes.util
 import itertools
 import os
 import socket
+from typing import Any
 
 import paddle
 import paddle.distributed as dist
@@ -152,13 +153,13 @@ def use_private_group_rendezvous() -> None:
     fleet (its topology, ``PipelineLayer``'s shared-weight groups) calls ``paddle.distributed.new_group``,
     which is replaced for the life of the process; every rank creates every group in the same order.
     """
-    if getattr(dist.new_group, "private_rendezvous", False):
+    if getattr(dist.new_group, "__name__", "") == "_group_with_own_store":  # wrapped already
         return
     original = dist.new_group
     stores = []  # the group stores live as long as the process
     counter = itertools.count()
 
-    def with_own_store(ranks=None, *args, **kwargs):
+    def _group_with_own_store(ranks=None, *args, **kwargs):
         number = next(counter)
         members = sorted(ranks) if ranks is not None else list(range(dist.get_world_size()))
         if len(members) < 2 or dist.get_rank() not in members:
@@ -172,18 +173,18 @@ def use_private_group_rendezvous() -> None:
         finally:
             collective._default_store = global_store
 
-    with_own_store.private_rendezvous = True
-    dist.new_group = with_own_store
+    dist.new_group = _group_with_own_store
 
 
 def _group_store(number: int, members: list[int]):
     key = f"ernie_moe/group_store/{number}"
+    default: Any = collective._default_store  # set once the default group exists, which every caller follows
     is_master = dist.get_rank() == members[0]
     if is_master:
         host = os.environ.get("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").split(":")[0]
         with socket.socket() as probe:
             probe.bind(("", 0))
             port = probe.getsockname()[1]
-        collective._default_store.set(key, f"{host}:{port}".encode())
-    host, port = collective._default_store.get(key).decode().split(":")
+        default.set(key, f"{host}:{port}".encode())
+    host, port = default.get(key).decode().split(":")
     return core.TCPStore(host, int(port), is_master, len(members))

@@ -29,7 +29,7 @@ from ..parallel.grad_sync import GradSync
 from ..parallel.pipeline import ErniePipeline, time_schedule_parts
 from ..timing import part
 from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
-from .preference import ReferenceModel
+from .preference import PrecomputedReference, ReferenceModel
 
 
 def build_model(model_cfg, env, loss_chunk: int = 0, objective: Objective | None = None):
@@ -38,6 +38,7 @@ def build_model(model_cfg, env, loss_chunk: int = 0, objective: Objective | None
     the LM head and loss (``training.loss_subbatch_seqlen``); ``objective``: what the loss is (default:
     language modelling)."""
     plan = build_plan(model_cfg, env)
+    model: ErniePipeline | ErnieMoEForConditionalGeneration
     if env.pp_group is not None:
         model = ErniePipeline(model_cfg, plan, env, env.virtual_stages, objective or LanguageModelling(), loss_chunk)
     else:
@@ -50,7 +51,7 @@ def build_model(model_cfg, env, loss_chunk: int = 0, objective: Objective | None
 
 
 def build_runner(model, env, precision, grad_sync: GradSync, timed: bool,
-                 reference: ReferenceModel | None = None) -> PlainRunner | PipelineRunner:
+                 reference: ReferenceModel | PrecomputedReference | None = None) -> PlainRunner | PipelineRunner:
     """The runner for ``model`` as :func:`build_model` built it for this layout; ``timed``: the step's time is
     broken down (``logging.time_breakdown``); ``reference``: the reference of an objective that has one."""
     runner = PipelineRunner if env.pp_group is not None else PlainRunner
