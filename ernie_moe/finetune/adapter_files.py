@@ -17,6 +17,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import paddle
@@ -172,10 +173,11 @@ def settings_of(config) -> LoRASettings:
     rank, alpha, targets = (config.get(key) if isinstance(config, dict) else None
                             for key in ("r", "lora_alpha", "target_modules"))
     targets = [targets] if isinstance(targets, str) else targets
-    if not (fits(rank, int)[0] and rank >= 1 and fits(alpha, float)[0] and fits(targets, list[str])[0]):
+    if not (fits(rank, int)[0] and cast(int, rank) >= 1 and fits(alpha, float)[0] and fits(targets, list[str])[0]):
         raise CheckpointError(f"{CONFIG} needs r (at least 1), lora_alpha (a number) and target_modules (patterns); "
                               f"it holds r={rank!r}, lora_alpha={alpha!r}, target_modules={targets!r}")
-    return LoRASettings(rank=rank, alpha=float(alpha), targets=tuple(targets), rslora=bool(config.get("rslora", False)))
+    return LoRASettings(rank=cast(int, rank), alpha=float(cast(float, alpha)), targets=tuple(cast(list, targets)),
+                        rslora=bool(config.get("rslora", False)))
 
 
 def load_adapter(model, model_cfg, directory) -> LoRASettings:

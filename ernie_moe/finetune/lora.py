@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import paddle
@@ -69,8 +70,9 @@ class LoRALinear(nn.Layer):
         in_features, out_features = full_shape(base.weight)
         a_shape, b_shape = [in_features, rank], [rank, out_features]
         self.lora_A = (self._split(a_shape, 0, [in_features]) if self.split == "row" else self._factor(a_shape))
-        self.lora_B = (self._split(b_shape, 1, spec_of(base.weight).split.segments) if self.split == "column"
-                       else self._factor(b_shape))
+        split = spec_of(base.weight).split  # a column-parallel weight's: its fused segments
+        self.lora_B = (self._split(b_shape, 1, split.segments if split is not None else [out_features])
+                       if self.split == "column" else self._factor(b_shape))
         # PaddleFormers' Kaiming-uniform (a = sqrt(5)) for A, drawn by name from the whole tensor; B stays zero
         describe(self.lora_A, init=("uniform", 1.0 / math.sqrt(in_features)))
         describe(self.lora_B, init=None)
@@ -87,9 +89,9 @@ class LoRALinear(nn.Layer):
         return self.create_parameter(shape, dtype=self.weight.dtype,
                                      default_initializer=nn.initializer.Constant(0.0))
 
-    def _split(self, shape: list[int], axis: int, segments: list[int]):
+    def _split(self, shape: list[int], axis: int, segments: Sequence[int]):
         """This rank's slice of a factor split along ``axis`` as the base weight is (its fused segments)."""
-        return sharded_parameter(self, shape, axis, segments, self.base.group, 0.0)
+        return sharded_parameter(self, shape, axis, list(segments), self.base.group, 0.0)
 
     @property
     def base(self) -> nn.Layer:
@@ -145,7 +147,8 @@ def target_matcher(targets: list[str], vision_expert_start: int | None):
             if not re.fullmatch(LORA_TARGETS.get(target, target), name):
                 continue
             if target in ("text_experts", "vision_experts"):
-                vision = vision_expert_start is not None and expert_id(name) >= vision_expert_start
+                expert = expert_id(name)
+                vision = vision_expert_start is not None and expert is not None and expert >= vision_expert_start
                 if vision != (target == "vision_experts"):
                     continue
             hits.append(target)

@@ -50,10 +50,10 @@ def batch_inputs(prompts: list[Encoded], channels: int) -> tuple[tuple, np.ndarr
     for row, (prompt, pad) in enumerate(zip(prompts, padding)):
         ids[row, pad:], types[row, pad:], positions[row, pad:] = (prompt.input_ids, prompt.token_type_ids,
                                                                    prompt.position_ids)
-    patches = [p for prompt in prompts for p in prompt.patches]
-    grids = [g for prompt in prompts for g in prompt.grids]
-    patches = np.concatenate(patches) if patches else np.zeros([0, channels], np.float32)
-    grids = np.stack(grids).reshape([-1, 3]) if grids else np.zeros([0, 3], np.int64)
+    every_patch = [p for prompt in prompts for p in prompt.patches]
+    every_grid = [g for prompt in prompts for g in prompt.grids]
+    patches = np.concatenate(every_patch) if every_patch else np.zeros([0, channels], np.float32)
+    grids = np.stack(every_grid).reshape([-1, 3]) if every_grid else np.zeros([0, 3], np.int64)
     inputs = (paddle.to_tensor(ids), paddle.to_tensor(types), paddle.to_tensor(positions),
               paddle.full([len(prompts), longest], longest, dtype="int64"), paddle.to_tensor(patches),
               paddle.to_tensor(grids))
@@ -158,7 +158,9 @@ def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos
                                   eos_id, positions[row] >= limit, on_token)
         finished = all(out is not None for out in done)
         if not (lockstep(finished) if lockstep is not None else not finished):
-            return done
+            answers = [out for out in done if out is not None]
+            assert len(answers) == len(done)  # the ranks go on together until every row of each has ended
+            return answers
         live = [out is None for out in done]
         if use_cache:
             last = [ids[-1] if ids else 0 for ids in new]  # a row stopped before its first token feeds padding

@@ -60,8 +60,8 @@ class MoELayer(nn.Layer):
         self.group_modality = group_modalities(cfg, modalities)
         self.router_counts = router_counts(cfg, modalities)
         if self.hard_gate:
-            counts = [counts[m] for m in self.group_modality]
-            widths = [widths[m] for m in self.group_modality]
+            counts = [counts[m] for m in self.group_modality if m is not None]  # a hard gate's groups: each a modality
+            widths = [widths[m] for m in self.group_modality if m is not None]
         self.expert_offsets = [sum(counts[:g]) for g in range(len(counts))] if self.hard_gate else [0]
         self.num_experts = sum(counts)
         self.expert_widths = [w for n, w in zip(counts, widths) for _ in range(n)]  # by global expert id
@@ -122,7 +122,7 @@ class MoELayer(nn.Layer):
 
     def _imposed_routes(self) -> paddle.Tensor | None:
         """This forward's replayed routing ``[tokens, k]`` (moe.replay.replayed), or None."""
-        if self.routes_in is None:
+        if self.routes_in is None or self.routes_recomputed is None:  # replay sets both
             return None
         if replaying():  # a recompute routes as its forward did
             return self.routes_recomputed.popleft()

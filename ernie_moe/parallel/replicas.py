@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 import paddle
 import paddle.distributed as dist
+from paddle.distributed.communication.group import Group
 
 from ..model.parameter_kinds import is_expert
 
-_BITS = {paddle.float32: "int32", paddle.bfloat16: "int16", paddle.float16: "int16", paddle.float64: "int64"}
+_BITS: dict = {paddle.float32: paddle.int32, paddle.bfloat16: paddle.int16, paddle.float16: paddle.int16,
+               paddle.float64: paddle.int64}
 _CHUNK = 1 << 22  # elements digested at once: the int64 temporaries stay small whatever the parameter's size
 
 
@@ -24,7 +26,7 @@ _CHUNK = 1 << 22  # elements digested at once: the int64 temporaries stay small 
 class ReplicaSet:
     """Parameters (by exported name) that every rank of ``group`` holds a copy of."""
 
-    group: object
+    group: Group  # a process group of the layout (paddle.distributed)
     named: list  # [(name, parameter)], the same names in the same order on every rank of the group
 
 

@@ -24,7 +24,7 @@ from ..moe.router import Router
 from ..nn.layers import RMSNorm
 
 # Layers whose weights stay float32 under O2
-FLOAT32_LAYERS = [Router, RMSNorm, MoEStatics, nn.LayerNorm]
+FLOAT32_LAYERS: list[nn.Layer | type[nn.Layer]] = [Router, RMSNorm, MoEStatics, nn.LayerNorm]
 
 
 class NonFiniteGradients(RuntimeError):

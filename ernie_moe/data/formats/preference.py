@@ -57,7 +57,8 @@ def side_records(record: dict, where: str) -> tuple[dict, dict]:
         raise BadSample("bad_record", f"{where}: messages (or prompt) must be a non-empty list of messages")
     rest = {k: v for k, v in record.items() if k not in ("messages", "prompt", "chosen", "rejected")}
     sides = [_answer(record[key], key, where) for key in ("chosen", "rejected")]
-    return tuple({**rest, "messages": [*prompt, {"role": "assistant", "content": text}]} for text in sides)
+    chosen, rejected = ({**rest, "messages": [*prompt, {"role": "assistant", "content": text}]} for text in sides)
+    return chosen, rejected
 
 
 def _answer(value, key: str, where: str):
@@ -97,14 +98,15 @@ def _erniekit_sides(record: dict, where: str) -> tuple[dict, dict]:
         texts.append(answer)
     chosen, rejected = (texts[0], texts[1]) if sort[0] > sort[1] else (texts[1], texts[0])
     rest = {k: v for k, v in record.items() if k not in ("src", "tgt", "response", "sort", "label")}
-    return tuple({**rest, "src": src, "tgt": [*tgt, text], "label": [0] * len(tgt) + [1]}
-                 for text in (chosen, rejected))
+    first, second = ({**rest, "src": src, "tgt": [*tgt, text], "label": [0] * len(tgt) + [1]}
+                     for text in (chosen, rejected))
+    return first, second
 
 
 class PreferenceJsonl(JsonlDataset):
     """A JSONL file of preference pairs."""
 
-    def __getitem__(self, index: int) -> Pair:
+    def __getitem__(self, index: int) -> Pair:  # type: ignore[override]  # a pair of samples, each read as one is
         where = f"line {index + 1}"
         chosen, rejected = side_records(parse_record(self._line(index), where), where)
         return Pair(self.sample_of(chosen, where), self.sample_of(rejected, where))
@@ -116,7 +118,7 @@ class SyntheticPairs(SyntheticShapes):
 
     WORDS = {"color": tuple(COLORS), "shape": SHAPES, "row": ROWS, "column": COLUMNS}
 
-    def __getitem__(self, index: int) -> Pair:
+    def __getitem__(self, index: int) -> Pair:  # type: ignore[override]  # a pair of samples, each drawn as one is
         chosen = super().__getitem__(index)
         chosen.chunks[1].loss = False  # the caption's first word ("a") closes the prompt
         rng = np.random.default_rng([self.seed, self.split, index, 0x70616972])  # a stream of its own ("pair")

@@ -31,9 +31,9 @@ def shard_files(entry: str) -> list[Path]:
     (sorted); DataError when it names none, or a compressed one."""
     path = Path(entry)
     if path.is_dir():
-        compressed = sorted(p.name for p in path.iterdir() if p.name.endswith(COMPRESSED_SUFFIXES) and p.is_file())
-        if compressed:  # left out, its samples would be missing from the run without a word
-            raise DataError(_compressed(path / compressed[0]))
+        packed = sorted(p.name for p in path.iterdir() if p.name.endswith(COMPRESSED_SUFFIXES) and p.is_file())
+        if packed:  # left out, its samples would be missing from the run without a word
+            raise DataError(_compressed(path / packed[0]))
         files = sorted(p for p in path.iterdir() if p.suffix in SHARD_SUFFIXES and p.is_file())
         if not files:
             raise DataError(f"data folder '{entry}' holds no shard ({', '.join(SHARD_SUFFIXES)} files)")
@@ -162,8 +162,8 @@ class TarShard(ScannedShard):
                 raise BadSample("missing_text", f"{where} has no .txt or .json member")
             text = member(*self.text_at[index])
         try:
-            text = text.decode("utf-8")
-            record = json.loads(text) if self.text_json[index] else {"text": text}
+            decoded = text.decode("utf-8")
+            record = json.loads(decoded) if self.text_json[index] else {"text": decoded}
         except (UnicodeDecodeError, ValueError, RecursionError):
             raise BadSample("bad_json", f"{where}: its text member is not UTF-8 JSON or text") from None
         if not isinstance(record, dict):
@@ -198,7 +198,7 @@ class ParquetShard(ScannedShard):
         self.identity_stat = (self.path.stat().st_size, self.path.stat().st_mtime_ns)
         meta = self.file.metadata
         self.group_starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
-        self._group = (-1, None)
+        self._group: tuple[int, list] = (-1, [])  # the row group read last, as rows
         return np.arange(int(self.group_starts[-1]), dtype=np.int64)
 
     def __getstate__(self) -> dict:  # a worker opens the file itself

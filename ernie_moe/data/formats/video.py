@@ -94,10 +94,10 @@ def read_video(path: Path, reading: VideoReading, max_pixels: int) -> np.ndarray
         raise BadSample("corrupt_video", f"video '{path}' cannot be decoded: {err}") from None
     if len(frames) != len(wanted):
         raise BadSample("corrupt_video", f"video '{path}': {len(frames)} of the {len(wanted)} sampled frames decode")
-    frames = stack_frames(frames, f"'{path}'")
+    stacked = stack_frames(frames, f"'{path}'")
     if reading.timestamp_font:  # every sampled frame decoded, in order
-        frames = stamp_frames(frames, [i / rate for i in sorted(wanted)], reading.timestamp_font)
-    return frames
+        stacked = stamp_frames(stacked, [i / rate for i in sorted(wanted)], reading.timestamp_font)
+    return stacked
 
 
 def stamp_frames(frames: np.ndarray, seconds: list[float], font_path: str) -> np.ndarray:
