@@ -30,11 +30,13 @@ from paddle.base import core
 from safetensors import safe_open
 
 from .. import faults
+from ..config.schema import ModelConfig
 from ..data.formats.sample import DataError
 from ..json_files import read_json, read_json_object
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor, shard_of
+from ..parallel.env import DistEnv
 from .errors import CheckpointError
 from .files import BackgroundWrites, WrittenFiles, sha256_of, sync_folder
 from .formats import read_weight_map
@@ -54,7 +56,7 @@ MASTER = "master_weight"
 EMA = "ema"  # ema-<rank>.safetensors and ema.index.json: the EMA's averages (training.ema_decay)
 
 
-def _barrier(env) -> None:
+def _barrier(env: DistEnv) -> None:
     if env.world_size > 1:
         dist.barrier()
 
@@ -83,7 +85,7 @@ class TrainingParts:
     ema: object = None  # the EMA of the weights (training.ema.WeightAverage), or None
 
 
-def start_checkpoint(parts: TrainingParts, cfg, tokenizer, env, run: Run, parent: Checkpoint | None,
+def start_checkpoint(parts: TrainingParts, cfg, tokenizer, env: DistEnv, run: Run, parent: Checkpoint | None,
                      background: BackgroundWrites | None = None) -> PendingCheckpoint:
     """Start the checkpoint of the state's step (every rank calls this): the part that reads the training state,
     the full tensors gathered to host memory and handed to the file writes, which run now or, with
@@ -138,7 +140,7 @@ class PendingCheckpoint:
         """Whether this rank's files are all written (or have failed)."""
         return self.written.background is None or self.written.background.idle()
 
-    def finish(self, env) -> Checkpoint:
+    def finish(self, env: DistEnv) -> Checkpoint:
         """Every rank calls this: wait for this rank's files, then the marker, the rename and the pruning, or on
         a write error anywhere the partial folder removed and :class:`CheckpointError` raised on every rank."""
         if self.written.background is not None:
@@ -209,7 +211,7 @@ def set_rng_state(state: dict) -> None:
     paddle.set_rng_state(generators)
 
 
-def _save_optimizer(parts: TrainingParts, env, directory: Path, step: int, written: WrittenFiles) -> None:
+def _save_optimizer(parts: TrainingParts, env: DistEnv, directory: Path, step: int, written: WrittenFiles) -> None:
     """Full tensors (tensor-parallel slices gathered), each written by one rank into its own file."""
     names = {p.name: (stable, p) for stable, p in parts.model.stable_named_parameters()}
     writes = {True: _writes_experts(env, _experts_sharded(parts.optimizer)), False: _writes_shared(env)}
@@ -228,7 +230,7 @@ def _save_optimizer(parts: TrainingParts, env, directory: Path, step: int, writt
     _write_full_tensors(entries, env, directory, "optimizer", written, step)
 
 
-def _save_ema(parts: TrainingParts, env, directory: Path, written: WrittenFiles) -> None:
+def _save_ema(parts: TrainingParts, env: DistEnv, directory: Path, written: WrittenFiles) -> None:
     """The EMA's averages, each written by the rank that owns it (tensor-parallel rank 0, or for the experts the
     rule of expert states sharded over their replicas)."""
     if parts.ema is None or not parts.ema.started:
@@ -238,7 +240,7 @@ def _save_ema(parts: TrainingParts, env, directory: Path, written: WrittenFiles)
     _write_full_tensors(entries, env, directory, EMA, written)
 
 
-def _write_full_tensors(entries: list, env, directory: Path, kind: str, written: WrittenFiles,
+def _write_full_tensors(entries: list, env: DistEnv, directory: Path, kind: str, written: WrittenFiles,
                         step: int | None = None) -> None:
     """``entries``: (tensor name, parameter, this rank's value split like it, whether this rank writes it), the
     same parameters in the same order on the ranks of a tensor-parallel group. Each rank writes its tensors whole
@@ -279,7 +281,7 @@ def _experts_sharded(optimizer) -> bool:
     return any(hasattr(part, "owner") for part in getattr(optimizer, "parts", []) if part is not None)
 
 
-def _writes_experts(env, sharded: bool) -> bool:
+def _writes_experts(env: DistEnv, sharded: bool) -> bool:
     """The ranks of the expert group holding the stage's lead write the expert states (the lead alone when
     every rank holds every expert). When the states are sharded over the experts' replicas, each rank holds,
     and writes, its share (on tensor-parallel rank 0 unless the experts are split over the tensor ranks)."""
@@ -290,7 +292,7 @@ def _writes_experts(env, sharded: bool) -> bool:
     return env.stage_lead in env.expert_group.ranks
 
 
-def _writes_shared(env) -> bool:
+def _writes_shared(env: DistEnv) -> bool:
     """Tensor-parallel rank 0 of the first data-parallel replica writes the other states; under optimizer
     sharding each of its sharding ranks holds, and writes, its own share."""
     sharding = env.hcg.get_sharding_parallel_world_size() if env.sharding else 1
@@ -353,7 +355,7 @@ RESUME_MAY_CHANGE = ("moe_aux_loss_lambda", "moe_z_loss_lambda", "moe_orthogonal
                      "moe_aux_free_update_coef", "moe_capacity")
 
 
-def _read_state(directory: Path, model_cfg) -> dict:
+def _read_state(directory: Path, model_cfg: ModelConfig) -> dict:
     """``trainer_state.json``, its fields of the right kind; CheckpointError naming what is wrong, and naming the
     model settings of this run that differ from the checkpoint's (they change what the weights compute)."""
     path = directory / "trainer_state.json"
@@ -375,7 +377,7 @@ def _read_state(directory: Path, model_cfg) -> dict:
     return state
 
 
-def load_checkpoint(parts: TrainingParts, directory: Path, env) -> dict:
+def load_checkpoint(parts: TrainingParts, directory: Path, env: DistEnv) -> dict:
     """Load model weights, optimizer state, schedule, loss scaling and the data position into this rank's layout;
     returns the saved ``trainer_state.json`` (the caller restores the step from it)."""
     state = _read_state(directory, parts.model.cfg)

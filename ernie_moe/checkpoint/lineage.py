@@ -23,8 +23,10 @@ from pathlib import Path
 import paddle.distributed as dist
 
 from ..config.errors import ConfigError
+from ..config.schema import TrainingConfig
 from ..elastic.job import Attempt, JobRecord
 from ..json_files import UnreadableJSON, read_json
+from ..parallel.env import DistEnv
 from .errors import CheckpointError
 from .files import sha256_of
 from .output_lock import lock_output_dir, note_attempt
@@ -41,7 +43,7 @@ class Run:
     started: float
 
     @classmethod
-    def begin(cls, env) -> Run:
+    def begin(cls, env: DistEnv) -> Run:
         """A new run id, the same on every rank."""
         mine = (time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3), time.time())
         return cls(*env.all_gather_object(mine)[0])
@@ -124,7 +126,7 @@ def prune(root: Path, head: Checkpoint, limit: int) -> list[Path]:
     return removed
 
 
-def verify(checkpoint: Checkpoint, env=None) -> str | None:
+def verify(checkpoint: Checkpoint, env: DistEnv | None = None) -> str | None:
     """Check the files against the digests in the marker, the files shared out over the ranks; returns the
     first problem (the same on every rank), or None."""
     rank, world = (env.rank, env.world_size) if env is not None else (0, 1)
@@ -143,7 +145,8 @@ def verify(checkpoint: Checkpoint, env=None) -> str | None:
     return problem
 
 
-def resolve(resume_from: str, output_dir: str, env=None, warn=print, runs: set[str] | None = None) -> Checkpoint | None:
+def resolve(resume_from: str, output_dir: str, env: DistEnv | None = None, warn=print,
+            runs: set[str] | None = None) -> Checkpoint | None:
     """The checkpoint ``training.resume_from_checkpoint`` names, verified. ``auto``: the newest checkpoint of
     the newest run in ``output_dir`` (None when there is none), or of the newest of ``runs`` where given (an elastic
     job's attempts), falling back along its lineage past damaged ones; a path: that checkpoint, an error naming the
@@ -189,7 +192,7 @@ def _unverified_said(checkpoint: Checkpoint, warn) -> Checkpoint:
     return checkpoint
 
 
-def claim_output_dir(training_cfg, env, job: JobRecord | None = None) -> list[Attempt]:
+def claim_output_dir(training_cfg: TrainingConfig, env: DistEnv, job: JobRecord | None = None) -> list[Attempt]:
     """Take the output folder's lock (one job at a time, every run: fresh, resumed or overwriting; see
     ``output_lock``), then: a fresh run (no resume) may not write into a folder holding another run's
     checkpoints, unless ``training.overwrite_output_dir`` says to remove them. Under the elastic launcher

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
+from ..config.schema import ModelConfig
 from ..config.transformers_form import special_ids, to_transformers
 from ..data.encoding.processor_config import processor_file
 from ..json_files import UnreadableJSON, read_json
@@ -21,6 +22,7 @@ from ..model.parameter_kinds import MTP, is_expert
 from ..moe.layer import router_counts
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor
+from ..parallel.env import DistEnv
 from .files import WrittenFiles
 from .formats import VL, to_hf, transformers_name
 
@@ -41,7 +43,8 @@ def folder_config(directory) -> dict:
     return config if isinstance(config, dict) and config.get("model_type") in ARCHITECTURES else {}
 
 
-def model_config_dict(model_cfg, hf_layout: bool = False, model_type: str = VL, base: dict | None = None) -> dict:
+def model_config_dict(model_cfg: ModelConfig, hf_layout: bool = False, model_type: str = VL,
+                      base: dict | None = None) -> dict:
     """ERNIE 4.5 config.json keys (``torch_dtype`` marks the Hugging Face layout), on top of ``base`` (the
     source's config.json when converting, which keeps keys such as the special token ids). The text model
     types describe the decoder alone: ``ernie4_5`` needs a dense model, ``ernie4_5_moe`` one shared expert pool."""
@@ -186,7 +189,8 @@ def trained_names(model) -> set[str]:
     return {n for n, p in model.stable_named_parameters() if not p.stop_gradient}
 
 
-def save_model(model, model_cfg, directory: str, tokenizer=None, env=None, hf_layout: bool = False,
+def save_model(model, model_cfg: ModelConfig, directory: str, tokenizer=None, env: DistEnv | None = None,
+               hf_layout: bool = False,
                written: WrittenFiles | None = None, only: set[str] | None = None, stem: str = "model",
                convert=None, source: dict | None = None, extra: dict[str, str] | None = None,
                form: str = PADDLEFORMERS) -> Path:
@@ -282,7 +286,7 @@ def absent_correction_biases(model) -> list[tuple[str, np.ndarray]]:
             for moe in model.moe_layers() if moe.moe_statics is None]
 
 
-def correction_bias_zeros(model_cfg, names: set[str]) -> list[tuple[str, np.ndarray]]:
+def correction_bias_zeros(model_cfg: ModelConfig, names: set[str]) -> list[tuple[str, np.ndarray]]:
     """Zeros as the correction bias of each MoE layer of ``model_cfg`` whose bias is not among ``names`` (a
     folder's tensors), shaped as its router's groups and experts, for the export that has no model built."""
     out = []
@@ -295,7 +299,8 @@ def correction_bias_zeros(model_cfg, names: set[str]) -> list[tuple[str, np.ndar
     return out
 
 
-def written_config(model_cfg, hf_layout: bool, source: dict | None, tokenizer, form: str = PADDLEFORMERS) -> dict:
+def written_config(model_cfg: ModelConfig, hf_layout: bool, source: dict | None, tokenizer,
+                   form: str = PADDLEFORMERS) -> dict:
     """The config.json a run writes: the source folder's keys, this model's, and the tokenizer's special ids
     where the source names none; in transformers' form, its ERNIE-4.5-VL config (ValueError for a model it
     cannot express)."""

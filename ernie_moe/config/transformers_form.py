@@ -10,6 +10,8 @@ layer that is MoE for one modality only) is a ValueError naming it.
 
 from __future__ import annotations
 
+from ..config.schema import ModelConfig
+
 TRANSFORMERS_VL = "ernie4_5_vl_moe"
 PUBLISHED_VIDEO_TOKEN_ID = 103367  # the published models' video placeholder (transformers' default)
 _TOKEN_IDS = ("image_start_token_id", "image_end_token_id", "video_start_token_id", "video_end_token_id",
@@ -77,7 +79,7 @@ def _interval(sparse: list[int]) -> int:
     return interval
 
 
-def to_transformers(model_cfg, special_ids: dict[str, int], source: dict | None = None) -> dict:
+def to_transformers(model_cfg: ModelConfig, special_ids: dict[str, int], source: dict | None = None) -> dict:
     """The transformers config.json of this package's model. ``special_ids``: the tokenizer's ids of
     ``bos/eos/pad`` and the image / video start, end and placeholder tokens it has; ``source``: the config.json
     of the folder converted, whose own token ids are kept where the tokenizer has none."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from ..config.schema import ModelConfig
 from ..data.encoding.packing import document_ends, document_starts
 from ..model.attention import core_attention
 from ..model.single_device import SingleDevicePlan
@@ -268,7 +269,7 @@ def run_checks(dtypes: list[str], seed: int = 0, checks_to_run: dict | None = No
     return checks
 
 
-def model_checks(model_cfg) -> dict:
+def model_checks(model_cfg: ModelConfig) -> dict:
     """The decoder's attention, norm and routed experts at a model's own widths (the fused kernels too, on a GPU):
     the shapes a config's training runs, which the built-in checks' small ones may not reach."""
     m = model_cfg

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.errors import ConfigError
+from ..config.schema import ModelConfig, TrainingConfig
 from ..model.parameter_kinds import LORA_TARGETS, PARTS, PATCH_EMBEDDING, VISION, is_router, vit_block
+from ..parallel.env import DistEnv
 from .lora import LoRASettings, apply_lora, is_lora
 
 
@@ -33,14 +35,14 @@ class FineTuning:
         return line
 
 
-def frozen(name: str, training_cfg) -> bool:
+def frozen(name: str, training_cfg: TrainingConfig) -> bool:
     """Whether the parameter of this stable name is frozen by the run's settings."""
     if training_cfg.fine_tuning == "lora" and not is_lora(name):
         return True
     return any(PARTS[part](name) for part in training_cfg.freeze)
 
 
-def prepare_fine_tuning(model, training_cfg, model_cfg, env) -> FineTuning:
+def prepare_fine_tuning(model, training_cfg: TrainingConfig, model_cfg: ModelConfig, env: DistEnv) -> FineTuning:
     """Add the LoRA pairs, freeze what does not train and stop the router-bias rule where routers are frozen.
     Every rank calls it (a target is checked against the layers of every pipeline stage)."""
     t = training_cfg
@@ -84,7 +86,7 @@ def prepare_fine_tuning(model, training_cfg, model_cfg, env) -> FineTuning:
     return FineTuning(t.fine_tuning, int(trainable), int(total), counts, adapted)
 
 
-def learning_rate_ratios(model, training_cfg) -> dict[int, float]:
+def learning_rate_ratios(model, training_cfg: TrainingConfig) -> dict[int, float]:
     """id(parameter) -> its learning rate as a multiple of the schedule's: routers ``moe_gate_lr_ratio``; the
     ViT ``vit_lr_ratio`` with layer-wise decay ``visual_ld`` (the patch embedding decays most, the final norm
     not at all)."""

@@ -29,8 +29,10 @@ from ..checkpoint.files import sha256_of
 from ..checkpoint.formats import FUSED_PIECES, VL, group_qkv, split_fused, ungroup_qkv
 from ..checkpoint.model_files import folder_config, save_model, trained_names
 from ..config.kinds import fits
+from ..config.schema import ModelConfig
 from ..json_files import read_json
 from ..nn.sharding import shard_of
+from ..parallel.env import DistEnv
 from .lora import LoRASettings, apply_lora, is_lora, linear_layers
 
 CONFIG = "lora_config.json"
@@ -48,7 +50,7 @@ def base_reference(directory: str) -> dict:
     return {"path": str(folder), "sha256": digest.hexdigest()}
 
 
-def _qkv_order(name: str, array: np.ndarray, model_cfg, to_paddleformers: bool) -> np.ndarray:
+def _qkv_order(name: str, array: np.ndarray, model_cfg: ModelConfig, to_paddleformers: bool) -> np.ndarray:
     """A fused q/k/v layer's B in PaddleFormers' column order (or back to this package's); any other as is."""
     if not name.endswith("self_attn.qkv_proj.lora_B"):
         return array
@@ -62,7 +64,7 @@ def pieces_of(layer: str) -> list[str]:
     return [f"{prefix}.{piece}" for piece in FUSED_PIECES[last]] if last in FUSED_PIECES else [layer]
 
 
-def split_pair(name: str, array: np.ndarray, model_cfg) -> list[tuple[str, np.ndarray]]:
+def split_pair(name: str, array: np.ndarray, model_cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
     """A LoRA tensor as PaddleFormers' VL model holds it: for a fused layer its pieces' A (each the same) or B
     (the piece's columns); any other as is."""
     layer, _, factor = name.rpartition(".")
@@ -97,7 +99,7 @@ def _joined_pairs(tensors: dict[str, np.ndarray], directory) -> dict[str, np.nda
     return out
 
 
-def save_adapter(model, model_cfg, settings: LoRASettings, directory, tokenizer, env, base: dict,
+def save_adapter(model, model_cfg: ModelConfig, settings: LoRASettings, directory, tokenizer, env: DistEnv, base: dict,
                  extra: dict[str, str] | None = None) -> Path:
     """Write the model's LoRA pairs in PaddleFormers' form for the base's model type, and the ``extra`` files
     (every rank calls this)."""
@@ -147,7 +149,7 @@ def target_patterns(adapted: set[str], layers: set[str]) -> list[str]:
     return patterns
 
 
-def read_adapter(directory, model_cfg=None) -> tuple[LoRASettings, dict[str, np.ndarray]]:
+def read_adapter(directory, model_cfg: ModelConfig | None = None) -> tuple[LoRASettings, dict[str, np.ndarray]]:
     """(the settings of lora_config.json, the tensors) of an adapter folder; CheckpointError if unreadable. The
     tensors are as written, or with ``model_cfg`` in this package's layout (one pair per fused layer, this
     package's q/k/v column order)."""
@@ -180,7 +182,7 @@ def settings_of(config) -> LoRASettings:
                         rslora=bool(config.get("rslora", False)))
 
 
-def load_adapter(model, model_cfg, directory) -> LoRASettings:
+def load_adapter(model, model_cfg: ModelConfig, directory) -> LoRASettings:
     """Add the adapter's LoRA pairs to a built model (one process) and load them."""
     settings, tensors = read_adapter(directory, model_cfg)
     # the adapted layers are those the tensors name (target_modules may name PaddleFormers' layers instead)
@@ -207,7 +209,8 @@ def load_adapter(model, model_cfg, directory) -> LoRASettings:
     return settings
 
 
-def merged_weight(name: str, weight: np.ndarray, adapter: tuple[LoRASettings, dict], model_cfg) -> np.ndarray:
+def merged_weight(name: str, weight: np.ndarray, adapter: tuple[LoRASettings, dict],
+                  model_cfg: ModelConfig) -> np.ndarray:
     """``weight + A B * scaling`` for a Paddle-layout weight the adapter adapts (``weight`` itself otherwise);
     ``adapter``: :func:`read_adapter` in this package's layout."""
     settings, tensors = adapter

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import paddle
 from paddle import nn
 
+from ..config.schema import TrainingConfig
 from ..model.parameter_kinds import LORA_TARGETS, expert_id
 from ..nn.init import init_weights
 from ..nn.param_spec import describe, full_shape, spec_of
@@ -43,7 +44,7 @@ class LoRASettings:
     seed: int = 0  # A is drawn by name from it
 
     @classmethod
-    def of(cls, training_cfg) -> LoRASettings:
+    def of(cls, training_cfg: TrainingConfig) -> LoRASettings:
         t = training_cfg
         return cls(t.lora_rank, t.lora_alpha, tuple(t.lora_targets), t.rslora, t.lora_dropout, t.seed)
 

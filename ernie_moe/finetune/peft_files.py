@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 
 from ..checkpoint.checkpoint import read_base
 from ..checkpoint.errors import CheckpointError
+from ..config.schema import ModelConfig
 from ..model.parameter_kinds import is_expert
 from .adapter_files import read_adapter, split_pair
 
@@ -38,7 +39,7 @@ def transformers_module(layer: str) -> str:
     return layer
 
 
-def write_peft_adapter(adapter_dir, out_dir, model_cfg, base_dir) -> dict:
+def write_peft_adapter(adapter_dir, out_dir, model_cfg: ModelConfig, base_dir) -> dict:
     """Write the adapter in ``adapter_dir`` in PEFT's form to ``out_dir``, over the base model at ``base_dir``
     (the transformers-form folder it is to be loaded on)."""
     settings, tensors = read_adapter(adapter_dir, model_cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..config.schema import DataConfig
+from ..config.schema import DataConfig, ModelConfig
 from ..data.encoding.packing import Encoder
 
 
@@ -25,7 +25,7 @@ def check_room(prompt, positions: int) -> None:
                              "(max_position_embeddings), leaving none to answer")
 
 
-def prompt_encoder(tokenizer, model_cfg, data: DataConfig) -> Encoder:
+def prompt_encoder(tokenizer, model_cfg: ModelConfig, data: DataConfig) -> Encoder:
     """The training encoder of ``data``, any prompt length the model's positions allow."""
     return Encoder(tokenizer, model_cfg, model_cfg.max_position_embeddings, "skip", data.max_image_side, Counter(),
                    data.pixel_budget, data.video_budget)

@@ -21,11 +21,12 @@ import numpy as np
 import paddle
 
 from .. import host_reads
+from ..config.schema import ModelConfig
 
 DROPPED, NOT_RECORDED = -1, -2
 
 
-def moe_layer_ids(model_cfg) -> list[int]:
+def moe_layer_ids(model_cfg: ModelConfig) -> list[int]:
     """The decoder layers that hold an MoE block, in order: a record's layer axis."""
     return [i for i in range(model_cfg.num_hidden_layers) if model_cfg.moe_modalities_at(i)]
 

@@ -9,10 +9,12 @@ depths that train count as dense layers, with their projection.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import paddle
 
+from ..config.schema import ModelConfig
 from ..model.mtp import MultiTokenPrediction
 from .memory import on_gpu
 
@@ -32,13 +34,13 @@ class FlopsCounter:
     local parameters), its share of the attention heads, and of the routed experts when those are spread over
     ranks that see the same tokens (``moe_group: mp``)."""
 
-    def __init__(self, model, model_cfg):
+    def __init__(self, model, model_cfg: ModelConfig):
         self.cfg = model_cfg
         plan = model.plan
         tp_group = getattr(plan, "tp_group", None)
         self.head_share = 1.0 / tp_group.nranks if tp_group is not None else 1.0
         self.expert_share = 1.0 / plan.expert_group.nranks if getattr(plan, "experts_on_tp_ranks", False) else 1.0
-        self.layers = []
+        self.layers: list[dict[str, Any]] = []
         mtp = [b for b in model.blocks() if isinstance(b, MultiTokenPrediction) and b.active]
         for layer in model.decoder_layers() + [layer for b in mtp for layer in b.mtp_block]:  # this rank's layers
             entry = {"attn": _count(layer.self_attn), "moe": layer.mlp if layer.is_moe else None}

@@ -8,6 +8,7 @@ in the model, the pipeline or the runner.
 
 from __future__ import annotations
 
+from ..config.schema import TrainingConfig
 from .base import LanguageModelling, Objective
 from .head import Predictions, token_losses
 from .policy import PolicyGradient, PolicySettings
@@ -17,7 +18,7 @@ __all__ = ["LanguageModelling", "Objective", "PolicyGradient", "PreferenceLoss",
            "token_losses"]
 
 
-def build_objective(training_cfg, env=None) -> Objective:
+def build_objective(training_cfg: TrainingConfig, env=None) -> Objective:
     """``training.stage``'s objective: language modelling (pretraining, SFT), the DPO family (``dpo``), whose
     sums over the pairs of other data ranks (kto_pair) run over the data group, or the GRPO family (``grpo``).
     ``env``: None where the objective is read for its rules (the memory planner), not run."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from ..config.schema import ModelConfig
 from .head import Predictions
 
 
@@ -32,7 +33,7 @@ class Objective:
         (computed once before the run), or None (it needs none)."""
         return "model" if self.needs_reference else None
 
-    def mtp_depths(self, model_cfg) -> int:
+    def mtp_depths(self, model_cfg: ModelConfig) -> int:
         """The multi-token prediction depths that train beside this objective (0: the model has none, or the
         objective leaves them as they are, as preference and RL losses do)."""
         return model_cfg.num_nextn_predict_layers if self.trains_mtp else 0

@@ -28,6 +28,7 @@ import numpy as np
 import paddle
 
 from ..batch import IGNORE_INDEX
+from ..config.schema import TrainingConfig
 from .base import Objective
 from .head import Predictions
 
@@ -50,7 +51,7 @@ class PolicySettings:
     max_new_tokens: int = 64  # Dr. GRPO's constant
 
     @classmethod
-    def of(cls, training_cfg) -> PolicySettings:
+    def of(cls, training_cfg: TrainingConfig) -> PolicySettings:
         t = training_cfg
         return cls(t.rl_loss, t.rl_clip_low, t.rl_clip_high, t.rl_kl_beta, t.rl_temperature, t.rl_max_new_tokens)
 

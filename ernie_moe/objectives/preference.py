@@ -27,6 +27,7 @@ import paddle
 import paddle.nn.functional as F
 
 from ..batch import CHOSEN, IGNORE_INDEX, REJECTED
+from ..config.schema import TrainingConfig
 from .base import Objective
 from .head import Predictions
 
@@ -50,7 +51,7 @@ class PreferenceSettings:
     reference: str = "model"  # where the reference's log-probabilities come from (training.dpo_reference)
 
     @classmethod
-    def of(cls, training_cfg) -> PreferenceSettings:
+    def of(cls, training_cfg: TrainingConfig) -> PreferenceSettings:
         t = training_cfg
         return cls(t.dpo_loss, t.dpo_beta, t.dpo_label_smoothing, t.dpo_simpo_gamma, t.dpo_dpop_lambda,
                    t.dpo_normalize_length, t.dpo_sft_weight, t.dpo_reference)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config.errors import ConfigError
+from ..config.schema import TrainingConfig
 
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 _THINK = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.DOTALL)
@@ -96,7 +97,7 @@ class Reward:
         return float(value)
 
 
-def build_rewards(training_cfg) -> list[Reward]:
+def build_rewards(training_cfg: TrainingConfig) -> list[Reward]:
     """The rewards ``training.rewards`` names, weighed; ConfigError naming what cannot be one."""
     t = training_cfg
     weights = t.reward_weights or [1.0] * len(t.rewards)

@@ -22,6 +22,7 @@ from paddle.base import core
 from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients_with_group
 
 from ..nn.param_spec import spec_of
+from ..parallel.env import DistEnv
 
 # fleet's reducer buckets (paddle.DataParallel's defaults): the last bucket small, so that the collective left
 # once the backward pass has ended is short
@@ -52,7 +53,7 @@ class GradSync:
     step, before that backward, and :meth:`finish` after it.
     """
 
-    def __init__(self, groups: dict[str, list], env, overlap: bool, one_pass=lambda: True):
+    def __init__(self, groups: dict[str, list], env: DistEnv, overlap: bool, one_pass=lambda: True):
         self.env = env
         self.groups = groups
         self.one_pass = one_pass

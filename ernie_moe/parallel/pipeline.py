@@ -32,6 +32,7 @@ from ..model.mtp import MultiTokenPrediction, labels_ahead, split_rows
 from ..nn.init import init_weights
 from ..objectives import Objective, Predictions
 from ..objectives.sums import loss_sums, step_sums, weighted_loss
+from ..parallel.env import DistEnv
 from ..timing import part
 
 
@@ -79,7 +80,7 @@ class PipelineLoss(nn.Layer):
 class ErniePipeline(BlockQueries, PipelineLayer):
     """This rank's pipeline stages of the model's blocks."""
 
-    def __init__(self, cfg, plan, env, virtual_stages: int, objective: Objective, loss_chunk: int = 0):
+    def __init__(self, cfg, plan, env: DistEnv, virtual_stages: int, objective: Objective, loss_chunk: int = 0):
         self.cfg, self.plan = cfg, plan
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # drawn before fleet reseeds per layer
         descs = []

@@ -14,11 +14,13 @@ import copy
 import numpy as np
 import paddle
 
+from ..config.schema import ModelConfig
 from ..model.single_device import SingleDevicePlan
 from ..model.vision import blank_merge_block, frame_shares
 from ..moe.dispatcher import LocalDispatcher
 from ..nn.layers import RMSNorm
 from ..nn.param_spec import describe
+from ..parallel.env import DistEnv
 from . import tensor_parallel as tp
 from .comm import GatherAlong, GatherRows, SplitAlong, SumOverRanks
 from .expert_parallel import ExpertParallelDispatcher, TensorParallelExpertDispatcher, local_expert_ids
@@ -144,7 +146,7 @@ class ParallelPlan(SingleDevicePlan):
         return tp.vocab_parallel_cross_entropy(logits, labels, self.tp_group)
 
 
-def build_plan(model_cfg, env) -> SingleDevicePlan:
+def build_plan(model_cfg: ModelConfig, env: DistEnv) -> SingleDevicePlan:
     """The plan for this process's place in the layout."""
     router_stats_group = env.data_group if model_cfg.global_aux_loss and env.data_world > 1 else None
     if env.tp_group is None and env.expert_group is None and router_stats_group is None:

@@ -16,6 +16,7 @@ import paddle.distributed as dist
 from paddle.distributed.communication.group import Group
 
 from ..model.parameter_kinds import is_expert
+from ..parallel.env import DistEnv
 
 _BITS: dict = {paddle.float32: paddle.int32, paddle.bfloat16: paddle.int16, paddle.float16: paddle.int16,
                paddle.float64: paddle.int64}
@@ -30,7 +31,7 @@ class ReplicaSet:
     named: list  # [(name, parameter)], the same names in the same order on every rank of the group
 
 
-def replica_sets(named: list, env) -> list[ReplicaSet]:
+def replica_sets(named: list, env: DistEnv) -> list[ReplicaSet]:
     """``named`` (``(name, parameter)`` of this rank) by the group of ranks holding copies of them: the data
     ranks for shared parameters, the expert replicas for routed experts (together when those are the data
     ranks). Empty on one process; a parameter with one copy is in no set."""
@@ -79,7 +80,7 @@ class Difference:
 
 
 @paddle.no_grad()
-def compare_replicas(sets: list[ReplicaSet], env) -> list[Difference]:
+def compare_replicas(sets: list[ReplicaSet], env: DistEnv) -> list[Difference]:
     """Every copy that differs from the first of its group, over the whole job (every rank gets the same
     list; a collective over the job, every rank calls it)."""
     found = []

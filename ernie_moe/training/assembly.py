@@ -36,6 +36,7 @@ from ..finetune.quantize import quantize_base, refuse_a_quantized_base
 from ..model.recompute import apply_recompute
 from ..moe.experts import use_expert_matmul
 from ..objectives import Objective, build_objective
+from ..parallel.env import DistEnv
 from ..parallel.grad_sync import GradSync
 from ..timing import StepTimes
 from .ema import WeightAverage
@@ -61,7 +62,7 @@ class Assembled:
     ema: WeightAverage | None  # the moving average of the weights, when the run keeps one
 
 
-def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
+def assemble(cfg, env: DistEnv, state, device_bytes: float, load_weights) -> Assembled:
     """The model, runner and optimizer of a run, built step by step in the order above. ``state``: the training
     state (its recompute settings); ``load_weights(model, folder)`` loads a pretrained folder."""
     t = cfg.training
@@ -84,7 +85,7 @@ def assemble(cfg, env, state, device_bytes: float, load_weights) -> Assembled:
                      StepTimes(enabled=timed), ema)
 
 
-def build(cfg, env, objective: Objective | None = None):
+def build(cfg, env: DistEnv, objective: Objective | None = None):
     return build_model(cfg.model, env, cfg.training.loss_subbatch_seqlen, objective)
 
 
@@ -105,7 +106,7 @@ def expert_matmul(model, t) -> None:
     use_expert_matmul(model, t.moe_expert_matmul)
 
 
-def fine_tune(model, cfg, env):
+def fine_tune(model, cfg, env: DistEnv):
     """(what trains, the LoRA base's reference or None)."""
     t = cfg.training
     fine_tuning = prepare_fine_tuning(model, t, cfg.model, env)
@@ -121,7 +122,7 @@ def quantize(model, t, fine_tuning) -> None:
         fine_tuning.quantized = (t.quantize_base, quantize_base(model, t.quantize_base, t.quantize_group_size))
 
 
-def grad_sync(groups, cfg, env, state) -> GradSync:
+def grad_sync(groups, cfg, env: DistEnv, state) -> GradSync:
     """One pass per backward unless a reentrant recompute is on (read each step: the guard may turn it on)."""
     reentrant = cfg.training.recompute_use_reentrant
     return GradSync(groups, env, cfg.parallel.overlap_grad_sync, one_pass=lambda: not (state.recompute and reentrant))

@@ -8,10 +8,11 @@ import paddle
 
 from ..evaluation import answer_benchmark, max_new_tokens
 from ..evaluation.formats import Benchmark
+from ..parallel.env import DistEnv
 from .generation_eval import SIDE_BY_SIDE
 
 
-def benchmark_metrics(benches: dict[str, Benchmark], model, tokenizer, data_cfg, env) -> dict:
+def benchmark_metrics(benches: dict[str, Benchmark], model, tokenizer, data_cfg, env: DistEnv) -> dict:
     """Every benchmark's figures as ``eval_bench/<name>[/<category>]``, and its skipped items."""
     def summed(values):
         return env.all_reduce_sum(paddle.to_tensor(values), env.data_group).numpy()

@@ -14,13 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config import ConfigError
+from ..config.schema import TrainingConfig
 from ..json_files import UnreadableJSON, dumps, read_json
+from ..parallel.env import DistEnv
 
 BEST_DIR, BEST_FILE = "best_model", "best.json"
 
 
 class BestModel:
-    def __init__(self, training_cfg, resumed: bool):
+    def __init__(self, training_cfg: TrainingConfig, resumed: bool):
         t = training_cfg
         self.metric, self.patience = t.save_best_metric, t.early_stopping_patience
         self.lower_is_better = self.metric.endswith("loss")
@@ -58,7 +60,7 @@ class BestModel:
     def record(self) -> dict:
         return {"metric": self.metric, "value": self.value, "step": self.step, "evaluations_since": self.since}
 
-    def replace(self, export: Callable[[Path], object], env) -> None:
+    def replace(self, export: Callable[[Path], object], env: DistEnv) -> None:
         """The new best written by ``export`` (every rank's part) into ``best_model.tmp``, then swapped in."""
         if env.is_main:
             shutil.rmtree(self.writing, ignore_errors=True)

@@ -18,12 +18,14 @@ from contextlib import contextmanager
 
 import paddle
 
+from ..config.schema import TrainingConfig
 from ..nn.param_spec import full_shape
+from ..parallel.env import DistEnv
 from ..parallel.replicas import broadcast_owned, owners, replica_sets
 
 
 class WeightAverage:
-    def __init__(self, training_cfg, env, model):
+    def __init__(self, training_cfg: TrainingConfig, env: DistEnv, model):
         t = training_cfg
         self.decay, self.start, self.every = t.ema_decay, t.ema_start_step, t.ema_update_every
         self.on_host = t.offload_optim

@@ -24,6 +24,7 @@ import paddle
 from ..data.encoding.packing import BadSample, Encoded
 from ..generation import Decoding, generate_batch
 from ..objectives.rewards import Reward, exact_match
+from ..parallel.env import DistEnv
 from .evaluate import CATEGORIES, caption_accuracy
 
 SUMS = 3 + 2 * CATEGORIES  # answered, exact matches, F1 sum, then (scored, right) per category
@@ -89,7 +90,7 @@ def generation_metrics(sums: np.ndarray, rewards: Sequence[Reward] = ()) -> dict
 
 
 @paddle.no_grad()
-def evaluate_by_generation(model, dataset, encoder, tokenizer, env, count: int, max_new_tokens: int,
+def evaluate_by_generation(model, dataset, encoder, tokenizer, env: DistEnv, count: int, max_new_tokens: int,
                            rewards: Sequence[Reward] = ()) -> dict:
     """Greedy answers to the first ``count`` samples of ``dataset`` (0 = all), this rank's share of them, scored
     (and by ``rewards``)."""

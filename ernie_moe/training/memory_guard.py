@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import paddle
 
 from .. import host_reads
+from ..config.schema import TrainingConfig
 from ..model.recompute import GRANULARITIES, apply_recompute
+from ..parallel.env import DistEnv
 
 LADDER = (None, "moe", "core_attn", "full_attn", "full")
 assert set(LADDER[1:]) == set(GRANULARITIES)
@@ -40,7 +42,7 @@ class Rung:
 
 
 class MemoryGuard:
-    def __init__(self, training_cfg, env, device_bytes: float, model, can_halve: bool):
+    def __init__(self, training_cfg: TrainingConfig, env: DistEnv, device_bytes: float, model, can_halve: bool):
         self.env, self.model = env, model
         self.fraction = training_cfg.memory_guard_fraction
         self.limit = self.fraction * device_bytes

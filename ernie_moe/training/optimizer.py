@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import paddle
 from paddle import _C_ops
 
 from ..checkpoint.checkpoint import adam_parts
+from ..config.schema import TrainingConfig
 from ..finetune import learning_rate_ratios
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import spec_of
+from ..parallel.env import DistEnv
 from ..parallel.replicas import broadcast_owned, owners
 from .offload import OffloadedOptimizer, buckets, state_bytes_per_parameter
 from .schedule import WarmupDecay
@@ -21,7 +24,7 @@ def no_decay(name: str, param) -> bool:
     return len(param.shape) < 2 or name.endswith(".bias")
 
 
-def build_optimizer(model, training_cfg, env=None):
+def build_optimizer(model, training_cfg: TrainingConfig, env: DistEnv | None = None):
     """AdamW over every trainable parameter. With optimizer sharding (stage 1) the non-expert parameters'
     states are split over the sharding ranks by fleet's sharding optimizer, and the routed experts' states
     over the ranks that hold the same experts (:class:`ShardedExpertAdamW`): different ranks hold different
@@ -62,7 +65,7 @@ def build_optimizer(model, training_cfg, env=None):
     )
 
     experts = [p for n, p in params if is_expert(n)]
-    shared = DygraphShardingOptimizer(adamw([p for n, p in params if not is_expert(n)]), env.hcg)
+    shared: Any = DygraphShardingOptimizer(adamw([p for n, p in params if not is_expert(n)]), env.hcg)
     if t.offload_optim:  # fleet's sharding optimizer steps its share at once: that share visits whole
         shared = OffloadedOptimizer([shared])
     replicas = env.expert_replica_group

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import paddle
 from paddle import nn
 
+from ..config.schema import TrainingConfig
 from ..moe.layer import MoEStatics
 from ..moe.router import Router
 from ..nn.layers import RMSNorm
@@ -32,7 +34,7 @@ class NonFiniteGradients(RuntimeError):
 
 
 class Precision:
-    def __init__(self, training_cfg):
+    def __init__(self, training_cfg: TrainingConfig):
         t = training_cfg
         self.dtype = "bfloat16" if t.bf16 else "float16" if t.fp16 else None
         self.level = t.fp16_opt_level
@@ -67,7 +69,8 @@ class Precision:
         """O2: weights to low precision, except the float32 layers. Paddle leaves the model as it is on a CPU
         (no low-precision matmul kernels there), where mixed precision runs in float32."""
         if self.o2:
-            paddle.amp.decorate(models=model, level="O2", dtype=self.dtype, master_grad=self.master_grad,
+            dtype: Any = self.dtype  # bfloat16 or float16 under O2
+            paddle.amp.decorate(models=model, level="O2", dtype=dtype, master_grad=self.master_grad,
                                 excluded_layers=FLOAT32_LAYERS)
 
     def autocast(self):

@@ -26,6 +26,7 @@ from ..batch import rows_with_pairs
 from ..data import RowStream, rank_batches
 from ..finetune.lora import LoRALinear
 from ..model.parameter_kinds import is_router_bias
+from ..parallel.env import DistEnv
 
 
 class ReferenceModel:
@@ -35,7 +36,7 @@ class ReferenceModel:
                 if is_router_bias(name) or (not lora and not p.stop_gradient)]
         self.weights = [(p, p.detach().clone()) for p in kept]
 
-    def prepare(self, runner, datasets: dict, tokenizer, cfg, env) -> str | None:
+    def prepare(self, runner, datasets: dict, tokenizer, cfg, env: DistEnv) -> str | None:
         """Nothing: the reference's pass runs in each step."""
         return None
 
@@ -79,7 +80,7 @@ class PrecomputedReference:
             values = np.stack([self.tables["eval"][-1 - k] if k < 0 else self.tables["train"][k] for k in keys])
             batch.objective_inputs["reference_logps"] = paddle.to_tensor(np.nan_to_num(values).astype(np.float32))
 
-    def prepare(self, runner, datasets: dict, tokenizer, cfg, env) -> str:
+    def prepare(self, runner, datasets: dict, tokenizer, cfg, env: DistEnv) -> str:
         """Read the figures from the output folder when they were computed for this data and start, else compute
         them with the model as it now is (the starting weights) and write them; says which."""
         folder = Path(cfg.training.output_dir)
@@ -101,7 +102,7 @@ class PrecomputedReference:
                f"first step ({folder / self.RECORD})"
 
     @staticmethod
-    def _compute(runner, dataset, held_out: bool, tokenizer, cfg, env) -> np.ndarray:
+    def _compute(runner, dataset, held_out: bool, tokenizer, cfg, env: DistEnv) -> np.ndarray:
         """Every pair of ``dataset`` through ``runner.logps_pass``, each data rank its share, in the training's
         micro-batch shape; gathered on every rank."""
         from collections import Counter

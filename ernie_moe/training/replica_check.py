@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import paddle
 
+from ..config.schema import TrainingConfig
+from ..parallel.env import DistEnv
 from ..parallel.replicas import compare_replicas, describe, replica_sets
 
 
@@ -15,7 +17,7 @@ class ReplicasDiffer(RuntimeError):
 
 
 class ReplicaCheck:
-    def __init__(self, training_cfg, env, model):
+    def __init__(self, training_cfg: TrainingConfig, env: DistEnv, model):
         self.action, self.every = training_cfg.replica_check, training_cfg.replica_check_steps
         self.env = env
         named = model.stable_named_parameters(include_tied_copy=True)

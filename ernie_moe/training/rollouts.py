@@ -43,6 +43,7 @@ from ..generation.decoding import Generated
 from ..moe.replay import moe_layer_ids, recording, routes_of_forward, rows_of_generation
 from ..objectives.policy import group_advantages
 from ..objectives.rewards import Reward
+from ..parallel.env import DistEnv
 from .generation_eval import split_answer
 
 MAX_ROUNDS = 8  # rounds of prompts one rollout may take before it gives up on filling its groups
@@ -74,7 +75,8 @@ ANSWERS_SHOWN = 2  # groups of a window each rank keeps to show (rank 0 writes i
 class RolloutFeed:
     """The trainer's feed in the GRPO stage (a ``data.feeding.feed.Feed``)."""
 
-    def __init__(self, dataset, runner, tokenizer, cfg, env, precision, rewards: Sequence[Reward], stats: Counter):
+    def __init__(self, dataset, runner, tokenizer, cfg, env: DistEnv, precision, rewards: Sequence[Reward],
+                 stats: Counter):
         t = cfg.training
         self.dataset, self.runner, self.tokenizer, self.cfg, self.env = dataset, runner, tokenizer, cfg, env
         self.model = model = runner.model

@@ -17,6 +17,7 @@ import paddle.distributed as dist
 from paddle.distributed import fleet
 
 from ..batch import IGNORE_INDEX
+from ..config.schema import ModelConfig, TrainingConfig
 from ..data import collate
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.parameter_kinds import is_expert
@@ -25,6 +26,7 @@ from ..nn.param_spec import describe
 from ..objectives import LanguageModelling, Objective
 from ..objectives.sums import step_sums, weighted_loss
 from ..parallel import build_plan
+from ..parallel.env import DistEnv
 from ..parallel.grad_sync import GradSync
 from ..parallel.pipeline import ErniePipeline, time_schedule_parts
 from ..timing import part
@@ -32,7 +34,7 @@ from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
 from .preference import PrecomputedReference, ReferenceModel
 
 
-def build_model(model_cfg, env, loss_chunk: int = 0, objective: Objective | None = None):
+def build_model(model_cfg: ModelConfig, env: DistEnv, loss_chunk: int = 0, objective: Objective | None = None):
     """The single-device model, or this rank's pipeline stages; expert weights that differ between ranks
     are marked so that fleet's parameter broadcasts leave them alone. ``loss_chunk``: tokens per chunk of
     the LM head and loss (``training.loss_subbatch_seqlen``); ``objective``: what the loss is (default:
@@ -50,7 +52,7 @@ def build_model(model_cfg, env, loss_chunk: int = 0, objective: Objective | None
     return model
 
 
-def build_runner(model, env, precision, grad_sync: GradSync, timed: bool,
+def build_runner(model, env: DistEnv, precision, grad_sync: GradSync, timed: bool,
                  reference: ReferenceModel | PrecomputedReference | None = None) -> PlainRunner | PipelineRunner:
     """The runner for ``model`` as :func:`build_model` built it for this layout; ``timed``: the step's time is
     broken down (``logging.time_breakdown``); ``reference``: the reference of an objective that has one."""
@@ -64,7 +66,7 @@ class PlainRunner:
     # whether the micro-batch shape is fixed once the run is built (the memory guard cannot halve it)
     fixed_micro_batches = False
 
-    def __init__(self, model, env, precision, grad_sync: GradSync, timed: bool, reference=None):
+    def __init__(self, model, env: DistEnv, precision, grad_sync: GradSync, timed: bool, reference=None):
         self.model, self.env, self.precision, self.grad_sync = model, env, precision, grad_sync
         self.reference = reference
 
@@ -113,7 +115,7 @@ class PlainRunner:
         finally:
             self.model.train()
 
-    def micro_batch_groups(self, batches, training_cfg):
+    def micro_batch_groups(self, batches, training_cfg: TrainingConfig):
         """Row batches as the groups of micro-batches one pass takes (here: one micro-batch at a time)."""
         for rows in batches:
             yield [collate(rows)]
@@ -122,14 +124,14 @@ class PlainRunner:
         """What the backward passes left of the step's gradient synchronisation."""
         self.grad_sync.finish()
 
-    def evaluate(self, batches, training_cfg) -> dict:
+    def evaluate(self, batches, training_cfg: TrainingConfig) -> dict:
         if self.objective.evaluates_figures:
             return self.evaluate_figures(batches, training_cfg)
         with self.precision.autocast():
             return evaluate(self.model, batches, self.env, training_cfg.max_eval_batches)
 
     @paddle.no_grad()
-    def evaluate_figures(self, batches, training_cfg) -> dict:
+    def evaluate_figures(self, batches, training_cfg: TrainingConfig) -> dict:
         """The objective's metrics of held-out data (for DPO ``eval_loss``, ``eval_reward_accuracy``, ...): a
         reference pass and a policy pass per group of micro-batches."""
         t = training_cfg
@@ -151,7 +153,7 @@ class PlainRunner:
         finally:
             self.model.train()
 
-    def eval_rows_per_device(self, training_cfg) -> int:
+    def eval_rows_per_device(self, training_cfg: TrainingConfig) -> int:
         return training_cfg.per_device_eval_batch_size
 
     def sum_over_stages(self, tensor: paddle.Tensor) -> paddle.Tensor:
@@ -171,7 +173,7 @@ class PipelineRunner(PlainRunner):
 
     fixed_micro_batches = True  # fleet's schedule keeps the tensor shapes of its first step
 
-    def __init__(self, model, env, precision, grad_sync: GradSync, timed: bool, reference=None):
+    def __init__(self, model, env: DistEnv, precision, grad_sync: GradSync, timed: bool, reference=None):
         self.model, self.env, self.precision, self.grad_sync = model, env, precision, grad_sync
         self.reference = reference
         self.fleet_model = fleet.distributed_model(model)
@@ -228,7 +230,7 @@ class PipelineRunner(PlainRunner):
                 batch.objective_inputs["reference_logps"] = logps
 
     @paddle.no_grad()
-    def evaluate(self, batches, training_cfg) -> dict:
+    def evaluate(self, batches, training_cfg: TrainingConfig) -> dict:
         """Forward only through fleet's schedule; the last stage's loss function scores each batch. The
         schedule takes ``gradient_accumulation_steps`` micro-batches of the training shape at a time: short
         batches and the last group are filled with unlabelled copies."""
@@ -261,7 +263,7 @@ class PipelineRunner(PlainRunner):
         totals = self.sum_over_stages(totals)
         return eval_metrics(self.env.all_reduce_sum(totals, self.env.data_group).numpy())
 
-    def micro_batch_groups(self, batches, training_cfg):
+    def micro_batch_groups(self, batches, training_cfg: TrainingConfig):
         """Row batches as the schedule takes them: ``gradient_accumulation_steps`` micro-batches of the training
         shape at a time, a short last group filled with unlabelled copies (which add nothing to the objective's
         figures)."""
@@ -289,7 +291,7 @@ class PipelineRunner(PlainRunner):
         loss.reset()
         return totals
 
-    def eval_rows_per_device(self, training_cfg) -> int:
+    def eval_rows_per_device(self, training_cfg: TrainingConfig) -> int:
         return training_cfg.per_device_train_batch_size  # the schedule's shape
 
     def sum_over_stages(self, tensor: paddle.Tensor) -> paddle.Tensor:
@@ -297,6 +299,7 @@ class PipelineRunner(PlainRunner):
 
     def gather_stages(self, value) -> list:
         gathered: list = []
+        assert self.env.pp_group is not None  # a pipeline's runner
         dist.all_gather_object(gathered, value, group=self.env.pp_group)
         return gathered
 

@@ -13,6 +13,8 @@ import math
 
 from paddle.optimizer.lr import LRScheduler
 
+from ..config.schema import TrainingConfig
+
 KEYS = ("learning_rate", "min_lr", "warmup_steps", "max_steps", "lr_scheduler_type", "wsd_decay_ratio")
 
 
@@ -49,9 +51,9 @@ def _planned(step: int, args: tuple, anchor, origin: int = 0) -> float:
 
 
 class WarmupDecay(LRScheduler):
-    def __init__(self, training_cfg):
+    def __init__(self, training_cfg: TrainingConfig):
         self.args = tuple(getattr(training_cfg, key) for key in KEYS)
-        self.anchor = None  # (step, rate) where a resume re-planned the schedule
+        self.anchor: tuple | None = None  # (step, rate) where a resume re-planned the schedule
         self.origin = 0  # the step a warm restart started the schedule afresh at
         super().__init__(learning_rate=training_cfg.learning_rate)
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import Config, ConfigError
+from ..config.schema import ModelConfig, TrainingConfig
 from ..monitor.memory import MemoryMonitor
+from ..parallel.env import DistEnv
 
 
-def device_bytes(training_cfg) -> float:
+def device_bytes(training_cfg: TrainingConfig) -> float:
     return (training_cfg.device_memory_gb or MemoryMonitor().device_total_gb()) * 2 ** 30
 
 
-def check_memory(cfg, env) -> None:
+def check_memory(cfg, env: DistEnv) -> None:
     """Stop before building anything when the memory planner predicts that the layout does not fit."""
     from ..memory.report import report
 
@@ -36,7 +38,7 @@ def sized_to_tokenizer(cfg: Config, tokenizer, say: bool) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=size))
 
 
-def check_tokenizer(tokenizer, model_cfg) -> None:
+def check_tokenizer(tokenizer, model_cfg: ModelConfig) -> None:
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                           f"{model_cfg.vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size}.")

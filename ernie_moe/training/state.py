@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
+from ..config.schema import TrainingConfig
+
 
 @dataclass
 class TrainingState:
@@ -22,7 +24,7 @@ class TrainingState:
     capacity_until: int | None = None  # the memory guard's capacity rung holds through this step (None: not taken)
 
     @classmethod
-    def start(cls, training_cfg) -> TrainingState:
+    def start(cls, training_cfg: TrainingConfig) -> TrainingState:
         t = training_cfg
         return cls(micro_batch_size=t.per_device_train_batch_size, accumulation_steps=t.gradient_accumulation_steps,
                    recompute=t.recompute_granularity if t.recompute else None, recompute_layers=t.recompute_layers)

@@ -15,6 +15,8 @@ import time
 import paddle
 import paddle.distributed as dist
 
+from ..parallel.env import DistEnv
+
 EXIT_CODE = 4  # stopped on request, checkpoint saved: resume with training.resume_from_checkpoint=auto
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -26,7 +28,7 @@ class StopRequested(Exception):
 class StopWatch:
     """Notes SIGTERM / SIGINT and a change of parent process while installed (``with StopWatch(env): ...``)."""
 
-    def __init__(self, env, enabled: bool = True):
+    def __init__(self, env: DistEnv, enabled: bool = True):
         self.env, self.enabled = env, enabled
         self.reason: str | None = None
         self.parent = os.getppid()

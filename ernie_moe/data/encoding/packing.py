@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...batch import IGNORE_INDEX
+from ...config.schema import ModelConfig
 from ..formats.chat import chat_format
 from ..formats.sample import BadSample, Chunk, Sample
 from .images import is_unread, patchify, prepare, target_size, video_frames
@@ -54,7 +55,8 @@ class Encoder:
     ``<|IMAGE_END|>`` (a video between the video markers), each of token type 1 and a position of its own.
     """
 
-    def __init__(self, tokenizer, model_cfg, max_seq_len: int, overlong: str, max_image_side: int, stats: Counter,
+    def __init__(self, tokenizer, model_cfg: ModelConfig, max_seq_len: int, overlong: str, max_image_side: int,
+                 stats: Counter,
                  pixel_budget: tuple[int, int] | None = None, video_budget: tuple[int, int] | None = None):
         """``pixel_budget``: (min, max) pixels of an image after ERNIE's resize, ``video_budget`` of a video
         frame; None: ``max_image_side``."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ...config import ConfigError, DataConfig
 from ...config.load import build
+from ...config.schema import ModelConfig
 from ...json_files import read_json_object
 from .images import MEAN, STD
 
@@ -25,7 +26,7 @@ _NOT_ENCODING = ("dataset", "train_path", "train_probs", "eval_path", "tokenizer
                  "num_train_samples")
 
 
-def processor_config(data: DataConfig, model_cfg, seed: int, transformers: bool = False) -> dict:
+def processor_config(data: DataConfig, model_cfg: ModelConfig, seed: int, transformers: bool = False) -> dict:
     """The ``preprocessor_config.json`` of a run with data section ``data``, naming PaddleFormers' processor
     classes or, with ``transformers``, transformers'."""
     vision = model_cfg.vision_config
@@ -46,7 +47,7 @@ def processor_config(data: DataConfig, model_cfg, seed: int, transformers: bool 
     return out
 
 
-def processor_file(data: DataConfig, model_cfg, seed: int, transformers: bool = False) -> dict[str, str]:
+def processor_file(data: DataConfig, model_cfg: ModelConfig, seed: int, transformers: bool = False) -> dict[str, str]:
     """{file name: text} of the processor settings, for the files a save writes."""
     return {FILE: json.dumps(processor_config(data, model_cfg, seed, transformers), indent=2)}
 
