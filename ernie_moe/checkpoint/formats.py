@@ -22,6 +22,7 @@ import numpy as np
 import paddle
 from safetensors import safe_open
 
+from ..config.schema import ModelConfig
 from ..config.transformers_form import from_transformers, is_transformers_form
 from ..json_files import UnreadableJSON, read_json, read_json_object
 from ..model.parameter_kinds import DECODER_LAYER, EMBEDDING, MTP, VIT_BLOCK, is_router, is_vision
@@ -43,7 +44,7 @@ def _is_linear(name: str, ndim: int, model_type: str) -> bool:
 FUSED_PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "up_gate_proj": ("gate_proj", "up_proj")}
 
 
-def split_fused(name: str, array: np.ndarray, cfg) -> list[np.ndarray]:
+def split_fused(name: str, array: np.ndarray, cfg: ModelConfig) -> list[np.ndarray]:
     """The columns of each piece of a fused layer's ``[rows, columns]`` tensor ``name`` (its weight, or a LoRA
     B): q, k and v by the config's heads, gate and up in halves."""
     if name.split(".")[-2] != "qkv_proj":
@@ -128,16 +129,16 @@ class SourceCheckpoint:
     def names(self) -> list[str]:
         return list(self.where)
 
-    def check_size(self, cfg) -> None:
+    def check_size(self, cfg: ModelConfig) -> None:
         """CheckpointError when the folder's tensors hold another number of decoder layers or ViT blocks, or an
         embedding of another shape, than the model section ``cfg`` says: judged from the names and the stored
         shape, before a model of that size is built (a config.json's vocabulary of 10**10 allocates nothing)."""
         embedding = EMBEDDING + "weight"
         if not self.has(embedding):
             raise CheckpointError(f"{self.directory}: its tensors hold no {embedding}: not a complete model")
-        stored, wanted = self.stored_shape(embedding), [cfg.vocab_size, cfg.hidden_size]
-        if stored != wanted:
-            raise CheckpointError(f"{self.directory}: config.json describes an embedding of {wanted} (vocab_size, "
+        stored, shape = self.stored_shape(embedding), [cfg.vocab_size, cfg.hidden_size]
+        if stored != shape:
+            raise CheckpointError(f"{self.directory}: config.json describes an embedding of {shape} (vocab_size, "
                                   f"hidden_size); its tensor {embedding} is {stored}")
         for what, pattern, wanted in (("decoder layers", DECODER_LAYER, cfg.num_hidden_layers),
                                       ("ViT blocks", VIT_BLOCK, cfg.vision_config.depth)):

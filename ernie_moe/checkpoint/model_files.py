@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from ..config.schema import ModelConfig
+from ..config.schema import Config, ModelConfig
 from ..config.transformers_form import special_ids, to_transformers
 from ..data.encoding.processor_config import processor_file
 from ..json_files import UnreadableJSON, read_json
@@ -314,7 +314,7 @@ def written_config(model_cfg: ModelConfig, hf_layout: bool, source: dict | None,
     return config
 
 
-def inference_files(cfg, tokenizer, form: str = PADDLEFORMERS) -> dict[str, str]:
+def inference_files(cfg: Config, tokenizer, form: str = PADDLEFORMERS) -> dict[str, str]:
     """What a folder needs beside its weights to be used as the run used it: the processor settings (how inputs
     were encoded, for the library of ``form``) and PaddleFormers' / transformers' ``generation_config.json``: the
     base model's (its sampling settings) where the run started from a folder that has one, with the special ids

@@ -20,6 +20,7 @@ import paddle
 
 from ..cli import at_least_one, bounded
 from ..config import ConfigError, load_config
+from ..config.schema import Config
 from ..memory.report import GIB, default_world, planned
 from ..memory.search import FIT_FRACTION, describe
 from ..monitor.memory import MemoryMonitor
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def memory_plan(cfg, world: int | None, device_gb: float | None) -> Check:
+def memory_plan(cfg: Config, world: int | None, device_gb: float | None) -> Check:
     """The configured layout's busiest rank, as the memory planner predicts it, over the device's size: it passes
     at the share the planner calls a fit."""
     world = world or default_world(cfg)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config.schema import OFFLOAD_BUCKET_BYTES
+from ..config.schema import OFFLOAD_BUCKET_BYTES, Config, ModelConfig
 from ..model.recompute import selected_layers
 from ..moe.replay import moe_layer_ids
 from ..nn.flashmask import BLOCK_ROWS
@@ -74,7 +74,7 @@ class Workload:
                    image_sizes=dict(sizes), padding=int((types < 0).sum()))
 
     @classmethod
-    def assumed(cls, cfg, image_fraction: float = 0.5) -> Workload:
+    def assumed(cls, cfg: Config, image_fraction: float = 0.5) -> Workload:
         """Without data: images of ``data.max_image_side`` (or ``data.image_max_pixels``) fill ``image_fraction``
         of the tokens."""
         v = cfg.model.vision_config
@@ -88,7 +88,7 @@ class Workload:
         return cls(rows=rows, seq=seq, image_tokens=images * per_image, image_sizes={patches: images} if images else {})
 
 
-def sample_workloads(cfg, data_world: int, count: int) -> list[Workload]:
+def sample_workloads(cfg: Config, data_world: int, count: int) -> list[Workload]:
     """The first ``count`` micro-batches data rank 0 trains on, built by the data pipeline itself."""
     from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
 
@@ -261,7 +261,7 @@ def attention_inputs(m, parallel, training, w: Workload) -> float:
     return rotary + 2 * 8 * positions + bias
 
 
-def _first_stage_activations(cfg, parallel, training, w: Workload) -> list[tuple[float, float]]:
+def _first_stage_activations(cfg: ModelConfig, parallel, training, w: Workload) -> list[tuple[float, float]]:
     """(kept, re-run in backward) of the first stage's pieces in forward order: embedding, the ViT's embedding and
     final norm, then each ViT block, then the adapter. A part that trains nothing, with nothing before it that does,
     keeps nothing (a frozen ViT, and its adapter if frozen too). Under sequence parallelism each tensor-parallel rank
@@ -292,7 +292,7 @@ def _vit_trains(training) -> bool:
     return "vision" not in frozen_parts(training) or "vit" in lora
 
 
-def _frozen_vit_forward(cfg, parallel, training, w: Workload) -> float:
+def _frozen_vit_forward(cfg: ModelConfig, parallel, training, w: Workload) -> float:
     """What a ViT that keeps nothing (frozen, no LoRA in it) holds at once in its forward pass: a block's
     projections of every patch of this rank's share and, in the plain attention, one call's scores and
     probabilities."""
@@ -304,7 +304,7 @@ def _frozen_vit_forward(cfg, parallel, training, w: Workload) -> float:
     return 4 * 10 * w.patches * v.embed_dim / shares + scores
 
 
-def _last_stage_activations(cfg, parallel, training, w: Workload) -> tuple[float, float]:
+def _last_stage_activations(cfg: ModelConfig, parallel, training, w: Workload) -> tuple[float, float]:
     """(kept, re-run in backward) of the final norm, head and loss. The float32 logits are kept for the
     backward pass, whose gradient of them is as large again; over sequence chunks
     (``training.loss_subbatch_seqlen``) nothing of them is kept and one chunk's come back, twice over."""
@@ -335,7 +335,7 @@ def in_flight(parallel, training, stage: int) -> float:
     return chunks / vpp
 
 
-def estimate(cfg, workload: Workload, data_world: int | None = None,
+def estimate(cfg: Config, workload: Workload, data_world: int | None = None,
              capacity: float | None = None) -> list[StageMemory]:
     """Bytes on one rank of each pipeline stage for ``cfg``'s layout, model and training settings;
     ``data_world``: the data-parallel x sharding ranks (default: the sharding ranks alone); ``capacity``: the
@@ -403,7 +403,7 @@ def estimate(cfg, workload: Workload, data_world: int | None = None,
             transient = max(transient, head_rerun)
         activations = act_scale * kept * in_flight(p, t, stage)
         transient = act_scale * transient
-        inputs = data_inputs * t.gradient_accumulation_steps
+        inputs: float = data_inputs * t.gradient_accumulation_steps
         rollout = 0.0
         if objective.trains_on == "rollouts":  # a rollout's rows, kept for its updates, its decoding's keys and values
             rows, length = rollout_rows(t), cfg.data.max_seq_len

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.schema import ModelConfig
 from ..nn.quant import quantized_bytes
 from ..parallel.layout import Layout
 
@@ -55,7 +56,7 @@ def frozen_parts(training) -> set[str]:
     return set().union(*(parts.get(p, {p}) for p in training.freeze))
 
 
-def vision_params(cfg) -> tuple[int, int]:
+def vision_params(cfg: ModelConfig) -> tuple[int, int]:
     """(ViT, adapter): on the first pipeline stage, replicated over tensor-parallel ranks."""
     v = cfg.vision_config
     d, hidden = v.embed_dim, int(v.embed_dim * v.mlp_ratio)
@@ -92,7 +93,7 @@ def decoder_layer_params(cfg, layer: int, tp: int, expert_split: int) -> StagePa
     return out
 
 
-def mtp_params(cfg, tp: int, expert_split: int) -> StageParams:
+def mtp_params(cfg: ModelConfig, tp: int, expert_split: int) -> StageParams:
     """The multi-token prediction depths (last stage): each a dense decoder layer, two norms and the projection
     from twice the width (replicated over tensor-parallel ranks)."""
     h, out = cfg.hidden_size, StageParams()
@@ -102,7 +103,7 @@ def mtp_params(cfg, tp: int, expert_split: int) -> StageParams:
     return out
 
 
-def stage_layers(cfg, pp: int, vpp: int) -> list[list[int]]:
+def stage_layers(cfg: ModelConfig, pp: int, vpp: int) -> list[list[int]]:
     """Decoder layers of each pipeline stage (interleaved: chunk c of pp x vpp goes to stage c % pp)."""
     chunks = pp * vpp
     per_chunk = cfg.num_hidden_layers // chunks
@@ -112,7 +113,7 @@ def stage_layers(cfg, pp: int, vpp: int) -> list[list[int]]:
     return stages
 
 
-def stage_params(cfg, parallel, training=None) -> list[StageParams]:
+def stage_params(cfg: ModelConfig, parallel, training=None) -> list[StageParams]:
     """What one rank of each pipeline stage holds (``training``: what of it is frozen; LoRA pairs are
     counted by :func:`stage_lora_params`)."""
     tp, pp = parallel.tensor_parallel_degree, parallel.pipeline_parallel_degree
@@ -175,7 +176,7 @@ def stage_lora_params(cfg, parallel, training) -> list[StageParams]:
     return stages
 
 
-def _vision_lora(cfg, targets: set[str], r: int) -> int:
+def _vision_lora(cfg: ModelConfig, targets: set[str], r: int) -> int:
     v = cfg.vision_config
     d, hidden, merged = v.embed_dim, int(v.embed_dim * v.mlp_ratio), v.embed_dim * cfg.spatial_conv_size ** 2
     count = 0

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..cli import at_least_one, bounded
 from ..config import ConfigError, load_config
+from ..config.schema import Config
 from ..monitor.memory import MemoryMonitor
 from ..parallel.global_batch import for_world
 from ..parallel.layout import Layout
@@ -44,7 +45,7 @@ MAX_SAMPLED_ROWS = 4096
 MAX_SAMPLED_TOKENS = 1 << 20  # past this the samples to pack would take minutes: judged from the config instead
 
 
-def workload_source(cfg, data_world: int, image_fraction: float):
+def workload_source(cfg: Config, data_world: int, image_fraction: float):
     """``micro_batch -> Workload``: sampled from the data when it is available, else assumed."""
     d = cfg.data
     files = d.train_files
@@ -79,7 +80,7 @@ def table(stages, device_bytes: float) -> str:
     return "\n".join(lines)
 
 
-def planned(cfg, world: int, image_fraction: float = 0.5):
+def planned(cfg: Config, world: int, image_fraction: float = 0.5):
     """(per-stage estimates, the micro-batch's workload, where it comes from, its workload function) of the
     configured layout on ``world`` ranks (its accumulation steps those ``training.global_batch_size`` gives)."""
     cfg = for_world(cfg, world)
@@ -89,13 +90,14 @@ def planned(cfg, world: int, image_fraction: float = 0.5):
     return estimate(cfg, workload, data_world), workload, source, workload_for
 
 
-def default_world(cfg) -> int:
+def default_world(cfg: Config) -> int:
     """The fewest ranks the configured degrees take."""
     p = cfg.parallel
     return p.tensor_parallel_degree * p.pipeline_parallel_degree * max(p.sharding_parallel_degree, 1)
 
 
-def report(cfg, world: int, device_gb: float, run_search: bool, image_fraction: float = 0.5) -> tuple[str, bool]:
+def report(cfg: Config, world: int, device_gb: float, run_search: bool,
+           image_fraction: float = 0.5) -> tuple[str, bool]:
     """The printed plan and whether the configured layout fits."""
     cfg = for_world(cfg, world)
     data_world = Layout.of(cfg.parallel, world).data_world

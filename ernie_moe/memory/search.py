@@ -12,6 +12,7 @@ import itertools
 import math
 
 from ..config.load import ConfigError
+from ..config.schema import Config
 from ..config.validate import validate
 from ..parallel.layout import Layout
 from .estimate import estimate
@@ -28,7 +29,7 @@ def fits(stages, device_bytes: float) -> bool:
     return max(s.total for s in stages) <= FIT_FRACTION * device_bytes
 
 
-def with_layout(cfg, tp, pp, vpp, sharding, ep, recompute, micro_batch, world, moe_group="ep", offload=None,
+def with_layout(cfg: Config, tp, pp, vpp, sharding, ep, recompute, micro_batch, world, moe_group="ep", offload=None,
                 loss_chunk=None):
     """``cfg`` with another layout, the global batch unchanged; None when the layout is invalid. ``offload``:
     whether the optimizer states live on the host, ``loss_chunk``: tokens per chunk of the head and loss (None:
@@ -57,14 +58,14 @@ def with_layout(cfg, tp, pp, vpp, sharding, ep, recompute, micro_batch, world, m
     return candidate
 
 
-def configured_data_world(cfg, world: int) -> int:
+def configured_data_world(cfg: Config, world: int) -> int:
     """The data ranks of the config's own layout: over ``world`` where it divides them, otherwise over one
     replica's ranks (the global batch a search keeps is the one the config gives its layout)."""
     configured = Layout.of(cfg.parallel, world)
     return configured.data_world if world % configured.model_ranks == 0 else Layout.of(cfg.parallel).data_world
 
 
-def relative_time(cfg, world: int, largest_micro_batch: int) -> float:
+def relative_time(cfg: Config, world: int, largest_micro_batch: int) -> float:
     p, t = cfg.parallel, cfg.training
     small = 1 + 0.05 * math.log2(largest_micro_batch / t.per_device_train_batch_size)  # smaller kernels
     bubble = (p.pipeline_parallel_degree - 1) / (t.gradient_accumulation_steps * max(p.virtual_pp_degree, 1))
@@ -75,7 +76,7 @@ def relative_time(cfg, world: int, largest_micro_batch: int) -> float:
     return (1 + rerun) * (1 + bubble) * comm * small * host * head / world
 
 
-def search(cfg, workload_for, world: int, device_bytes: float, limit: int = 10) -> list[tuple]:
+def search(cfg: Config, workload_for, world: int, device_bytes: float, limit: int = 10) -> list[tuple]:
     """(relative throughput, config, busiest-stage bytes) of the layouts that fit, best first.
     ``workload_for(micro_batch)`` gives the micro-batch's make-up."""
     m = cfg.model
@@ -121,7 +122,7 @@ def smallest_world(cfg, workload_for, device_bytes: float, step: int = 8, most: 
     return None
 
 
-def describe(cfg) -> str:
+def describe(cfg: Config) -> str:
     p, t = cfg.parallel, cfg.training
     parts = [f"tp{p.tensor_parallel_degree}", f"pp{p.pipeline_parallel_degree}"]
     if p.virtual_pp_degree > 1:
@@ -141,7 +142,7 @@ def describe(cfg) -> str:
     return ", ".join(parts)
 
 
-def overrides(cfg, current) -> str:
+def overrides(cfg: Config, current) -> str:
     """The command-line overrides that turn ``current``'s layout into ``cfg``'s."""
     now = set(overrides_of(current))
     items = [item for item in overrides_of(cfg) if item not in now]
@@ -150,7 +151,7 @@ def overrides(cfg, current) -> str:
     return " ".join(items)
 
 
-def overrides_of(cfg) -> list[str]:
+def overrides_of(cfg: Config) -> list[str]:
     p, t = cfg.parallel, cfg.training
     return [f"parallel.tensor_parallel_degree={p.tensor_parallel_degree}",
             f"parallel.pipeline_parallel_degree={p.pipeline_parallel_degree}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import paddle
 from paddle import nn
 
+from ..config.schema import ModelConfig
 from ..nn import contiguous, kernels
 from ..nn.flashmask import RowBounds, dense_attention
 from ..nn.recompute import Recomputable
@@ -26,7 +27,7 @@ def core_attention(q, k, v, bounds: RowBounds | None) -> paddle.Tensor:
 
 
 class Attention(Recomputable, nn.Layer):
-    def __init__(self, plan, cfg):
+    def __init__(self, plan, cfg: ModelConfig):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads

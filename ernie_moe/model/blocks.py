@@ -26,6 +26,7 @@ from paddle import nn
 
 from .. import host_reads
 from ..batch import Batch
+from ..config.schema import ModelConfig
 from ..nn.flashmask import RowBounds
 from ..nn.init import mark_default_rules
 from ..nn.rope import Rotation, rope_angles
@@ -42,7 +43,7 @@ def block_inputs(batch: Batch) -> tuple:
 
 
 class TokenEmbedding(nn.Layer):
-    def __init__(self, cfg, plan):
+    def __init__(self, cfg: ModelConfig, plan):
         super().__init__()
         self.embed_tokens = plan.embedding(cfg.vocab_size, cfg.hidden_size)
 
@@ -57,7 +58,7 @@ class TokenEmbedding(nn.Layer):
 class ImageFeatures(nn.Layer):
     """The ViT and the adapter; writes each image's features at its placeholder tokens."""
 
-    def __init__(self, cfg, plan):
+    def __init__(self, cfg: ModelConfig, plan):
         super().__init__()
         self.cfg, self.plan = cfg, plan
         self.vision_model = plan.vision_encoder(VisionTransformer(cfg.vision_config))
@@ -97,7 +98,7 @@ class AttentionInputs:
     layers of a model or stage: the layers receive the same position and document tensors, so the last
     ones seen (held, so that their identity stays theirs) decide whether to compute again."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig):
         self.t_slots = cfg.freq_allocation if cfg.rope_3d else None
         self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
         self.last: tuple = (None, None, None)
@@ -115,7 +116,7 @@ class AttentionInputs:
 
 
 class FinalNorm(nn.Layer):
-    def __init__(self, cfg, plan):
+    def __init__(self, cfg: ModelConfig, plan):
         super().__init__()
         self.norm = plan.norm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -124,7 +125,7 @@ class FinalNorm(nn.Layer):
 
 
 class LMHead(nn.Layer):
-    def __init__(self, cfg, plan):
+    def __init__(self, cfg: ModelConfig, plan):
         super().__init__()
         self.lm_head = plan.column_linear(cfg.hidden_size, cfg.vocab_size)
         self.passes_hidden = False  # a pipeline's loss over chunks applies the head itself
@@ -157,7 +158,7 @@ class Block:
         return self.layer(*self.args, **self.kwargs)
 
 
-def ordered_blocks(cfg, plan) -> list[Block]:
+def ordered_blocks(cfg: ModelConfig, plan) -> list[Block]:
     attention_inputs = AttentionInputs(cfg)
     pieces = {"cfg": cfg, "plan": plan}
     mtp = [Block(MultiTokenPrediction, (cfg, plan, AttentionInputs(cfg)))] if cfg.num_nextn_predict_layers else []

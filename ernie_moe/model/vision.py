@@ -14,6 +14,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from ..config.schema import ModelConfig, VisionConfig
 from ..nn import contiguous, kernels
 from ..nn.layers import RMSNorm
 from ..nn.recompute import Recomputable
@@ -83,7 +84,7 @@ def frame_shares(grid_thw: np.ndarray, parts: int) -> list[tuple[int, int, np.nd
     return shares
 
 
-def blank_merge_block(cfg, dtype) -> tuple[paddle.Tensor, np.ndarray]:
+def blank_merge_block(cfg: VisionConfig, dtype) -> tuple[paddle.Tensor, np.ndarray]:
     """One merge block of zero patches and its grid: what a rank without images runs, times 0, so that
     gradient synchronisation finds a gradient for every vision parameter on every rank."""
     grid = np.array([[1, cfg.spatial_merge_size, cfg.spatial_merge_size]])
@@ -120,7 +121,7 @@ class VisionAttention(nn.Layer):
 
 
 class VisionMLP(nn.Layer):
-    def __init__(self, cfg):
+    def __init__(self, cfg: VisionConfig):
         super().__init__()
         hidden = int(cfg.embed_dim * cfg.mlp_ratio)
         self.fc1 = nn.Linear(cfg.embed_dim, hidden)
@@ -132,7 +133,7 @@ class VisionMLP(nn.Layer):
 
 
 class VisionBlock(Recomputable, nn.Layer):
-    def __init__(self, cfg):
+    def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.embed_dim, epsilon=1e-6)
         self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads)
@@ -148,7 +149,7 @@ class VisionBlock(Recomputable, nn.Layer):
 
 
 class PatchEmbed(nn.Layer):
-    def __init__(self, cfg):
+    def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.proj = nn.Linear(cfg.in_channels * cfg.patch_size ** 2, cfg.embed_dim, bias_attr=False)
 
@@ -159,7 +160,7 @@ class PatchEmbed(nn.Layer):
 class VisionTransformer(nn.Layer):
     """Bidirectional attention inside each image; no attention across images."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
@@ -195,7 +196,7 @@ def image_token_count(grid_thw, merge: int, temporal: int) -> int:
 class Adapter(nn.Layer):
     """ERNIE's resampler: spatial merge -> MLP, temporal merge -> MLP, then to the LM width."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.merge = cfg.spatial_conv_size
         self.temporal = cfg.temporal_conv_size

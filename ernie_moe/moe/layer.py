@@ -7,6 +7,7 @@ from collections import deque
 import paddle
 from paddle import nn
 
+from ..config.schema import ModelConfig
 from ..nn.layers import SwiGLUMLP
 from ..nn.recompute import replaying
 from .experts import Experts
@@ -29,7 +30,7 @@ class MoEStatics(nn.Layer):
         self.frozen = False  # a run that freezes the routers keeps the bias too (fine_tuning, training.freeze)
 
 
-def group_modalities(cfg, modalities: list[int]) -> list[int | None]:
+def group_modalities(cfg: ModelConfig, modalities: list[int]) -> list[int | None]:
     """The modality each router group of a layer with experts for ``modalities`` serves: with
     ``moe_use_hard_gate`` and two expert groups, one group per such modality; otherwise one group (None) for every
     token."""
@@ -38,10 +39,10 @@ def group_modalities(cfg, modalities: list[int]) -> list[int | None]:
     return [None]
 
 
-def router_counts(cfg, modalities: list[int]) -> list[int]:
+def router_counts(cfg: ModelConfig, modalities: list[int]) -> list[int]:
     """The experts each router group of such a layer chooses among (the correction bias's rows are these groups)."""
     groups = group_modalities(cfg, modalities)
-    return [sum(cfg.moe_num_experts)] if groups == [None] else [cfg.moe_num_experts[m] for m in groups]
+    return [sum(cfg.moe_num_experts)] if groups == [None] else [cfg.moe_num_experts[m] for m in groups if m is not None]
 
 
 class MoELayer(nn.Layer):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from ..config.schema import Config
 from ..data.encoding.packing import FIT_COUNTS
 from ..timing import COMMUNICATION
 from .alerts import Alerts
@@ -15,7 +16,7 @@ from .metrics import MetricsLogger
 
 
 class TrainingMonitor:
-    def __init__(self, cfg, env, model, gather_stages, resumed_at: int = 0, optimizer_bytes=None,
+    def __init__(self, cfg: Config, env, model, gather_stages, resumed_at: int = 0, optimizer_bytes=None,
                  constants: dict | None = None):
         """``optimizer_bytes()``: the bytes of this rank's optimizer states, reported per rank; ``constants``:
         figures logged unchanged with every window (an elastic job's restarts and world size)."""

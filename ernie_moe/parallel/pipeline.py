@@ -14,6 +14,7 @@ import paddle.distributed as dist
 from paddle import nn
 from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, SharedLayerDesc
 
+from ..config.schema import ModelConfig
 from ..model.blocks import (
     FinalNorm,
     ImageFeatures,
@@ -80,7 +81,8 @@ class PipelineLoss(nn.Layer):
 class ErniePipeline(BlockQueries, PipelineLayer):
     """This rank's pipeline stages of the model's blocks."""
 
-    def __init__(self, cfg, plan, env: DistEnv, virtual_stages: int, objective: Objective, loss_chunk: int = 0):
+    def __init__(self, cfg: ModelConfig, plan, env: DistEnv, virtual_stages: int, objective: Objective,
+                 loss_chunk: int = 0):
         self.cfg, self.plan = cfg, plan
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # drawn before fleet reseeds per layer
         descs = []

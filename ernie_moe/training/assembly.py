@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.schema import Config
 from ..finetune import prepare_fine_tuning
 from ..finetune.adapter_files import base_reference
 from ..finetune.quantize import quantize_base, refuse_a_quantized_base
@@ -62,7 +63,7 @@ class Assembled:
     ema: WeightAverage | None  # the moving average of the weights, when the run keeps one
 
 
-def assemble(cfg, env: DistEnv, state, device_bytes: float, load_weights) -> Assembled:
+def assemble(cfg: Config, env: DistEnv, state, device_bytes: float, load_weights) -> Assembled:
     """The model, runner and optimizer of a run, built step by step in the order above. ``state``: the training
     state (its recompute settings); ``load_weights(model, folder)`` loads a pretrained folder."""
     t = cfg.training
@@ -85,7 +86,7 @@ def assemble(cfg, env: DistEnv, state, device_bytes: float, load_weights) -> Ass
                      StepTimes(enabled=timed), ema)
 
 
-def build(cfg, env: DistEnv, objective: Objective | None = None):
+def build(cfg: Config, env: DistEnv, objective: Objective | None = None):
     return build_model(cfg.model, env, cfg.training.loss_subbatch_seqlen, objective)
 
 
@@ -106,7 +107,7 @@ def expert_matmul(model, t) -> None:
     use_expert_matmul(model, t.moe_expert_matmul)
 
 
-def fine_tune(model, cfg, env: DistEnv):
+def fine_tune(model, cfg: Config, env: DistEnv):
     """(what trains, the LoRA base's reference or None)."""
     t = cfg.training
     fine_tuning = prepare_fine_tuning(model, t, cfg.model, env)
@@ -122,7 +123,7 @@ def quantize(model, t, fine_tuning) -> None:
         fine_tuning.quantized = (t.quantize_base, quantize_base(model, t.quantize_base, t.quantize_group_size))
 
 
-def grad_sync(groups, cfg, env: DistEnv, state) -> GradSync:
+def grad_sync(groups, cfg: Config, env: DistEnv, state) -> GradSync:
     """One pass per backward unless a reentrant recompute is on (read each step: the guard may turn it on)."""
     reentrant = cfg.training.recompute_use_reentrant
     return GradSync(groups, env, cfg.parallel.overlap_grad_sync, one_pass=lambda: not (state.recompute and reentrant))

@@ -23,6 +23,7 @@ import paddle
 
 from .. import json_files
 from ..batch import rows_with_pairs
+from ..config.schema import Config
 from ..data import RowStream, rank_batches
 from ..finetune.lora import LoRALinear
 from ..model.parameter_kinds import is_router_bias
@@ -80,11 +81,11 @@ class PrecomputedReference:
             values = np.stack([self.tables["eval"][-1 - k] if k < 0 else self.tables["train"][k] for k in keys])
             batch.objective_inputs["reference_logps"] = paddle.to_tensor(np.nan_to_num(values).astype(np.float32))
 
-    def prepare(self, runner, datasets: dict, tokenizer, cfg, env: DistEnv) -> str:
+    def prepare(self, runner, datasets: dict, tokenizer, cfg: Config, env: DistEnv) -> str:
         """Read the figures from the output folder when they were computed for this data and start, else compute
         them with the model as it now is (the starting weights) and write them; says which."""
         folder = Path(cfg.training.output_dir)
-        record = {"model_name_or_path": cfg.training.model_name_or_path, "seed": cfg.training.seed,
+        record: dict = {"model_name_or_path": cfg.training.model_name_or_path, "seed": cfg.training.seed,
                   "sizes": {split: len(data) for split, data in datasets.items()},
                   "data": [cfg.data.dataset, cfg.data.train_path, cfg.data.eval_path, cfg.data.max_seq_len]}
         if (folder / self.RECORD).is_file() and json_files.read_json(folder / self.RECORD) == record:
@@ -102,7 +103,7 @@ class PrecomputedReference:
                f"first step ({folder / self.RECORD})"
 
     @staticmethod
-    def _compute(runner, dataset, held_out: bool, tokenizer, cfg, env: DistEnv) -> np.ndarray:
+    def _compute(runner, dataset, held_out: bool, tokenizer, cfg: Config, env: DistEnv) -> np.ndarray:
         """Every pair of ``dataset`` through ``runner.logps_pass``, each data rank its share, in the training's
         micro-batch shape; gathered on every rank."""
         from collections import Counter

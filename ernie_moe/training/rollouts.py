@@ -33,6 +33,7 @@ import numpy as np
 import paddle
 
 from .. import host_reads
+from ..config.schema import Config
 from ..data import DataError
 from ..data.encoding.packing import BadSample, Encoded, Row, make_row
 from ..data.feeding.loader import collate, training_encoder
@@ -75,7 +76,7 @@ ANSWERS_SHOWN = 2  # groups of a window each rank keeps to show (rank 0 writes i
 class RolloutFeed:
     """The trainer's feed in the GRPO stage (a ``data.feeding.feed.Feed``)."""
 
-    def __init__(self, dataset, runner, tokenizer, cfg, env: DistEnv, precision, rewards: Sequence[Reward],
+    def __init__(self, dataset, runner, tokenizer, cfg: Config, env: DistEnv, precision, rewards: Sequence[Reward],
                  stats: Counter):
         t = cfg.training
         self.dataset, self.runner, self.tokenizer, self.cfg, self.env = dataset, runner, tokenizer, cfg, env

@@ -15,7 +15,7 @@ def device_bytes(training_cfg: TrainingConfig) -> float:
     return (training_cfg.device_memory_gb or MemoryMonitor().device_total_gb()) * 2 ** 30
 
 
-def check_memory(cfg, env: DistEnv) -> None:
+def check_memory(cfg: Config, env: DistEnv) -> None:
     """Stop before building anything when the memory planner predicts that the layout does not fit."""
     from ..memory.report import report
 

@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 
 from ...batch import IGNORE_INDEX, Batch, HostCounts
-from ...config.schema import MTP_MAX_DEPTH
+from ...config.schema import MTP_MAX_DEPTH, Config
 from ..encoding.packing import BadSample, Encoded, Encoder, Row, make_row
 from ..encoding.tokenizer import ByteTokenizer, WordTokenizer, tokenizer_in
 from ..formats import synthetic
@@ -22,7 +22,7 @@ from .plan import check_position, sample_order
 from .workers import SampleWorkers, encode_in_order
 
 
-def build_tokenizer(cfg):
+def build_tokenizer(cfg: Config):
     """``data.tokenizer_path``'s tokenizer, else the one in ``training.model_name_or_path``'s folder (a fine-tune
     encodes as its base was trained), else a built-in one (the synthetic data's words, or bytes)."""
     d = cfg.data
@@ -48,7 +48,7 @@ def build_tokenizer(cfg):
     return ByteTokenizer()
 
 
-def build_datasets(cfg):
+def build_datasets(cfg: Config):
     """(training set, held-out set or None): samples, or preference pairs with ``training.stage: dpo``."""
     d = cfg.data
     if d.dataset == "synthetic":
@@ -67,7 +67,7 @@ def build_datasets(cfg):
     return train, source_dataset(d.eval_path, d, is_preference(cfg)) if d.eval_path else None
 
 
-def is_preference(cfg) -> bool:
+def is_preference(cfg: Config) -> bool:
     """Whether the run trains on preference pairs."""
     return cfg.training.stage == "dpo"
 
@@ -116,7 +116,7 @@ class MixedDataset:
                 self.probs.tolist(), "seed": self.seed}
 
 
-def training_encoder(tokenizer, cfg, stats: Counter) -> Encoder:
+def training_encoder(tokenizer, cfg: Config, stats: Counter) -> Encoder:
     """Samples encoded as the run's ``data`` section says; skipped samples counted in ``stats``."""
     return Encoder(tokenizer, cfg.model, cfg.data.max_seq_len, cfg.data.overlong, cfg.data.max_image_side, stats,
                    cfg.data.pixel_budget, cfg.data.video_budget)
@@ -139,7 +139,7 @@ class RowStream:
     stream given that state (:meth:`load_state_dict`) continues with the rows it would have made, reading only the
     samples of the open row again: a resume costs the same at step 20 as at step 20,000."""
 
-    def __init__(self, dataset, tokenizer, cfg, stats: Counter, shuffle: bool, workers: int = 0,
+    def __init__(self, dataset, tokenizer, cfg: Config, stats: Counter, shuffle: bool, workers: int = 0,
                  held_out: bool = False):
         """``held_out``: the rows of a held-out set (a pair's key is then ``-1 - index``)."""
         self.dataset, self.tokenizer, self.stats, self.shuffle = dataset, tokenizer, stats, shuffle
