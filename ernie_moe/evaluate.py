@@ -39,6 +39,7 @@ def scores(model_dir, data: str, base, batch_size: int = 8, max_batches: int = 0
     whose data section and seed apply (its model section is the folder's)."""
     loaded = load_model_folder(model_dir)
     model, tokenizer, model_cfg = loaded.model, loaded.tokenizer, loaded.cfg
+    assert tokenizer is not None  # load_model_folder refuses a folder without one unless told otherwise
     if data == "synthetic":
         held_out = SyntheticShapes(base.training.seed, "eval", base.data.num_eval_samples, base.data.image_size,
                                    base.data.blank_images)

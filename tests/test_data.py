@@ -5,6 +5,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from PIL import Image
+from support.runs import ROOT
 
 from ernie_moe.batch import IGNORE_INDEX as IGNORE
 from ernie_moe.config import ConfigError, load_config
@@ -484,3 +485,35 @@ def test_a_data_worker_killed_mid_run_is_replaced_and_the_rows_do_not_change(jso
     monkeypatch.setenv(faults.VARIABLE, "kill_every_worker@3")
     with pytest.raises(DataError, match="a data worker died 4 times"):
         stream_rows(cfg, jsonl_dir, 2)
+
+
+@pytest.mark.parametrize("kind", ["words", "bytes", "ernie_bytes"])
+def test_each_tokenizer_gives_the_byte_offsets_of_the_tokens_it_encodes(kind):
+    from ernie_moe.data.encoding.tokenizer import ByteTokenizer, WordTokenizer
+
+    tokenizer = WordTokenizer(["a", "red", "cat"]) if kind == "words" else ByteTokenizer(kind == "ernie_bytes")
+    text = "a  réd<|end_of_sentence|> cat"
+    with_offsets = tokenizer.encode_with_offsets(text)
+    assert [token for token, _, _ in with_offsets] == tokenizer.encode(text)
+    data = text.encode("utf-8")
+    spans = [data[first:end] for _, first, end in with_offsets]
+    if kind == "words":
+        assert [span.decode("utf-8") for span in spans] == text.split()
+    else:  # the tokens tile the text: a byte each, ERNIE's pieces whole
+        assert b"".join(spans) == data and all(len(span) == 1 for span in spans if b"<|" not in span)
+        assert (b"<|end_of_sentence|>" in spans) == (kind == "ernie_bytes")
+
+
+def test_a_conversation_trains_its_answer_with_the_ernie_byte_tokenizer(tmp_path):
+    """configs/tokenizers/ernie_bytes reads ERNIE's chat layout: the answer and the end-of-sentence token closing
+    it are what trains, a byte a token."""
+    from ernie_moe.data.feeding.loader import training_encoder
+
+    record = {"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "héllo you"}]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(record) + "\n")
+    cfg = load_config(ROOT / "configs" / "vl_moe.yaml", [
+        f"data.tokenizer_path={ROOT / 'configs' / 'tokenizers' / 'ernie_bytes'}", "data.dataset=jsonl",
+        f"data.train_path={tmp_path / 'd.jsonl'}"])
+    tokenizer = build_tokenizer(cfg)
+    encoded = training_encoder(tokenizer, cfg, Counter())(JsonlDataset(str(tmp_path / "d.jsonl"))[0])
+    assert tokenizer.decode(encoded.input_ids[encoded.target]).strip() == "héllo you<|end_of_sentence|>"

@@ -31,6 +31,7 @@ from safetensors import safe_open
 
 from .. import faults
 from ..config.schema import Config, ModelConfig
+from ..data.encoding.tokenizer import Tokenizer
 from ..data.formats.sample import DataError
 from ..json_files import read_json, read_json_object
 from ..model.parameter_kinds import is_expert
@@ -85,7 +86,8 @@ class TrainingParts:
     ema: object = None  # the EMA of the weights (training.ema.WeightAverage), or None
 
 
-def start_checkpoint(parts: TrainingParts, cfg: Config, tokenizer, env: DistEnv, run: Run, parent: Checkpoint | None,
+def start_checkpoint(parts: TrainingParts, cfg: Config, tokenizer: Tokenizer, env: DistEnv, run: Run,
+                     parent: Checkpoint | None,
                      background: BackgroundWrites | None = None) -> PendingCheckpoint:
     """Start the checkpoint of the state's step (every rank calls this): the part that reads the training state,
     the full tensors gathered to host memory and handed to the file writes, which run now or, with

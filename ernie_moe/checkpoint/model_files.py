@@ -17,6 +17,7 @@ import paddle
 from ..config.schema import Config, ModelConfig
 from ..config.transformers_form import special_ids, to_transformers
 from ..data.encoding.processor_config import processor_file
+from ..data.encoding.tokenizer import Tokenizer
 from ..json_files import UnreadableJSON, read_json
 from ..model.parameter_kinds import MTP, is_expert
 from ..moe.layer import router_counts
@@ -189,7 +190,8 @@ def trained_names(model) -> set[str]:
     return {n for n, p in model.stable_named_parameters() if not p.stop_gradient}
 
 
-def save_model(model, model_cfg: ModelConfig, directory: str, tokenizer=None, env: DistEnv | None = None,
+def save_model(model, model_cfg: ModelConfig, directory: str, tokenizer: Tokenizer | None = None,
+               env: DistEnv | None = None,
                hf_layout: bool = False,
                written: WrittenFiles | None = None, only: set[str] | None = None, stem: str = "model",
                convert=None, source: dict | None = None, extra: dict[str, str] | None = None,
@@ -299,7 +301,7 @@ def correction_bias_zeros(model_cfg: ModelConfig, names: set[str]) -> list[tuple
     return out
 
 
-def written_config(model_cfg: ModelConfig, hf_layout: bool, source: dict | None, tokenizer,
+def written_config(model_cfg: ModelConfig, hf_layout: bool, source: dict | None, tokenizer: Tokenizer,
                    form: str = PADDLEFORMERS) -> dict:
     """The config.json a run writes: the source folder's keys, this model's, and the tokenizer's special ids
     where the source names none; in transformers' form, its ERNIE-4.5-VL config (ValueError for a model it
@@ -314,7 +316,7 @@ def written_config(model_cfg: ModelConfig, hf_layout: bool, source: dict | None,
     return config
 
 
-def inference_files(cfg: Config, tokenizer, form: str = PADDLEFORMERS) -> dict[str, str]:
+def inference_files(cfg: Config, tokenizer: Tokenizer, form: str = PADDLEFORMERS) -> dict[str, str]:
     """What a folder needs beside its weights to be used as the run used it: the processor settings (how inputs
     were encoded, for the library of ``form``) and PaddleFormers' / transformers' ``generation_config.json``: the
     base model's (its sampling settings) where the run started from a folder that has one, with the special ids

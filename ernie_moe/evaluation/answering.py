@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
+from ..data.encoding.tokenizer import Tokenizer
 from ..data.formats.jsonl import decode_image, load_image, parse_messages
 from ..data.formats.sample import BadSample, Sample
 from ..generation import ContextTooLong, Decoding, check_room, generate_batch, prompt_encoder
@@ -40,7 +41,8 @@ def item_sample(bench: Benchmark, index: int, max_pixels: int) -> Sample:
 
 
 @paddle.no_grad()
-def answer_benchmark(model, tokenizer, data_cfg, bench: Benchmark, max_new_tokens: int, side_by_side: int = 8,
+def answer_benchmark(model, tokenizer: Tokenizer, data_cfg, bench: Benchmark, max_new_tokens: int,
+                     side_by_side: int = 8,
                      data_rank: int = 0, data_world: int = 1, sum_over_ranks: Callable | None = None,
                      on_answers: Callable[[int], None] | None = None, sees_images: bool = True) -> Answered:
     """Greedy answers of ``model`` to this data rank's share of ``bench`` (items ``data_rank::data_world``),

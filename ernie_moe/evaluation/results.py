@@ -43,6 +43,7 @@ def benchmark_results(model_dir, specs: list[str], base, batch_size: int, answer
     for name, bench in benches.items():
         tokens = answer_tokens or max_new_tokens(bench.kind)
         with tqdm(total=len(bench.items), desc=name, unit="question", disable=not progress, file=sys.stderr) as bar:
+            assert loaded.tokenizer is not None  # load_model_folder refuses a folder without one unless told
             answered = answer_benchmark(loaded.model, loaded.tokenizer, base.data, bench, tokens, batch_size,
                                         on_answers=bar.update, sees_images=loaded.sees_images)
         if not answered.figures:

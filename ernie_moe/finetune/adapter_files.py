@@ -30,6 +30,7 @@ from ..checkpoint.formats import FUSED_PIECES, VL, group_qkv, split_fused, ungro
 from ..checkpoint.model_files import folder_config, save_model, trained_names
 from ..config.kinds import fits
 from ..config.schema import ModelConfig
+from ..data.encoding.tokenizer import Tokenizer
 from ..json_files import read_json
 from ..nn.sharding import shard_of
 from ..parallel.env import DistEnv
@@ -99,7 +100,8 @@ def _joined_pairs(tensors: dict[str, np.ndarray], directory) -> dict[str, np.nda
     return out
 
 
-def save_adapter(model, model_cfg: ModelConfig, settings: LoRASettings, directory, tokenizer, env: DistEnv, base: dict,
+def save_adapter(model, model_cfg: ModelConfig, settings: LoRASettings, directory, tokenizer: Tokenizer, env: DistEnv,
+                 base: dict,
                  extra: dict[str, str] | None = None) -> Path:
     """Write the model's LoRA pairs in PaddleFormers' form for the base's model type, and the ``extra`` files
     (every rank calls this)."""

@@ -18,7 +18,7 @@ from ..config.model_folder import model_config_from
 from ..config.schema import ModelConfig
 from ..config.validate import check_model
 from ..data.encoding.processor_config import folder_settings
-from ..data.encoding.tokenizer import tokenizer_in
+from ..data.encoding.tokenizer import Tokenizer, tokenizer_in
 from ..finetune.adapter_files import adapter_base, load_adapter
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.parameter_kinds import is_vision
@@ -33,7 +33,7 @@ def folder_run_config(directory, config_path=None) -> Config:
 @dataclass
 class LoadedModel:
     model: ErnieMoEForConditionalGeneration  # in evaluation mode
-    tokenizer: object | None
+    tokenizer: Tokenizer | None
     cfg: ModelConfig
     sees_images: bool  # the folder held the vision encoder and adapter (a text model's folder does not)
 

@@ -7,6 +7,7 @@ from collections import Counter
 
 from ..config.schema import DataConfig, ModelConfig
 from ..data.encoding.packing import Encoder
+from ..data.encoding.tokenizer import Tokenizer
 
 
 class UsageError(ValueError):
@@ -25,7 +26,7 @@ def check_room(prompt, positions: int) -> None:
                              "(max_position_embeddings), leaving none to answer")
 
 
-def prompt_encoder(tokenizer, model_cfg: ModelConfig, data: DataConfig) -> Encoder:
+def prompt_encoder(tokenizer: Tokenizer, model_cfg: ModelConfig, data: DataConfig) -> Encoder:
     """The training encoder of ``data``, any prompt length the model's positions allow."""
     return Encoder(tokenizer, model_cfg, model_cfg.max_position_embeddings, "skip", data.max_image_side, Counter(),
                    data.pixel_budget, data.video_budget)

@@ -136,9 +136,11 @@ class _Rows:
         return after + [after[-1]] * (len(scores) - len(after)), kept
 
     def finished(self) -> list[Generated]:
-        for out, drafted, accepted in zip(self.done, self.drafted, self.accepted):
+        answers = [out for out in self.done if out is not None]
+        assert len(answers) == len(self.done)  # called once no row is live
+        for out, drafted, accepted in zip(answers, self.drafted, self.accepted):
             out.drafted, out.accepted = drafted, accepted
-        return self.done
+        return answers
 
 
 @paddle.no_grad()
@@ -160,6 +162,8 @@ def generate_speculative(model, prompts: list[Encoded], decodings: list[Decoding
     """``decoding.generate_batch`` with ``draft_tokens`` drafts per step from the model's first MTP depth
     (:func:`drafter`); each answer counts its drafted and kept tokens (``Generated.drafted``, ``accepted``)."""
     mtp = drafter(model)
+    if mtp is None:
+        raise ValueError("speculative decoding drafts with the model's multi-token prediction layers: it has none")
     channels = model.cfg.vision_config.in_channels * model.cfg.vision_config.patch_size ** 2
 
     def scored(logits: paddle.Tensor) -> np.ndarray:

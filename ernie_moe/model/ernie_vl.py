@@ -39,13 +39,16 @@ class BlockQueries:
     """What the trainer, the monitor and the checkpoints ask of a model, answered from its blocks; shared
     by the single-device model and a pipeline stage (``blocks()``: this process's blocks, in order)."""
 
+    def blocks(self) -> list[nn.Layer]:
+        raise NotImplementedError
+
     def decoder_layers(self) -> list[DecoderLayer]:
         return [b for b in self.blocks() if isinstance(b, DecoderLayer)]
 
     def moe_layers(self):
         return [layer.mlp for layer in self.decoder_layers() if layer.is_moe]
 
-    def mtp_layers(self) -> list[DecoderLayer]:
+    def mtp_layers(self) -> list[nn.Layer]:
         """The multi-token prediction depths' decoder layers (none where another stage holds them)."""
         return [layer for b in self.blocks() if isinstance(b, MultiTokenPrediction) for layer in b.mtp_block]
 
@@ -104,8 +107,8 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         objective, inputs = self.objective, self.objective.inputs(batch)
         units = objective.units(batch.host_counts())
         if reference_pass:
-            figures = objective.reference(predictions, batch.labels, *inputs)
-            return ModelOutput(paddle.zeros([]), units, router_loss.sum(), figures=figures)
+            kept = objective.reference(predictions, batch.labels, *inputs)
+            return ModelOutput(paddle.zeros([]), units, router_loss.sum(), figures=kept)
         mtp_labels = None if mtp_hidden is None else labels_ahead(batch.labels, batch.key_ends,
                                                                   self.cfg.num_nextn_predict_layers)
         loss_sum, figures, mtp_sums = loss_sums(objective, predictions, batch.labels, inputs, mtp_hidden, mtp_labels)

@@ -12,7 +12,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import yaml
 
@@ -25,10 +25,10 @@ class MetricsLogger:
     def __init__(self, output_dir: str, visualdl: bool, enabled: bool, resumed_at: int = 0):
         """``resumed_at``: the step a resumed run continues from; the records up to it are kept."""
         self.enabled, self.output_dir, self.resumed_at = enabled, Path(output_dir), resumed_at
-        self.writer = None
-        self.rank_writers: dict[int, object] = {}
-        self.file = None
-        self.rollouts = None  # rollouts.jsonl, opened at the first answers logged
+        self.writer: Any = None  # VisualDL's LogWriter, when logging.visualdl
+        self.rank_writers: dict[int, Any] = {}
+        self.file: TextIO | None = None  # metrics.jsonl, on the rank that logs
+        self.rollouts: TextIO | None = None  # rollouts.jsonl, opened at the first answers logged
         if not enabled:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -42,7 +42,7 @@ class MetricsLogger:
             self.writer = _writer(self.logdir, "run")
 
     def log(self, step: int, metrics: dict, prefix: str = "train") -> None:
-        if not self.enabled:
+        if not self.enabled or self.file is None:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.file.write(json_files.dumps(record) + "\n")
@@ -69,11 +69,12 @@ class MetricsLogger:
             return
         if self.rollouts is None:
             self.rollouts = _reopened(self.output_dir / "rollouts.jsonl", self.resumed_at)
+        rollouts = self.rollouts
         for group in groups:
-            self.rollouts.write(json_files.dumps({"step": step, **group}) + "\n")
+            rollouts.write(json_files.dumps({"step": step, **group}) + "\n")
             shown = " | ".join(f"{a['reward']:.3f} ({a['advantage']:+.2f}): {a['text']}" for a in group["answers"])
             self.text("rollouts/answers", f"{group['prompt']} -> reference: {group['reference']} || {shown}", step)
-        self.rollouts.flush()
+        rollouts.flush()
 
     def image(self, tag: str, image, step: int) -> None:
         if self.writer is not None:

@@ -53,11 +53,12 @@ class Objective:
         return [batch.objective_inputs.get(name) for name in self.input_names]
 
     def loss(self, predictions: Predictions, labels: paddle.Tensor,
-             *inputs: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+             *inputs: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor | None]:
         """(the loss summed over its units: label tokens, pairs, ..., the figures of each row or None)."""
         raise NotImplementedError
 
-    def reference(self, predictions: Predictions, labels: paddle.Tensor, *inputs: paddle.Tensor) -> paddle.Tensor:
+    def reference(self, predictions: Predictions, labels: paddle.Tensor,
+                  *inputs: paddle.Tensor | None) -> paddle.Tensor:
         """What a reference pass keeps of each row (for DPO the answers' log-probabilities), computed without the
         reference's own inputs, which it is about to fill (``needs_reference``)."""
         raise NotImplementedError(f"the {self.name} objective has no reference pass")
@@ -70,5 +71,5 @@ class Objective:
 class LanguageModelling(Objective):
     trains_mtp = True
 
-    def loss(self, predictions: Predictions, labels: paddle.Tensor, *inputs: paddle.Tensor):
+    def loss(self, predictions: Predictions, labels: paddle.Tensor, *inputs: paddle.Tensor | None):
         return predictions.summed(), None

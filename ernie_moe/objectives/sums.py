@@ -11,7 +11,8 @@ from .base import Objective
 from .head import Predictions, token_losses
 
 
-def loss_sums(objective: Objective, predictions: Predictions, labels: paddle.Tensor, inputs: Sequence[paddle.Tensor],
+def loss_sums(objective: Objective, predictions: Predictions, labels: paddle.Tensor,
+              inputs: Sequence[paddle.Tensor | None],
               mtp_final: paddle.Tensor | None = None, mtp_labels: paddle.Tensor | None = None,
               ) -> tuple[paddle.Tensor, paddle.Tensor | None, paddle.Tensor | None]:
     """(the objective's loss summed over its units, its figures of each row or None, ``[depths]`` the MTP depths'

@@ -9,6 +9,8 @@ every stage starts as in the single-device model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import paddle
 import paddle.distributed as dist
 from paddle import nn
@@ -48,13 +50,14 @@ class PipelineLoss(nn.Layer):
         self.plan, self.objective = plan, objective
         self.mtp_depths = mtp_depths  # multi-token prediction depths that train: their labels follow the scale
         self.chunk = chunk  # tokens per chunk of the head and loss: the stage then passes the hidden states on
-        self.head = None  # with chunks, the last stage's head: hidden states -> logits (set once it is built)
+        self.head: Callable | None = None  # with chunks, the last stage's head: hidden states -> logits, once built
         self.collect_reference = False
         self.reset()
 
     def reset(self) -> None:
         self.sums = None  # the step's [loss, router losses, the objective's figures], on the device
-        self.evaluated, self.references = [], []
+        self.evaluated: list[tuple] = []  # each scored batch's (predictions, labels, categories, loss)
+        self.references: list[paddle.Tensor] = []  # what a reference pass keeps of each batch
 
     def forward(self, outputs, labels):
         final, router_loss = outputs  # the logits, or with chunks the final hidden states
@@ -85,7 +88,7 @@ class ErniePipeline(BlockQueries, PipelineLayer):
                  loss_chunk: int = 0):
         self.cfg, self.plan = cfg, plan
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # drawn before fleet reseeds per layer
-        descs = []
+        descs: list[LayerDesc] = []
         self.mtp_depths = objective.mtp_depths(cfg)
         for block in ordered_blocks(cfg, plan):
             if block.layer is TokenEmbedding and cfg.tie_word_embeddings:
@@ -209,7 +212,7 @@ def stage_inputs(micro_batches, objective: Objective, scored=None, scale: float 
         scale = scale.astype("float32").reshape([-1])
     else:
         scale = paddle.full([1], scale, dtype="float32")
-    labels = ([b.labels for b in micro_batches], [scale] * len(micro_batches))
+    labels: tuple[list, ...] = ([b.labels for b in micro_batches], [scale] * len(micro_batches))
     if mtp_depths:
         labels += ([labels_ahead(b.labels, b.key_ends, mtp_depths) for b in micro_batches],)
     loss_inputs = tuple(list(field) for field in zip(*(objective.inputs(b, placeholders=True) for b in micro_batches)))

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..cli import DRAFT_TOKENS
 from ..data.encoding.packing import Encoded
+from ..data.encoding.tokenizer import Tokenizer
 from ..data.formats.sample import Sample
 from ..generation import (
     Decoding,
@@ -55,7 +56,7 @@ class TextStream:
     character (an incomplete byte sequence decodes to U+FFFD) or with what may be the start of a stop string;
     cut before the first stop string."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], on_text: Callable[[str], None] | None):
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], on_text: Callable[[str], None] | None):
         self.tokenizer, self.stop, self.on_text = tokenizer, stop, on_text
         self.sent, self.text = "", ""
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import paddle
 
+from ..data.encoding.tokenizer import Tokenizer
 from ..evaluation import answer_benchmark, max_new_tokens
 from ..evaluation.formats import Benchmark
 from ..parallel.env import DistEnv
 from .generation_eval import SIDE_BY_SIDE
 
 
-def benchmark_metrics(benches: dict[str, Benchmark], model, tokenizer, data_cfg, env: DistEnv) -> dict:
+def benchmark_metrics(benches: dict[str, Benchmark], model, tokenizer: Tokenizer, data_cfg, env: DistEnv) -> dict:
     """Every benchmark's figures as ``eval_bench/<name>[/<category>]``, and its skipped items."""
     def summed(values):
         return env.all_reduce_sum(paddle.to_tensor(values), env.data_group).numpy()

@@ -7,13 +7,14 @@ from collections import Counter
 from collections.abc import Sequence
 
 from ..config import Config
+from ..data.encoding.tokenizer import Tokenizer
 from ..data.feeding.feed import Feed, PairFeed, RowFeed
 from ..objectives.rewards import Reward
 from ..parallel.env import DistEnv
 from .rollouts import RolloutFeed
 
 
-def build_feed(cfg: Config, train_set, tokenizer, env: DistEnv, stats: Counter, runner, precision,
+def build_feed(cfg: Config, train_set, tokenizer: Tokenizer, env: DistEnv, stats: Counter, runner, precision,
                rewards: Sequence[Reward]) -> Feed:
     """``stats``: where the feed counts skipped and fitted samples; ``runner``, ``precision`` and ``rewards``:
     what a rollout samples and scores with."""

@@ -22,6 +22,7 @@ import numpy as np
 import paddle
 
 from ..data.encoding.packing import BadSample, Encoded
+from ..data.encoding.tokenizer import Tokenizer
 from ..generation import Decoding, generate_batch
 from ..objectives.rewards import Reward, exact_match
 from ..parallel.env import DistEnv
@@ -90,7 +91,7 @@ def generation_metrics(sums: np.ndarray, rewards: Sequence[Reward] = ()) -> dict
 
 
 @paddle.no_grad()
-def evaluate_by_generation(model, dataset, encoder, tokenizer, env: DistEnv, count: int, max_new_tokens: int,
+def evaluate_by_generation(model, dataset, encoder, tokenizer: Tokenizer, env: DistEnv, count: int, max_new_tokens: int,
                            rewards: Sequence[Reward] = ()) -> dict:
     """Greedy answers to the first ``count`` samples of ``dataset`` (0 = all), this rank's share of them, scored
     (and by ``rewards``)."""

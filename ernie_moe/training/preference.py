@@ -25,6 +25,7 @@ from .. import json_files
 from ..batch import rows_with_pairs
 from ..config.schema import Config
 from ..data import RowStream, rank_batches
+from ..data.encoding.tokenizer import Tokenizer
 from ..finetune.lora import LoRALinear
 from ..model.parameter_kinds import is_router_bias
 from ..parallel.env import DistEnv
@@ -37,7 +38,7 @@ class ReferenceModel:
                 if is_router_bias(name) or (not lora and not p.stop_gradient)]
         self.weights = [(p, p.detach().clone()) for p in kept]
 
-    def prepare(self, runner, datasets: dict, tokenizer, cfg, env: DistEnv) -> str | None:
+    def prepare(self, runner, datasets: dict, tokenizer: Tokenizer, cfg, env: DistEnv) -> str | None:
         """Nothing: the reference's pass runs in each step."""
         return None
 
@@ -81,7 +82,7 @@ class PrecomputedReference:
             values = np.stack([self.tables["eval"][-1 - k] if k < 0 else self.tables["train"][k] for k in keys])
             batch.objective_inputs["reference_logps"] = paddle.to_tensor(np.nan_to_num(values).astype(np.float32))
 
-    def prepare(self, runner, datasets: dict, tokenizer, cfg: Config, env: DistEnv) -> str:
+    def prepare(self, runner, datasets: dict, tokenizer: Tokenizer, cfg: Config, env: DistEnv) -> str:
         """Read the figures from the output folder when they were computed for this data and start, else compute
         them with the model as it now is (the starting weights) and write them; says which."""
         folder = Path(cfg.training.output_dir)
@@ -103,7 +104,7 @@ class PrecomputedReference:
                f"first step ({folder / self.RECORD})"
 
     @staticmethod
-    def _compute(runner, dataset, held_out: bool, tokenizer, cfg: Config, env: DistEnv) -> np.ndarray:
+    def _compute(runner, dataset, held_out: bool, tokenizer: Tokenizer, cfg: Config, env: DistEnv) -> np.ndarray:
         """Every pair of ``dataset`` through ``runner.logps_pass``, each data rank its share, in the training's
         micro-batch shape; gathered on every rank."""
         from collections import Counter

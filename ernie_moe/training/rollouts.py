@@ -36,6 +36,7 @@ from .. import host_reads
 from ..config.schema import Config
 from ..data import DataError
 from ..data.encoding.packing import BadSample, Encoded, Row, make_row
+from ..data.encoding.tokenizer import Tokenizer
 from ..data.feeding.loader import collate, training_encoder
 from ..data.feeding.plan import sample_order
 from ..data.feeding.report import render
@@ -76,7 +77,8 @@ ANSWERS_SHOWN = 2  # groups of a window each rank keeps to show (rank 0 writes i
 class RolloutFeed:
     """The trainer's feed in the GRPO stage (a ``data.feeding.feed.Feed``)."""
 
-    def __init__(self, dataset, runner, tokenizer, cfg: Config, env: DistEnv, precision, rewards: Sequence[Reward],
+    def __init__(self, dataset, runner, tokenizer: Tokenizer, cfg: Config, env: DistEnv, precision,
+                 rewards: Sequence[Reward],
                  stats: Counter):
         t = cfg.training
         self.dataset, self.runner, self.tokenizer, self.cfg, self.env = dataset, runner, tokenizer, cfg, env
@@ -339,7 +341,7 @@ def answer_row(prompt: Encoded, answer: list[int], length: int, pad_id: int) -> 
     return make_row([encoded], length, pad_id)
 
 
-def asked(sample, encoder, tokenizer, slot: int) -> Prompt:
+def asked(sample, encoder, tokenizer: Tokenizer, slot: int) -> Prompt:
     """A sample as a prompt and its reference answer. A conversation ending with an answer is asked without it,
     its assistant turn opened as generation opens it (the Thinking template's form where the data or the record
     asks for thinking); any other sample's last trained span is the answer (``split_answer``). BadSample where

@@ -7,6 +7,7 @@ import dataclasses
 
 from ..config import Config, ConfigError
 from ..config.schema import ModelConfig, TrainingConfig
+from ..data.encoding.tokenizer import Tokenizer
 from ..monitor.memory import MemoryMonitor
 from ..parallel.env import DistEnv
 
@@ -24,7 +25,7 @@ def check_memory(cfg: Config, env: DistEnv) -> None:
         raise ConfigError(f"the memory planner predicts that this layout does not fit the device:\n{text}")
 
 
-def sized_to_tokenizer(cfg: Config, tokenizer, say: bool) -> Config:
+def sized_to_tokenizer(cfg: Config, tokenizer: Tokenizer, say: bool) -> Config:
     """A model built here (no ``training.model_name_or_path``) whose ``model.vocab_size`` the tokenizer outgrows
     (the default config's 32 words, with data read as bytes) takes the tokenizer's vocabulary, rounded up to a
     multiple of the tensor-parallel degree, and ``say`` prints a note; a loaded model's vocabulary is its own."""
@@ -38,7 +39,7 @@ def sized_to_tokenizer(cfg: Config, tokenizer, say: bool) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=size))
 
 
-def check_tokenizer(tokenizer, model_cfg: ModelConfig) -> None:
+def check_tokenizer(tokenizer: Tokenizer, model_cfg: ModelConfig) -> None:
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                           f"{model_cfg.vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size}.")

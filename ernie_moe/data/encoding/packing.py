@@ -17,7 +17,7 @@ from ...config.schema import ModelConfig
 from ..formats.chat import chat_format
 from ..formats.sample import BadSample, Chunk, Sample
 from .images import is_unread, patchify, prepare, target_size, video_frames
-from .tokenizer import END_OF_SENTENCE
+from .tokenizer import END_OF_SENTENCE, Tokenizer
 from .video_fit import VideoFit, fit_videos
 
 PAD_TYPE = -1
@@ -55,7 +55,8 @@ class Encoder:
     ``<|IMAGE_END|>`` (a video between the video markers), each of token type 1 and a position of its own.
     """
 
-    def __init__(self, tokenizer, model_cfg: ModelConfig, max_seq_len: int, overlong: str, max_image_side: int,
+    def __init__(self, tokenizer: Tokenizer, model_cfg: ModelConfig, max_seq_len: int, overlong: str,
+                 max_image_side: int,
                  stats: Counter,
                  pixel_budget: tuple[int, int] | None = None, video_budget: tuple[int, int] | None = None):
         """``pixel_budget``: (min, max) pixels of an image after ERNIE's resize, ``video_budget`` of a video

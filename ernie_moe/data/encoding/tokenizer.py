@@ -10,10 +10,38 @@ import hashlib
 import json
 import re
 from pathlib import Path
+from typing import Protocol
 
 from ...json_files import UnreadableJSON, read_json, read_json_object
 
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
+
+
+class Tokenizer(Protocol):
+    """What every tokenizer here offers; the data, the trainer and the commands take any of them."""
+
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    unk_id: int
+    image_token_id: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def placeholder_id(self) -> int: ...
+
+    def token_id(self, token: str) -> int | None: ...
+
+    def identity(self) -> dict: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_with_offsets(self, text: str) -> list[tuple[int, int, int]]: ...
+
+    def decode(self, ids) -> str: ...
+
+    def save(self, directory: Path) -> None: ...
 
 
 class WordTokenizer:
@@ -41,6 +69,11 @@ class WordTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [self.ids.get(word, self.unk_id) for word in text.split()]
+
+    def encode_with_offsets(self, text: str) -> list[tuple[int, int, int]]:
+        """(id, first byte, end byte) of each word, offsets into ``text`` encoded as UTF-8."""
+        return [(self.ids.get(m.group(), self.unk_id), len(text[:m.start()].encode("utf-8")),
+                 len(text[:m.end()].encode("utf-8"))) for m in re.finditer(r"\S+", text)]
 
     def decode(self, ids) -> str:
         return " ".join(self.vocab[i] for i in ids)
@@ -100,13 +133,21 @@ class ByteTokenizer:
         return {"bytes": len(SPECIALS), **({"ernie_pieces": len(self.pieces)} if self.pieces else {})}
 
     def encode(self, text: str) -> list[int]:
-        ids = []
+        return [token for token, _, _ in self.encode_with_offsets(text)]
+
+    def encode_with_offsets(self, text: str) -> list[tuple[int, int, int]]:
+        """(id, first byte, end byte) of each token, offsets into ``text`` encoded as UTF-8: a byte each, a
+        special piece its bytes."""
+        out: list[tuple[int, int, int]] = []
+        start = 0
         for part in self._pieces(text):
+            data = part.encode("utf-8")
             if part in self.pieces:
-                ids.append(self.pieces[part])
+                out.append((self.pieces[part], start, start + len(data)))
             else:
-                ids.extend(len(SPECIALS) + b for b in part.encode("utf-8"))
-        return ids
+                out += [(len(SPECIALS) + b, start + i, start + i + 1) for i, b in enumerate(data)]
+            start += len(data)
+        return out
 
     def decode(self, ids) -> str:
         text, run = [], bytearray()

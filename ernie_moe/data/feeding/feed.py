@@ -34,6 +34,7 @@ from typing import Protocol
 
 from ...config.schema import Config
 from ..encoding.packing import Row, make_row
+from ..encoding.tokenizer import Tokenizer
 from ..formats.sample import DataError
 from .length_index import length_index
 from .loader import RowStream, rank_share, training_encoder
@@ -87,7 +88,7 @@ def rows_read_of(state, max_seq_len: int) -> int:
 class PairFeed:
     """Preference pairs, a row each, from the row stream every data rank reads (:class:`Feed`)."""
 
-    def __init__(self, dataset, tokenizer, cfg: Config, env, stats: Counter):
+    def __init__(self, dataset, tokenizer: Tokenizer, cfg: Config, env, stats: Counter):
         self.rank, self.world = env.data_rank, env.data_world
         self.rows_read, self.max_seq_len = 0, cfg.data.max_seq_len
         self.stream = RowStream(dataset, tokenizer, cfg, stats, shuffle=True, workers=cfg.data.num_workers)
@@ -136,7 +137,7 @@ class RowFeed:
     """Packed rows planned from the samples' lengths, each rank reading its own rows' samples, the next step's
     in the background (:class:`Feed`)."""
 
-    def __init__(self, dataset, tokenizer, cfg: Config, env, stats: Counter):
+    def __init__(self, dataset, tokenizer: Tokenizer, cfg: Config, env, stats: Counter):
         """``stats``: where skipped and fitted samples are counted (``data/...`` in the metrics)."""
         self.rank, self.world = env.data_rank, env.data_world
         self.rows_read = 0  # global rows handed out so far

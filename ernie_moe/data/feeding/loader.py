@@ -12,7 +12,7 @@ import paddle
 from ...batch import IGNORE_INDEX, Batch, HostCounts
 from ...config.schema import MTP_MAX_DEPTH, Config
 from ..encoding.packing import BadSample, Encoded, Encoder, Row, make_row
-from ..encoding.tokenizer import ByteTokenizer, WordTokenizer, tokenizer_in
+from ..encoding.tokenizer import ByteTokenizer, Tokenizer, WordTokenizer, tokenizer_in
 from ..formats import synthetic
 from ..formats.chat import chat_format
 from ..formats.preference import PairEncoder, SyntheticPairs
@@ -116,13 +116,13 @@ class MixedDataset:
                 self.probs.tolist(), "seed": self.seed}
 
 
-def training_encoder(tokenizer, cfg: Config, stats: Counter) -> Encoder:
+def training_encoder(tokenizer: Tokenizer, cfg: Config, stats: Counter) -> Encoder:
     """Samples encoded as the run's ``data`` section says; skipped samples counted in ``stats``."""
     return Encoder(tokenizer, cfg.model, cfg.data.max_seq_len, cfg.data.overlong, cfg.data.max_image_side, stats,
                    cfg.data.pixel_budget, cfg.data.video_budget)
 
 
-def sample_encoder(tokenizer, cfg, stats: Counter) -> Encoder | PairEncoder:
+def sample_encoder(tokenizer: Tokenizer, cfg, stats: Counter) -> Encoder | PairEncoder:
     """What encodes the run's training records: :func:`training_encoder`, or a pair encoder around it (each pair
     a row of its own)."""
     encoder = training_encoder(tokenizer, cfg, stats)
@@ -139,7 +139,7 @@ class RowStream:
     stream given that state (:meth:`load_state_dict`) continues with the rows it would have made, reading only the
     samples of the open row again: a resume costs the same at step 20 as at step 20,000."""
 
-    def __init__(self, dataset, tokenizer, cfg: Config, stats: Counter, shuffle: bool, workers: int = 0,
+    def __init__(self, dataset, tokenizer: Tokenizer, cfg: Config, stats: Counter, shuffle: bool, workers: int = 0,
                  held_out: bool = False):
         """``held_out``: the rows of a held-out set (a pair's key is then ``-1 - index``)."""
         self.dataset, self.tokenizer, self.stats, self.shuffle = dataset, tokenizer, stats, shuffle

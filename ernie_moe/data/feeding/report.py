@@ -12,13 +12,14 @@ from collections import Counter
 import numpy as np
 
 from ..encoding.packing import Row
+from ..encoding.tokenizer import Tokenizer
 from ..formats.sample import BadSample
 from .plan import sample_order
 
 TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"  # marks the tokens a sample trains on in the rendered text
 
 
-def render(encoded, tokenizer) -> str:
+def render(encoded, tokenizer: Tokenizer) -> str:
     """The sample's text as its tokens decode, the trained tokens between [[ and ]], each image or video as
     ``<image t x h x w: N tokens>``."""
     out: list[str] = []
@@ -55,7 +56,7 @@ def render(encoded, tokenizer) -> str:
     return "".join(out)
 
 
-def data_report(dataset, encoder, tokenizer, count: int, seed: int) -> dict:
+def data_report(dataset, encoder, tokenizer: Tokenizer, count: int, seed: int) -> dict:
     """Figures over the first ``count`` samples of epoch 0: records per source, skipped by reason, tokens per
     sample, the share of image tokens, of trained tokens and of truncated samples; and the first usable sample
     rendered. ``encoder`` counts what it truncates in its own ``stats``: give it one the run does not read."""

@@ -25,7 +25,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from ..encoding.tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE
+from ..encoding.tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE, Tokenizer
 from .erniekit import CALL, EMPTY_THINK, TOOL_LIST, TOOL_OUTPUT, check_think, tool_calls
 from .sample import BadSample, Chunk
 
@@ -117,10 +117,10 @@ def check_messages(messages) -> Conversation:
     return Conversation(messages)
 
 
-def chat_format(tokenizer):
+def chat_format(tokenizer: Tokenizer):
     """The chat format of ``tokenizer``: its template when it has ERNIE's special tokens, plain lines otherwise."""
     if tokenizer.token_id(BEGIN_OF_SENTENCE) is not None and tokenizer.token_id(END_OF_SENTENCE) is not None:
-        return TemplateChat(tokenizer.chat_template or ERNIE_VL_TEMPLATE)
+        return TemplateChat(getattr(tokenizer, "chat_template", None) or ERNIE_VL_TEMPLATE)
     return PlainChat()
 
 
