@@ -29,35 +29,38 @@ Each step is a small function; the order is the contract, and each step says why
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..config.schema import Config
-from ..finetune import prepare_fine_tuning
+from ..finetune import FineTuning, prepare_fine_tuning
 from ..finetune.adapter_files import base_reference
 from ..finetune.quantize import quantize_base, refuse_a_quantized_base
+from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.recompute import apply_recompute
 from ..moe.experts import use_expert_matmul
 from ..objectives import Objective, build_objective
 from ..parallel.env import DistEnv
 from ..parallel.grad_sync import GradSync
+from ..parallel.pipeline import ErniePipeline
 from ..timing import StepTimes
 from .ema import WeightAverage
 from .memory_guard import MemoryGuard
 from .optimizer import build_optimizer, split_experts
 from .precision import Precision
 from .preference import PrecomputedReference, ReferenceModel
-from .runner import build_model, build_runner
+from .runner import PlainRunner, build_model, build_runner
 
 
 @dataclass
 class Assembled:
-    model: object
-    fine_tuning: object  # what trains (finetune.FineTuning)
+    model: ErnieMoEForConditionalGeneration | ErniePipeline  # the whole model, or this rank's pipeline stage
+    fine_tuning: FineTuning  # what trains
     base: dict | None  # a LoRA run's base model folder and its digest
     precision: Precision
-    runner: object
+    runner: PlainRunner  # or its pipelined kind
     guard: MemoryGuard
-    optimizer: object
-    scheduler: object
+    optimizer: Any  # AdamW, or the sharded and offloaded optimizers wrapping it (their steps are Paddle's)
+    scheduler: Any  # the learning-rate schedule (training.schedule)
     param_groups: dict  # parameters by gradient-sync group (experts apart)
     step_times: StepTimes  # where each step's time goes: the run's parts and the collectives' report here
     ema: WeightAverage | None  # the moving average of the weights, when the run keeps one

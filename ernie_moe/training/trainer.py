@@ -22,7 +22,9 @@ from ..checkpoint import (
     save_model,
     start_checkpoint,
 )
+from ..checkpoint.checkpoint import PendingCheckpoint
 from ..checkpoint.files import BackgroundWrites
+from ..checkpoint.lineage import Checkpoint
 from ..checkpoint.model_files import folder_config, inference_files
 from ..checkpoint.output_lock import release_output_dir
 from ..checkpoint.pretrained import format_report, load_pretrained
@@ -89,9 +91,9 @@ class Trainer:
         self.data_stats: Counter = Counter()  # skipped and fitted samples, the data/ metrics
         self.feed, self.eval_set = self._build_data()
         self.benchmarks = read_benchmarks(t.eval_benchmarks, "training.eval_benchmarks")
-        self.last_checkpoint = None  # the newest checkpoint of this run's lineage: a resume's source, then its saves
+        self.last_checkpoint: Checkpoint | None = None  # the lineage's newest: a resume's source, then its saves
         self.writes = BackgroundWrites() if t.async_save else None  # the thread that writes saves in the background
-        self.pending_save = None  # a save being written in the background (PendingCheckpoint)
+        self.pending_save: PendingCheckpoint | None = None  # a save being written in the background
         if t.resume_from_checkpoint or earlier:
             self._resume({a.run_id for a in earlier})
         self.folder = RunFolder(cfg, self.env, job)
@@ -285,7 +287,7 @@ class Trainer:
             while result is None:
                 with self.guard.attempt(self.state, rungs):
                     with part("data"):
-                        batches = micro_batches or [collate(r) for r in rows]
+                        batches = micro_batches or [collate(r) for r in rows or []]
                     done = self.forward_backward(batches)
                     with part("gradient_sync"):
                         self.runner.finish_gradients()
@@ -412,7 +414,7 @@ class Trainer:
             benchmarks = {}
         if self.eval_set is None:
             return benchmarks
-        skipped = Counter()
+        skipped: Counter = Counter()
         rows = RowStream(self.eval_set, self.tokenizer, self.cfg, skipped, shuffle=False, held_out=True)
         global_rows = self.runner.eval_rows_per_device(self.cfg.training) * self.env.data_world
         batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
@@ -544,8 +546,9 @@ class Trainer:
         """The model folder (or, for LoRA, the adapter) of the weights now; whether they were the EMA's."""
         t = self.cfg.training
         files = inference_files(self.cfg, self.tokenizer, t.final_model_format)
-        averaged = t.save_ema_as_final and self.ema.started
-        with self.ema.swapped_in() if averaged else contextlib.nullcontext():
+        ema = self.ema if t.save_ema_as_final and self.ema is not None and self.ema.started else None
+        averaged = ema is not None
+        with ema.swapped_in() if ema is not None else contextlib.nullcontext():
             if self.base is not None:  # the adapter alone, as PaddleFormers' LoRAModel reads it
                 save_adapter(self.model, self.cfg.model, LoRASettings.of(t), folder, self.tokenizer, self.env,
                              self.base, files)
