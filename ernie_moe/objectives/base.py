@@ -19,13 +19,17 @@ class Objective:
 
     name = "lm"  # the metrics' prefix in training (``{name}/...``)
     figures: tuple[str, ...] = ()
-    needs_reference = False  # whether a reference pass fills each batch's reference figures before the step
     trains_mtp = False  # whether the model's multi-token prediction layers train beside it (model.mtp)
     # the data it trains on: "rows" (packed samples), "pairs" (preference pairs, one a row) or "rollouts" (answers
     # sampled from the policy as it trains)
     trains_on = "rows"
 
     input_names: tuple[str, ...] = ()  # the batch's fields the loss reads besides its labels
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a reference pass fills each batch's reference figures before the step."""
+        return False
 
     @property
     def reference_source(self) -> str | None:

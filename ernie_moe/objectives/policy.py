@@ -150,17 +150,23 @@ class PolicyGradient(Objective):
             reference = paddle.zeros(batch.labels.shape, dtype="float32")
         return [given.get("advantages"), given.get("old_logps"), reference]
 
-    def loss(self, predictions: Predictions, labels, advantages, old_logps, reference):
-        """(the loss summed over its units, the figures ``[rows, len(FIGURES)]``); a batch without advantages
-        (held-out samples with their own answers) gives its summed cross-entropy and no figures."""
+    def loss(self, predictions: Predictions, labels: paddle.Tensor,
+             *inputs: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+        """(the loss summed over its units, the figures ``[rows, len(FIGURES)]``); ``inputs``: the rows'
+        advantages, the sampler's and the reference's log-probabilities. A batch without advantages (held-out
+        samples with their own answers) gives its summed cross-entropy and no figures."""
+        advantages, old_logps, reference = inputs
         if advantages is None:
             return predictions.summed(), None
+        if old_logps is None:
+            raise ValueError("sampled answers carry their sampler's log-probabilities (Batch.objective_inputs)")
         logp = answer_token_logps(predictions, self.settings.temperature)
         mask = labels != IGNORE_INDEX
         total, figures = policy_losses(self.settings, logp, old_logps, advantages, mask, reference)
         return total, paddle.stack([figures[name] for name in FIGURES], axis=1)
 
-    def reference(self, predictions: Predictions, labels, advantages, old_logps, reference=None) -> paddle.Tensor:
+    def reference(self, predictions: Predictions, labels: paddle.Tensor,
+                  *inputs: paddle.Tensor | None) -> paddle.Tensor:
         """The answer tokens' log-probabilities ``[rows, seq]`` under the reference."""
         return answer_token_logps(predictions, self.settings.temperature)
 

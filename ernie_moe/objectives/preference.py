@@ -172,14 +172,20 @@ class PreferenceLoss(Objective):
             reference = paddle.zeros([batch.labels.shape[0], 2], dtype="float32")
         return [sides, reference]
 
-    def loss(self, predictions: Predictions, labels, sides, reference) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """(summed loss over the pairs, the figures ``[rows, len(FIGURES)]``)."""
+    def loss(self, predictions: Predictions, labels: paddle.Tensor,
+             *inputs: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """(summed loss over the pairs, the figures ``[rows, len(FIGURES)]``); ``inputs``: the rows' pair sides,
+        the reference's log-probabilities (None in the reference's own pass)."""
+        sides, reference = inputs
+        if sides is None:
+            raise ValueError("a preference batch carries its rows' pair sides (Batch.objective_inputs)")
         policy, lengths = answer_logps(predictions.per_position(), labels, sides)
         return pair_figures(self.settings, policy, lengths, reference, self.reduce_sum)
 
-    def reference(self, predictions: Predictions, labels, sides, reference=None) -> paddle.Tensor:
+    def reference(self, predictions: Predictions, labels: paddle.Tensor,
+                  *inputs: paddle.Tensor | None) -> paddle.Tensor:
         """The answers' log-probabilities ``[rows, 2]`` (0 in a row without a pair)."""
-        return self.loss(predictions, labels, sides, None)[1][:, LOGPS]
+        return self.loss(predictions, labels, inputs[0], None)[1][:, LOGPS]
 
     def metrics(self, totals: np.ndarray, prefix: str) -> dict:
         return preference_metrics(totals, prefix)

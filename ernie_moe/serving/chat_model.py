@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..checkpoint.errors import CheckpointError
 from ..cli import DRAFT_TOKENS
 from ..data.encoding.packing import Encoded
 from ..data.encoding.tokenizer import Tokenizer
@@ -103,6 +104,8 @@ class ChatModel:
     def __init__(self, folder, config_path=None, side_by_side: int = SIDE_BY_SIDE, draft_tokens: int = DRAFT_TOKENS):
         self.data = folder_run_config(folder, config_path).data
         loaded = load_model_folder(folder)
+        if loaded.tokenizer is None:  # load_model_folder refuses a folder without one unless told otherwise
+            raise CheckpointError(f"{folder} holds no tokenizer")
         self.model, self.tokenizer, self.cfg = loaded.model, loaded.tokenizer, loaded.cfg
         self.draft_tokens = draft_tokens  # per step, from the model's multi-token prediction layers where it has them
         self.sees_images = loaded.sees_images
@@ -113,7 +116,7 @@ class ChatModel:
         self.turns: Counter = Counter()  # turns of the model by how many requests they answered
         self.side_by_side = side_by_side
 
-    def encode(self, conversation, images: list[np.ndarray], videos: list[np.ndarray] = ()) -> Encoded:
+    def encode(self, conversation, images: list[np.ndarray], videos: Sequence[np.ndarray] = ()) -> Encoded:
         """The prompt of ``conversation`` (``data.formats.jsonl.parse_messages``'s, its images and videos decoded in
         order), the assistant's turn opened. Raises UsageError or BadSample saying what is wrong."""
         if (images or videos) and not self.sees_images:
@@ -145,6 +148,7 @@ class ChatModel:
             raise request.error
         text = request.stream.finish()
         out = request.out
+        assert out is not None  # its turn answered it, or it raised its error above
         finish = "stop" if out.stop in ("eos", "caller") else "length"
         return Reply(text, finish, len(prompt.input_ids), len(out.ids), out.drafted, out.accepted)
 

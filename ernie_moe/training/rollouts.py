@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -92,9 +92,9 @@ class RolloutFeed:
         self.exchange = env.expert_group if env.expert_group is not None and not model.plan.experts_on_tp_ranks \
             else None
         self.prompts_read = 0  # global prompt slots taken so far
-        self._order = (-1, None)  # (pass over the data, its seeded order of the samples)
+        self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (pass over the data, its seeded order)
         self.pending: list[Row] = []  # this rank's rows of the rollout being trained on
-        self.window: Counter = Counter()  # the rollouts' sums since the last logging window
+        self.window: defaultdict[str, float] = defaultdict(float)  # the rollouts' sums since the last logging window
         self.answers: list[dict] = []  # a few of the window's groups, to show
 
     # ---------------------------------------------------------------- the feed
@@ -142,7 +142,7 @@ class RolloutFeed:
         names = ["answers", "answer_tokens", "entropy", "groups", "equal_groups", "seconds", "reward", "reward_sq",
                  "equal_groups_kept", *(f"reward_{r.name}{end}" for r in self.rewards for end in ("", "_sq"))]
         sums = paddle.to_tensor([float(self.window[n]) for n in names], dtype="float64")
-        self.window = Counter()
+        self.window = defaultdict(float)
         sums = self.env.all_reduce_sum(sums, self.env.data_group)  # every data rank's answers
         w = dict(zip(names, host_reads.read(sums, "rollout").tolist()))
         answers = w["answers"]
@@ -261,7 +261,7 @@ class RolloutFeed:
         finally:
             self.model.train(was_training)
         routes: list[np.ndarray | None] = [None] * len(answers)
-        if self.replay:
+        if self.replay and records is not None:  # recorded when replaying
             padding = max(len(e) for e in encoded) - np.array([len(e) for e in encoded])
             table = rows_of_generation(records, moe_layer_ids(self.model.cfg), len(encoded), padding,
                                        [len(a.ids) for a in answers], self.length)
@@ -321,7 +321,7 @@ class RolloutFeed:
             rows.append(row)
             w["answers"] += 1
             w["answer_tokens"] += len(tokens)
-            w["entropy"] += sum(answer.entropies)
+            w["entropy"] += sum(answer.entropies or [])
             w["reward"] += total
             w["reward_sq"] += total * total
             for reward, score in zip(self.rewards, scores):
