@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, deque
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import paddle
@@ -51,6 +53,7 @@ def build_tokenizer(cfg: Config):
 def build_datasets(cfg: Config):
     """(training set, held-out set or None): samples, or preference pairs with ``training.stage: dpo``."""
     d = cfg.data
+    train: Any  # a source (synthetic, a file, shards) or a mix of them: each indexes samples or pairs
     if d.dataset == "synthetic":
         shapes = SyntheticPairs if is_preference(cfg) else synthetic.SyntheticShapes
         train = shapes(cfg.training.seed, "train", d.num_train_samples, d.image_size, d.blank_images)
@@ -153,7 +156,7 @@ class RowStream:
         self.epoch, self.position = 0, 0  # the next sample: epoch, place in that epoch's order
         self.pending: list[tuple[int, Encoded]] = []  # (index, sample) of the row being filled
         self.used = 0  # their tokens
-        self._source = None  # the samples from (epoch, position) on, begun at the first row asked for
+        self._source: Iterator[tuple[int, Any]] | None = None  # from (epoch, position) on, begun at the first row
 
     def _order(self):
         size = len(self.dataset)
@@ -196,9 +199,10 @@ class RowStream:
         preference pairs the next pair."""
         if self._source is None:
             self._source = self._samples()
+        source = self._source
         if self.pairs:
-            return next(self._source)[1]
-        for index, sample in self._source:
+            return next(source)[1]
+        for index, sample in source:
             if self.pending and self.used + len(sample) > self.max_seq_len:
                 row, self.pending, self.used = self._row(), [(index, sample)], len(sample)
                 return row
@@ -226,7 +230,7 @@ class RowStream:
         check_position(state, size, self.max_seq_len, ("epoch", "position", "open_row", "unusable", "skipped"))
         self.epoch, self.position = state["epoch"], state["position"]
         self.unusable = set(state["unusable"])
-        pending = []
+        pending: list[tuple[int, Any]] = []
         for index in state["open_row"]:
             try:
                 pending.append((index, self.encoder(self.dataset[index])))
@@ -281,7 +285,7 @@ def collate(rows: list[Row]) -> Batch:
     channels = patches[0].shape[1] if patches else 0
     labels, types = np.stack([r.labels for r in rows]), np.stack([r.token_type_ids for r in rows])
     key_ends = np.stack([r.key_ends for r in rows])
-    sides = np.stack([r.pair_sides for r in rows]) if rows[0].pair_sides is not None else None
+    sides = np.stack([np.asarray(r.pair_sides) for r in rows]) if rows[0].pair_sides is not None else None
     return Batch(
         input_ids=paddle.to_tensor(np.stack([r.input_ids for r in rows])),
         labels=paddle.to_tensor(labels),

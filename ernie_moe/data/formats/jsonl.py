@@ -59,7 +59,7 @@ class JsonlDataset:
         self.record_shape, self.enable_thinking = record_shape, enable_thinking
         self.root = self.path.parent
         self._header_only = False  # set by each sample_of call: whether its images are read or sized
-        self._kept = None  # the file the offsets are memory-mapped from, if they are kept
+        self._kept: Path | None = None  # the file the offsets are memory-mapped from, if they are kept
         self.offsets = self._open(index_dir)
 
     def _open(self, index_dir: str) -> np.ndarray:
@@ -71,13 +71,14 @@ class JsonlDataset:
         except OSError as err:
             raise DataError(f"{self.path} cannot be read: {err.strerror or err}") from None
         name = hashlib.sha256(repr((str(self.path.resolve()), _identity(stat))).encode()).hexdigest()[:32]
-        self._kept = Path(index_dir or default_index_dir()) / "offsets" / f"{name}.npy"
-        offsets = kept_array(self._kept, np.int64, sealed=True)
+        kept = Path(index_dir or default_index_dir()) / "offsets" / f"{name}.npy"
+        self._kept = kept
+        offsets = kept_array(kept, np.int64, sealed=True)
         if offsets is not None:
             self.identity_stat = _identity(stat)
             return offsets
         offsets = self._scan()
-        if self.identity_stat != _identity(stat) or not keep_array(self._kept, offsets, sealed=True):
+        if self.identity_stat != _identity(stat) or not keep_array(kept, offsets, sealed=True):
             self._kept = None
         return offsets
 
@@ -196,7 +197,8 @@ class JsonlDataset:
                 for t, i in zip(texts, images)):
             raise BadSample("bad_document", f"{where}: a document's texts and images must be lists of one length, "
                                             "each place holding a text or an image (the other null)")
-        chunks, pictures = [], []
+        chunks: list[Chunk] = []
+        pictures: list = []
         for text, image in zip(texts, images):
             if image is not None:
                 chunks.append(Chunk(image=len(pictures)))
@@ -277,7 +279,7 @@ def as_ernie_rgb(image: Image.Image) -> Image.Image:
         image = image.point(lambda i: i * (1 / 256)).convert("L")
     if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
-        if rgba.getchannel("A").getextrema()[0] < 255:
+        if rgba.getchannel("A").getextrema()[0] < 255:  # type: ignore[operator]  # one band's (low, high)
             white = Image.new("RGBA", rgba.size, (255, 255, 255))
             white.paste(rgba, (0, 0), rgba)
             image = white
@@ -338,7 +340,9 @@ def parse_messages(messages, images: list[str], videos) -> tuple:
         raise BadSample("bad_images", "images or videos given both as content parts and as lists")
     if not isinstance(videos, list) or not all(_frame_list(v) for v in videos):
         raise BadSample("bad_video", f"videos must be a list of videos (files or frame-file lists), not {videos!r}")
-    out, image_paths, video_frames = [], [], []
+    out: list[dict] = []
+    image_paths: list = []
+    video_frames: list = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
@@ -364,7 +368,7 @@ def parse_messages(messages, images: list[str], videos) -> tuple:
         first_user = next((m for m in out if m["role"] == "user"), None)
         if unmarked and first_user is None:
             raise BadSample("image_count_mismatch", "images without a user turn to show them in")
-        if unmarked:
+        if unmarked and first_user is not None:
             first_user["content"][:0] = [{"type": "image"}] * unmarked
         image_paths, video_frames = list(images), list(videos)
     return check_messages(out), image_paths, video_frames
