@@ -10,6 +10,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 import paddle
@@ -57,7 +58,8 @@ def model_config_dict(model_cfg: ModelConfig, hf_layout: bool = False, model_typ
         raise ValueError(f"an ernie4_5_moe checkpoint holds one expert pool; this model has {experts} "
                          "(text, vision): export it as ernie4_5_moe_vl.")
     data = {k: v for k, v in (base or {}).items() if k not in ("torch_dtype", "dtype")}
-    vision_base = data.get("vision_config") if isinstance(data.get("vision_config"), dict) else {}
+    given = data.get("vision_config")
+    vision_base: dict = given if isinstance(given, dict) else {}
     data.update(dataclasses.asdict(model_cfg))
     data.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]], hidden_act="silu", use_bias=False,
                 mtp_loss_scaling_factor=model_cfg.multi_token_pred_lambda)  # PaddleFormers' name for it
@@ -88,7 +90,7 @@ _DTYPES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("flo
            np.dtype("int64"): "I64", np.dtype("int32"): "I32"}
 
 
-NUMPY_DTYPES = {paddle.float32: np.dtype("float32"), paddle.float16: np.dtype("float16"),
+NUMPY_DTYPES: dict[Any, np.dtype] = {paddle.float32: np.dtype("float32"), paddle.float16: np.dtype("float16"),
                 paddle.float64: np.dtype("float64")}
 
 
@@ -121,7 +123,7 @@ class SafetensorsWriter:
         self.path = Path(path)
         self.hash = hashlib.sha256()
         self.error: OSError | None = None
-        self.file = None
+        self.file: BinaryIO | None = None
         # in the background: the header and tensors, in order, until close hands them to the writer's thread
         self.pending: list | None = [] if written is not None and written.background is not None else None
         if self.pending is None:
@@ -142,6 +144,7 @@ class SafetensorsWriter:
         if self.error is not None:
             return
         try:
+            assert self.file is not None  # opened, or its error kept above
             self.file.write(data)
         except OSError as err:
             self.error = err
@@ -158,6 +161,7 @@ class SafetensorsWriter:
         a write error is raised here. In the background this happens on the writer's thread."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
+            assert written is not None  # a pending write is a background one, which written carries
             written.run(lambda: self._write_all(pending, written))
             return
         self._close(written)
@@ -248,9 +252,11 @@ def save_model(model, model_cfg: ModelConfig, directory: str, tokenizer: Tokeniz
         tensor = full_tensor(param, tp_group)  # a collective over the tensor-parallel group: every rank calls it
         if name in mine:
             full = tensor.numpy() if tensor.dtype in NUMPY_DTYPES else tensor.astype("float32").numpy()
+            assert file is not None  # this rank writes the names it was given
             for part_name, part in converted(name, full):
                 file.write(part_name, part)
     for name, array in zeros:
+        assert file is not None
         file.write(name, array)
     if file is not None:
         file.close(written)
@@ -301,7 +307,7 @@ def correction_bias_zeros(model_cfg: ModelConfig, names: set[str]) -> list[tuple
     return out
 
 
-def written_config(model_cfg: ModelConfig, hf_layout: bool, source: dict | None, tokenizer: Tokenizer,
+def written_config(model_cfg: ModelConfig, hf_layout: bool, source: dict | None, tokenizer: Tokenizer | None,
                    form: str = PADDLEFORMERS) -> dict:
     """The config.json a run writes: the source folder's keys, this model's, and the tokenizer's special ids
     where the source names none; in transformers' form, its ERNIE-4.5-VL config (ValueError for a model it
