@@ -9,6 +9,7 @@ from ..config.schema import ModelConfig
 from ..nn import contiguous, kernels
 from ..nn.flashmask import RowBounds, dense_attention
 from ..nn.recompute import Recomputable
+from .single_device import SingleDevicePlan
 
 
 def core_attention(q, k, v, bounds: RowBounds | None) -> paddle.Tensor:
@@ -27,7 +28,7 @@ def core_attention(q, k, v, bounds: RowBounds | None) -> paddle.Tensor:
 
 
 class Attention(Recomputable, nn.Layer):
-    def __init__(self, plan, cfg: ModelConfig):
+    def __init__(self, plan: SingleDevicePlan, cfg: ModelConfig):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads

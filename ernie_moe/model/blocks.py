@@ -32,6 +32,7 @@ from ..nn.init import mark_default_rules
 from ..nn.rope import Rotation, rope_angles
 from .decoder import DecoderLayer
 from .mtp import MultiTokenPrediction
+from .single_device import SingleDevicePlan
 from .vision import Adapter, VisionTransformer, blank_merge_block
 
 
@@ -43,7 +44,7 @@ def block_inputs(batch: Batch) -> tuple:
 
 
 class TokenEmbedding(nn.Layer):
-    def __init__(self, cfg: ModelConfig, plan):
+    def __init__(self, cfg: ModelConfig, plan: SingleDevicePlan):
         super().__init__()
         self.embed_tokens = plan.embedding(cfg.vocab_size, cfg.hidden_size)
 
@@ -58,7 +59,7 @@ class TokenEmbedding(nn.Layer):
 class ImageFeatures(nn.Layer):
     """The ViT and the adapter; writes each image's features at its placeholder tokens."""
 
-    def __init__(self, cfg: ModelConfig, plan):
+    def __init__(self, cfg: ModelConfig, plan: SingleDevicePlan):
         super().__init__()
         self.cfg, self.plan = cfg, plan
         self.vision_model = plan.vision_encoder(VisionTransformer(cfg.vision_config))
@@ -116,7 +117,7 @@ class AttentionInputs:
 
 
 class FinalNorm(nn.Layer):
-    def __init__(self, cfg: ModelConfig, plan):
+    def __init__(self, cfg: ModelConfig, plan: SingleDevicePlan):
         super().__init__()
         self.norm = plan.norm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -125,7 +126,7 @@ class FinalNorm(nn.Layer):
 
 
 class LMHead(nn.Layer):
-    def __init__(self, cfg: ModelConfig, plan):
+    def __init__(self, cfg: ModelConfig, plan: SingleDevicePlan):
         super().__init__()
         self.lm_head = plan.column_linear(cfg.hidden_size, cfg.vocab_size)
         self.passes_hidden = False  # a pipeline's loss over chunks applies the head itself
@@ -134,7 +135,7 @@ class LMHead(nn.Layer):
         return inputs if self.passes_hidden else (self.lm_head(inputs[0]), inputs[1])
 
 
-def tied_head(plan, passes_hidden: bool = False):
+def tied_head(plan: SingleDevicePlan, passes_hidden: bool = False):
     """The head of tied embeddings: ``forward(token embedding block, inputs)``; ``passes_hidden``: the final
     hidden states go on to the loss, which applies the head over chunks."""
 
@@ -158,7 +159,7 @@ class Block:
         return self.layer(*self.args, **self.kwargs)
 
 
-def ordered_blocks(cfg: ModelConfig, plan) -> list[Block]:
+def ordered_blocks(cfg: ModelConfig, plan: SingleDevicePlan) -> list[Block]:
     attention_inputs = AttentionInputs(cfg)
     pieces = {"cfg": cfg, "plan": plan}
     mtp = [Block(MultiTokenPrediction, (cfg, plan, AttentionInputs(cfg)))] if cfg.num_nextn_predict_layers else []

@@ -9,10 +9,11 @@ from ..moe.layer import MoELayer
 from ..nn.layers import SwiGLUMLP
 from ..nn.recompute import Recomputable
 from .attention import Attention
+from .single_device import SingleDevicePlan
 
 
 class DecoderLayer(Recomputable, nn.Layer):
-    def __init__(self, plan, cfg, layer_idx: int, attention_inputs):
+    def __init__(self, plan: SingleDevicePlan, cfg, layer_idx: int, attention_inputs):
         super().__init__()
         self.layer_idx = layer_idx
         self.attention_inputs = attention_inputs  # rotary angles and row bounds, shared by the model's layers

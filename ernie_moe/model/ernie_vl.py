@@ -66,7 +66,8 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
     the exported names (``model.layers.3``, ``vision_model``, ...), so that ``named_parameters`` and
     ``state_dict`` read like PaddleFormers'; the wrapping blocks are kept in order beside them."""
 
-    def __init__(self, cfg: ModelConfig, plan=None, loss_chunk: int = 0, objective: Objective | None = None):
+    def __init__(self, cfg: ModelConfig, plan: SingleDevicePlan | None = None, loss_chunk: int = 0,
+                 objective: Objective | None = None):
         super().__init__()
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # first, so that it does not depend on what gets built
         self.cfg = cfg

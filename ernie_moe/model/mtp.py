@@ -21,6 +21,7 @@ from paddle import nn
 from ..batch import IGNORE_INDEX
 from ..config.schema import ModelConfig
 from .decoder import DecoderLayer
+from .single_device import SingleDevicePlan
 
 
 class MultiTokenPrediction(nn.Layer):
@@ -28,7 +29,7 @@ class MultiTokenPrediction(nn.Layer):
     token embeddings carried after it (``model.blocks.ImageFeatures`` carries them when the block is active);
     output ``(hidden, router_loss)``, hidden holding ``1 + depths`` times the rows in training."""
 
-    def __init__(self, cfg: ModelConfig, plan, attention_inputs):
+    def __init__(self, cfg: ModelConfig, plan: SingleDevicePlan, attention_inputs):
         super().__init__()
         self.plan = plan
         full = plan.full_sequence()  # the projection sees whole sequences, computed alike on every tensor rank

@@ -32,6 +32,7 @@ from ..model.blocks import (
 from ..model.decoder import DecoderLayer
 from ..model.ernie_vl import BlockQueries
 from ..model.mtp import MultiTokenPrediction, labels_ahead, split_rows
+from ..model.single_device import SingleDevicePlan
 from ..nn.init import init_weights
 from ..objectives import Objective, Predictions
 from ..objectives.sums import loss_sums, step_sums, weighted_loss
@@ -45,7 +46,7 @@ class PipelineLoss(nn.Layer):
     the step's sums for the logs and, in evaluation (labels with caption categories after the objective's inputs),
     each batch's predictions; in a reference pass (``collect_reference``), what the objective keeps of each batch."""
 
-    def __init__(self, plan, objective: Objective, chunk: int = 0, mtp_depths: int = 0):
+    def __init__(self, plan: SingleDevicePlan, objective: Objective, chunk: int = 0, mtp_depths: int = 0):
         super().__init__()
         self.plan, self.objective = plan, objective
         self.mtp_depths = mtp_depths  # multi-token prediction depths that train: their labels follow the scale
@@ -84,8 +85,8 @@ class PipelineLoss(nn.Layer):
 class ErniePipeline(BlockQueries, PipelineLayer):
     """This rank's pipeline stages of the model's blocks."""
 
-    def __init__(self, cfg: ModelConfig, plan, env: DistEnv, virtual_stages: int, objective: Objective,
-                 loss_chunk: int = 0):
+    def __init__(self, cfg: ModelConfig, plan: SingleDevicePlan, env: DistEnv, virtual_stages: int,
+                 objective: Objective, loss_chunk: int = 0):
         self.cfg, self.plan = cfg, plan
         seed = int(paddle.randint(0, 2**31 - 1, [1]))  # drawn before fleet reseeds per layer
         descs: list[LayerDesc] = []
