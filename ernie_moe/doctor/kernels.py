@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import paddle
@@ -36,8 +38,14 @@ class Check:
         return bool(self.difference <= self.tolerance)
 
 
-def _tensor(array: np.ndarray, dtype: str) -> paddle.Tensor:
+def _tensor(array: np.ndarray, dtype: Any) -> paddle.Tensor:
     return paddle.to_tensor(array.astype(np.float32)).astype(dtype)
+
+
+def _flat(*tensors: paddle.Tensor | None) -> paddle.Tensor:
+    """The tensors (an output, then gradients, which backward has filled) as one float32 vector."""
+    assert all(t is not None for t in tensors)
+    return paddle.concat([t.astype("float32").flatten() for t in tensors if t is not None])
 
 
 def _silu(x):
@@ -65,9 +73,14 @@ def attention(rng, dtype, mask: str = "causal", fused: bool = False, heads: int 
     leaves = [_tensor(a, dtype) for a in (q, k, v)]
     for t in leaves:
         t.stop_gradient = False
-    out = (kernels.fused_flashmask_attention if fused else core_attention)(*leaves, bounds)
+    q_in, k_in, v_in = leaves
+    if fused:  # the fused checks are of masked attention
+        assert bounds is not None
+        out = kernels.fused_flashmask_attention(q_in, k_in, v_in, bounds)
+    else:
+        out = core_attention(q_in, k_in, v_in, bounds)
     (out.astype("float32") * _tensor(probe, "float32")).sum().backward()
-    ours = paddle.concat([t.astype("float32").flatten() for t in (out, *(leaf.grad for leaf in leaves))])
+    ours = _flat(out, *(leaf.grad for leaf in leaves))
 
     group = heads // kv_heads
     kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
@@ -165,7 +178,7 @@ def routed_experts(rng, dtype, grouped: bool = False, fused: bool = False, hidde
     run = grouped_gemm_swiglu if fused else grouped_swiglu if grouped else expert_loop
     out = run(x, counts, ups, downs)
     (out.astype("float32") * _tensor(probe, "float32")).sum().backward()
-    ours = paddle.concat([t.astype("float32").flatten() for t in (out, x.grad, *(w.grad for w in ups + downs))])
+    ours = _flat(out, x.grad, *(w.grad for w in ups + downs))
 
     expected_out, grad_rows = np.zeros_like(rows), np.zeros_like(rows)
     grad_up_gate, grad_down = [np.zeros_like(w) for w in up_gate], [np.zeros_like(w) for w in down]
@@ -194,7 +207,7 @@ def combine(rng, dtype, fused: bool = False):
     else:
         out = kernels.plain_weighted_combine(x, paddle.to_tensor(tokens), w, 5)
     (out.astype("float32") * _tensor(probe, "float32")).sum().backward()
-    ours = paddle.concat([t.astype("float32").flatten() for t in (out, x.grad, w.grad)])
+    ours = _flat(out, x.grad, w.grad)
     expected = np.zeros([5, 8])
     np.add.at(expected, tokens, rows * weights[:, None])
     return ours, np.concatenate([expected.ravel(), (probe[tokens] * weights[:, None]).ravel(),
@@ -223,7 +236,7 @@ def quantized_matmul(rng, dtype, mode: str):
     return quant.quantized_matmul(_tensor(x, dtype), q, scales, mode), x @ weight
 
 
-CHECKS = {"attention": attention,
+CHECKS: dict[str, Callable[..., Check]] = {"attention": attention,
           "attention, bidirectional documents": functools.partial(attention, mask="bidirectional"),
           "attention without a mask": functools.partial(attention, mask="none"),
           "rms_norm": rms_norm, "swiglu": swiglu, "rotary embedding": rotary, "vision rotary embedding": vision_rotary,

@@ -12,7 +12,7 @@ same tokens, so each takes its experts' rows locally and the outputs are gathere
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
@@ -39,9 +39,9 @@ def rank_major_order(counts: list[int], size: int) -> np.ndarray:
 
 @dataclass
 class ExpertParallelState(DispatchState):
-    send_splits: list[int] = None  # rows sent to each rank of the group
-    recv_splits: list[int] = None  # rows received from each rank
-    to_expert_major: paddle.Tensor = None  # received rows (source-major) -> local-expert-major
+    send_splits: list[int] = field(default_factory=list)  # rows sent to each rank of the group
+    recv_splits: list[int] = field(default_factory=list)  # rows received from each rank
+    to_expert_major: paddle.Tensor | None = None  # received rows (source-major) -> local-expert-major
 
 
 class _ByOwner(LocalDispatcher):
@@ -88,16 +88,17 @@ class ExpertParallelDispatcher(_ByOwner):
         inputs = paddle.gather(received, index) if received.shape[0] else received
         return inputs, mine.sum(axis=0).tolist(), state
 
-    def rows_back(self, expert_rows, state: ExpertParallelState):
+    def rows_back(self, expert_rows, state: DispatchState):
+        assert isinstance(state, ExpertParallelState)  # what this dispatcher's dispatch returned
         source_major = paddle.zeros_like(expert_rows)
-        if expert_rows.shape[0]:
+        if expert_rows.shape[0] and state.to_expert_major is not None:  # set with any row received
             source_major = paddle.scatter(source_major, state.to_expert_major, expert_rows)
         return all_to_all(source_major, state.recv_splits, state.send_splits, self.group)
 
 
 @dataclass
 class TensorParallelExpertState(DispatchState):
-    block_sizes: list[int] = None  # rows each rank's experts processed, in rank order
+    block_sizes: list[int] = field(default_factory=list)  # rows each rank's experts processed, in rank order
 
 
 class TensorParallelExpertDispatcher(_ByOwner):
@@ -127,5 +128,6 @@ class TensorParallelExpertDispatcher(_ByOwner):
                                           per_rank.sum(axis=1).tolist())
         return inputs, per_rank[self.rank].tolist(), state
 
-    def rows_back(self, expert_rows, state: TensorParallelExpertState):
+    def rows_back(self, expert_rows, state: DispatchState):
+        assert isinstance(state, TensorParallelExpertState)  # what this dispatcher's dispatch returned
         return GatherRows.apply(expert_rows, state.block_sizes, self.group)
