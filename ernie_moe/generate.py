@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
@@ -55,7 +54,7 @@ def keyed_prompts(args, data: DataConfig) -> list[tuple[dict | None, Sample]]:
             raise UsageError(f"--messages file '{path}' {problem}")
         if path.stat().st_size > MAX_MESSAGES_BYTES:
             raise UsageError(f"--messages file '{path}' is over {MAX_MESSAGES_BYTES // 2 ** 20} MiB")
-        samples = []
+        samples: list[tuple[dict | None, Sample]] = []
         for number, line in enumerate(path.read_bytes().splitlines(), start=1):
             if not line.strip():
                 continue
@@ -101,6 +100,8 @@ def main(argv=None) -> int:
         keys, samples = [key for key, _ in keyed], [sample for _, sample in keyed]
         loaded = load_model_folder(args.model)
         model, tokenizer, cfg = loaded.model, loaded.tokenizer, loaded.cfg
+        if tokenizer is None:  # load_model_folder refuses a folder without one unless told otherwise
+            raise CheckpointError(f"'{args.model}' holds no tokenizer")
         if not loaded.sees_images and any(sample.images for sample in samples):
             raise UsageError(f"'{args.model}' is a text model (it holds no vision encoder): it cannot take images")
         prompts = [prompt_encoder(tokenizer, cfg, data).prompt(sample) for sample in samples]
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     except (BadSample, UsageError, CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"generate error: {err}", file=sys.stderr)
         return 2
-    answered = Counter()
+    answered: dict[str, float] = {"seconds": 0.0, "tokens": 0, "drafted": 0, "accepted": 0}
     for start in range(0, len(prompts), args.batch_size):
         group = prompts[start: start + args.batch_size]
         decoding = Decoding(args.max_new_tokens, args.temperature, args.top_p, args.seed)
@@ -117,8 +118,9 @@ def main(argv=None) -> int:
         outs = generate_drafting(model, group, [decoding] * len(group), tokenizer.eos_id,
                                  never=(cfg.im_patch_id,) if loaded.sees_images else (), tokens=tokenizer.vocab_size,
                                  draft_tokens=args.draft_tokens)
-        answered.update(seconds=time.perf_counter() - began, tokens=sum(len(o.ids) for o in outs),
-                        drafted=sum(o.drafted for o in outs), accepted=sum(o.accepted for o in outs))
+        for name, value in (("seconds", time.perf_counter() - began), ("tokens", sum(len(o.ids) for o in outs)),
+                            ("drafted", sum(o.drafted for o in outs)), ("accepted", sum(o.accepted for o in outs))):
+            answered[name] += value
         for key, out in zip(keys[start: start + args.batch_size], outs):
             text = tokenizer.decode(out.ids)
             answer = {**key, "text": text, "tokens": len(out.ids), "stop": out.stop} if key is not None else None
