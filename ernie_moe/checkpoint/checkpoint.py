@@ -22,6 +22,7 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import paddle
@@ -32,12 +33,15 @@ from safetensors import safe_open
 from .. import faults
 from ..config.schema import Config, ModelConfig
 from ..data.encoding.tokenizer import Tokenizer
+from ..data.feeding.feed import Feed
 from ..data.formats.sample import DataError
 from ..json_files import read_json, read_json_object
+from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor, shard_of
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import ErniePipeline
 from .errors import CheckpointError
 from .files import BackgroundWrites, WrittenFiles, sha256_of, sync_folder
 from .formats import read_weight_map
@@ -76,14 +80,16 @@ def adam_parts(optimizer) -> list:
 class TrainingParts:
     """What a checkpoint saves and restores."""
 
-    model: object  # the model, or this rank's pipeline stages
-    optimizer: object
-    scheduler: object  # the learning-rate schedule (training.schedule)
-    scaler: object  # loss scaling and skipped-step counts (training.precision.Precision)
-    state: object  # the run's position, a dataclass of JSON values with ``step``
-    data: object  # the data feed: its position (``state_dict()``) is saved with the step
+    model: ErnieMoEForConditionalGeneration | ErniePipeline  # the model, or this rank's pipeline stages
+    optimizer: Any  # Paddle's optimizer, or the sharded and offloaded ones wrapping it
+    scheduler: Any  # the learning-rate schedule (training.schedule)
+    # the training side's parts, which sit above this folder: loss scaling and skipped-step counts
+    # (training.precision.Precision), the run's position (a dataclass of JSON values with ``step``)
+    scaler: Any
+    state: Any
+    data: Feed  # the data feed: its position (``state_dict()``) is saved with the step
     base: dict | None = None  # a LoRA run's base model (``finetune.adapter_files.base_reference``)
-    ema: object = None  # the EMA of the weights (training.ema.WeightAverage), or None
+    ema: Any = None  # the EMA of the weights (training.ema.WeightAverage), or None
 
 
 def start_checkpoint(parts: TrainingParts, cfg: Config, tokenizer: Tokenizer, env: DistEnv, run: Run,
@@ -163,6 +169,8 @@ class PendingCheckpoint:
             raise CheckpointError(f"saving {final.name} failed on {error}. The partial {tmp.name} was removed; "
                                   f"{before}.")
         saved = read(final)
+        if saved is None:  # completed above, so its marker is there
+            raise CheckpointError(f"{final} was completed but cannot be read back")
         if env.is_main:
             prune(self.root, saved, self.save_total_limit)
         _barrier(env)
@@ -196,7 +204,7 @@ def rng_state() -> dict:
     version, keys, gauss = random.getstate()
     kind, mt, pos, has_gauss, cached = np.random.get_state()
     return {"python": [version, list(keys), gauss],
-            "numpy": [kind, mt.tolist(), int(pos), int(has_gauss), float(cached)],
+            "numpy": [kind, np.asarray(mt).tolist(), int(pos), int(has_gauss), float(cached)],
             "paddle": [list(g.__getstate__()) for g in paddle.get_rng_state()]}
 
 
@@ -364,7 +372,7 @@ def _read_state(directory: Path, model_cfg: ModelConfig) -> dict:
     state = read_json_object(path, CheckpointError)
     for key, kind in (("step", int), ("scheduler", dict)):
         value = state.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+        if not isinstance(value, kind) or isinstance(value, bool) or (isinstance(value, int) and value < 0):
             wanted = "a whole number of 0 or more" if kind is int else "an object"
             raise CheckpointError(f"{path}: '{key}' must be {wanted}, not {value!r}")
     saved = (state.get("config") or {}).get("model") if isinstance(state.get("config"), dict) else None
@@ -397,7 +405,7 @@ def load_checkpoint(parts: TrainingParts, directory: Path, env: DistEnv) -> dict
     states = IndexedTensors(directory, "optimizer.index.json")
     names = {p.name: (stable, p) for stable, p in named}
     for opt in adam_parts(parts.optimizer):
-        loaded = {"LR_Scheduler": dict(state["scheduler"])}
+        loaded: dict[str, Any] = {"LR_Scheduler": dict(state["scheduler"])}
         for param in opt._parameter_list:
             stable, _ = names[param.name]
             for kind in ADAM_STATES:
@@ -433,5 +441,8 @@ def _load_ema(parts: TrainingParts, directory: Path, state: dict) -> None:
     if not isinstance(updates, int) or isinstance(updates, bool) or updates < 0:
         raise CheckpointError(f"{directory}/trainer_state.json: 'ema_updates' must be a whole number of 0 or more, "
                               f"not {updates!r}")
-    averages = IndexedTensors(directory, f"{EMA}.index.json") if updates else None
+    if not updates:  # none taken yet: the EMA starts afresh
+        parts.ema.load(lambda name, param: None, 0)
+        return
+    averages = IndexedTensors(directory, f"{EMA}.index.json")
     parts.ema.load(lambda name, param: shard_of(param, averages.get(name)), updates)
