@@ -39,7 +39,8 @@ DECLARED = {
                 "logits for the host's sampler, once per new token, and the routing each forward recorded",
     "rollout": "whether any data rank still misses groups after a round of prompts: once per round of a rollout; "
                "with router_replay old_policy, the old policy's log-probabilities and routes, once per micro-batch "
-               "and MoE layer of a rollout; the rollouts' figures, once per logging window",
+               "and MoE layer of a rollout; the rollouts' figures and the window's largest sampler-trainer ratio, once "
+               "per logging window",
 }
 TENSOR_READS = ("numpy", "item", "tolist", "__float__", "__int__", "__bool__", "__index__")
 _PADDLE = str(Path(paddle.__file__).parent / "base")  # paddle's own tensor plumbing, which a read passes through

@@ -28,11 +28,14 @@ def grpo_cfg(tmp_path, name, *overrides):
 
 
 def first_update(tmp_path, name, *overrides) -> dict:
+    """The figures of a run's first update, and its largest sampler-trainer ratio (``mismatch_max_ratio``)."""
     trainer = Trainer(grpo_cfg(tmp_path, name, *overrides))
     trainer.step = 1
     result = trainer.train_step().read()
     trainer.feed.close()
-    return trainer.model.objective.metrics(result.figures, "")
+    objective = trainer.model.objective
+    largest = objective.window_maxima(trainer.env.all_reduce_max)[f"{objective.name}/mismatch_max_ratio"]
+    return {**objective.metrics(result.figures, ""), "mismatch_max_ratio": largest, "lm_loss": result.lm_loss_sum}
 
 
 def test_the_first_update_sees_ratio_one_only_with_router_replay(tmp_path):
@@ -51,6 +54,29 @@ def test_the_first_update_sees_ratio_one_only_with_router_replay(tmp_path):
     assert replayed["mismatch_k3"] < 1e-8 and old_policy["mismatch_k3"] < 1e-9
     assert fresh["mismatch_k3"] > 1e3 * max(replayed["mismatch_k3"], 1e-9)
     assert replayed["response_length"] == fresh["response_length"] == old_policy["response_length"]
+    assert replayed["mismatch_max_ratio"] < 1.001 and fresh["mismatch_max_ratio"] > 2.0
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_the_importance_correction_caps_or_leaves_out_the_tokens_routing_flipped(tmp_path, level):
+    """Routing afresh under a capacity the sampler did not have: the same mismatch whatever the correction (it is
+    measured, not changed), the same tokens past the cap capped by TIS and left out by MIS, each moving the loss
+    (their formulas are held against NumPy in test_policy_losses.py); nothing past the cap, nothing corrected,
+    with the routing replayed."""
+    flip = ["model.moe_capacity=[0.3, 8.0, 8.0]", f"training.rl_importance_level={level}",
+            "training.rewards=[test_grpo:scattered]",  # answers that score apart: advantages, a loss
+            "training.rl_importance_cap=1.1"]  # a cap that some tokens of those answers pass
+    runs = {correction: first_update(tmp_path, f"{correction}_{level}", *flip, "training.router_replay=off",
+                                     f"training.rl_importance_correction={correction}")
+            for correction in ("off", "tis", "mis")}
+    off, tis, mis = runs["off"], runs["tis"], runs["mis"]
+    for key in ("mismatch_k3", "mismatch_past_bound", "mismatch_max_ratio", "response_length"):
+        assert tis[key] == pytest.approx(off[key], rel=1e-6) and mis[key] == pytest.approx(off[key], rel=1e-6), key
+    assert off["corrected"] == 0 and 0 < tis["corrected"] == mis["corrected"] < 1
+    assert tis["corrected"] <= off["mismatch_past_bound"]  # capped above only; the bound counts both ways
+    assert abs(tis["loss"] - off["loss"]) > 1e-4 and abs(mis["loss"] - off["loss"]) > 1e-4  # the weights act
+    replayed = first_update(tmp_path, f"replayed_{level}", *flip, "training.rl_importance_correction=mis")
+    assert replayed["corrected"] == 0 and replayed["mismatch_past_bound"] == 0
 
 
 class OneOfTwo:
@@ -139,6 +165,9 @@ def test_token_logp_and_entropy_are_numpys():
     (["parallel.tensor_parallel_degree=2", "parallel.sequence_parallel=true", "parallel.moe_group=mp"],
      "sequence parallelism"),
     (["training.token_balance_loss=true"], "token_balance_loss"),
+    (["training.rl_importance_cap=1"], "rl_importance_cap"),
+    (["training.rl_importance_cap=.inf"], "rl_importance_cap"),
+    (["training.rl_importance_correction=tis", "training.rl_updates_per_rollout=2"], "router_replay=old_policy"),
 ])
 def test_grpo_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -175,6 +204,11 @@ def test_the_memory_planner_counts_the_rollout(tmp_path):
     assert old_policy.inputs == one.inputs
     tied, _ = stage("training.rl_kl_beta=0.05")
     assert one.reference == 0 and tied.reference > 0
+
+
+def scattered(answer: str, reference: str) -> float:
+    """A reward under which two different answers almost never tie."""
+    return sum(ord(c) * (i + 1) for i, c in enumerate(answer)) % 997 / 997
 
 
 def blind_to_rings(answer: str, reference: str) -> float:
@@ -245,8 +279,10 @@ LAUNCH_LAYOUTS = {"dp2": (2, 2, [], ()),
                                     ACCUMULATE),
                   "tp2_pp2": (4, 1, ["parallel.tensor_parallel_degree=2", "parallel.pipeline_parallel_degree=2"],
                               ACCUMULATE),
-                  "pp2_old_policy": (2, 1, ["parallel.pipeline_parallel_degree=2"],
-                                     (*ACCUMULATE, "training.router_replay=old_policy"))}
+                  # the sampler's log-probabilities carried beside the old policy's to the last stage's correction
+                  "pp2_old_policy_tis": (2, 1, ["parallel.pipeline_parallel_degree=2"],
+                                         (*ACCUMULATE, "training.router_replay=old_policy",
+                                          "training.rl_importance_correction=tis"))}
 
 
 def tensors(folder) -> dict:
@@ -299,10 +335,11 @@ def test_a_grpo_layout_equals_one_process(tmp_path, base, one_process, layout):
     runs = [[r for r in records(out) if "loss" in r] for out in (one, two)]
     assert len(runs[1]) == 4
     for key in ("loss", "rl/loss", "rl/kl", "rl/clip_fraction", "rl/ratio", "rl/response_length", "rollout/reward",
-                "grad_norm"):
+                "grad_norm", "rl/mismatch_k3", "rl/mismatch_max_ratio", "rl/corrected"):
         ours, theirs = ([r.get(key, np.nan) for r in run] for run in runs)  # rollout/: the steps that sampled
         np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-7, err_msg=key)
     assert [("rollout/reward" in r) for r in runs[0]] == [True, False, True, False]
+    assert all(r["rl/mismatch_max_ratio"] >= 1.0 for run in runs for r in run)  # every step: a window of one
     assert runs[0][1]["rl/kl"] > 0 and runs[0][1]["rl/ratio"] != 1.0  # the second update of a rollout moved
     a, b = (tensors(out / "final_model") for out in (one, two))  # the model, or LoRA's adapter
     assert a and set(a) == set(b)

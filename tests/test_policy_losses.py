@@ -21,9 +21,11 @@ def numpy_advantages(rewards, group, scale):
     return np.array(out)
 
 
-def numpy_loss(s: PolicySettings, logp, old, adv, mask, ref):
-    """The loss summed over its units, answer by answer, token by token."""
+def numpy_loss(s: PolicySettings, logp, old, adv, mask, ref, weights=None):
+    """The loss summed over its units, answer by answer, token by token; ``weights``: each token's importance
+    weight on its policy term (1 where None)."""
     total = 0.0
+    weights = np.ones_like(logp) if weights is None else weights
     for i in range(logp.shape[0]):
         t = np.flatnonzero(mask[i])
         if not len(t):
@@ -32,10 +34,11 @@ def numpy_loss(s: PolicySettings, logp, old, adv, mask, ref):
         if s.loss == "gspo":
             ratio = np.exp(np.mean(logp[i, t] - old[i, t]))
             surrogate = min(ratio * adv[i], np.clip(ratio, 1 - s.clip_low, 1 + s.clip_high) * adv[i])
-            total += -surrogate + s.kl_beta * k3.mean()
+            total += -surrogate * weights[i, t[0]] + s.kl_beta * k3.mean()
             continue
         ratio = np.exp(logp[i, t] - old[i, t])
-        token = -np.minimum(ratio * adv[i], np.clip(ratio, 1 - s.clip_low, 1 + s.clip_high) * adv[i]) + s.kl_beta * k3
+        surrogate = np.minimum(ratio * adv[i], np.clip(ratio, 1 - s.clip_low, 1 + s.clip_high) * adv[i])
+        token = -surrogate * weights[i, t] + s.kl_beta * k3
         total += {"grpo": token.mean(), "dr_grpo": token.sum() / s.max_new_tokens, "dapo": token.sum()}[s.loss]
     return total
 
@@ -99,3 +102,71 @@ def test_unchanged_policy_gives_ratio_one_and_the_mean_advantage():
         assert float(total) / units == pytest.approx(-2.5 / 3, rel=1e-6)
         np.testing.assert_allclose(figures["ratio"].numpy(), [4, 4, 4])
         assert float(figures["clipped"].sum()) == 0
+
+
+def numpy_weights(correction, level, cap, trainers, sampler, mask):
+    """Each token's importance weight: w = p_trainer / p_sampler, per token or the answer's geometric mean, then
+    truncated at the cap (tis) or zero past it (mis)."""
+    weights = np.zeros_like(trainers)
+    for i in range(trainers.shape[0]):
+        t = np.flatnonzero(mask[i])
+        if not len(t):
+            continue
+        log_w = trainers[i, t] - sampler[i, t]
+        w = np.exp(np.full(len(t), log_w.mean()) if level == "sequence" else log_w)
+        weights[i, t] = np.minimum(w, cap) if correction == "tis" else np.where(w <= cap, w, 0.0)
+    return weights
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("correction", ["tis", "mis"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("old_is_trainers", [False, True])
+def test_importance_corrections_and_their_gradients_match_numpy(loss, correction, level, old_is_trainers):
+    """TIS and MIS weigh each token's policy term by the trainer's probability over the sampler's (capped, or left
+    out past the cap), detached: the loss and its gradient against NumPy. The trainer's probabilities at the
+    sampling weights are the old ones where the trainer computed them (router_replay old_policy), else the update's
+    own forward, the ratio then 1 in value; the mismatch figures measure the trainer against the sampler."""
+    rng = np.random.default_rng(2)
+    rows, seq, cap = 6, 7, 1.5
+    settings = PolicySettings(loss, clip_low=0.2, clip_high=0.28, kl_beta=0.05, max_new_tokens=9,
+                              correction=correction, level=level, cap=cap, old_is_trainers=old_is_trainers)
+    logp = rng.normal(-1.0, 0.3, [rows, seq])
+    old = logp + rng.normal(0.0, 0.1, [rows, seq])  # the trainer's forward of the sampling weights
+    sampler = (old if old_is_trainers else logp) + rng.normal(0.0, 0.5, [rows, seq])  # past the cap somewhere
+    sampler[4] = (old if old_is_trainers else logp)[4] - 2.0  # an answer the trainer finds far likelier: w = e^2
+    ref = logp + rng.normal(0.0, 0.3, [rows, seq])
+    adv = rng.normal(0.0, 1.0, rows)
+    mask = (rng.random([rows, seq]) < 0.7).astype(np.float64)
+    mask[3] = 0
+    mask[4, :3] = 1
+    trainers = old if old_is_trainers else logp  # held fixed under the central differences: detached
+    weights = numpy_weights(correction, "sequence" if loss == "gspo" else level, cap, trainers, sampler, mask)
+    x = paddle.to_tensor(logp.astype(np.float32), stop_gradient=False)
+    f32 = lambda a: paddle.to_tensor(a.astype(np.float32))  # noqa: E731
+    total, figures = policy_losses(settings, x, f32(old if old_is_trainers else sampler), f32(adv),
+                                   paddle.to_tensor(mask > 0), f32(ref), f32(sampler))
+    total.backward()
+    expected = numpy_loss(settings, logp, trainers, adv, mask, ref, weights)
+    np.testing.assert_allclose(float(total), expected, rtol=1e-5, atol=1e-6)
+    h = 1e-6
+    numeric = np.zeros_like(logp)
+    for index in np.ndindex(*logp.shape):
+        up, down = logp.copy(), logp.copy()
+        up[index] += h
+        down[index] -= h
+        numeric[index] = (numpy_loss(settings, up, trainers, adv, mask, ref, weights)
+                          - numpy_loss(settings, down, trainers, adv, mask, ref, weights)) / (2 * h)
+    np.testing.assert_allclose(x.grad.numpy(), numeric, rtol=1e-3, atol=1e-5)
+    uncorrected = numpy_loss(settings, logp, trainers, adv, mask, ref)
+    assert abs(expected - uncorrected) > 1e-3  # the weights changed the loss
+    # the mismatch: trainer against sampler, per token, whatever the correction
+    gap = (trainers - sampler) * mask
+    np.testing.assert_allclose(figures["mismatch_k3"].numpy(), ((np.exp(gap) - gap - 1) * mask).sum(axis=1),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(figures["mismatch_past"].numpy(), ((np.abs(gap) > np.log(cap)) & (mask > 0)).sum(1))
+    np.testing.assert_allclose(figures["mismatch_max"].numpy(), np.abs(gap).max(axis=1), rtol=1e-5)
+    # the tokens the correction capped or left out: those whose w (at the correction's level) passes the cap
+    past_cap = numpy_weights("tis", "sequence" if loss == "gspo" else level, np.inf, trainers, sampler, mask) > cap
+    assert past_cap.sum() > 0
+    np.testing.assert_allclose(figures["corrected"].numpy(), past_cap.sum(axis=1))

@@ -406,6 +406,15 @@ class TrainingConfig:
     rl_kl_beta: float = opt(0.0, "grpo: weight of the k3 KL estimate to the reference model (0: no reference held)")
     rl_dynamic_sampling: bool = opt(False, "grpo: DAPO's dynamic sampling: groups whose answers all score the same "
                                            "are dropped and more prompts sampled in their place")
+    rl_importance_correction: str = choice("off", "off", "tis", "mis",
+                                           doc="grpo: weigh each token's policy term by w, the trainer's probability "
+                                               "of it at the sampling weights over the sampler's: truncated (tis, "
+                                               "min(w, cap)) or masked (mis, left out where w passes the cap)")
+    rl_importance_level: str = choice("token", "token", "sequence",
+                                      doc="grpo: the correction's w per token, or one per answer (the geometric mean "
+                                          "of its tokens'; gspo always)")
+    rl_importance_cap: float = opt(2.0, "grpo: the correction's cap on w; a ratio past it either way counts in "
+                                        "rl/mismatch_past_bound")
     router_replay: str = choice("rollout", "rollout", "old_policy", "off",
                                 doc="grpo: the experts each token went to when it was sampled are imposed in the "
                                     "update (rollout), so the ratio measures the policy and not routing flips "

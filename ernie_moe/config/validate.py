@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import math
 import re
 from pathlib import Path
 
@@ -353,6 +354,14 @@ def _check_rl(cfg: Config) -> None:
     _require(0 <= t.rl_clip_low < 1 and t.rl_clip_high >= 0 and t.rl_kl_beta >= 0,
              "training.rl_clip_low must be in [0, 1), training.rl_clip_high and training.rl_kl_beta cannot be "
              "negative.")
+    _require(math.isfinite(t.rl_importance_cap) and t.rl_importance_cap > 1,
+             f"training.rl_importance_cap ({t.rl_importance_cap}) must be a finite number above 1.")
+    _require(t.rl_importance_correction == "off" or t.rl_updates_per_rollout == 1 or t.router_replay == "old_policy",
+             f"training.rl_importance_correction {t.rl_importance_correction} weighs the trainer's probabilities at "
+             f"the sampling weights against the sampler's: with rl_updates_per_rollout "
+             f"{t.rl_updates_per_rollout} the later updates' forwards are no longer at those weights; set "
+             "training.router_replay=old_policy (a forward of the sampling weights before the updates) or "
+             "rl_updates_per_rollout=1.")
     _require(p.virtual_pp_degree <= 1 and not p.sequence_parallel,
              "training.stage grpo samples its answers one token at a time through the model's stages: it runs with "
              "data, tensor, pipeline and expert parallelism and sharding, not with interleaved pipeline stages "

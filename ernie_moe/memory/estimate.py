@@ -408,7 +408,8 @@ def estimate(cfg: Config, workload: Workload, data_world: int | None = None,
         if objective.trains_on == "rollouts":  # a rollout's rows, kept for its updates, its decoding's keys and values
             rows, length = rollout_rows(t), cfg.data.max_seq_len
             replayed = len(moe_layer_ids(m)) * m.moe_k if t.router_replay != "off" else 0  # int32 routes
-            inputs = rows * (data_inputs / t.per_device_train_batch_size + length * 4 * (1 + replayed))
+            # float32 log-probabilities: the old policy's and the sampler's
+            inputs = rows * (data_inputs / t.per_device_train_batch_size + length * 4 * (2 + replayed))
             heads = max(m.num_key_value_heads // p.tensor_parallel_degree, 1)
             rollout = 2 * (2 if low else 4) * rows * length * len(layers) * heads * m.head_dim  # keys and values
         # a full fine-tune's reference: the trained weights as they started (LoRA's is its base)

@@ -82,6 +82,7 @@ class TrainingMonitor:
         if figures:
             objective = self.model.objective
             metrics.update(objective.metrics(np.sum(figures, axis=0), f"{objective.name}/"))
+        metrics.update(self.model.objective.window_maxima(self.env.all_reduce_max))
         for moe in self.model.moe_layers():
             moe.stats.all_reduce(lambda t: self.env.all_reduce_sum(t, self.env.data_group))
         # every stage's layers reach rank 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import paddle
 
@@ -69,6 +71,11 @@ class Objective:
 
     def metrics(self, totals: np.ndarray, prefix: str) -> dict:
         """The figures summed over rows (and ranks) -> the metrics logged as ``{prefix}...``."""
+        return {}
+
+    def window_maxima(self, reduce_max: Callable[[paddle.Tensor], paddle.Tensor]) -> dict:
+        """The metrics that are maxima over the logging window's training forwards (every rank calls this at a
+        window's end; ``reduce_max``: the maximum over the ranks)."""
         return {}
 
 

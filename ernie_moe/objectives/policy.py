@@ -16,29 +16,41 @@ log-probability ``logp``, the sampling policy's ``old`` and the reference model'
   ``-min(s A, clip(s, 1 - eps_low, 1 + eps_high) A)`` plus ``beta`` times the answer's mean k3; the mean over
   the answers
 
+The sampler's and the trainer's probabilities of the same tokens differ (routing, kernels, precision): with
+``w = p_trainer_old / p_sampler`` per token (``p_trainer_old``: the trainer's forward of the sampling weights), the
+correction weighs each token's policy term by (detached, as veRL and ms-swift do)
+
+- ``tis``, truncated importance sampling: ``min(w, cap)``
+- ``mis``, masked importance sampling: ``w`` where ``w <= cap``, else 0 (the token left out)
+
+at the token level, or with one weight per answer, ``exp(mean_t log w)`` (``sequence``; GSPO always). With the
+correction on, the clipped ratio compares the policy with the trainer's old forward rather than the sampler.
+
 The loss is summed here over its units (answers, or answer tokens for ``dapo``); the step divides by their count
 over every micro-batch and rank (:meth:`PolicyGradient.units`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import paddle
 
+from .. import host_reads
 from ..batch import IGNORE_INDEX
 from ..config.schema import TrainingConfig
 from .base import Objective
 from .head import Predictions
 
 LOSSES = ("grpo", "dr_grpo", "dapo", "gspo")
+CORRECTIONS = ("off", "tis", "mis")
+LEVELS = ("token", "sequence")
 STD_EPS = 1e-6
 # the per-answer figures of a forward (summed over the answers for the metrics); a row without an answer has zeros
-FIGURES = ("answers", "loss", "kl", "clipped", "tokens", "ratio", "logp", "mismatch_k3", "mismatch_past")
-# a token's probability under the trainer over the one it was sampled with (or the reverse) past this counts as a
-# mismatch past the bound (veRL's and slime's logs use such a bound for the sampler-trainer gap)
-MISMATCH_BOUND = 2.0
+FIGURES = ("answers", "loss", "kl", "clipped", "tokens", "ratio", "logp", "mismatch_k3", "mismatch_past",
+           "corrected")
 
 
 @dataclass(frozen=True)
@@ -49,11 +61,22 @@ class PolicySettings:
     kl_beta: float = 0.0
     temperature: float = 1.0  # the rollout's: the loss reads logits / temperature, as the sampler drew from them
     max_new_tokens: int = 64  # Dr. GRPO's constant
+    correction: str = "off"  # the sampler-trainer importance correction: off, tis or mis
+    level: str = "token"  # its weights per token or per answer
+    # the correction's cap on w; a token whose ratio passes it either way counts as a mismatch past the bound (veRL's
+    # and ms-swift's default, 2)
+    cap: float = 2.0
+    # whether the old log-probabilities are the trainer's own forward of the sampling weights (router_replay:
+    # old_policy); else they are the sampler's, and the trainer's at the sampling weights is the update's own forward
+    # (exact at a rollout's first update)
+    old_is_trainers: bool = False
 
     @classmethod
     def of(cls, training_cfg: TrainingConfig) -> PolicySettings:
         t = training_cfg
-        return cls(t.rl_loss, t.rl_clip_low, t.rl_clip_high, t.rl_kl_beta, t.rl_temperature, t.rl_max_new_tokens)
+        return cls(t.rl_loss, t.rl_clip_low, t.rl_clip_high, t.rl_kl_beta, t.rl_temperature, t.rl_max_new_tokens,
+                   t.rl_importance_correction, t.rl_importance_level, t.rl_importance_cap,
+                   t.router_replay == "old_policy")
 
     @property
     def per_answer(self) -> bool:
@@ -70,18 +93,46 @@ def group_advantages(rewards: np.ndarray, group: int, scale: bool = True) -> np.
     return centred.reshape(-1)
 
 
+def importance_weights(log_w: paddle.Tensor, mask: paddle.Tensor, correction: str, level: str,
+                       cap: float) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(each token's weight, 1 where the correction capped or left it out) ``[rows, seq]``, from ``log_w``, the
+    log of the trainer's probability over the sampler's per token (0 off the answer), detached."""
+    if correction not in CORRECTIONS or level not in LEVELS:
+        raise ValueError(f"unknown importance correction {correction!r} at level {level!r}; one of "
+                         f"{', '.join(CORRECTIONS)} at {' or '.join(LEVELS)}")
+    if level == "sequence":
+        log_w = (log_w.sum(axis=1) / paddle.clip(mask.sum(axis=1), min=1.0))[:, None].expand_as(mask)
+    w = paddle.exp(log_w)
+    past = (w > cap).astype("float32") * mask
+    if correction == "off":
+        return mask, paddle.zeros_like(mask)
+    if correction == "tis":
+        return paddle.minimum(w, paddle.full_like(w, cap)) * mask, past
+    return w * (1.0 - past) * mask, past
+
+
 def policy_losses(settings: PolicySettings, logp: paddle.Tensor, old: paddle.Tensor, advantages: paddle.Tensor,
-                  mask: paddle.Tensor, reference: paddle.Tensor | None = None) -> tuple[paddle.Tensor, dict]:
-    """(the loss summed over its units, per-answer figures ``{name: [rows]}`` detached) from per-token
-    ``logp``, ``old``, ``reference`` and ``mask`` (1 on answer tokens) ``[rows, seq]`` and ``advantages [rows]``."""
+                  mask: paddle.Tensor, reference: paddle.Tensor | None = None,
+                  sampler: paddle.Tensor | None = None) -> tuple[paddle.Tensor, dict]:
+    """(the loss summed over its units, per-answer figures ``{name: [rows]}`` detached, and ``mismatch_max``,
+    each answer's largest ``|log w|``) from per-token ``logp``, ``old``, ``reference``, the sampler's ``sampler``
+    (``old`` where None) and ``mask`` (1 on answer tokens) ``[rows, seq]`` and ``advantages [rows]``."""
     s = settings
     if s.loss not in LOSSES:
         raise ValueError(f"unknown policy loss {s.loss!r}; one of {', '.join(LOSSES)}")
     logp, old, mask = logp.astype("float32"), old.astype("float32"), mask.astype("float32")
+    sampler = old if sampler is None else sampler.astype("float32")
     tokens = mask.sum(axis=1)
     per_token = paddle.clip(tokens, min=1.0)
     a = advantages.astype("float32")[:, None]
-    log_ratio = (logp - old) * mask
+    # the sampler-trainer gap of each token: log w, w = p_trainer / p_sampler at the sampling weights
+    trainers_old = old if s.old_is_trainers else logp.detach()
+    log_w = (trainers_old - sampler) * mask
+    # the ratio's anchor: with a correction, the trainer's old forward (the correction weighs the gap to the sampler)
+    anchor = old if s.correction == "off" else trainers_old
+    level = "sequence" if s.loss == "gspo" else s.level
+    weights, corrected = importance_weights(log_w, mask, s.correction, level, s.cap)
+    log_ratio = (logp - anchor) * mask
     kl = paddle.zeros_like(logp)
     if reference is not None and s.kl_beta:
         gap = (reference.astype("float32") - logp) * mask
@@ -89,24 +140,24 @@ def policy_losses(settings: PolicySettings, logp: paddle.Tensor, old: paddle.Ten
     if s.loss == "gspo":
         ratio = paddle.exp(log_ratio.sum(axis=1) / per_token)[:, None]  # one per answer, for each of its tokens
         clipped = paddle.clip(ratio, 1.0 - s.clip_low, 1.0 + s.clip_high)
-        losses = -paddle.minimum(ratio * a, clipped * a)[:, 0] + s.kl_beta * kl.sum(axis=1) / per_token
+        weight = weights.max(axis=1)  # the answer's one weight, on each of its tokens
+        losses = -paddle.minimum(ratio * a, clipped * a)[:, 0] * weight + s.kl_beta * kl.sum(axis=1) / per_token
     else:
         ratio = paddle.exp(log_ratio)
         clipped = paddle.clip(ratio, 1.0 - s.clip_low, 1.0 + s.clip_high)
-        summed = ((-paddle.minimum(ratio * a, clipped * a) + s.kl_beta * kl) * mask).sum(axis=1)
+        summed = ((-paddle.minimum(ratio * a, clipped * a) * weights + s.kl_beta * kl) * mask).sum(axis=1)
         divisor = {"grpo": per_token, "dr_grpo": float(s.max_new_tokens), "dapo": 1.0}[s.loss]
         losses = summed / divisor
     answers = (tokens > 0).astype("float32")
     losses = losses * answers
     clipped_tokens = ((ratio * a > clipped * a).astype("float32") * mask).sum(axis=1)
-    # each token's gap to the policy the old log-probabilities are from (the sampler's, unless the old policy's own
-    # forward gave them): k3 = r - 1 - log r, r = p_trainer / p_old, and the tokens past the bound either way
-    gap = log_ratio.detach()
-    past = (paddle.abs(gap) > float(np.log(MISMATCH_BOUND))).astype("float32") * mask
+    # the tokens past the bound either way: k3 = w - 1 - log w
+    past = (paddle.abs(log_w) > float(np.log(s.cap))).astype("float32") * mask
     figures = {"answers": answers, "loss": losses.detach(), "kl": kl.sum(axis=1).detach(),
                "clipped": clipped_tokens.detach(), "tokens": tokens,
                "ratio": (ratio.expand_as(mask) * mask).sum(axis=1).detach(), "logp": (logp * mask).sum(axis=1).detach(),
-               "mismatch_k3": ((paddle.exp(gap) - gap - 1.0) * mask).sum(axis=1), "mismatch_past": past.sum(axis=1)}
+               "mismatch_k3": ((paddle.exp(log_w) - log_w - 1.0) * mask).sum(axis=1), "mismatch_past": past.sum(axis=1),
+               "corrected": corrected.sum(axis=1), "mismatch_max": paddle.abs(log_w).max(axis=1)}
     return losses.sum(), figures
 
 
@@ -121,15 +172,18 @@ def answer_token_logps(predictions: Predictions, temperature: float) -> paddle.T
 class PolicyGradient(Objective):
     """The GRPO family's objective over a batch of sampled answers (a row each: prompt, then answer tokens with
     labels); inputs: each row's advantage, the sampling policy's token log-probabilities, and the reference's
-    (``[rows, seq]``; None until its pass, and unused without ``kl_beta``)."""
+    (``[rows, seq]``; None until its pass, and unused without ``kl_beta``), and the sampler's own (where the old ones
+    are the trainer's forward)."""
 
     name = "rl"
     figures = FIGURES
     trains_on = "rollouts"
-    input_names = ("advantages", "old_logps", "reference_logps")
+    input_names = ("advantages", "old_logps", "reference_logps", "sampler_logps")
 
     def __init__(self, settings: PolicySettings):
         self.settings = settings
+        # the largest |log w| of the training forwards since the last logging window, on the device
+        self.largest: paddle.Tensor | None = None
 
     # held-out data holds the samples' own answers: scored as language modelling (eval_loss, ...), and by the
     # rewards on answers generated to its prompts (training.eval_generate)
@@ -148,22 +202,36 @@ class PolicyGradient(Objective):
         reference = given.get("reference_logps")
         if reference is None and placeholders:
             reference = paddle.zeros(batch.labels.shape, dtype="float32")
-        return [given.get("advantages"), given.get("old_logps"), reference]
+        sampler = given.get("sampler_logps")
+        if sampler is None and placeholders:
+            sampler = paddle.zeros(batch.labels.shape, dtype="float32")
+        return [given.get("advantages"), given.get("old_logps"), reference, sampler]
 
     def loss(self, predictions: Predictions, labels: paddle.Tensor,
              *inputs: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor | None]:
         """(the loss summed over its units, the figures ``[rows, len(FIGURES)]``); ``inputs``: the rows'
         advantages, the sampler's and the reference's log-probabilities. A batch without advantages (held-out
         samples with their own answers) gives its summed cross-entropy and no figures."""
-        advantages, old_logps, reference = inputs
+        advantages, old_logps, reference, sampler = inputs
         if advantages is None:
             return predictions.summed(), None
         if old_logps is None:
             raise ValueError("sampled answers carry their sampler's log-probabilities (Batch.objective_inputs)")
         logp = answer_token_logps(predictions, self.settings.temperature)
         mask = labels != IGNORE_INDEX
-        total, figures = policy_losses(self.settings, logp, old_logps, advantages, mask, reference)
+        total, figures = policy_losses(self.settings, logp, old_logps, advantages, mask, reference, sampler)
+        largest = figures["mismatch_max"].max()
+        self.largest = largest if self.largest is None else paddle.maximum(self.largest, largest)
         return total, paddle.stack([figures[name] for name in FIGURES], axis=1)
+
+    def window_maxima(self, reduce_max: Callable[[paddle.Tensor], paddle.Tensor]) -> dict:
+        """``{name}/mismatch_max_ratio``: the largest ratio either way between the trainer's and the sampler's
+        probability of a token in the window's training forwards, over every rank (``reduce_max``: the maximum
+        over them; every rank calls it, a pipeline's earlier stages with nothing seen)."""
+        seen = paddle.zeros([], "float32") if self.largest is None else self.largest.astype("float32")
+        self.largest = None
+        largest = float(host_reads.read(reduce_max(seen.reshape([1])), "rollout")[0])
+        return {f"{self.name}/mismatch_max_ratio": float(np.exp(largest))}
 
     def reference(self, predictions: Predictions, labels: paddle.Tensor,
                   *inputs: paddle.Tensor | None) -> paddle.Tensor:
@@ -175,7 +243,8 @@ class PolicyGradient(Objective):
         ``ratio``, ``response_length``, the answers' mean log-probability per token, and the gap to the policy that
         sampled them: ``mismatch_k3`` (per token) and ``mismatch_past_bound`` (the share of tokens whose probability
         ratio passes :data:`MISMATCH_BOUND` either way). At a rollout's first update (the weights that sampled it)
-        the gap is the sampler-trainer mismatch alone: routing, kernels, precision."""
+        the gap is the sampler-trainer mismatch alone: routing, kernels, precision; and ``corrected``, the share the
+        importance correction capped (tis) or left out (mis)."""
         sums = dict(zip(FIGURES, (float(v) for v in totals)))
         answers, tokens = sums["answers"], max(sums["tokens"], 1.0)
         if not answers:
@@ -185,4 +254,5 @@ class PolicyGradient(Objective):
                 f"{prefix}clip_fraction": sums["clipped"] / tokens, f"{prefix}ratio": sums["ratio"] / tokens,
                 f"{prefix}response_length": sums["tokens"] / answers, f"{prefix}logp": sums["logp"] / tokens,
                 f"{prefix}mismatch_k3": sums["mismatch_k3"] / tokens,
-                f"{prefix}mismatch_past_bound": sums["mismatch_past"] / tokens}
+                f"{prefix}mismatch_past_bound": sums["mismatch_past"] / tokens,
+                f"{prefix}corrected": sums["corrected"] / tokens}

@@ -59,6 +59,12 @@ class DistEnv:
             dist.all_reduce(tensor, group=group)
         return tensor
 
+    def all_reduce_max(self, tensor: paddle.Tensor) -> paddle.Tensor:
+        """The maximum over every rank of the job (in place); a no-op for one process."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
     def all_gather_object(self, value) -> list:
         """Every rank's picklable ``value``, in rank order (sent between the job's own processes only)."""
         if self.world_size == 1:

@@ -317,6 +317,7 @@ class RolloutFeed:
             start = len(group.prompt.encoded) - 1  # the position whose label is the answer's first token
             row.old_logps = np.zeros(self.length, np.float32)
             row.old_logps[start:start + len(tokens)] = answer.logps
+            row.sampler_logps = row.old_logps.copy()  # kept where the old policy's forward replaces old_logps
             row.advantage, row.routes = float(advantage), routes
             rows.append(row)
             w["answers"] += 1

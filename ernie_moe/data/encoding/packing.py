@@ -241,9 +241,11 @@ class Row:
     pair_sides: np.ndarray | None = None  # a preference pair's row: 1 chosen answer, 2 rejected, 0 prompt (Batch)
     pair_key: int = 0  # a pair's sample index in its data set (held out: -1 - index), for precomputed figures
     # a sampled answer's row (training.stage: grpo): its advantage, the sampling policy's log-probability of each
-    # label, the experts each token went to ([moe layers, seq, k], moe.replay)
+    # label (old_logps; the trainer's own forward of the sampling weights under router_replay old_policy, with the
+    # sampler's kept in sampler_logps), the experts each token went to ([moe layers, seq, k], moe.replay)
     advantage: float | None = None
     old_logps: np.ndarray | None = None
+    sampler_logps: np.ndarray | None = None
     routes: np.ndarray | None = None
 
     def unpadded(self) -> Encoded:

@@ -297,7 +297,8 @@ def collate(rows: list[Row]) -> Batch:
         objective_inputs={name: value for name, value in [
             ("pair_sides", paddle.to_tensor(sides) if sides is not None else None),
             ("advantages", _stacked(rows, "advantage", np.float32)),
-            ("old_logps", _stacked(rows, "old_logps", np.float32))] if value is not None},
+            ("old_logps", _stacked(rows, "old_logps", np.float32)),
+            ("sampler_logps", _stacked(rows, "sampler_logps", np.float32))] if value is not None},
         row_keys=np.array([r.pair_key for r in rows], np.int64) if sides is not None else None,
         routes=_stacked(rows, "routes", np.int32),
         counts=HostCounts.of(labels, types, sides, key_ends, MTP_MAX_DEPTH),  # whatever depths the model has
