@@ -79,6 +79,23 @@ def test_the_importance_correction_caps_or_leaves_out_the_tokens_routing_flipped
     assert replayed["corrected"] == 0 and replayed["mismatch_past_bound"] == 0
 
 
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_grpo_run_trains_its_mtp_depth_or_leaves_it_and_evaluates_its_drafts(tmp_path, frozen):
+    """The multi-token prediction depth trains on the sampled answers beside the policy (rl_train_mtp, the
+    default) unless it is frozen; either way an evaluation decodes with its drafts and logs their acceptance."""
+    name = "frozen" if frozen else "trained"
+    trainer = Trainer(grpo_cfg(tmp_path, name, "model.num_nextn_predict_layers=1", "training.eval_generate=true",
+                               "training.eval_generate_samples=4", "data.num_eval_samples=4",
+                               *(["training.freeze=[mtp]"] if frozen else [])))
+    depth = trainer.model.model.mtp_linear_proj[0].weight
+    before = depth.numpy()
+    result = trainer.train_step().read()
+    assert (result.mtp is None) == frozen and trainer.model.objective.mtp_depths(trainer.cfg.model) == 1 - frozen
+    assert np.array_equal(depth.numpy(), before) == frozen
+    assert 0 <= trainer.evaluate()["eval_draft_acceptance"] <= 1
+    trainer.feed.close()
+
+
 class OneOfTwo:
     """A data rank's view of a two-rank data group whose other rank misses nothing."""
 
@@ -168,6 +185,7 @@ def test_token_logp_and_entropy_are_numpys():
     (["training.rl_importance_cap=1"], "rl_importance_cap"),
     (["training.rl_importance_cap=.inf"], "rl_importance_cap"),
     (["training.rl_importance_correction=tis", "training.rl_updates_per_rollout=2"], "router_replay=old_policy"),
+    (["model.num_nextn_predict_layers=1", "training.rl_train_mtp=false"], "training.rl_train_mtp=true"),
 ])
 def test_grpo_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -279,6 +297,8 @@ LAUNCH_LAYOUTS = {"dp2": (2, 2, [], ()),
                                     ACCUMULATE),
                   "tp2_pp2": (4, 1, ["parallel.tensor_parallel_degree=2", "parallel.pipeline_parallel_degree=2"],
                               ACCUMULATE),
+                  # the multi-token prediction depth trained on the rollouts' answers beside the policy
+                  "ep2_mtp": (2, 2, ["parallel.expert_parallel_degree=2"], ("model.num_nextn_predict_layers=1",)),
                   # the sampler's log-probabilities carried beside the old policy's to the last stage's correction
                   "pp2_old_policy_tis": (2, 1, ["parallel.pipeline_parallel_degree=2"],
                                          (*ACCUMULATE, "training.router_replay=old_policy",
@@ -340,6 +360,10 @@ def test_a_grpo_layout_equals_one_process(tmp_path, base, one_process, layout):
         np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-7, err_msg=key)
     assert [("rollout/reward" in r) for r in runs[0]] == [True, False, True, False]
     assert all(r["rl/mismatch_max_ratio"] >= 1.0 for run in runs for r in run)  # every step: a window of one
+    if "model.num_nextn_predict_layers=1" in shared:
+        depth = [[r["mtp/depth1_loss"] for r in run] for run in runs]
+        np.testing.assert_allclose(depth[1], depth[0], rtol=1e-4)
+        assert depth[0][-1] < depth[0][0]  # it learns the answers
     assert runs[0][1]["rl/kl"] > 0 and runs[0][1]["rl/ratio"] != 1.0  # the second update of a rollout moved
     a, b = (tensors(out / "final_model") for out in (one, two))  # the model, or LoRA's adapter
     assert a and set(a) == set(b)

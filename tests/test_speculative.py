@@ -12,13 +12,18 @@ from support.runs import ROOT
 
 from ernie_moe.config import load_config
 from ernie_moe.data import build_datasets
-from ernie_moe.data.feeding.loader import training_encoder
+from ernie_moe.data.feeding.loader import collate, training_encoder
 from ernie_moe.data.formats.sample import Chunk, Sample
 from ernie_moe.generation import Decoding, KVCache, forward_cached, generate_batch, generate_drafting
 from ernie_moe.generation.decoding import _extended, prompt_inputs
 from ernie_moe.generation.speculative import distribution, verify
+from ernie_moe.model.blocks import block_inputs
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+from ernie_moe.model.mtp import split_rows
+from ernie_moe.parallel.env import DistEnv
 from ernie_moe.training import Trainer
+from ernie_moe.training.generation_eval import evaluate_by_generation, split_answer
+from ernie_moe.training.rollouts import answer_row
 
 MTP = ["data.image_size=56", "model.num_nextn_predict_layers=1"]
 
@@ -113,13 +118,13 @@ def trained(tmp_path_factory):
     encoder = training_encoder(tr.tokenizer, cfg, Counter())
     _, held_out = build_datasets(cfg)
     prompts = [encoder.prompt(Sample(held_out[i].images, [Chunk(image=0)])) for i in range(16)]
-    return tr.model, tr.tokenizer, prompts
+    return tr.model, tr.tokenizer, prompts, tr.cfg
 
 
 def test_a_trained_mtp_layer_drafts_what_the_model_then_says(trained):
     """After 300 steps the MTP layer's drafts are kept more than 80% of the time, and the greedy answers side by side
     are those plain decoding gives, each counting its drafts."""
-    model, tokenizer, prompts = trained
+    model, tokenizer, prompts, _ = trained
     never = (model.cfg.im_patch_id,)
     decodings = [Decoding(24)] * len(prompts)
     plain = generate_batch(model, prompts, decodings, tokenizer.eos_id, never=never, tokens=tokenizer.vocab_size)
@@ -128,3 +133,59 @@ def test_a_trained_mtp_layer_drafts_what_the_model_then_says(trained):
     assert [o.ids for o in fast] == [o.ids for o in plain] and all(o.stop == "eos" for o in plain)
     drafted, kept = sum(o.drafted for o in fast), sum(o.accepted for o in fast)
     assert drafted >= sum(len(o.ids) for o in fast) // 2 and kept > 0.8 * drafted, (kept, drafted)
+
+
+def hand_counted_drafts(model, prompt, answer: list[int], never, vocab: int) -> tuple[int, int]:
+    """(drafted, kept) of one greedy answer decoded with one draft a step, counted by hand from one teacher-forced
+    forward of the prompt and the answer: the MTP depth at position i drafts the token at i + 2 (from the model's
+    hidden state at i and the token at i + 1); a step checks its draft against the answer's token there, and a kept
+    draft brings the token after it too."""
+    row = answer_row(prompt, answer, len(prompt) + len(answer), 0)
+    model.train()  # the depth runs in the training forward (dropless: the same routing as in evaluation)
+    try:
+        with paddle.no_grad():
+            x = block_inputs(collate([row]))
+            for block in model.trunk():
+                x = block(x)
+    finally:
+        model.eval()
+    _, depth = split_rows(x[0], 1)
+    logits = model.head(depth).numpy()[0].astype(np.float64)
+    logits[:, list(never)] = -np.inf
+    logits[:, vocab:] = -np.inf
+    drafts = logits.argmax(axis=-1)
+    start, drafted, kept, p = len(prompt), 0, 0, 1  # answer[0] comes from the prompt's last logits
+    while p < len(answer):
+        ok = drafts[start + p - 2] == answer[p]
+        drafted, kept, p = drafted + 1, kept + ok, p + 1
+        if ok and p < len(answer):
+            p += 1
+    return drafted, kept
+
+
+def test_the_draft_acceptance_an_evaluation_logs_is_the_hand_count(trained):
+    """``eval_draft_acceptance`` (held-out answers decoded with one draft a step) against the drafts of the plain
+    greedy answers counted by hand."""
+    model, tokenizer, _, cfg = trained
+    _, held_out = build_datasets(cfg)
+    encoder = training_encoder(tokenizer, cfg, Counter())
+    never = (cfg.model.im_patch_id,)
+    projection = model.model.mtp_linear_proj[0].weight
+    trained_weights = projection.numpy()
+    # the trained depth drafts nearly everything right: noise on its projection makes it miss some
+    noise = np.random.default_rng(0).normal(0.0, 0.5 * trained_weights.std(), trained_weights.shape)
+    projection.set_value((trained_weights + noise).astype(trained_weights.dtype))
+    try:
+        got = evaluate_by_generation(model, held_out, encoder, tokenizer, DistEnv(), 12, 24)
+        drafted = kept = 0
+        for index in range(12):
+            prompt, _, _ = split_answer(encoder(held_out[index]))
+            out = generate_batch(model, [prompt], [Decoding(24)], tokenizer.eos_id, never=never,
+                                 tokens=tokenizer.vocab_size)[0]
+            answer = out.ids + ([tokenizer.eos_id] if out.stop == "eos" else [])
+            d, k = hand_counted_drafts(model, prompt, answer, never, tokenizer.vocab_size)
+            drafted, kept = drafted + d, kept + k
+    finally:
+        projection.set_value(trained_weights)
+    assert drafted > 12 and 0 < kept < drafted, (kept, drafted)
+    assert got["eval_draft_acceptance"] == pytest.approx(kept / drafted, abs=1e-12)

@@ -415,6 +415,9 @@ class TrainingConfig:
                                           "of its tokens'; gspo always)")
     rl_importance_cap: float = opt(2.0, "grpo: the correction's cap on w; a ratio past it either way counts in "
                                         "rl/mismatch_past_bound")
+    rl_train_mtp: bool = opt(True, "grpo: the model's multi-token prediction depths train on the sampled answers "
+                                   "beside the policy (their loss weighted by model.multi_token_pred_lambda), so "
+                                   "their drafts follow the policy as it moves; false: left as they are")
     router_replay: str = choice("rollout", "rollout", "old_policy", "off",
                                 doc="grpo: the experts each token went to when it was sampled are imposed in the "
                                     "update (rollout), so the ratio measures the policy and not routing flips "

@@ -17,8 +17,15 @@ from .schema import (
     TOKENIZER_FILES,
     Config,
     ModelConfig,
+    TrainingConfig,
 )
 from .transformers_form import to_transformers
+
+
+def mtp_trains(training_cfg: TrainingConfig) -> bool:
+    """Whether the run may update the multi-token prediction layers: not frozen (LoRA: among its targets)."""
+    t = training_cfg
+    return "mtp" in t.lora_targets if t.fine_tuning == "lora" else "mtp" not in t.freeze
 
 
 def validate(cfg: Config, check_paths: bool = True) -> None:
@@ -261,12 +268,13 @@ def _check_training(cfg: Config, check_paths: bool = True) -> None:
     _require(t.scale_loss >= 1 and t.scale_incr_every >= 1 and t.max_skipped_steps >= 0,
              "training.scale_loss and training.scale_incr_every must be at least 1, training.max_skipped_steps "
              "at least 0.")
-    mtp_trains = "mtp" in t.lora_targets if t.fine_tuning == "lora" else "mtp" not in t.freeze
-    _require(not cfg.model.num_nextn_predict_layers or t.stage == "sft" or not mtp_trains,
+    trained_beside = t.stage == "sft" or (t.stage == "grpo" and t.rl_train_mtp)
+    _require(not cfg.model.num_nextn_predict_layers or trained_beside or not mtp_trains(t),
              f"training.stage {t.stage} does not train the model's multi-token prediction layers "
              f"(model.num_nextn_predict_layers {cfg.model.num_nextn_predict_layers}): add mtp to training.freeze to "
              "keep them as loaded (with LoRA: leave mtp out of training.lora_targets), or set "
-             "model.num_nextn_predict_layers to 0 to leave them out.")
+             "model.num_nextn_predict_layers to 0 to leave them out" +
+             (" (or training.rl_train_mtp=true to train them on the sampled answers)." if t.stage == "grpo" else "."))
     r, layers = t.recompute_layers, cfg.model.num_hidden_layers
     if isinstance(r, list):
         _require(all(0 <= i < layers for i in r), f"training.recompute_layers {r} names layers outside the model's "

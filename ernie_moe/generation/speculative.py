@@ -22,6 +22,7 @@ are dropless (more tokens per row change an evaluation capacity's token count).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import numpy as np
 import paddle
@@ -29,6 +30,7 @@ import paddle
 from .. import host_reads
 from ..cli import DRAFT_TOKENS
 from ..data.encoding.packing import Encoded
+from ..model.blocks import ImageFeatures
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.mtp import MultiTokenPrediction
 from .decoding import (
@@ -47,11 +49,11 @@ from .kv_cache import KVCache, forward_cached
 
 
 def drafter(model) -> MultiTokenPrediction | None:
-    """The model's multi-token prediction layers, where it has them and runs them (the whole model in one
-    process: not a pipeline stage)."""
+    """The model's multi-token prediction layers, where it has them (the whole model in one process: not a
+    pipeline stage), whether or not the run trains them."""
     if not isinstance(model, ErnieMoEForConditionalGeneration):
         return None
-    return next((b for b in model.blocks() if isinstance(b, MultiTokenPrediction) and b.active), None)
+    return next((b for b in model.blocks() if isinstance(b, MultiTokenPrediction)), None)
 
 
 def distribution(scores: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
@@ -164,6 +166,25 @@ def generate_speculative(model, prompts: list[Encoded], decodings: list[Decoding
     mtp = drafter(model)
     if mtp is None:
         raise ValueError("speculative decoding drafts with the model's multi-token prediction layers: it has none")
+    with carried_embeddings(model):
+        return _generate_speculative(model, mtp, prompts, decodings, eos_id, never, tokens, on_token, draft_tokens)
+
+
+@contextmanager
+def carried_embeddings(model):
+    """The input embeddings carried past the decoder layers, which the depth reads, also where the run does not
+    train it (``model.blocks.set_objective``)."""
+    images = next(b for b in model.blocks() if isinstance(b, ImageFeatures))
+    was, images.carries_embeddings = images.carries_embeddings, True
+    try:
+        yield
+    finally:
+        images.carries_embeddings = was
+
+
+def _generate_speculative(model, mtp: MultiTokenPrediction, prompts: list[Encoded], decodings: list[Decoding],
+                          eos_id: int, never: tuple[int, ...], tokens: int | None,
+                          on_token: Callable[[int, list[int]], bool] | None, draft_tokens: int) -> list[Generated]:
     channels = model.cfg.vision_config.in_channels * model.cfg.vision_config.patch_size ** 2
 
     def scored(logits: paddle.Tensor) -> np.ndarray:

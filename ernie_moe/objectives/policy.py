@@ -41,6 +41,7 @@ import paddle
 from .. import host_reads
 from ..batch import IGNORE_INDEX
 from ..config.schema import TrainingConfig
+from ..config.validate import mtp_trains
 from .base import Objective
 from .head import Predictions
 
@@ -70,13 +71,14 @@ class PolicySettings:
     # old_policy); else they are the sampler's, and the trainer's at the sampling weights is the update's own forward
     # (exact at a rollout's first update)
     old_is_trainers: bool = False
+    train_mtp: bool = False  # the model's multi-token prediction depths train on the answers beside the policy
 
     @classmethod
     def of(cls, training_cfg: TrainingConfig) -> PolicySettings:
         t = training_cfg
         return cls(t.rl_loss, t.rl_clip_low, t.rl_clip_high, t.rl_kl_beta, t.rl_temperature, t.rl_max_new_tokens,
                    t.rl_importance_correction, t.rl_importance_level, t.rl_importance_cap,
-                   t.router_replay == "old_policy")
+                   t.router_replay == "old_policy", t.rl_train_mtp and mtp_trains(t))
 
     @property
     def per_answer(self) -> bool:
@@ -151,12 +153,12 @@ def policy_losses(settings: PolicySettings, logp: paddle.Tensor, old: paddle.Ten
     answers = (tokens > 0).astype("float32")
     losses = losses * answers
     clipped_tokens = ((ratio * a > clipped * a).astype("float32") * mask).sum(axis=1)
-    # the tokens past the bound either way: k3 = w - 1 - log w
+    # the tokens past the bound either way; k3 = w - 1 - log w, through expm1: no cancellation below float32's epsilon
     past = (paddle.abs(log_w) > float(np.log(s.cap))).astype("float32") * mask
     figures = {"answers": answers, "loss": losses.detach(), "kl": kl.sum(axis=1).detach(),
                "clipped": clipped_tokens.detach(), "tokens": tokens,
                "ratio": (ratio.expand_as(mask) * mask).sum(axis=1).detach(), "logp": (logp * mask).sum(axis=1).detach(),
-               "mismatch_k3": ((paddle.exp(log_w) - log_w - 1.0) * mask).sum(axis=1), "mismatch_past": past.sum(axis=1),
+               "mismatch_k3": ((paddle.expm1(log_w) - log_w) * mask).sum(axis=1), "mismatch_past": past.sum(axis=1),
                "corrected": corrected.sum(axis=1), "mismatch_max": paddle.abs(log_w).max(axis=1)}
     return losses.sum(), figures
 
@@ -182,6 +184,7 @@ class PolicyGradient(Objective):
 
     def __init__(self, settings: PolicySettings):
         self.settings = settings
+        self.trains_mtp = settings.train_mtp
         # the largest |log w| of the training forwards since the last logging window, on the device
         self.largest: paddle.Tensor | None = None
 

@@ -7,7 +7,10 @@ what precedes it the prompt; the greedy answer is scored against it.
   scored reference tokens the answer has at the same place, so it reads beside the teacher-forced
   ``eval_caption_accuracy``;
 - ``eval_generate_reward_<name>`` and their weighted sum ``eval_generate_reward``: the rewards ``training.rewards``
-  names (``objectives.rewards``), the mean over the answers.
+  names (``objectives.rewards``), the mean over the answers;
+- ``eval_draft_acceptance``: with multi-token prediction layers, the answers are decoded with one draft a step from
+  the first depth (``generation.speculative``; greedy, so the same answers where the MoE layers are dropless), and
+  this is the share of drafted tokens the model's own greedy choice kept.
 
 Every data-parallel rank answers its share of the samples with the whole model, several side by side (each answer
 the one its prompt gets alone); the sums are all-reduced.
@@ -24,6 +27,7 @@ import paddle
 from ..data.encoding.packing import BadSample, Encoded
 from ..data.encoding.tokenizer import Tokenizer
 from ..generation import Decoding, generate_batch
+from ..generation.speculative import drafter, generate_speculative
 from ..objectives.rewards import Reward, exact_match
 from ..parallel.env import DistEnv
 from .evaluate import CATEGORIES, caption_accuracy
@@ -101,10 +105,19 @@ def evaluate_by_generation(model, dataset, encoder, tokenizer: Tokenizer, env: D
     skipped: Counter = Counter()
     never = (model.cfg.im_patch_id,)  # images come from the prompt
     group = []  # samples answered side by side, SIDE_BY_SIDE at a time
+    # the drafts: where the whole model is on every rank (no tensor or expert slices, which decode in step)
+    drafting = drafter(model) is not None and env.tp_group is None and env.expert_group is None
+    drafts = np.zeros(2)  # drafted, kept
 
     def answer(group):
-        outs = generate_batch(model, [prompt for prompt, _, _ in group], [Decoding(max_new_tokens)] * len(group),
-                              tokenizer.eos_id, never=never, tokens=tokenizer.vocab_size)
+        prompts, decodings = [prompt for prompt, _, _ in group], [Decoding(max_new_tokens)] * len(group)
+        if drafting:
+            outs = generate_speculative(model, prompts, decodings, tokenizer.eos_id, never=never,
+                                        tokens=tokenizer.vocab_size, draft_tokens=1)
+            drafts[:] += [sum(out.drafted for out in outs), sum(out.accepted for out in outs)]
+        else:
+            outs = generate_batch(model, prompts, decodings, tokenizer.eos_id, never=never,
+                                  tokens=tokenizer.vocab_size)
         return sum(answer_sums(out.ids, reference, scored, tokenizer.decode, tokenizer.eos_id, rewards)
                    for out, (_, reference, scored) in zip(outs, group))
 
@@ -125,8 +138,12 @@ def evaluate_by_generation(model, dataset, encoder, tokenizer: Tokenizer, env: D
         sums += answer(group)
     if was_training:
         model.train()
-    totals = env.all_reduce_sum(paddle.to_tensor(np.append(sums, sum(skipped.values()))), env.data_group).numpy()
-    result = generation_metrics(totals[:-1], rewards)
+    totals = env.all_reduce_sum(paddle.to_tensor(np.concatenate([sums, drafts, [sum(skipped.values())]])),
+                                env.data_group).numpy()
+    result = generation_metrics(totals[:-3], rewards)
+    drafted, kept = totals[-3:-1]
+    if drafting and drafted:
+        result["eval_draft_acceptance"] = float(kept / drafted)
     if totals[-1]:
         result["eval_generate_skipped"] = totals[-1]
     return result
