@@ -1,5 +1,6 @@
 """Score a model folder on held-out data, as the trainer does:
-``python -m ernie_moe.evaluate --model DIR --data val.jsonl [--config FILE] [--out FILE.json]``, and on
+``python -m ernie_moe.evaluate --model DIR --data val.jsonl [--config FILE] [--out FILE.json]`` (``--data``: what
+``data.train_path`` takes, a file, a folder of shards or a glob), and on
 benchmarks in the field's formats: ``--benchmark KIND:FILE`` (repeatable; ``KIND`` one of
 ``ernie_moe.evaluation.KINDS``), each answered greedily, several questions side by side, with the prompt and the
 answer extraction of the kind's reference harness; ``--out`` then also records each benchmark's file, rule,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import sys
 from collections import Counter
 from pathlib import Path
@@ -43,8 +45,8 @@ def scores(model_dir, data: str, base, batch_size: int = 8, max_batches: int = 0
     if data == "synthetic":
         held_out = SyntheticShapes(base.training.seed, "eval", base.data.num_eval_samples, base.data.image_size,
                                    base.data.blank_images)
-    else:
-        problem = not_a_file(data)
+    else:  # what data.train_path takes: a file, a folder of shards or a glob of them
+        problem = None if Path(data).is_dir() or glob.has_magic(data) else not_a_file(data)
         if problem is not None:
             raise DataError(f"--data file '{data}' {problem}")
         held_out = source_dataset(data, base.data)
@@ -57,7 +59,8 @@ def scores(model_dir, data: str, base, batch_size: int = 8, max_batches: int = 0
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="final model, checkpoint or PaddleFormers ERNIE 4.5 folder")
-    parser.add_argument("--data", help="a JSONL file (the training shapes) or 'synthetic'")
+    parser.add_argument("--data", help="what data.train_path takes (a JSONL file, a folder of .jsonl, WebDataset .tar "
+                                       "or Parquet shards, or a glob of them) or 'synthetic'")
     parser.add_argument("--benchmark", action="append", default=[], metavar="KIND:FILE",
                         help=f"a benchmark file and its kind ({', '.join(evaluation.KINDS)}); repeatable")
     parser.add_argument("--config", help="a training config whose data section overrides the folder's settings")

@@ -189,6 +189,19 @@ def test_evaluate_on_the_folder_alone_gives_the_trainers_final_figures(run_on_im
     assert "skipped/overlong_skipped" not in figures
     for key in ("eval_loss", "eval_token_accuracy"):
         assert figures[key] == pytest.approx(summary[key], rel=1e-6, abs=1e-7), key
+    # --data takes what data.train_path takes: the same records as a folder of shards, or a glob of them
+    records = [json.loads(line) for line in (root / "data.jsonl").read_text().splitlines()]
+    for record in records:  # images named from the shards' folder
+        record["images"] = [str(root / name) for name in record["images"]]
+    lines = [json.dumps(record) + "\n" for record in records]
+    shards = root / "shards"
+    shards.mkdir(exist_ok=True)
+    for i, part in enumerate((lines[:len(lines) // 2], lines[len(lines) // 2:])):
+        (shards / f"part-{i}.jsonl").write_text("".join(part))
+    for data in (shards, shards / "part-*.jsonl"):
+        assert evaluate_main(["--model", str(root / "run" / "final_model"), "--data", str(data), "--out",
+                              str(out)]) == 0
+        assert json.loads(out.read_text()) == figures, data
 
 
 def test_processor_settings_of_other_libraries_and_bad_files(tmp_path):
