@@ -14,7 +14,8 @@ from PIL import Image
 from ernie_moe.config import load_config
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer
 from ernie_moe.data.feeding.feed import RowFeed
-from ernie_moe.data.feeding.loader import rank_share
+from ernie_moe.data.feeding.held_out_rows import held_out_batches
+from ernie_moe.data.feeding.loader import rank_batches, rank_share
 from ernie_moe.data.formats.sample import BadSample
 
 
@@ -159,6 +160,37 @@ def test_each_data_rank_reads_only_the_samples_of_its_own_rows(captions, shards,
         assert max(everyone.values()) <= 1 + 4 * 2 * 4 * world * 48 // len(train)  # no sample read by every rank
         assert sum(everyone.values()) == sum(int(r.doc_ids.max()) + int((r.token_type_ids != -1).all())
                                              for r in reference)
+
+
+def docs_of(rows) -> int:
+    """The samples a list of rows holds (a row with no padding holds one more than its last document id)."""
+    return sum(int(row.doc_ids.max()) + int((row.token_type_ids != -1).all()) for row in rows)
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "jsonl", "shards"])
+def test_each_data_rank_reads_only_the_samples_of_its_own_held_out_rows(captions, shards, tmp_path, kind):
+    """At 1, 2 and 4 data ranks, batches of 4 rows a rank: each rank's held-out rows are its share of each batch
+    of the rows one process packs in order (the row stream, which reads every sample), a rank left without rows
+    in the short last batch an unlabelled copy of its first row; each rank reads the samples of its rows once and
+    no other, so together the ranks read each sample once (the copy's apart)."""
+    cfg = configs(captions, tmp_path / "index", shards)[kind]
+    data, _ = build_datasets(cfg)
+    tok = build_tokenizer(cfg)
+    reference = list(RowStream(data, tok, cfg, Counter(), shuffle=False, held_out=True))
+    for world in (1, 2, 4):
+        everyone, copies = Counter(), 0
+        for rank in range(world):
+            counted = CountingReads(data)
+            batches = list(held_out_batches(counted, tok, cfg, data_rank(rank, world), 4, Counter()))
+            expected = list(rank_batches(iter(reference), 4 * world, rank, world, drop_last=False))
+            assert len(batches) == len(expected) == -(-len(reference) // (4 * world))
+            for got, want in zip(batches, expected):
+                same_rows(got, want)
+            assert sum(counted.reads.values()) == docs_of([row for batch in batches for row in batch])
+            unlabelled = [row for row in batches[-1] if not (row.labels != -100).any()]
+            copies += docs_of(unlabelled)
+            everyone += counted.reads
+        assert sum(everyone.values()) - copies == docs_of(reference) and max(everyone.values()) <= 2
 
 
 def test_a_resume_reads_no_sample_before_its_first_step_and_continues_the_rows(captions, tmp_path):

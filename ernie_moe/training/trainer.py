@@ -29,8 +29,9 @@ from ..checkpoint.model_files import folder_config, inference_files
 from ..checkpoint.output_lock import release_output_dir
 from ..checkpoint.pretrained import format_report, load_pretrained
 from ..config import Config, ConfigError
-from ..data import RowStream, build_datasets, build_tokenizer, collate, rank_batches
+from ..data import build_datasets, build_tokenizer, collate
 from ..data.feeding.feed import Feed
+from ..data.feeding.held_out_rows import held_out_batches
 from ..data.feeding.loader import sample_encoder, training_encoder
 from ..data.feeding.report import data_report, describe
 from ..elastic.job import JobRecord, job_id
@@ -415,9 +416,8 @@ class Trainer:
         if self.eval_set is None:
             return benchmarks
         skipped: Counter = Counter()
-        rows = RowStream(self.eval_set, self.tokenizer, self.cfg, skipped, shuffle=False, held_out=True)
-        global_rows = self.runner.eval_rows_per_device(self.cfg.training) * self.env.data_world
-        batches = rank_batches(rows, global_rows, self.env.data_rank, self.env.data_world, drop_last=False)
+        batches = held_out_batches(self.eval_set, self.tokenizer, self.cfg, self.env,
+                                   self.runner.eval_rows_per_device(self.cfg.training), skipped)
         result = self.runner.evaluate(batches, self.cfg.training)
         t = self.cfg.training
         if t.eval_generate:

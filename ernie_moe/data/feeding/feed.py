@@ -199,17 +199,7 @@ class RowFeed:
         return [[self._row([next_sample() for _ in row], counted) for row in rows] for rows in planned], counted
 
     def _row(self, samples: list, counted: Counter) -> Row:
-        """A planned row from its samples as read now (index, encoded or None, reason)."""
-        docs, used = [], 0
-        for _, encoded, reason in samples:
-            if reason is not None:
-                counted[reason] += 1
-            elif used + len(encoded) > self.max_seq_len:
-                counted["length_mismatch"] += 1
-            else:
-                docs.append(encoded)
-                used += len(encoded)
-        return make_row(docs, self.max_seq_len, self.pad_id)
+        return planned_row(samples, self.max_seq_len, self.pad_id, counted)
 
     def gate(self) -> None:
         self.gated = True
@@ -246,6 +236,21 @@ class RowFeed:
         self._drop_ahead()
         if self.workers is not None:
             self.workers.close()
+
+
+def planned_row(samples: list, max_seq_len: int, pad_id: int, counted: Counter) -> Row:
+    """A planned row from its samples as read now (index, encoded or None, reason): one that cannot be read is
+    left out under its reason, samples that no longer fit from the end of the row (``length_mismatch``)."""
+    docs, used = [], 0
+    for _, encoded, reason in samples:
+        if reason is not None:
+            counted[reason] += 1
+        elif used + len(encoded) > max_seq_len:
+            counted["length_mismatch"] += 1
+        else:
+            docs.append(encoded)
+            used += len(encoded)
+    return make_row(docs, max_seq_len, pad_id)
 
 
 def _in_background(function, *args) -> Future:

@@ -79,6 +79,26 @@ class PackingPlan:
         self.stats.update(state["skipped"])
 
 
+def rows_in_order(index: LengthIndex, max_seq_len: int, stats: Counter) -> list[list[int]]:
+    """The samples of each row of one pass over the data in its own order, packed as an unshuffled
+    :class:`~.loader.RowStream` packs them (a held-out set: the last row may be short), from the lengths alone;
+    unusable samples are counted in ``stats`` by reason, and what fitting changed by its counts."""
+    rows: list[list[int]] = []
+    row: list[int] = []
+    used = 0
+    for sample, length in enumerate(index.lengths.tolist()):
+        if length < 0:
+            stats[index.reason(sample)] += 1
+            continue
+        stats.update(index.fit_counts(sample))
+        if row and used + length > max_seq_len:
+            rows.append(row)
+            row, used = [], 0
+        row.append(sample)
+        used += length
+    return rows + [row] if row else rows
+
+
 def check_position(state, size: int, max_seq_len: int, fields: tuple[str, ...]) -> None:
     """DataError unless ``state``'s ``fields`` make a position in a data set of ``size`` samples."""
     def whole(value, high=None) -> bool:

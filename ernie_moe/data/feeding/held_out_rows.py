@@ -1,0 +1,60 @@
+"""Held-out rows as the evaluation takes them, each data rank reading only the samples of its own rows.
+
+The rows are those one process packs from the held-out set in its own order (``plan.rows_in_order``, from the
+samples' lengths, measured once over every rank and kept like the training data's); each evaluation batch of
+``rows_per_rank x data ranks`` rows gives every rank its contiguous share, and a short last batch that leaves a
+rank without rows gives it an unlabelled copy of the batch's first row, so every rank runs the same forwards
+(``loader.rank_batches``). Preference pairs, a row each, are read by every rank from the row stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+
+from ...batch import IGNORE_INDEX
+from ...config.schema import Config
+from ..encoding.packing import Row
+from ..encoding.tokenizer import Tokenizer
+from .feed import planned_row
+from .length_index import length_index
+from .loader import RowStream, is_preference, rank_batches, rank_share, training_encoder
+from .plan import rows_in_order
+from .workers import encode_in_order
+
+
+def held_out_batches(dataset, tokenizer: Tokenizer, cfg: Config, env, rows_per_rank: int,
+                     stats: Counter) -> Iterator[list[Row]]:
+    """This data rank's rows of each held-out batch; the samples skipped, and what fitting changed, counted in
+    ``stats`` (every rank counts every sample: the figures are the whole set's)."""
+    rank, world = env.data_rank, env.data_world
+    if is_preference(cfg):
+        rows = RowStream(dataset, tokenizer, cfg, stats, shuffle=False, held_out=True)
+        yield from rank_batches(rows, rows_per_rank * world, rank, world, drop_last=False)
+        return
+    encoder = training_encoder(tokenizer, cfg, Counter())  # its counts are the plan's
+    index = length_index(dataset, encoder, cfg.data.index_dir, env, cfg.data.num_workers, progress=False)
+    planned = rows_in_order(index, cfg.data.max_seq_len, stats)
+    global_rows = rows_per_rank * world
+    for start in range(0, len(planned), global_rows):
+        batch = planned[start:start + global_rows]
+        if len(batch) == global_rows:
+            yield _read(dataset, encoder, rank_share(batch, rank, world), cfg, tokenizer, stats)
+            continue
+        share = -(-len(batch) // world)
+        mine = batch[rank * share:(rank + 1) * share]
+        if mine:
+            yield _read(dataset, encoder, mine, cfg, tokenizer, stats)
+        else:  # no row of the short last batch: an unlabelled copy of its first row
+            first = _read(dataset, encoder, batch[:1], cfg, tokenizer, Counter())[0]
+            yield [dataclasses.replace(first, labels=np.full_like(first.labels, IGNORE_INDEX),
+                                       scored=np.zeros_like(first.scored))]
+
+
+def _read(dataset, encoder, rows: list[list[int]], cfg: Config, tokenizer: Tokenizer, stats: Counter) -> list[Row]:
+    """The planned rows read and encoded."""
+    read = encode_in_order(dataset, encoder, [index for row in rows for index in row], None, Counter())
+    return [planned_row([next(read) for _ in row], cfg.data.max_seq_len, tokenizer.pad_id, stats) for row in rows]
