@@ -6,9 +6,11 @@
    captions, 640 x 480 photos-to-be at ERNIE's pixel budget of 200,704): data rank 0's feed in this process, the
    other ranks' shares planned but not read, as each rank of a real job does. Beside it, the row stream every rank
    read before (every sample of the global batch, then its share).
-2. Time from a fresh feed to its first step after a resume at step 20 and at step 2,000 (the position restored
+2. Data time per step reading 0, 1 and 4 steps ahead (``data.read_ahead_steps``) on the same captions with one
+   sample in 16 slow to read, beside a step's compute (a sleep: the reader thread runs while it waits).
+3. Time from a fresh feed to its first step after a resume at step 20 and at step 2,000 (the position restored
    from the state a checkpoint keeps), beside replaying the consumed rows through the encoder as resumes did.
-3. Index build rate and memory of a source of ``--records`` caption records (one small image each, its header read
+4. Index build rate and memory of a source of ``--records`` caption records (one small image each, its header read
    per record): the build, then a later run's read-back, and the resident memory a rank keeps for the source
    (offsets and index), measured in a fresh process each.
 
@@ -18,6 +20,7 @@ Prints markdown tables; figures from one run on one machine, as ratios.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import subprocess
@@ -87,6 +90,49 @@ def per_step(cfg, steps: int) -> None:
         before = (time.perf_counter() - started) / steps
         base = base or now
         print(f"| {world} | {now * 1e3:.0f} ms ({now / base:.2f}x dp1) | {before * 1e3:.0f} ms | {before / now:.1f}x |")
+
+
+class Uneven:
+    """The data set with every 16th sample slow to read (a slow shard, a large video): ``seconds`` more."""
+
+    def __init__(self, dataset, seconds: float):
+        self.dataset, self.seconds = dataset, seconds
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        if index % 16 == 0:
+            time.sleep(self.seconds)
+        return self.dataset[index]
+
+    def shapes(self, index: int):
+        return self.dataset.shapes(index)
+
+    def identity(self) -> dict:
+        return self.dataset.identity()
+
+
+def read_ahead(cfg, steps: int, compute_s: float = 0.15, slow_s: float = 0.3) -> None:
+    """Data time per step on a source whose samples vary in cost, beside a step of ``compute_s`` (a sleep: the
+    model's compute leaves the reader the interpreter), reading 0, 1 and 4 steps ahead."""
+    train, _ = build_datasets(cfg)
+    tok = build_tokenizer(cfg)
+    slow = Uneven(train, slow_s)
+    print(f"\n(a step computes {compute_s:.2f} s; one sample in 16 takes {slow_s:.1f} s more to read)\n\n"
+          "| data.read_ahead_steps | data time per step, mean | the slowest step's |\n|---|---|---|")
+    for ahead in (0, 1, 4):
+        ahead_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, read_ahead_steps=ahead))
+        feed = RowFeed(slow, tok, ahead_cfg, rank(0, 1), Counter())
+        feed.next_step(2, 1)
+        waits = []
+        for _ in range(steps):
+            time.sleep(compute_s)
+            started = time.perf_counter()
+            feed.next_step(2, 1)
+            waits.append(time.perf_counter() - started)
+        feed.close()
+        print(f"| {ahead} | {np.mean(waits) * 1e3:.0f} ms | {max(waits) * 1e3:.0f} ms |")
 
 
 def resume(cfg) -> None:
@@ -162,6 +208,7 @@ def main() -> None:
         data = write_photos(Path(tmp), args.images)
         cfg = config(data, Path(tmp) / "index")
         per_step(cfg, args.steps)
+        read_ahead(cfg, args.steps)
         resume(cfg)
     index_memory(args.records)
 

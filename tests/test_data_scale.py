@@ -1,6 +1,7 @@
 """The data at cluster scale: each data rank reads only the samples of its own rows, which are the rows one
 process builds; a resume reads no sample before its first step; the length index is kept and read back."""
 
+import dataclasses
 import itertools
 import json
 import os
@@ -150,7 +151,8 @@ def test_each_data_rank_reads_only_the_samples_of_its_own_rows(captions, shards,
             data = CountingReads(train)
             feed = RowFeed(data, tok, cfg, data_rank(rank, world), Counter())
             rows = [row for _ in range(3) for micro_batch in feed.next_step(4, 2) for row in micro_batch]
-            rows += [row for micro_batch in feed.ahead.rows.result()[0] for row in micro_batch]  # step 4, read ahead
+            ahead = feed.aheads[0].rows.result()[0]  # step 4, read ahead
+            rows += [row for micro_batch in ahead for row in micro_batch]
             mine = [row for start in range(0, len(reference), 4 * world)
                     for row in rank_share(reference[start: start + 4 * world], rank, world)]
             same_rows(rows, mine)
@@ -193,19 +195,30 @@ def test_each_data_rank_reads_only_the_samples_of_its_own_held_out_rows(captions
         assert sum(everyone.values()) - copies == docs_of(reference) and max(everyone.values()) <= 2
 
 
-def test_a_resume_reads_no_sample_before_its_first_step_and_continues_the_rows(captions, tmp_path):
+@pytest.mark.parametrize("ahead", [0, 1, 3])
+def test_a_resume_reads_no_sample_before_its_first_step_and_continues_the_rows(captions, tmp_path, ahead):
     """The position saved after 3 steps, given to a new feed (as a resume in another layout does, at 2 data
-    ranks): it reads nothing until asked for a step, then exactly its own rows of the uninterrupted run."""
-    cfg = configs(captions, tmp_path / "index")["jsonl"]
+    ranks): it reads nothing until asked for a step, then exactly its own rows of the uninterrupted run. Reading
+    0, 1 or 3 steps ahead gives the same rows and saves the position of the rows handed out, not of those read."""
+    default = configs(captions, tmp_path / "index")["jsonl"]
+    cfg = dataclasses.replace(default, data=dataclasses.replace(default.data, read_ahead_steps=ahead))
     train, _ = build_datasets(cfg)
     tok = build_tokenizer(cfg)
     whole = RowFeed(train, tok, cfg, data_rank(0, 1), Counter())
     steps = [whole.next_step(4, 2) for _ in range(6)]
+    assert len(whole.aheads) == ahead
+    reference = RowFeed(train, tok, default, data_rank(0, 1), Counter())
+    for step in steps:
+        same_rows([r for mb in step for r in mb], [r for mb in reference.next_step(4, 2) for r in mb])
     first = RowFeed(train, tok, cfg, data_rank(0, 1), Counter())
     for _ in range(3):
         first.next_step(4, 2)
     saved = json.loads(json.dumps(first.state_dict()))
     assert saved["rows_read"] == 24 and saved["epoch"] >= 1  # past the end of the first epoch
+    plain = RowFeed(train, tok, default, data_rank(0, 1), Counter())
+    for _ in range(3):
+        plain.next_step(4, 2)
+    assert saved == json.loads(json.dumps(plain.state_dict()))
     for rank in (0, 1):
         data = CountingReads(train)
         resumed = RowFeed(data, tok, cfg, data_rank(rank, 2), Counter())
@@ -388,13 +401,15 @@ def test_torn_changed_or_vanished_shards_are_a_skip_or_a_line(shards, tmp_path):
 
 
 def test_a_resumed_run_with_workers_on_jsonl_equals_the_uninterrupted_one(captions, tmp_path):
-    """In the trainer, on the captions with two data workers: six steps straight, against three, a checkpoint and a
-    resume for three more (rows past the end of an epoch): the same losses, exactly; the resumed trainer starts at
-    the saved position (its reads before the first step are counted without workers above)."""
+    """In the trainer, on the captions with two data workers reading three steps ahead: six steps straight,
+    against three, a checkpoint and a resume for three more (rows past the end of an epoch): the same losses,
+    exactly; the resumed trainer starts at the saved position (its reads before the first step are counted without
+    workers above)."""
     from ernie_moe.training import Trainer
 
     common = [f"data.index_dir={tmp_path / 'index'}", "data.dataset=jsonl", f"data.train_path={captions}",
-              "model.vocab_size=300", "data.max_seq_len=96", "data.num_workers=2", "training.eval_steps=0",
+              "model.vocab_size=300", "data.max_seq_len=96", "data.num_workers=2", "data.read_ahead_steps=3",
+              "training.eval_steps=0",
               "training.save_steps=3", "logging.logging_steps=1", "logging.progress_bar=false",
               "logging.visualdl=false", "data.report_samples=0", "training.per_device_train_batch_size=4"]
 

@@ -179,6 +179,9 @@ class DataConfig:
     blank_images: bool = opt(False, "replace every image with zeros (control run: vision carries no signal)")
     num_workers: int = opt(0, "background processes that read, decode and encode training samples (same order "
                               "as 0); 0 = in the training loop")
+    read_ahead_steps: int = opt(1, "steps whose rows are read and encoded in the background while the model "
+                                   "trains, so that a slow shard or a large video does not stall a step (memory: "
+                                   "that many steps of this rank's rows); 0 = read when the step asks")
     index_dir: str = opt("", "where each data set's length index is kept, under a key of the data's identity and the "
                              "encoding settings (measured once, read back by later runs); '' = "
                              "$XDG_CACHE_HOME/ernie_moe/data_index (~/.cache/...)")

@@ -173,6 +173,7 @@ def _check_data(cfg: Config, check_paths: bool = True) -> None:
              f"data.video_fps ({d.video_fps}) must be positive and 1 <= data.video_min_frames ({d.video_min_frames}) "
              f"<= data.video_max_frames ({d.video_max_frames}).")
     _require(0 <= d.num_workers <= 64, f"data.num_workers ({d.num_workers}) must be between 0 and 64.")
+    _require(0 <= d.read_ahead_steps <= 64, f"data.read_ahead_steps ({d.read_ahead_steps}) must be between 0 and 64.")
     _require(0 <= d.report_samples <= 100_000, f"data.report_samples ({d.report_samples}) must be between 0 and "
                                                "100000.")
     unit = v.patch_size * v.spatial_merge_size

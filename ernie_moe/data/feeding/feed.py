@@ -14,8 +14,9 @@ changes only the row it is in, on the rank that reads it: a sample that cannot b
 its reason), and samples that no longer fit are left out from the end of the row (``length_mismatch``). Both are
 counted by the rank that meets them. Preference pairs, a row each, are read by every rank from the row stream.
 
-The rows of the step after the one handed out are read in a background thread while the model trains on it; the
-saved position stays that of the rows handed out. The reader's Python holds the interpreter, which the training
+The rows of the next ``data.read_ahead_steps`` steps (1 by default) are read, in order, by one background thread
+while the model trains; the memory this holds is that many steps of this rank's rows, and the saved position stays
+that of the rows handed out. The reader's Python holds the interpreter, which the training
 step's own Python needs between kernels: a trainer that ``gate``s the feed lets the reader work only inside
 ``reading()`` blocks (its backward passes, where Paddle's kernels leave the interpreter free) and while it waits
 for rows.
@@ -24,8 +25,9 @@ for rows.
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
@@ -134,8 +136,8 @@ class _Ahead:
 
 
 class RowFeed:
-    """Packed rows planned from the samples' lengths, each rank reading its own rows' samples, the next step's
-    in the background (:class:`Feed`)."""
+    """Packed rows planned from the samples' lengths, each rank reading its own rows' samples, the next
+    ``data.read_ahead_steps`` steps' in the background (:class:`Feed`)."""
 
     def __init__(self, dataset, tokenizer: Tokenizer, cfg: Config, env, stats: Counter):
         """``stats``: where skipped and fitted samples are counted (``data/...`` in the metrics)."""
@@ -143,7 +145,9 @@ class RowFeed:
         self.rows_read = 0  # global rows handed out so far
         self.max_seq_len = cfg.data.max_seq_len
         self.stats = stats
-        self.ahead: _Ahead | None = None  # the next step's rows, being read
+        self.read_ahead = cfg.data.read_ahead_steps
+        self.aheads: deque[_Ahead] = deque()  # the next steps' rows, read in order by one background thread
+        self.reader = _Reader()
         self.gated, self._may_read = False, threading.Event()
         self._may_read.set()
         self.dataset, self.pad_id = dataset, tokenizer.pad_id
@@ -155,36 +159,41 @@ class RowFeed:
 
     def next_step(self, micro_batch_size: int, accumulation_steps: int) -> list[list[Row]]:
         shape = (micro_batch_size, accumulation_steps)
-        if self.ahead is not None and self.ahead.shape != shape:  # the memory guard changed the micro-batch
+        if self.aheads and self.aheads[0].shape != shape:  # the memory guard changed the micro-batch
             self._drop_ahead()
-        ahead = self.ahead if self.ahead is not None else self._read_ahead(shape)
+        if not self.aheads:  # nothing read ahead (data.read_ahead_steps 0, or the first step)
+            self._plan_step(shape)
+        ahead = self.aheads.popleft()
         with self.reading():
             rows, counted = ahead.rows.result()
         self.stats.update(counted)
-        self.ahead = None
-        self._read_ahead(shape)
+        while len(self.aheads) < self.read_ahead:
+            self._plan_step(shape)
         return rows
 
-    def _read_ahead(self, shape: tuple[int, int]) -> _Ahead:
-        """Plan the next step's rows and start reading them."""
+    def _plan_step(self, shape: tuple[int, int]) -> None:
+        """Plan the rows of the step after those planned so far and queue their reading."""
         micro_batch_size, accumulation_steps = shape
         position, rows_read = self.plan.state_dict(), self.rows_read
         global_rows = micro_batch_size * self.world
         planned = [rank_share([self.plan.next_row() for _ in range(global_rows)], self.rank, self.world)
                    for _ in range(accumulation_steps)]
         self.rows_read += global_rows * accumulation_steps
-        self.ahead = _Ahead(shape, position, rows_read, _in_background(self._read, planned))
-        return self.ahead
+        self.aheads.append(_Ahead(shape, position, rows_read, self.reader.submit(self._read, planned)))
 
     def _drop_ahead(self) -> None:
-        """Forget the rows being read ahead: the position goes back to before them."""
-        ahead, self.ahead = self.ahead, None
-        if ahead is None:
+        """Forget the rows planned ahead: the position goes back to before the first of them."""
+        aheads, self.aheads = list(self.aheads), deque()
+        if not aheads:
             return
-        with self.reading():
-            ahead.rows.exception()  # wait: the reader must be idle before anything else reads
-        self.plan.load_state_dict(ahead.position)
-        self.rows_read = ahead.rows_read
+        for ahead in aheads:
+            ahead.rows.cancel()  # those the reader has not begun
+        with self.reading():  # wait: the reader must be idle before anything else reads
+            for ahead in aheads:
+                if not ahead.rows.cancelled():
+                    ahead.rows.exception()
+        self.plan.load_state_dict(aheads[0].position)
+        self.rows_read = aheads[0].rows_read
 
     def _read(self, planned: list) -> tuple[list[list[Row]], Counter]:
         """The planned rows read and encoded (in the reader thread), and the reasons counted on the way."""
@@ -215,8 +224,8 @@ class RowFeed:
                 self._may_read.clear()
 
     def state_dict(self) -> dict:
-        if self.ahead is not None:
-            return {"rows_read": self.ahead.rows_read, **self.ahead.position}
+        if self.aheads:
+            return {"rows_read": self.aheads[0].rows_read, **self.aheads[0].position}
         return {"rows_read": self.rows_read, **self.plan.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -234,6 +243,7 @@ class RowFeed:
 
     def close(self) -> None:
         self._drop_ahead()
+        self.reader.close()
         if self.workers is not None:
             self.workers.close()
 
@@ -253,17 +263,35 @@ def planned_row(samples: list, max_seq_len: int, pad_id: int, counted: Counter) 
     return make_row(docs, max_seq_len, pad_id)
 
 
-def _in_background(function, *args) -> Future:
-    """``function(*args)`` in a daemon thread of its own: a reader left waiting (a run that stops on an error) does
-    not keep the process from exiting."""
-    future: Future = Future()
+class _Reader:
+    """One daemon thread that runs the functions it is given in order, each result in a Future: a reader left
+    waiting (a run that stops on an error) does not keep the process from exiting."""
 
-    def run():
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(function(*args))
-            except BaseException as error:  # handed to whoever takes the rows
-                future.set_exception(error)
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
 
-    threading.Thread(target=run, name="data-read-ahead", daemon=True).start()
-    return future
+    def submit(self, function, *args) -> Future:
+        future: Future = Future()
+        self.queue.put((future, function, args))
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="data-read-ahead", daemon=True)
+            self.thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job = self.queue.get()
+            if job is None:
+                return
+            future, function, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function(*args))
+                except BaseException as error:  # handed to whoever takes the rows
+                    future.set_exception(error)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread = None
