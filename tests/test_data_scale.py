@@ -164,6 +164,73 @@ def test_each_data_rank_reads_only_the_samples_of_its_own_rows(captions, shards,
                                              for r in reference)
 
 
+@pytest.fixture(scope="module")
+def pairs(captions):
+    """A JSONL file of 30 preference pairs beside the captions' images (one missing, one with equal answers)."""
+    records = []
+    for i in range(30):
+        answer = "a picture " + "of it " * (i % 4)
+        records.append({"images": [f"{i}.png" if i != 5 else "gone.png"],
+                        "messages": [{"role": "user", "content": "<image>what is it?"}],
+                        "chosen": answer, "rejected": answer if i == 11 else answer + "and more " * (1 + i % 3)})
+    path = captions.parent / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def pair_configs(pairs, index_dir):
+    common = [f"data.index_dir={index_dir}", "logging.progress_bar=false", "training.stage=dpo"]
+    return {"synthetic": load_config(None, [*common, "data.num_train_samples=40", "data.image_size=56",
+                                            "data.max_seq_len=48"]),
+            "jsonl": load_config(None, [*common, "data.dataset=jsonl", f"data.train_path={pairs}",
+                                        "model.vocab_size=300", "data.max_seq_len=160"])}
+
+
+def same_pairs(rows, expected):
+    same_rows(rows, expected)
+    assert [r.pair_key for r in rows] == [r.pair_key for r in expected]
+    assert all(np.array_equal(a.pair_sides, b.pair_sides) for a, b in zip(rows, expected))
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "jsonl"])
+def test_each_data_rank_reads_only_its_own_preference_pairs(pairs, tmp_path, kind):
+    """Preference pairs, a row each, at 1, 2 and 4 data ranks (2 pairs per rank, 2 micro-batches a step, 3 steps):
+    each rank's pairs are its share of those one process takes from the row stream (which reads every pair), read
+    once each and no other; a resume at step 2 reads nothing before its first step and continues them; held-out
+    pairs are each rank's share of each evaluation batch, read once."""
+    cfg = pair_configs(pairs, tmp_path / "index")[kind]
+    train, _ = build_datasets(cfg)
+    tok = build_tokenizer(cfg)
+    for world in (1, 2, 4):
+        reference = list(itertools.islice(RowStream(train, tok, cfg, Counter(), shuffle=True), 2 * 2 * 3 * world))
+        held = list(RowStream(train, tok, cfg, Counter(), shuffle=False, held_out=True))
+        everyone = Counter()
+        for rank in range(world):
+            data = CountingReads(train)
+            feed = RowFeed(data, tok, cfg, data_rank(rank, world), Counter())
+            rows = [row for _ in range(3) for micro_batch in feed.next_step(2, 2) for row in micro_batch]
+            ahead = sum(len(mb) for mb in feed.aheads[0].rows.result()[0])  # step 4's pairs, read ahead
+            mine = [row for start in range(0, len(reference), 2 * world)
+                    for row in rank_share(reference[start: start + 2 * world], rank, world)]
+            same_pairs(rows, mine)
+            assert sum(data.reads.values()) == len(rows) + ahead
+            everyone += data.reads
+            resumed_data = CountingReads(train)
+            resumed = RowFeed(resumed_data, tok, cfg, data_rank(rank, world), Counter())
+            first = RowFeed(train, tok, cfg, data_rank(rank, world), Counter())
+            for _ in range(2):
+                first.next_step(2, 2)
+            resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+            assert sum(resumed_data.reads.values()) == 0
+            same_pairs([r for mb in resumed.next_step(2, 2) for r in mb], rows[8:])
+            held_data = CountingReads(train)
+            batches = list(held_out_batches(held_data, tok, cfg, data_rank(rank, world), 2, Counter()))
+            for got, want in zip(batches, rank_batches(iter(held), 2 * world, rank, world, drop_last=False)):
+                same_pairs(got, want)
+            assert sum(held_data.reads.values()) == sum(len(b) for b in batches)
+        assert sum(everyone.values()) == 2 * 2 * 4 * world  # together, each planned pair once (4 steps' worth)
+
+
 def docs_of(rows) -> int:
     """The samples a list of rows holds (a row with no padding holds one more than its last document id)."""
     return sum(int(row.doc_ids.max()) + int((row.token_type_ids != -1).all()) for row in rows)

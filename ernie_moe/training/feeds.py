@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from ..config import Config
 from ..data.encoding.tokenizer import Tokenizer
-from ..data.feeding.feed import Feed, PairFeed, RowFeed
+from ..data.feeding.feed import Feed, RowFeed
 from ..objectives.rewards import Reward
 from ..parallel.env import DistEnv
 from .rollouts import RolloutFeed
@@ -21,6 +21,4 @@ def build_feed(cfg: Config, train_set, tokenizer: Tokenizer, env: DistEnv, stats
     kind = runner.objective.trains_on
     if kind == "rollouts":
         return RolloutFeed(train_set, runner, tokenizer, cfg, env, precision, rewards, stats)
-    if kind == "pairs":
-        return PairFeed(train_set, tokenizer, cfg, env, stats)
-    return RowFeed(train_set, tokenizer, cfg, env, stats)
+    return RowFeed(train_set, tokenizer, cfg, env, stats)  # packed rows, or preference pairs (a row each)

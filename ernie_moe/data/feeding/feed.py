@@ -1,7 +1,7 @@
 """The training data as the trainer takes it: this rank's rows of each micro-batch of each step, and a position
 that a checkpoint saves and a resume restores without reading a sample. Every kind of feed keeps one protocol
-(:class:`Feed`): packed rows (:class:`RowFeed`), preference pairs (:class:`PairFeed`) and, in the GRPO stage, the
-policy's rollouts (``training.rollouts.RolloutFeed``).
+(:class:`Feed`): packed rows or preference pairs (:class:`RowFeed`) and, in the GRPO stage, the policy's
+rollouts (``training.rollouts.RolloutFeed``).
 
 The global rows do not depend on the layout: one seeded packing of the data, cut into global micro-batches of
 which each data rank keeps its contiguous share (tensor- and pipeline-parallel ranks of one data rank take the
@@ -12,7 +12,9 @@ the samples of its own rows: a rank's data cost does not grow with the number of
 A sample whose encoding now differs from its index entry (a file changed, an image body that turns out broken)
 changes only the row it is in, on the rank that reads it: a sample that cannot be read is left out (counted under
 its reason), and samples that no longer fit are left out from the end of the row (``length_mismatch``). Both are
-counted by the rank that meets them. Preference pairs, a row each, are read by every rank from the row stream.
+counted by the rank that meets them. Preference pairs are planned and read the same way, a row each (their index
+says which pairs are usable); a pair that cannot be read though its index found it usable stops the run with a line
+naming it.
 
 The rows of the next ``data.read_ahead_steps`` steps (1 by default) are read, in order, by one background thread
 while the model trains; the memory this holds is that many steps of this rank's rows, and the saved position stays
@@ -30,7 +32,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,7 +41,7 @@ from ..encoding.packing import Row, make_row
 from ..encoding.tokenizer import Tokenizer
 from ..formats.sample import DataError
 from .length_index import length_index
-from .loader import RowStream, rank_share, training_encoder
+from .loader import is_preference, rank_share, sample_encoder
 from .plan import PackingPlan
 from .workers import SampleWorkers, encode_in_order
 
@@ -87,44 +89,6 @@ def rows_read_of(state, max_seq_len: int) -> int:
     return rows
 
 
-class PairFeed:
-    """Preference pairs, a row each, from the row stream every data rank reads (:class:`Feed`)."""
-
-    def __init__(self, dataset, tokenizer: Tokenizer, cfg: Config, env, stats: Counter):
-        self.rank, self.world = env.data_rank, env.data_world
-        self.rows_read, self.max_seq_len = 0, cfg.data.max_seq_len
-        self.stream = RowStream(dataset, tokenizer, cfg, stats, shuffle=True, workers=cfg.data.num_workers)
-
-    def next_step(self, micro_batch_size: int, accumulation_steps: int) -> list[list[Row]]:
-        global_rows = micro_batch_size * self.world
-        self.rows_read += global_rows * accumulation_steps
-        return [rank_share([next(self.stream) for _ in range(global_rows)], self.rank, self.world)
-                for _ in range(accumulation_steps)]
-
-    def state_dict(self) -> dict:
-        return {"rows_read": self.rows_read, **self.stream.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        rows = rows_read_of(state, self.max_seq_len)
-        self.stream.load_state_dict(state)
-        self.rows_read = rows
-
-    def window_metrics(self, elapsed: float) -> dict:
-        return {}
-
-    def window_answers(self) -> list[dict]:
-        return []
-
-    def gate(self) -> None:
-        """The stream reads in the step (or its workers, in their own processes): nothing to hold back."""
-
-    def reading(self) -> AbstractContextManager:
-        return nullcontext()
-
-    def close(self) -> None:
-        self.stream.close()
-
-
 @dataclass
 class _Ahead:
     """The next step's rows, being read: the shape they were planned for, and the position before them."""
@@ -137,7 +101,8 @@ class _Ahead:
 
 class RowFeed:
     """Packed rows planned from the samples' lengths, each rank reading its own rows' samples, the next
-    ``data.read_ahead_steps`` steps' in the background (:class:`Feed`)."""
+    ``data.read_ahead_steps`` steps' in the background (:class:`Feed`); in the DPO stage, preference pairs, a row
+    each, planned and read the same way."""
 
     def __init__(self, dataset, tokenizer: Tokenizer, cfg: Config, env, stats: Counter):
         """``stats``: where skipped and fitted samples are counted (``data/...`` in the metrics)."""
@@ -151,10 +116,11 @@ class RowFeed:
         self.gated, self._may_read = False, threading.Event()
         self._may_read.set()
         self.dataset, self.pad_id = dataset, tokenizer.pad_id
-        self.encoder = training_encoder(tokenizer, cfg, Counter())  # its counts are the plan's, made once
+        self.pairs = is_preference(cfg)
+        self.encoder = sample_encoder(tokenizer, cfg, Counter())  # its counts are the plan's, made once
         index = length_index(dataset, self.encoder, cfg.data.index_dir, env, cfg.data.num_workers,
                              cfg.logging.progress_bar)
-        self.plan = PackingPlan(index, cfg.training.seed, cfg.data.max_seq_len, stats)
+        self.plan = PackingPlan(index, cfg.training.seed, cfg.data.max_seq_len, stats, one_per_row=self.pairs)
         self.workers = SampleWorkers(dataset, self.encoder, cfg.data.num_workers) if cfg.data.num_workers else None
 
     def next_step(self, micro_batch_size: int, accumulation_steps: int) -> list[list[Row]]:
@@ -208,7 +174,15 @@ class RowFeed:
         return [[self._row([next_sample() for _ in row], counted) for row in rows] for rows in planned], counted
 
     def _row(self, samples: list, counted: Counter) -> Row:
-        return planned_row(samples, self.max_seq_len, self.pad_id, counted)
+        if not self.pairs:
+            return planned_row(samples, self.max_seq_len, self.pad_id, counted)
+        (index, pair, reason), = samples
+        if reason is not None:  # no row of no pair that adds nothing to a preference loss: a line instead
+            raise DataError(f"preference pair {index} cannot be read now ({reason}), though its index entry, "
+                            "measured from its text and its images' headers, found it usable: the data changed "
+                            "since it was indexed, or an image's body is broken")
+        pair.pair_key = index
+        return pair
 
     def gate(self) -> None:
         self.gated = True

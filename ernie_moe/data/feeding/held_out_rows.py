@@ -4,7 +4,7 @@ The rows are those one process packs from the held-out set in its own order (``p
 samples' lengths, measured once over every rank and kept like the training data's); each evaluation batch of
 ``rows_per_rank x data ranks`` rows gives every rank its contiguous share, and a short last batch that leaves a
 rank without rows gives it an unlabelled copy of the batch's first row, so every rank runs the same forwards
-(``loader.rank_batches``). Preference pairs, a row each, are read by every rank from the row stream.
+(``loader.rank_batches``). Preference pairs are read the same way, a row each.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from ...batch import IGNORE_INDEX
 from ...config.schema import Config
 from ..encoding.packing import Row
 from ..encoding.tokenizer import Tokenizer
+from ..formats.sample import DataError
 from .feed import planned_row
 from .length_index import length_index
-from .loader import RowStream, is_preference, rank_batches, rank_share, training_encoder
+from .loader import is_preference, rank_share, sample_encoder
 from .plan import rows_in_order
 from .workers import encode_in_order
 
@@ -31,13 +32,9 @@ def held_out_batches(dataset, tokenizer: Tokenizer, cfg: Config, env, rows_per_r
     """This data rank's rows of each held-out batch; the samples skipped, and what fitting changed, counted in
     ``stats`` (every rank counts every sample: the figures are the whole set's)."""
     rank, world = env.data_rank, env.data_world
-    if is_preference(cfg):
-        rows = RowStream(dataset, tokenizer, cfg, stats, shuffle=False, held_out=True)
-        yield from rank_batches(rows, rows_per_rank * world, rank, world, drop_last=False)
-        return
-    encoder = training_encoder(tokenizer, cfg, Counter())  # its counts are the plan's
+    encoder = sample_encoder(tokenizer, cfg, Counter())  # its counts are the plan's
     index = length_index(dataset, encoder, cfg.data.index_dir, env, cfg.data.num_workers, progress=False)
-    planned = rows_in_order(index, cfg.data.max_seq_len, stats)
+    planned = rows_in_order(index, cfg.data.max_seq_len, stats, one_per_row=is_preference(cfg))
     global_rows = rows_per_rank * world
     for start in range(0, len(planned), global_rows):
         batch = planned[start:start + global_rows]
@@ -55,6 +52,17 @@ def held_out_batches(dataset, tokenizer: Tokenizer, cfg: Config, env, rows_per_r
 
 
 def _read(dataset, encoder, rows: list[list[int]], cfg: Config, tokenizer: Tokenizer, stats: Counter) -> list[Row]:
-    """The planned rows read and encoded."""
+    """The planned rows read and encoded (a preference pair's row keyed ``-1 - index``, as held out)."""
     read = encode_in_order(dataset, encoder, [index for row in rows for index in row], None, Counter())
-    return [planned_row([next(read) for _ in row], cfg.data.max_seq_len, tokenizer.pad_id, stats) for row in rows]
+    if not is_preference(cfg):
+        return [planned_row([next(read) for _ in row], cfg.data.max_seq_len, tokenizer.pad_id, stats)
+                for row in rows]
+    pairs = []
+    for index, pair, reason in read:
+        if reason is not None:
+            raise DataError(f"held-out preference pair {index} cannot be read now ({reason}), though its index "
+                            "entry found it usable: the data changed since it was indexed, or an image's body is "
+                            "broken")
+        pair.pair_key = -1 - index
+        pairs.append(pair)
+    return pairs

@@ -28,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ...json_files import UnreadableJSON, read_json
-from ..encoding.packing import FIT_COUNTS
+from ..encoding.packing import FIT_COUNTS, PAD_TYPE, Row
 from .workers import SampleWorkers, encode_in_order
 
 # what the encoder counts of a sample it keeps: truncated, or its videos fitted (``packing.FIT_COUNTS``)
@@ -68,7 +68,9 @@ class Measure:
 
     def __call__(self, sample) -> np.ndarray:
         self.encoder.stats = Counter()
-        length = len(self.encoder(sample))
+        encoded = self.encoder(sample)
+        # a preference pair encodes to a row of its own: its tokens before the padding
+        length = int((encoded.token_type_ids != PAD_TYPE).sum()) if isinstance(encoded, Row) else len(encoded)
         return np.array([length, *(self.encoder.stats[name] for name in ENCODER_COUNTS)], np.int64)
 
 

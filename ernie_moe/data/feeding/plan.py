@@ -24,9 +24,11 @@ def sample_order(seed: int, epoch: int, size: int) -> np.ndarray:
 
 
 class PackingPlan:
-    def __init__(self, index: LengthIndex, seed: int, max_seq_len: int, stats: Counter):
+    def __init__(self, index: LengthIndex, seed: int, max_seq_len: int, stats: Counter, one_per_row: bool = False):
         """``stats``: the counts of skipped samples (each once, in the first epoch) and of fitted ones (each time
-        one is planned), as reading the samples in order would count them."""
+        one is planned), as reading the samples in order would count them; ``one_per_row``: each row one sample
+        (preference pairs), in the same order."""
+        self.one_per_row = one_per_row
         if not (index.lengths >= 0).any():
             raise no_usable_sample(dict(Counter(index.reason(i) for i in range(len(index)))))
         self.index, self.seed, self.max_seq_len, self.stats = index, seed, max_seq_len, stats
@@ -52,7 +54,7 @@ class PackingPlan:
                     self.stats[self.index.reason(sample)] += 1
                 continue
             self.stats.update(self.index.fit_counts(sample))
-            if self.open and self.used + length > self.max_seq_len:
+            if self.open and (self.one_per_row or self.used + length > self.max_seq_len):
                 row, self.open, self.used = self.open, [sample], length
                 return row
             self.open.append(sample)
@@ -69,7 +71,7 @@ class PackingPlan:
         if (lengths < 0).any():
             raise DataError("the saved data position's open row holds a sample this data cannot use: the data "
                             "changed since it was saved")
-        if int(lengths.sum()) > self.max_seq_len:
+        if int(lengths.sum()) > self.max_seq_len or (self.one_per_row and len(lengths) > 1):
             raise DataError(f"the saved data position's open row ({len(state['open_row'])} samples, "
                             f"{int(lengths.sum())} tokens) is no row the plan fills: its samples fit "
                             f"data.max_seq_len ({self.max_seq_len}) together (a hand-edited checkpoint, or other data)")
@@ -79,10 +81,11 @@ class PackingPlan:
         self.stats.update(state["skipped"])
 
 
-def rows_in_order(index: LengthIndex, max_seq_len: int, stats: Counter) -> list[list[int]]:
+def rows_in_order(index: LengthIndex, max_seq_len: int, stats: Counter, one_per_row: bool = False) -> list[list[int]]:
     """The samples of each row of one pass over the data in its own order, packed as an unshuffled
-    :class:`~.loader.RowStream` packs them (a held-out set: the last row may be short), from the lengths alone;
-    unusable samples are counted in ``stats`` by reason, and what fitting changed by its counts."""
+    :class:`~.loader.RowStream` packs them (a held-out set: the last row may be short; ``one_per_row``: preference
+    pairs, a row each), from the lengths alone; unusable samples are counted in ``stats`` by reason, and what
+    fitting changed by its counts."""
     rows: list[list[int]] = []
     row: list[int] = []
     used = 0
@@ -91,7 +94,7 @@ def rows_in_order(index: LengthIndex, max_seq_len: int, stats: Counter) -> list[
             stats[index.reason(sample)] += 1
             continue
         stats.update(index.fit_counts(sample))
-        if row and used + length > max_seq_len:
+        if row and (one_per_row or used + length > max_seq_len):
             rows.append(row)
             row, used = [], 0
         row.append(sample)

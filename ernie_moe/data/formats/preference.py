@@ -107,9 +107,17 @@ class PreferenceJsonl(JsonlDataset):
     """A JSONL file of preference pairs."""
 
     def __getitem__(self, index: int) -> Pair:  # type: ignore[override]  # a pair of samples, each read as one is
+        return self._pair(index, header_only=False)
+
+    def shapes(self, index: int) -> Pair:  # type: ignore[override]
+        """Pair ``index`` with only its images' sizes read: what its encoded length needs."""
+        return self._pair(index, header_only=True)
+
+    def _pair(self, index: int, header_only: bool) -> Pair:
         where = f"line {index + 1}"
         chosen, rejected = side_records(parse_record(self._line(index), where), where)
-        return Pair(self.sample_of(chosen, where), self.sample_of(rejected, where))
+        return Pair(self.sample_of(chosen, where, header_only=header_only),
+                    self.sample_of(rejected, where, header_only=header_only))
 
 
 class SyntheticPairs(SyntheticShapes):
@@ -119,7 +127,13 @@ class SyntheticPairs(SyntheticShapes):
     WORDS = {"color": tuple(COLORS), "shape": SHAPES, "row": ROWS, "column": COLUMNS}
 
     def __getitem__(self, index: int) -> Pair:  # type: ignore[override]  # a pair of samples, each drawn as one is
-        chosen = super().__getitem__(index)
+        return self._pair(index, super().__getitem__(index))
+
+    def shapes(self, index: int) -> Pair:  # type: ignore[override]
+        """Pair ``index`` without its image drawn: what its encoded length needs."""
+        return self._pair(index, super().shapes(index))
+
+    def _pair(self, index: int, chosen: Sample) -> Pair:
         chosen.chunks[1].loss = False  # the caption's first word ("a") closes the prompt
         rng = np.random.default_rng([self.seed, self.split, index, 0x70616972])  # a stream of its own ("pair")
         changed = [i for i, c in enumerate(chosen.chunks) if c.scored][rng.integers(4)]
@@ -144,6 +158,14 @@ class PairEncoder:
     @stats.setter
     def stats(self, value: Counter) -> None:
         self.encoder.stats = value
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.encoder.max_seq_len
+
+    def identity(self) -> dict:
+        """The settings a pair's row depends on (what a length index is kept under)."""
+        return {"pairs": self.encoder.identity()}
 
     def __call__(self, pair: Pair) -> Row:
         chosen, rejected = self.encoder.whole(pair.chosen), self.encoder.whole(pair.rejected)
