@@ -8,9 +8,11 @@
    read before (every sample of the global batch, then its share).
 2. Data time per step reading 0, 1 and 4 steps ahead (``data.read_ahead_steps``) on the same captions with one
    sample in 16 slow to read, beside a step's compute (a sleep: the reader thread runs while it waits).
-3. Time from a fresh feed to its first step after a resume at step 20 and at step 2,000 (the position restored
+3. The step's largest data rank's vision patches over their mean at 4 data ranks, on a source of text alone,
+   images of five sizes and videos of 2 to 8 frames, with ``data.balance`` tokens and vision.
+4. Time from a fresh feed to its first step after a resume at step 20 and at step 2,000 (the position restored
    from the state a checkpoint keeps), beside replaying the consumed rows through the encoder as resumes did.
-4. Index build rate and memory of a source of ``--records`` caption records (one small image each, its header read
+5. Index build rate and memory of a source of ``--records`` caption records (one small image each, its header read
    per record): the build, then a later run's read-back, and the resident memory a rank keeps for the source
    (offsets and index), measured in a fresh process each.
 
@@ -135,6 +137,49 @@ def read_ahead(cfg, steps: int, compute_s: float = 0.15, slow_s: float = 0.3) ->
         print(f"| {ahead} | {np.mean(waits) * 1e3:.0f} ms | {max(waits) * 1e3:.0f} ms |")
 
 
+def write_mixed(folder: Path, count: int) -> Path:
+    """A JSONL source of text alone, images of five sizes and videos of 2 to 8 frames, a third each."""
+    rng = np.random.default_rng(1)
+    sides = [(112, 112), (224, 168), (448, 336), (640, 480), (896, 672)]
+    for k, (w, h) in enumerate(sides):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / f"s{k}.jpg", quality=90)
+    lines = []
+    for i in range(count):
+        text = f"record {i} " * (2 + i % 5)
+        if i % 3 == 0:
+            lines.append({"text": text})
+        elif i % 3 == 1:
+            lines.append({"image": f"s{i % 5}.jpg", "text": text})
+        else:
+            frames = [f"s{(i + j) % 2}.jpg" for j in range(2 + 2 * (i % 4))]
+            lines.append({"messages": [{"role": "user", "content": "<video>what happens?"},
+                                       {"role": "assistant", "content": text}], "videos": [frames]})
+    path = folder / "mixed.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def balance(folder: Path, steps: int, world: int = 4) -> None:
+    """The step's largest data rank's vision patches over their mean at ``world`` data ranks on the mixed source,
+    rows dealt by tokens (contiguous shares) and by vision patches; every rank plans every row, so rank 0's feed
+    knows the whole step."""
+    data = write_mixed(folder, 600)
+    print(f"\n| data.balance ({world} data ranks, 2 rows of 512 tokens each, mixed text / image / video) | largest "
+          "rank's patches / mean, per step (mean) | worst step |\n|---|---|---|")
+    for mode in ("tokens", "vision"):
+        cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={data}", "model.vocab_size=300",
+                                 "data.max_seq_len=512", f"data.index_dir={folder / 'index'}",
+                                 "logging.progress_bar=false", f"data.balance={mode}", "data.read_ahead_steps=0"])
+        train, _ = build_datasets(cfg)
+        feed = RowFeed(train, build_tokenizer(cfg), cfg, rank(0, world), Counter())
+        ratios = []
+        for _ in range(steps):
+            feed.next_step(2, 1)
+            ratios.append(feed.window_metrics(0.0)["data/vision_imbalance"])
+        feed.close()
+        print(f"| {mode} | {np.mean(ratios):.2f} | {max(ratios):.2f} |")
+
+
 def resume(cfg) -> None:
     train, _ = build_datasets(cfg)
     tok = build_tokenizer(cfg)
@@ -209,6 +254,7 @@ def main() -> None:
         cfg = config(data, Path(tmp) / "index")
         per_step(cfg, args.steps)
         read_ahead(cfg, args.steps)
+        balance(Path(tmp), args.steps)
         resume(cfg)
     index_memory(args.records)
 

@@ -17,6 +17,7 @@ from ernie_moe.data import RowStream, build_datasets, build_tokenizer
 from ernie_moe.data.feeding.feed import RowFeed
 from ernie_moe.data.feeding.held_out_rows import held_out_batches
 from ernie_moe.data.feeding.loader import rank_batches, rank_share
+from ernie_moe.data.feeding.plan import deal_by_patches
 from ernie_moe.data.formats.sample import BadSample
 
 
@@ -231,6 +232,63 @@ def test_each_data_rank_reads_only_its_own_preference_pairs(pairs, tmp_path, kin
         assert sum(everyone.values()) == 2 * 2 * 4 * world  # together, each planned pair once (4 steps' worth)
 
 
+def test_rows_dealt_by_their_patches_give_each_rank_as_many_rows_and_even_patches():
+    """A hand-made global micro-batch of 8 rows for 2 and 4 ranks: each rank as many rows, every row dealt once,
+    each rank's rows in batch order, the greedy deal's loads as counted by hand; and against every deal of 8 rows to
+    2 ranks, the greedy one's largest load within 4/3 of the best."""
+    patches = np.array([0, 64, 4, 16, 16, 36, 0, 100, 4, 49], np.int64)  # per sample
+    rows = [[0, 2], [1], [3, 4], [5], [6], [7], [8, 9], [2, 3]]  # samples per row: 4, 64, 32, 36, 0, 100, 53, 20
+    cost = [int(patches[r].sum()) for r in rows]
+    two = deal_by_patches(rows, patches, 2)
+    assert sorted(map(tuple, two[0] + two[1])) == sorted(map(tuple, rows)) and [len(d) for d in two] == [4, 4]
+    assert all(d == sorted(d, key=rows.index) for d in two)
+    loads = [sum(int(patches[r].sum()) for r in d) for d in two]
+    # by hand: 100 -> 0, 64 -> 1, 53 -> 1, 36 -> 0, 32 -> 1, 20 -> 0, 4 -> 1 (rank 1's fourth), 0 -> 0
+    assert loads == [156, 153]
+    best = min(max(sum(cost[i] for i in pick), sum(cost) - sum(cost[i] for i in pick))
+               for pick in itertools.combinations(range(8), 4))
+    assert max(loads) <= best * 4 / 3
+    contiguous = [sum(cost[:4]), sum(cost[4:])]
+    assert max(loads) < max(contiguous)  # 136 | 173 taken in order
+    four = deal_by_patches(rows, patches, 4)
+    assert [len(d) for d in four] == [2, 2, 2, 2]
+    # by hand: 100, 64, 53, 36 one each; 32 -> 3, 20 -> 2, 4 -> 1, 0 -> 0
+    assert [sum(int(patches[r].sum()) for r in d) for d in four] == [100, 68, 73, 68]
+
+
+def test_vision_balance_deals_the_same_global_rows_with_even_patches(captions, tmp_path):
+    """On captions of nine image sizes, 2 and 4 data ranks: with data.balance vision each global micro-batch holds
+    the rows it holds with tokens balance (so the losses are the same), each rank as many, each read by its rank
+    alone, and the step's largest rank's patches over their mean (data/vision_imbalance) nearer 1."""
+    tokens_cfg = configs(captions, tmp_path / "index")["jsonl"]
+    vision_cfg = dataclasses.replace(tokens_cfg, data=dataclasses.replace(tokens_cfg.data, balance="vision"))
+    train, _ = build_datasets(tokens_cfg)
+    tok = build_tokenizer(tokens_cfg)
+    for world in (2, 4):
+        steps = {}
+        imbalance = {}
+        for name, cfg in (("tokens", tokens_cfg), ("vision", vision_cfg)):
+            per_rank = []
+            for rank in range(world):
+                data = CountingReads(train)
+                feed = RowFeed(data, tok, cfg, data_rank(rank, world), Counter())
+                per_rank.append([feed.next_step(2, 2) for _ in range(4)])
+                imbalance[name] = feed.window_metrics(0.0)["data/vision_imbalance"]
+                got = [row for step in per_rank[-1] for micro_batch in step for row in micro_batch]
+                ahead = [row for micro_batch in feed.aheads[0].rows.result()[0] for row in micro_batch]
+                assert sum(data.reads.values()) == docs_of(got + ahead)
+            steps[name] = per_rank
+        for step in range(4):
+            for micro in range(2):
+                def key(row):
+                    return row.input_ids.tobytes() + row.position_ids.tobytes()
+
+                rows = {name: sorted(key(r) for rank in range(world) for r in steps[name][rank][step][micro])
+                        for name in steps}
+                assert rows["tokens"] == rows["vision"]
+        assert 1.0 <= imbalance["vision"] < imbalance["tokens"], imbalance
+
+
 def docs_of(rows) -> int:
     """The samples a list of rows holds (a row with no padding holds one more than its last document id)."""
     return sum(int(row.doc_ids.max()) + int((row.token_type_ids != -1).all()) for row in rows)
@@ -338,7 +396,7 @@ def test_the_index_is_measured_once_kept_and_measured_again_when_the_data_or_set
     assert data.sized == 40 and sum(data.reads.values()) == 0  # sizes only, never the pixels
     kept = [p for p in (tmp_path / "index").iterdir() if p.name != "offsets"]
     assert len(kept) == 1 and sorted(p.name for p in kept[0].iterdir()) == ["fitted.npy", "lengths.npy",
-                                                                              "reasons.json"]
+                                                                              "patches.npy", "reasons.json"]
     assert len(list((tmp_path / "index" / "offsets").glob("*.npy"))) == 1  # the file's line offsets, kept too
     again = CountingReads(train)
     RowFeed(again, tok, cfg, data_rank(0, 1), Counter())

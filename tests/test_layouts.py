@@ -38,6 +38,8 @@ MTP_ONLY = MTP + ["training.freeze=[vision,adapter,lm]"]
 # name: (processes, data ranks, layout overrides, overrides shared with the reference run)
 LAYOUTS = {
     "dp2": (2, 2, [], []),
+    # each global micro-batch's rows dealt by their vision patches (here all alike: interleaved, not contiguous)
+    "dp2_vision_balance": (2, 2, ["data.balance=vision"], []),
     "tp2": (2, 1, [TP2], []),
     "tp2_sp": (2, 1, [TP2, "parallel.sequence_parallel=true", "parallel.moe_group=mp"], []),
     "tp2_moe_mp": (2, 1, [TP2, "parallel.moe_group=mp"], []),

@@ -179,6 +179,11 @@ class DataConfig:
     blank_images: bool = opt(False, "replace every image with zeros (control run: vision carries no signal)")
     num_workers: int = opt(0, "background processes that read, decode and encode training samples (same order "
                               "as 0); 0 = in the training loop")
+    balance: str = choice("tokens", "tokens", "vision",
+                          doc="how a global micro-batch's rows are dealt to the data ranks: tokens (each rank its "
+                              "contiguous share: the same rows and tokens each) or vision (as many rows each, dealt "
+                              "so that each rank's image and video patches, the ViT's work, are even); the global "
+                              "batch, so the losses, the same either way")
     read_ahead_steps: int = opt(1, "steps whose rows are read and encoded in the background while the model "
                                    "trains, so that a slow shard or a large video does not stall a step (memory: "
                                    "that many steps of this rank's rows); 0 = read when the step asks")

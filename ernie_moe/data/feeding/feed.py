@@ -36,13 +36,15 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from ...config.schema import Config
 from ..encoding.packing import Row, make_row
 from ..encoding.tokenizer import Tokenizer
 from ..formats.sample import DataError
 from .length_index import length_index
 from .loader import is_preference, rank_share, sample_encoder
-from .plan import PackingPlan
+from .plan import PackingPlan, deal_by_patches
 from .workers import SampleWorkers, encode_in_order
 
 
@@ -97,6 +99,7 @@ class _Ahead:
     position: dict
     rows_read: int
     rows: Future  # (rows of each micro-batch, the reasons counted while reading them)
+    imbalance: float | None  # the step's largest data rank's vision patches over their mean (None: no patches)
 
 
 class RowFeed:
@@ -111,6 +114,8 @@ class RowFeed:
         self.max_seq_len = cfg.data.max_seq_len
         self.stats = stats
         self.read_ahead = cfg.data.read_ahead_steps
+        self.vision_balance = cfg.data.balance == "vision"
+        self.imbalances: list[float] = []  # of the steps handed out since the last logging window
         self.aheads: deque[_Ahead] = deque()  # the next steps' rows, read in order by one background thread
         self.reader = _Reader()
         self.gated, self._may_read = False, threading.Event()
@@ -133,6 +138,8 @@ class RowFeed:
         with self.reading():
             rows, counted = ahead.rows.result()
         self.stats.update(counted)
+        if ahead.imbalance is not None:
+            self.imbalances.append(ahead.imbalance)
         while len(self.aheads) < self.read_ahead:
             self._plan_step(shape)
         return rows
@@ -142,10 +149,18 @@ class RowFeed:
         micro_batch_size, accumulation_steps = shape
         position, rows_read = self.plan.state_dict(), self.rows_read
         global_rows = micro_batch_size * self.world
-        planned = [rank_share([self.plan.next_row() for _ in range(global_rows)], self.rank, self.world)
-                   for _ in range(accumulation_steps)]
+        patches = self.plan.index.patches
+        load = np.zeros(self.world, np.int64)  # each data rank's patches this step
+        planned = []
+        for _ in range(accumulation_steps):
+            batch = [self.plan.next_row() for _ in range(global_rows)]
+            dealt = deal_by_patches(batch, patches, self.world) if self.vision_balance else \
+                [rank_share(batch, rank, self.world) for rank in range(self.world)]
+            load += [sum(int(patches[row].sum()) for row in rows if row) for rows in dealt]
+            planned.append(dealt[self.rank])
         self.rows_read += global_rows * accumulation_steps
-        self.aheads.append(_Ahead(shape, position, rows_read, self.reader.submit(self._read, planned)))
+        imbalance = float(load.max() / load.mean()) if load.any() else None
+        self.aheads.append(_Ahead(shape, position, rows_read, self.reader.submit(self._read, planned), imbalance))
 
     def _drop_ahead(self) -> None:
         """Forget the rows planned ahead: the position goes back to before the first of them."""
@@ -209,8 +224,11 @@ class RowFeed:
         self.rows_read = rows
 
     def window_metrics(self, elapsed: float) -> dict:
-        """None of its own (the skipped samples are counted in ``stats``)."""
-        return {}
+        """``data/vision_imbalance``: the mean over the window's steps of the largest data rank's vision patches
+        over their mean (1: even; ``data.balance: vision`` deals the rows to bring it there); the skipped samples
+        are counted in ``stats``."""
+        imbalances, self.imbalances = self.imbalances, []
+        return {"data/vision_imbalance": float(np.mean(imbalances))} if imbalances else {}
 
     def window_answers(self) -> list[dict]:
         return []

@@ -33,8 +33,9 @@ from .workers import SampleWorkers, encode_in_order
 
 # what the encoder counts of a sample it keeps: truncated, or its videos fitted (``packing.FIT_COUNTS``)
 ENCODER_COUNTS = ("overlong_truncated", *FIT_COUNTS)
-VERSION = 2  # of the index's contents: a change to how lengths are measured makes new keys
-FILES = ("lengths.npy", "fitted.npy", "reasons.json")  # reasons.json: {"reasons": [...], "digest": of the three}
+VERSION = 3  # of the index's contents: a change to how lengths are measured makes new keys
+# reasons.json: {"reasons": [...], "digest": of all four}
+FILES = ("lengths.npy", "patches.npy", "fitted.npy", "reasons.json")
 
 
 @dataclass
@@ -42,6 +43,7 @@ class LengthIndex:
     lengths: np.ndarray  # int32 [n]: a sample's tokens, or -1 - the number of its reason in ``reasons``
     reasons: list[str]
     fitted: np.ndarray  # int64 [k, 1 + len(ENCODER_COUNTS)]: a sample fitting changed (ascending), then its counts
+    patches: np.ndarray  # int32 [n]: the vision patches of a sample's images and videos (the ViT's work; 0 unusable)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -71,7 +73,8 @@ class Measure:
         encoded = self.encoder(sample)
         # a preference pair encodes to a row of its own: its tokens before the padding
         length = int((encoded.token_type_ids != PAD_TYPE).sum()) if isinstance(encoded, Row) else len(encoded)
-        return np.array([length, *(self.encoder.stats[name] for name in ENCODER_COUNTS)], np.int64)
+        patches = sum(int(np.prod(grid)) for grid in encoded.grids)
+        return np.array([length, patches, *(self.encoder.stats[name] for name in ENCODER_COUNTS)], np.int64)
 
 
 class Sizes:
@@ -105,9 +108,8 @@ def length_index(dataset, encoder, index_dir: str, env, workers: int = 0, progre
     missing = env.all_gather_object(found is None)  # every rank asks together: a rank that lacks it, all measure
     if found is not None and not any(missing):
         return found
-    lengths, reasons, fitted = _measure(dataset, encoder, env.rank, env.world_size, workers,
-                                        progress and env.is_main)
-    parts = env.all_gather_object((lengths, reasons, fitted))
+    parts = env.all_gather_object(_measure(dataset, encoder, env.rank, env.world_size, workers,
+                                           progress and env.is_main))
     index = _merge(parts, len(dataset))
     if found is None:  # each node whose cache lacks it keeps it (a folder written whole, then renamed)
         _write(folder, index)
@@ -116,11 +118,12 @@ def length_index(dataset, encoder, index_dir: str, env, workers: int = 0, progre
 
 def _measure(dataset, encoder, rank: int, world: int, workers: int, progress: bool):
     """This process's share (every ``world``-th sample from ``rank``): lengths (int32; unusable: -1 - the reason's
-    number in this share's reasons), reasons, fitted rows."""
+    number in this share's reasons), reasons, fitted rows, patches (int32)."""
     sizes, measure = Sizes(dataset), Measure(encoder)
     pool = SampleWorkers(sizes, measure, workers) if workers else None
     indices = range(rank, len(dataset), world)
     lengths = np.zeros(len(indices), np.int32)
+    patches = np.zeros(len(indices), np.int32)
     reasons: list[str] = []
     fitted = []
     bar = tqdm(total=len(dataset), desc="data index", mininterval=2.0, disable=not progress, unit="samples")
@@ -131,23 +134,24 @@ def _measure(dataset, encoder, rank: int, world: int, workers: int, progress: bo
                     reasons.append(reason)
                 lengths[at] = -1 - reasons.index(reason)
             else:
-                lengths[at] = measured[0]
-                if measured[1:].any():
-                    fitted.append([index, *measured[1:]])
+                lengths[at], patches[at] = measured[:2]
+                if measured[2:].any():
+                    fitted.append([index, *measured[2:]])
             bar.update(world)
     finally:
         bar.close()
         if pool is not None:
             pool.close()
-    return lengths, reasons, np.array(fitted, np.int64).reshape(-1, 1 + len(ENCODER_COUNTS))
+    return lengths, reasons, np.array(fitted, np.int64).reshape(-1, 1 + len(ENCODER_COUNTS)), patches
 
 
 def _merge(parts: list, size: int) -> LengthIndex:
     """The shares of every process as one index (each share's reason numbers mapped to the whole's)."""
     world = len(parts)
-    lengths = np.zeros(size, np.int32)
+    lengths, patches = np.zeros(size, np.int32), np.zeros(size, np.int32)
     reasons: list[str] = []
-    for rank, (share, share_reasons, _) in enumerate(parts):
+    for rank, (share, share_reasons, _, share_patches) in enumerate(parts):
+        patches[rank::world] = share_patches
         for reason in share_reasons:
             if reason not in reasons:
                 reasons.append(reason)
@@ -155,8 +159,8 @@ def _merge(parts: list, size: int) -> LengthIndex:
         bad = share < 0
         codes[bad] = [-1 - reasons.index(share_reasons[-1 - c]) for c in share[bad]]
         lengths[rank::world] = codes
-    fitted = np.concatenate([f for _, _, f in parts])
-    return LengthIndex(lengths, reasons, fitted[np.argsort(fitted[:, 0], kind="stable")])
+    fitted = np.concatenate([f for _, _, f, _ in parts])
+    return LengthIndex(lengths, reasons, fitted[np.argsort(fitted[:, 0], kind="stable")], patches)
 
 
 def seal(values: np.ndarray) -> int:
@@ -205,7 +209,8 @@ def _write(folder: Path, index: LengthIndex) -> None:
         tmp.mkdir(parents=True)
         np.save(tmp / "lengths.npy", index.lengths)
         np.save(tmp / "fitted.npy", index.fitted)
-        digest = _digest(index.lengths, index.fitted, index.reasons)
+        np.save(tmp / "patches.npy", index.patches)
+        digest = _digest(index.lengths, index.fitted, index.reasons, index.patches)
         (tmp / "reasons.json").write_text(json.dumps({"reasons": index.reasons, "digest": digest}))
         if folder.is_dir():  # a damaged or edited index, measured again: set aside, then replaced
             stale = folder.with_name(f"{folder.name}.stale-{secrets.token_hex(4)}")
@@ -226,6 +231,7 @@ def _read(folder: Path, size: int, max_seq_len: int) -> LengthIndex | None:
     try:
         lengths = np.load(folder / "lengths.npy", mmap_mode="r", allow_pickle=False)
         fitted = np.load(folder / "fitted.npy", allow_pickle=False)
+        patches = np.load(folder / "patches.npy", mmap_mode="r", allow_pickle=False)
         kept = read_json(folder / "reasons.json")
     except (OSError, ValueError, UnreadableJSON):
         return None
@@ -235,14 +241,15 @@ def _read(folder: Path, size: int, max_seq_len: int) -> LengthIndex | None:
     ok = (lengths.dtype == np.int32 and lengths.shape == (size,) and fitted.dtype == np.int64 and fitted.ndim == 2
           and fitted.shape[1] == 1 + len(ENCODER_COUNTS) and isinstance(reasons, list)
           and all(isinstance(r, str) for r in reasons) and int(lengths.min(initial=0)) >= -len(reasons)
-          and int(lengths.max(initial=0)) <= max_seq_len and kept.get("digest") == _digest(lengths, fitted, reasons))
-    return LengthIndex(lengths, reasons, fitted) if ok else None
+          and int(lengths.max(initial=0)) <= max_seq_len and patches.dtype == np.int32 and patches.shape == (size,)
+          and kept.get("digest") == _digest(lengths, fitted, reasons, patches))
+    return LengthIndex(lengths, reasons, fitted, patches) if ok else None
 
 
-def _digest(lengths: np.ndarray, fitted: np.ndarray, reasons: list[str]) -> str:
+def _digest(lengths: np.ndarray, fitted: np.ndarray, reasons: list[str], patches: np.ndarray) -> str:
     """The digest of an index's contents, kept beside them: one edited by hand no longer matches it."""
     digest = hashlib.blake2b(digest_size=16)
-    for array in (lengths, fitted):
+    for array in (lengths, fitted, patches):
         digest.update(np.ascontiguousarray(array).tobytes())
     digest.update(json.dumps(reasons).encode())
     return digest.hexdigest()

@@ -102,6 +102,22 @@ def rows_in_order(index: LengthIndex, max_seq_len: int, stats: Counter, one_per_
     return rows + [row] if row else rows
 
 
+def deal_by_patches(rows: list[list[int]], patches: np.ndarray, world: int) -> list[list[list[int]]]:
+    """The rows of a global micro-batch (their samples) dealt to ``world`` data ranks, as many to each, so that each
+    rank's vision patches are as even as a greedy deal makes them: the rows by their patches, most first, each to
+    the rank with the fewest so far that has room (ties: the lower rank); each rank's rows in their batch order.
+    Every rank deals the same rows alike."""
+    per_rank = len(rows) // world
+    cost = [int(patches[row].sum()) if row else 0 for row in rows]
+    taken: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for i in sorted(range(len(rows)), key=lambda i: (-cost[i], i)):
+        rank = min((r for r in range(world) if len(taken[r]) < per_rank), key=lambda r: (load[r], r))
+        taken[rank].append(i)
+        load[rank] += cost[i]
+    return [[rows[i] for i in sorted(mine)] for mine in taken]
+
+
 def check_position(state, size: int, max_seq_len: int, fields: tuple[str, ...]) -> None:
     """DataError unless ``state``'s ``fields`` make a position in a data set of ``size`` samples."""
     def whole(value, high=None) -> bool:
