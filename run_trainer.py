@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import warnings
 
@@ -35,6 +37,8 @@ def main(argv=None) -> int:
         summary = trainer.train()
     except tuple(kind for kind, _, _ in expected) as err:
         label, code = next((label, code) for kind, label, code in expected if isinstance(err, kind))
+        if code == EXIT_CODE:  # the launcher stops the ranks still leaving once one has left: the stop stands
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_CODE))
         print(f"{label}: {err}", file=sys.stderr)
         if code == 2:
             mark_finished(unfixable=True)  # python -m ernie_moe.elastic: a restart would meet it again
