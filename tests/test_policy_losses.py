@@ -43,6 +43,17 @@ def numpy_loss(s: PolicySettings, logp, old, adv, mask, ref, weights=None):
     return total
 
 
+def central_differences(loss, logp: np.ndarray, h: float = 1e-6) -> np.ndarray:
+    """The gradient of ``loss(logp)`` by central differences, element by element."""
+    numeric = np.zeros_like(logp)
+    for index in np.ndindex(*logp.shape):
+        up, down = logp.copy(), logp.copy()
+        up[index] += h
+        down[index] -= h
+        numeric[index] = (loss(up) - loss(down)) / (2 * h)
+    return numeric
+
+
 @pytest.mark.parametrize("scale", [True, False])
 def test_group_advantages_match_numpy(scale):
     rewards = np.random.default_rng(0).random(12)
@@ -69,14 +80,7 @@ def test_policy_losses_and_gradients_match_numpy(loss):
                                    paddle.to_tensor(ref.astype(np.float32)))
     total.backward()
     np.testing.assert_allclose(float(total), numpy_loss(settings, logp, old, adv, mask, ref), rtol=1e-5, atol=1e-6)
-    h = 1e-6
-    numeric = np.zeros_like(logp)
-    for index in np.ndindex(*logp.shape):
-        up, down = logp.copy(), logp.copy()
-        up[index] += h
-        down[index] -= h
-        numeric[index] = (numpy_loss(settings, up, old, adv, mask, ref)
-                          - numpy_loss(settings, down, old, adv, mask, ref)) / (2 * h)
+    numeric = central_differences(lambda at: numpy_loss(settings, at, old, adv, mask, ref), logp)
     np.testing.assert_allclose(x.grad.numpy(), numeric, rtol=1e-3, atol=1e-5)
     assert figures["answers"].numpy().tolist() == [1, 1, 1, 0, 1]
     np.testing.assert_allclose(figures["tokens"].numpy(), mask.sum(axis=1))
@@ -149,14 +153,7 @@ def test_importance_corrections_and_their_gradients_match_numpy(loss, correction
     total.backward()
     expected = numpy_loss(settings, logp, trainers, adv, mask, ref, weights)
     np.testing.assert_allclose(float(total), expected, rtol=1e-5, atol=1e-6)
-    h = 1e-6
-    numeric = np.zeros_like(logp)
-    for index in np.ndindex(*logp.shape):
-        up, down = logp.copy(), logp.copy()
-        up[index] += h
-        down[index] -= h
-        numeric[index] = (numpy_loss(settings, up, trainers, adv, mask, ref, weights)
-                          - numpy_loss(settings, down, trainers, adv, mask, ref, weights)) / (2 * h)
+    numeric = central_differences(lambda at: numpy_loss(settings, at, trainers, adv, mask, ref, weights), logp)
     np.testing.assert_allclose(x.grad.numpy(), numeric, rtol=1e-3, atol=1e-5)
     uncorrected = numpy_loss(settings, logp, trainers, adv, mask, ref)
     assert abs(expected - uncorrected) > 1e-3  # the weights changed the loss
