@@ -243,11 +243,10 @@ class PolicyGradient(Objective):
 
     def metrics(self, totals: np.ndarray, prefix: str) -> dict:
         """``{prefix}loss`` (per answer, or per token for dapo), ``kl`` (per token), ``clip_fraction``, the mean
-        ``ratio``, ``response_length``, the answers' mean log-probability per token, and the gap to the policy that
-        sampled them: ``mismatch_k3`` (per token) and ``mismatch_past_bound`` (the share of tokens whose probability
-        ratio passes :data:`MISMATCH_BOUND` either way). At a rollout's first update (the weights that sampled it)
-        the gap is the sampler-trainer mismatch alone: routing, kernels, precision; and ``corrected``, the share the
-        importance correction capped (tis) or left out (mis)."""
+        ``ratio``, ``response_length``, the answers' mean log-probability per token, the trainer's gap to the
+        sampler at the sampling weights (routing, kernels, precision): ``mismatch_k3`` (per token) and
+        ``mismatch_past_bound`` (the share of tokens whose probability ratio passes the correction's cap either way);
+        and ``corrected``, the share the importance correction capped (tis) or left out (mis)."""
         sums = dict(zip(FIGURES, (float(v) for v in totals)))
         answers, tokens = sums["answers"], max(sums["tokens"], 1.0)
         if not answers:
