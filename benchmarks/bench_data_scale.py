@@ -9,7 +9,8 @@
 2. Data time per step reading 0, 1 and 4 steps ahead (``data.read_ahead_steps``) on the same captions with one
    sample in 16 slow to read, beside a step's compute (a sleep: the reader thread runs while it waits).
 3. The step's largest data rank's vision patches over their mean at 4 data ranks, on a source of text alone,
-   images of five sizes and videos of 2 to 8 frames, with ``data.balance`` tokens and vision.
+   images of five sizes and videos of 2 to 8 frames, with ``data.balance`` tokens and vision, and the step's time
+   (the slowest rank's forward and backward through the default model).
 4. Time from a fresh feed to its first step after a resume at step 20 and at step 2,000 (the position restored
    from the state a checkpoint keeps), beside replaying the consumed rows through the encoder as resumes did.
 5. Index build rate and memory of a source of ``--records`` caption records (one small image each, its header read
@@ -160,24 +161,43 @@ def write_mixed(folder: Path, count: int) -> Path:
 
 
 def balance(folder: Path, steps: int, world: int = 4) -> None:
-    """The step's largest data rank's vision patches over their mean at ``world`` data ranks on the mixed source,
-    rows dealt by tokens (contiguous shares) and by vision patches; every rank plans every row, so rank 0's feed
-    knows the whole step."""
+    """At ``world`` data ranks on the mixed source, rows dealt by tokens (contiguous shares) and by vision patches:
+    the step's largest rank's patches over their mean, and the step's time, the slowest rank's forward and
+    backward of its rows through the default model (each rank's in turn, in this process)."""
+    import paddle
+
+    from ernie_moe.data.feeding.loader import collate
+    from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
+
     data = write_mixed(folder, 600)
     print(f"\n| data.balance ({world} data ranks, 2 rows of 512 tokens each, mixed text / image / video) | largest "
-          "rank's patches / mean, per step (mean) | worst step |\n|---|---|---|")
+          "rank's patches / mean, per step (mean) | worst step | step time (slowest rank, mean) |\n|---|---|---|---|")
     for mode in ("tokens", "vision"):
         cfg = load_config(None, ["data.dataset=jsonl", f"data.train_path={data}", "model.vocab_size=300",
                                  "data.max_seq_len=512", f"data.index_dir={folder / 'index'}",
                                  "logging.progress_bar=false", f"data.balance={mode}", "data.read_ahead_steps=0"])
         train, _ = build_datasets(cfg)
-        feed = RowFeed(train, build_tokenizer(cfg), cfg, rank(0, world), Counter())
-        ratios = []
-        for _ in range(steps):
-            feed.next_step(2, 1)
-            ratios.append(feed.window_metrics(0.0)["data/vision_imbalance"])
-        feed.close()
-        print(f"| {mode} | {np.mean(ratios):.2f} | {max(ratios):.2f} |")
+        tok = build_tokenizer(cfg)
+        feeds = [RowFeed(train, tok, cfg, rank(r, world), Counter()) for r in range(world)]
+        paddle.seed(0)
+        model = ErnieMoEForConditionalGeneration(cfg.model)
+        ratios, seconds = [], []
+        for step in range(steps + 1):
+            slowest = 0.0
+            for feed in feeds:
+                batch = collate(feed.next_step(2, 1)[0])
+                started = time.perf_counter()
+                out = model(batch)
+                (out.loss_sum + out.router_loss).backward()
+                model.clear_gradients()
+                slowest = max(slowest, time.perf_counter() - started)
+            ratio = feeds[0].window_metrics(0.0)["data/vision_imbalance"]
+            if step:  # the first step warms up
+                ratios.append(ratio)
+                seconds.append(slowest)
+        for feed in feeds:
+            feed.close()
+        print(f"| {mode} | {np.mean(ratios):.2f} | {max(ratios):.2f} | {np.mean(seconds) * 1e3:.0f} ms |")
 
 
 def resume(cfg) -> None:
