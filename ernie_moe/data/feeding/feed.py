@@ -192,12 +192,7 @@ class RowFeed:
         if not self.pairs:
             return planned_row(samples, self.max_seq_len, self.pad_id, counted)
         (index, pair, reason), = samples
-        if reason is not None:  # no row of no pair that adds nothing to a preference loss: a line instead
-            raise DataError(f"preference pair {index} cannot be read now ({reason}), though its index entry, "
-                            "measured from its text and its images' headers, found it usable: the data changed "
-                            "since it was indexed, or an image's body is broken")
-        pair.pair_key = index
-        return pair
+        return indexed_pair(index, pair, reason)
 
     def gate(self) -> None:
         self.gated = True
@@ -253,6 +248,18 @@ def planned_row(samples: list, max_seq_len: int, pad_id: int, counted: Counter) 
             docs.append(encoded)
             used += len(encoded)
     return make_row(docs, max_seq_len, pad_id)
+
+
+def indexed_pair(index: int, pair: Row | None, reason: str | None, held_out: bool = False) -> Row:
+    """A planned preference pair's row as read now, keyed by its index (held out: ``-1 - index``). A pair that
+    cannot be read though its index entry found it usable is a DataError naming it: there is no row of no pair
+    that adds nothing to a preference loss."""
+    if pair is None:
+        raise DataError(f"{'held-out ' if held_out else ''}preference pair {index} cannot be read now ({reason}), "
+                        "though its index entry, measured from its text and its images' headers, found it usable: "
+                        "the data changed since it was indexed, or an image's body is broken")
+    pair.pair_key = -1 - index if held_out else index
+    return pair
 
 
 class _Reader:

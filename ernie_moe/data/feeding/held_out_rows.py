@@ -9,20 +9,15 @@ rank without rows gives it an unlabelled copy of the batch's first row, so every
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from collections.abc import Iterator
 
-import numpy as np
-
-from ...batch import IGNORE_INDEX
 from ...config.schema import Config
 from ..encoding.packing import Row
 from ..encoding.tokenizer import Tokenizer
-from ..formats.sample import DataError
-from .feed import planned_row
+from .feed import indexed_pair, planned_row
 from .length_index import length_index
-from .loader import is_preference, rank_share, sample_encoder
+from .loader import is_preference, rank_share, sample_encoder, short_share, unlabelled
 from .plan import rows_in_order
 from .workers import encode_in_order
 
@@ -41,14 +36,11 @@ def held_out_batches(dataset, tokenizer: Tokenizer, cfg: Config, env, rows_per_r
         if len(batch) == global_rows:
             yield _read(dataset, encoder, rank_share(batch, rank, world), cfg, tokenizer, stats)
             continue
-        share = -(-len(batch) // world)
-        mine = batch[rank * share:(rank + 1) * share]
+        mine = short_share(batch, rank, world)
         if mine:
             yield _read(dataset, encoder, mine, cfg, tokenizer, stats)
         else:  # no row of the short last batch: an unlabelled copy of its first row
-            first = _read(dataset, encoder, batch[:1], cfg, tokenizer, Counter())[0]
-            yield [dataclasses.replace(first, labels=np.full_like(first.labels, IGNORE_INDEX),
-                                       scored=np.zeros_like(first.scored))]
+            yield [unlabelled(_read(dataset, encoder, batch[:1], cfg, tokenizer, Counter())[0])]
 
 
 def _read(dataset, encoder, rows: list[list[int]], cfg: Config, tokenizer: Tokenizer, stats: Counter) -> list[Row]:
@@ -57,12 +49,4 @@ def _read(dataset, encoder, rows: list[list[int]], cfg: Config, tokenizer: Token
     if not is_preference(cfg):
         return [planned_row([next(read) for _ in row], cfg.data.max_seq_len, tokenizer.pad_id, stats)
                 for row in rows]
-    pairs = []
-    for index, pair, reason in read:
-        if reason is not None:
-            raise DataError(f"held-out preference pair {index} cannot be read now ({reason}), though its index "
-                            "entry found it usable: the data changed since it was indexed, or an image's body is "
-                            "broken")
-        pair.pair_key = -1 - index
-        pairs.append(pair)
-    return pairs
+    return [indexed_pair(index, pair, reason, held_out=True) for index, pair, reason in read]

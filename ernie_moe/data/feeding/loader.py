@@ -260,16 +260,25 @@ def rank_batches(rows, global_rows: int, rank: int, world: int, drop_last: bool 
             yield rank_share(batch, rank, world)
             batch = []
     if batch and not drop_last:
-        share = -(-len(batch) // world)
-        mine = batch[rank * share: (rank + 1) * share]
-        yield mine or [dataclasses.replace(batch[0], labels=np.full_like(batch[0].labels, IGNORE_INDEX),
-                                           scored=np.zeros_like(batch[0].scored))]
+        yield short_share(batch, rank, world) or [unlabelled(batch[0])]
 
 
 def rank_share(batch: list, rank: int, world: int) -> list:
     """Data rank ``rank``'s contiguous share of a global batch whose size ``world`` divides."""
     per_rank = len(batch) // world
     return batch[rank * per_rank: (rank + 1) * per_rank]
+
+
+def short_share(batch: list, rank: int, world: int) -> list:
+    """Data rank ``rank``'s contiguous share of a short last batch (each rank the same number, the last ranks
+    fewer or none)."""
+    share = -(-len(batch) // world)
+    return batch[rank * share: (rank + 1) * share]
+
+
+def unlabelled(row: Row) -> Row:
+    """A copy of ``row`` with no labels: a forward that adds nothing to losses or accuracies."""
+    return dataclasses.replace(row, labels=np.full_like(row.labels, IGNORE_INDEX), scored=np.zeros_like(row.scored))
 
 
 def _stacked(rows: list[Row], field: str, dtype) -> paddle.Tensor | None:
