@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-DRAFT_TOKENS = 1  # speculative decoding's drafts per step by default (measured fastest on the default model)
+DRAFT_TOKENS = 1  # speculative decoding's drafts per step by default on a GPU
 MAX_DRAFT_TOKENS = 16  # drafts per step at most: each is one more pass of the depth, and more than a few lose time
 
 
@@ -59,7 +59,16 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, max_new_tokens: int)
 
 
 def add_speculative_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--draft-tokens", type=bounded(int, 0, MAX_DRAFT_TOKENS), default=DRAFT_TOKENS,
+    parser.add_argument("--draft-tokens", type=bounded(int, 0, MAX_DRAFT_TOKENS), default=drafts_by_default(),
                         help="speculative decoding where the model has multi-token prediction layers: tokens they "
                              "draft per step, checked in one forward (the same greedy answers, the same sampling "
-                             "distribution); 0: off")
+                             f"distribution); 0: off (default: {DRAFT_TOKENS} on a GPU, 0 on a CPU)")
+
+
+def drafts_by_default() -> int:
+    """Drafts per step where the command is not told: ``DRAFT_TOKENS`` where the model decodes on a GPU, none on a
+    CPU, where float32 matmuls of 2 to 8 rows cost over twice one row's, so checking drafts costs more than they save
+    (``benchmarks/bench_generate.py --step-costs``)."""
+    import paddle
+
+    return 0 if paddle.device.get_device() == "cpu" else DRAFT_TOKENS

@@ -1,4 +1,5 @@
-"""The commands' numeric arguments: out of range is argparse's exit 2 with the range, before any work."""
+"""The commands' numeric arguments: out of range is argparse's exit 2 with the range, before any work; and the
+defaults that depend on the device."""
 
 import argparse
 
@@ -6,7 +7,7 @@ import pytest
 from support.runs import CONFIG
 
 from ernie_moe import evaluate, export, generate, serve
-from ernie_moe.cli import at_least_one, bounded
+from ernie_moe.cli import DRAFT_TOKENS, add_speculative_argument, at_least_one, bounded
 from ernie_moe.memory import report
 
 
@@ -47,6 +48,19 @@ def test_the_commands_refuse_numbers_out_of_range(capsys, main, argv, message):
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, drafts", [("cpu", 0), ("gpu:0", DRAFT_TOKENS)])
+def test_speculative_decoding_drafts_by_default_on_a_gpu_only(monkeypatch, device, drafts):
+    """On a CPU checking drafts costs more than they save (``bench_generate.py --step-costs``): ``generate``,
+    ``chat`` and ``serve`` draft only when told there; on a GPU by default."""
+    import paddle
+
+    monkeypatch.setattr(paddle.device, "get_device", lambda: device)
+    parser = argparse.ArgumentParser()
+    add_speculative_argument(parser)
+    assert parser.parse_args([]).draft_tokens == drafts
+    assert parser.parse_args(["--draft-tokens", "3"]).draft_tokens == 3
 
 
 def test_evaluate_says_when_it_cannot_write_its_figures(tmp_path, monkeypatch, capsys):

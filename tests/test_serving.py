@@ -96,8 +96,8 @@ def test_requests_are_checked_field_by_field():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(the model folder, the server's base URL, the image folder): a captioning model with a multi-token prediction
-    layer trained for 40 steps, served on a free port (drafting with that layer) with local images read from one
-    folder."""
+    layer trained for 40 steps, served on a free port (drafting with that layer, which a CPU does not by default)
+    with local images read from one folder."""
     root = tmp_path_factory.mktemp("served")
     out, _ = launch(root, 1, "training.max_steps=40", "training.eval_steps=0", "data.num_eval_samples=0",
                     "model.num_nextn_predict_layers=1")
@@ -107,7 +107,8 @@ def served(tmp_path_factory):
     later: list[str] = []
     process, found = start([sys.executable, "-m", "ernie_moe.serve", "--model", str(out / "final_model"), "--port",
                             "0", "--served-name", "tiny", "--image-root", str(images), "--max-request-mb", "1",
-                            "--max-images", "2", "--max-tokens", "32"], root, r"on (http://\S+) ", later)
+                            "--max-images", "2", "--max-tokens", "32", "--draft-tokens", "1"], root,
+                           r"on (http://\S+) ", later)
     yield out / "final_model", found[1], images
     process.terminate()  # kill's SIGTERM: the server stops with one line, not Paddle's C++ error block
     assert process.wait(timeout=60) == 0
@@ -364,7 +365,7 @@ def test_requests_that_wait_for_the_model_are_answered_together_each_as_if_alone
     from ernie_moe.data.formats.jsonl import parse_messages
     from ernie_moe.serving.chat_model import ChatModel, Sampling
 
-    chat = ChatModel(served[0])
+    chat = ChatModel(served[0], draft_tokens=1)
     square = np.asarray(Image.open(io.BytesIO(square_png())).convert("RGB"))
     asks = [(PROMPT, [square], Sampling(max_new_tokens=12)), ("Describe it.", [], Sampling(max_new_tokens=6)),
             ("What colour is the shape at the top?", [], Sampling(max_new_tokens=12, temperature=1.0, seed=4))]

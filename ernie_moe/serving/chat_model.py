@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checkpoint.errors import CheckpointError
-from ..cli import DRAFT_TOKENS
+from ..cli import drafts_by_default
 from ..data.encoding.packing import Encoded
 from ..data.encoding.tokenizer import Tokenizer
 from ..data.formats.sample import Sample
@@ -101,13 +101,14 @@ class ChatModel:
     training config whose data section overrides the folder's processor settings; ``side_by_side``: the most
     requests one turn of the model answers."""
 
-    def __init__(self, folder, config_path=None, side_by_side: int = SIDE_BY_SIDE, draft_tokens: int = DRAFT_TOKENS):
+    def __init__(self, folder, config_path=None, side_by_side: int = SIDE_BY_SIDE, draft_tokens: int | None = None):
         self.data = folder_run_config(folder, config_path).data
         loaded = load_model_folder(folder)
         if loaded.tokenizer is None:  # load_model_folder refuses a folder without one unless told otherwise
             raise CheckpointError(f"{folder} holds no tokenizer")
         self.model, self.tokenizer, self.cfg = loaded.model, loaded.tokenizer, loaded.cfg
-        self.draft_tokens = draft_tokens  # per step, from the model's multi-token prediction layers where it has them
+        # per step, from the model's multi-token prediction layers where it has them (None: as on this device)
+        self.draft_tokens = drafts_by_default() if draft_tokens is None else draft_tokens
         self.sees_images = loaded.sees_images
         self.encoder = prompt_encoder(self.tokenizer, self.cfg, self.data)
         self.lock = threading.Lock()  # held by the model's turn: the requests that come meanwhile wait for the next
