@@ -7,7 +7,8 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ernie_moe", "ernie_moe.*"]),
-    package_data={"ernie_moe.serving": ["page.html"]},  # the chat page the server answers at /
+    # the chat page the server answers at /; the remote code a model folder names in auto_map
+    package_data={"ernie_moe.serving": ["page.html"], "ernie_moe.checkpoint": ["hub_code/*.py"]},
     python_requires=">=3.10",
     install_requires=[
         "numpy>=1.24,<2",

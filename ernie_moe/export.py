@@ -6,6 +6,12 @@ transformers' ``AutoModelForImageTextToText.from_pretrained`` reads it (``--form
     python -m ernie_moe.export CHECKPOINT OUTPUT --ema [--format transformers]
     python -m ernie_moe.export ADAPTER OUTPUT --merge-lora [--base BASE] [--format transformers]
     python -m ernie_moe.export ADAPTER OUTPUT --adapter --format transformers [--base BASE]
+    python -m ernie_moe.export FOLDER --check
+
+Without ``--format`` the folder is PaddleFormers' form, which vLLM, SGLang and FastDeploy read (the MoE layer
+range per modality, a correction bias in every MoE layer, the remote code ``auto_map`` names); ``--no-mtp`` leaves
+the multi-token prediction layers out (SGLang's ERNIE-4.5-VL loader cannot take them). ``--check`` says, for any
+model folder, what each engine would do with it (``checkpoint.engines``), and exits 1 when an engine would fail.
 
 SOURCE is a training checkpoint (``checkpoint-<step>``), a final model, or any folder that
 ``training.model_name_or_path`` reads. With ``--ema``, the checkpoint's EMA of the weights (``training.ema_decay``)
@@ -31,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from .checkpoint.checkpoint import BASE_FILE, EMA, IndexedTensors
+from .checkpoint.engines import check_folder, summary_lines
 from .checkpoint.formats import (
     FUSED_PIECES,
     MODEL_TYPES,
@@ -41,6 +48,7 @@ from .checkpoint.formats import (
     transformers_name,
 )
 from .checkpoint.model_files import PADDLEFORMERS, TRANSFORMERS, correction_bias_zeros, model_config_dict
+from .checkpoint.remote_code import ship_remote_code
 from .cli import bounded
 from .config.load import ConfigError, build
 from .config.model_folder import model_config_from
@@ -72,9 +80,11 @@ def model_names(source_names) -> list[str]:
 
 
 def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 5 * 2 ** 30,
-           adapter_dir=None, form: str = PADDLEFORMERS, ema: bool = False, any_image_rule: bool = False) -> dict:
+           adapter_dir=None, form: str = PADDLEFORMERS, ema: bool = False, any_image_rule: bool = False,
+           mtp: bool = True) -> dict:
     """``any_image_rule``: write a folder of a run that resized images by their longest side, which the
-    libraries' image processors cannot reproduce (refused without it)."""
+    libraries' image processors cannot reproduce (refused without it); ``mtp``: keep the multi-token prediction
+    layers (where the form has them)."""
     refuse_writing_into(output_dir, [source_dir, adapter_dir])
     source = SourceCheckpoint(source_dir)
     averages = ema_of(source_dir) if ema else None
@@ -90,16 +100,17 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
                          "processor follows: they would cut other patch grids than training did. Train with the pixel "
                          "budget (data.max_image_side 0, data.image_max_pixels), or pass --any-image-rule to write "
                          "the folder anyway (this package's commands still encode as training did)")
+    if form == TRANSFORMERS and model_type != VL:
+        raise ValueError(f"--format transformers writes the VL model ({VL}), not {model_type}")
+    try:
+        tokenizer = tokenizer_in(source_dir, cfg.im_patch_id)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
     if form == TRANSFORMERS:
-        if model_type != VL:
-            raise ValueError(f"--format transformers writes the VL model ({VL}), not {model_type}")
-        try:
-            tokenizer = tokenizer_in(source_dir, cfg.im_patch_id)
-        except ValueError as err:
-            raise CheckpointError(str(err)) from None
         config = to_transformers(cfg, special_ids(tokenizer), source.config)
     else:
-        config = model_config_dict(cfg, hf_layout=True, model_type=model_type, base=source.config)
+        config = model_config_dict(cfg, hf_layout=True, model_type=model_type, base=source.config,
+                                   special=special_ids(tokenizer))
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[list[str]] = []
@@ -120,10 +131,10 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
 
     names = model_names(source.names())
     left_out = len(names)
-    if form == TRANSFORMERS:  # transformers' ERNIE-4.5-VL has no multi-token prediction layers
+    if form == TRANSFORMERS or not mtp:  # transformers' ERNIE-4.5-VL has no multi-token prediction layers
         names = [n for n in names if not n.startswith(MTP)]
     left_out -= len(names)
-    if model_type != VL and not any(n.startswith(MTP) for n in names):
+    if form != TRANSFORMERS and not any(n.startswith(MTP) for n in names):
         config["num_nextn_predict_layers"] = 0  # PaddleFormers would otherwise expect multi-token-prediction weights
     if cfg.tie_word_embeddings and "lm_head.weight" in names:
         names.remove("lm_head.weight")  # a copy of the embedding that a tied model does not read
@@ -141,9 +152,9 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
             total += array.nbytes
         if size >= max_shard_bytes:
             flush()
-    if form == TRANSFORMERS:  # transformers' ERNIE-4.5-VL holds a correction bias in every MoE layer: zeros, no shift
+    if model_type != "ernie4_5":  # transformers and the engines hold a correction bias in every MoE layer: zeros
         for hf_name, array in correction_bias_zeros(cfg, set(names)):
-            shard[transformers_name(hf_name)] = array
+            shard[transformers_name(hf_name) if form == TRANSFORMERS else hf_name] = array
             total += array.nbytes
     flush()
     for k, names in enumerate(shards, start=1):
@@ -158,6 +169,8 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
             shutil.copy(Path(source_dir) / filename, out / filename)
     if saved is not None:
         (out / PROCESSOR_FILE).write_text(json.dumps(for_library(saved, form == TRANSFORMERS), indent=2))
+    if form == PADDLEFORMERS:
+        ship_remote_code(out, source_dir, vl=model_type == VL)
     return {"tensors": len(weight_map), "shards": len(shards), "bytes": total, "left_out": left_out}
 
 
@@ -186,7 +199,10 @@ def refuse_writing_into(output_dir, read_dirs) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="checkpoint or model folder")
-    parser.add_argument("output", help="folder to write")
+    parser.add_argument("output", nargs="?", help="folder to write")
+    parser.add_argument("--check", action="store_true",
+                        help="say whether vLLM, SGLang and FastDeploy would serve SOURCE as trained (exit 1 if not)")
+    parser.add_argument("--no-mtp", action="store_true", help="leave the multi-token prediction layers out")
     parser.add_argument("--model-type", default=VL, choices=MODEL_TYPES)
     parser.add_argument("--max-shard-size-gb", type=bounded(float, 0, low_included=False), default=5.0)
     parser.add_argument("--merge-lora", action="store_true", help="SOURCE is a LoRA adapter: merge it into its base")
@@ -200,6 +216,10 @@ def main(argv=None) -> int:
                         help="write the folder of a run that resized images by their longest side "
                              "(data.max_image_side), which the libraries' image processors cannot reproduce")
     args = parser.parse_args(argv)
+    if args.check:
+        return _check(args.source)
+    if args.output is None:
+        parser.error("give the folder to write (OUTPUT), or --check")
     try:
         if args.adapter:
             return _peft_adapter(args)
@@ -210,7 +230,7 @@ def main(argv=None) -> int:
             raise ValueError("--ema writes a full fine-tuning checkpoint's EMA; a LoRA run's EMA is its final_model "
                              "with training.save_ema_as_final")
         done = export(source, args.output, args.model_type, int(args.max_shard_size_gb * 2 ** 30), adapter,
-                      args.format, args.ema, args.any_image_rule)
+                      args.format, args.ema, args.any_image_rule, not args.no_mtp)
     except (CheckpointError, ConfigError, ValueError, OSError) as err:
         print(f"export error: {err}", file=sys.stderr)
         return 2
@@ -218,9 +238,27 @@ def main(argv=None) -> int:
           f"{args.output} ({'transformers ' + VL if args.format == TRANSFORMERS else args.model_type}, "
           "Hugging Face layout)")
     if done["left_out"]:
-        print(f"left out {done['left_out']} multi-token prediction tensors: transformers' ERNIE-4.5-VL has no MTP "
-              "layers (the PaddleFormers form keeps them)")
+        why = ("as asked (--no-mtp)" if args.no_mtp and args.format != TRANSFORMERS else
+               "transformers' ERNIE-4.5-VL has no MTP layers (the PaddleFormers form keeps them)")
+        print(f"left out {done['left_out']} multi-token prediction tensors: {why}")
+    if args.format != TRANSFORMERS and not args.adapter:
+        print("\n".join(summary_lines(check_folder(args.output))))
     return 0
+
+
+def _check(folder) -> int:
+    """``--check``: each engine's problems and notes with ``folder``; 1 when one would not serve it as trained."""
+    if not Path(folder).is_dir():
+        print(f"export error: {folder} is not a folder", file=sys.stderr)
+        return 2
+    reports = check_folder(folder)
+    for report in reports:
+        print(f"{report.name}: {'loads it as trained' if not report.problems else 'would not serve it as trained'}")
+        for problem in report.problems:
+            print(f"  problem: {problem}")
+        for note in report.notes:
+            print(f"  note: {note}")
+    return 1 if any(r.problems for r in reports) else 0
 
 
 def _peft_adapter(args) -> int:

@@ -34,7 +34,9 @@ def commands(page: Path) -> list[str]:
                 if not part.startswith("python "):
                     continue  # output, a shell's own command
                 words = shlex.split(part, comments=True)
-                tools = (["-m", "pip"], ["-m", "pytest"], ["-m", "ruff"], ["-m", "mypy"])  # CI runs these itself
+                # CI runs these itself; the serving engines' own commands need GPUs (doctor --serve runs them there)
+                tools = (["-m", "pip"], ["-m", "pytest"], ["-m", "ruff"], ["-m", "mypy"],
+                         ["-m", "sglang.launch_server"], ["-m", "fastdeploy.entrypoints.openai.api_server"])
                 if words[:1] == ["python"] and words[1:3] not in tools:
                     found.append(part.strip())
     return found

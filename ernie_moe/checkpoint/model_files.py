@@ -25,6 +25,7 @@ from ..moe.layer import router_counts
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor
 from ..parallel.env import DistEnv
+from .engines import MARKER_IDS
 from .files import WrittenFiles
 from .formats import VL, to_hf, transformers_name
 
@@ -46,10 +47,13 @@ def folder_config(directory) -> dict:
 
 
 def model_config_dict(model_cfg: ModelConfig, hf_layout: bool = False, model_type: str = VL,
-                      base: dict | None = None) -> dict:
+                      base: dict | None = None, special: dict[str, int] | None = None) -> dict:
     """ERNIE 4.5 config.json keys (``torch_dtype`` marks the Hugging Face layout), on top of ``base`` (the
-    source's config.json when converting, which keeps keys such as the special token ids). The text model
-    types describe the decoder alone: ``ernie4_5`` needs a dense model, ``ernie4_5_moe`` one shared expert pool."""
+    source's config.json when converting, which keeps keys such as the special token ids), as the serving
+    engines read them (``checkpoint.engines``): the MoE layer range resolved, per modality for the VL model;
+    ``special``: the tokenizer's special ids (``special_ids``), the image and video markers' among them. The text
+    model types describe the decoder alone: ``ernie4_5`` needs a dense model, ``ernie4_5_moe`` one shared expert
+    pool."""
     experts = list(model_cfg.moe_num_experts)
     if model_type == "ernie4_5" and experts:
         raise ValueError(f"an ernie4_5 (dense) checkpoint cannot hold this model's experts {experts}; "
@@ -64,10 +68,17 @@ def model_config_dict(model_cfg: ModelConfig, hf_layout: bool = False, model_typ
     data.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]], hidden_act="silu", use_bias=False,
                 mtp_loss_scaling_factor=model_cfg.multi_token_pred_lambda)  # PaddleFormers' name for it
     data["torch_dtype" if hf_layout else "dtype"] = "float32"
+    starts, ends = model_cfg.moe_layer_range()  # no engine resolves -1: each compares layers with it literally
     if model_type == VL:
+        if experts:  # per modality, as the published config writes them (the engines index them)
+            data.update(moe_layer_start_index=starts, moe_layer_end_index=ends)
+        vision = model_cfg.vision_config
         data["vision_config"] = {**vision_base, **data["vision_config"], "model_type": "DFNRope_vision_transformer",
-                                 "hidden_size": model_cfg.vision_config.embed_dim,
-                                 "spatial_patch_size": model_cfg.vision_config.patch_size}
+                                 "hidden_size": vision.embed_dim, "spatial_patch_size": vision.patch_size,
+                                 "in_chans": vision.in_channels}  # SGLang's name for the channels
+        data["use_temporal_conv"] = True  # the adapter merges frames in time (a still image repeats its frame)
+        for key in MARKER_IDS:  # null: the vocabulary has no such marker
+            data[key] = (special or {}).get(key, data.get(key))
         if not model_cfg.moe_capacity and experts:
             # PaddleFormers has no dropless mode: a factor of the expert count gives every expert room for every
             # token, which is dropless
@@ -75,11 +86,13 @@ def model_config_dict(model_cfg: ModelConfig, hf_layout: bool = False, model_typ
         # its unpadded all-to-all dispatch (the published one) computes what this package's dispatcher does
         data.setdefault("moe_multimodal_dispatch_use_allgather", "v2-alltoall-unpad")
         return data
+    # transformers knows the text model types: a VL base's remote code would build the wrong config
     for key in ("vision_config", "pixel_hidden_size", "im_patch_id", "spatial_conv_size", "temporal_conv_size",
-                "rope_3d", "freq_allocation"):
+                "rope_3d", "freq_allocation", "auto_map", *MARKER_IDS):
         data.pop(key, None)
     if model_type == "ernie4_5_moe":
-        data.update(moe_num_experts=experts[0], moe_intermediate_size=model_cfg.moe_intermediate_size[0])
+        data.update(moe_num_experts=experts[0], moe_intermediate_size=model_cfg.moe_intermediate_size[0],
+                    moe_layer_start_index=starts[0], moe_layer_end_index=ends[0])
     else:
         for key in [k for k in data if k.startswith("moe_") or k == "global_aux_loss"]:
             data.pop(key)
@@ -241,7 +254,9 @@ def save_model(model, model_cfg: ModelConfig, directory: str, tokenizer: Tokeniz
             # only its names and shapes after conversion are used
             empty = np.empty(full_shape(param), _saved_dtype(param.dtype))
             specs += [(n, a.dtype, list(a.shape)) for n, a in converted(name, empty)]
-    zeros = absent_correction_biases(model) if form == TRANSFORMERS and only is None and rank == lead else []
+    # the engines and transformers create a correction bias in every MoE layer: zeros where the run had none
+    zeros = absent_correction_biases(model) if (hf_layout or form == TRANSFORMERS) and only is None and rank == lead \
+        else []
     specs += [(name, array.dtype, list(array.shape)) for name, array in zeros]
     file = None
     if writer is not None:
@@ -288,7 +303,8 @@ def save_model(model, model_cfg: ModelConfig, directory: str, tokenizer: Tokeniz
 
 def absent_correction_biases(model) -> list[tuple[str, np.ndarray]]:
     """Zeros (no shift) as the aux-loss-free correction bias of each of this stage's MoE layers that has none:
-    transformers' ERNIE-4.5-VL always holds one, and would report it newly initialised."""
+    transformers', vLLM's and SGLang's ERNIE-4.5 models always hold one (transformers would report it newly
+    initialised, vLLM refuse the folder, SGLang add uninitialised memory to the router's scores)."""
     return [(f"model.layers.{moe.layer_idx}.mlp.moe_statics.e_score_correction_bias",
              np.zeros([len(moe.router_counts), max(moe.router_counts)], np.float32))
             for moe in model.moe_layers() if moe.moe_statics is None]
@@ -314,7 +330,7 @@ def written_config(model_cfg: ModelConfig, hf_layout: bool, source: dict | None,
     cannot express)."""
     if form == TRANSFORMERS:
         return to_transformers(model_cfg, special_ids(tokenizer), source)
-    config = model_config_dict(model_cfg, hf_layout, base=source)
+    config = model_config_dict(model_cfg, hf_layout, base=source, special=special_ids(tokenizer))
     if tokenizer is not None:
         for key, value in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id),
                            ("pad_token_id", tokenizer.pad_id)):

@@ -23,11 +23,13 @@ from ..checkpoint import (
     start_checkpoint,
 )
 from ..checkpoint.checkpoint import PendingCheckpoint
+from ..checkpoint.engines import check_folder, summary_lines
 from ..checkpoint.files import BackgroundWrites
 from ..checkpoint.lineage import Checkpoint
-from ..checkpoint.model_files import folder_config, inference_files
+from ..checkpoint.model_files import PADDLEFORMERS, folder_config, inference_files
 from ..checkpoint.output_lock import release_output_dir
 from ..checkpoint.pretrained import format_report, load_pretrained
+from ..checkpoint.remote_code import ship_remote_code
 from ..config import Config, ConfigError
 from ..data import build_datasets, build_tokenizer, collate
 from ..data.feeding.feed import Feed
@@ -539,6 +541,10 @@ class Trainer:
         final = Path(self.cfg.training.output_dir) / "final_model"
         averaged = self._export(final)
         summary.update(status="done", model_dir=str(final), final_model_weights="ema" if averaged else "trained")
+        if self.env.is_main:  # whether vLLM, SGLang and FastDeploy would serve it as trained
+            reports = check_folder(final)
+            summary["serving_engines"] = {r.engine: r.as_dict() for r in reports}
+            print("\n".join(summary_lines(reports)), flush=True)
         self.folder.write_summary(summary)
         self.monitor.close()
 
@@ -555,4 +561,6 @@ class Trainer:
             else:
                 save_model(self.model, self.cfg.model, str(folder), self.tokenizer, self.env, hf_layout=True,
                            source=folder_config(t.model_name_or_path), extra=files, form=t.final_model_format)
+                if self.env.is_main and t.final_model_format == PADDLEFORMERS:
+                    ship_remote_code(folder, t.model_name_or_path)
         return averaged

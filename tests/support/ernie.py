@@ -52,24 +52,51 @@ BUDGET = {"image_min_pixels": 4 * 28 * 28, "image_max_pixels": 128 * 28 * 28,
           "video_min_pixels": 4 * 28 * 28, "video_max_pixels": 16 * 28 * 28}
 
 
-def make_ernie_tokenizer(folder, chat_template: str | None = ERNIE_VL_TEMPLATE):
-    """A small SentencePiece model carrying ERNIE-4.5-VL's special tokens, with its chat template."""
+def _sentencepiece_model(vocab_size: int, specials: list[str]) -> bytes:
+    """A small BPE SentencePiece model of the test words, ``specials`` its user-defined pieces (the lowest ids)."""
     import sentencepiece
 
     rng = np.random.default_rng(0)
     corpus = [" ".join(rng.choice(WORDS, 12)) + " Picture 1: Video 2: User: Assistant: ?!., \n" for _ in range(300)]
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_writer=model, vocab_size=400, user_defined_symbols=SPECIALS,
-        model_type="bpe", byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
         remove_extra_whitespaces=False, add_dummy_prefix=False, unk_id=0, bos_id=1, eos_id=2, pad_id=3,
-        minloglevel=2)
+        minloglevel=2, **({"user_defined_symbols": specials} if specials else {}))
+    return model.getvalue()
+
+
+def make_ernie_tokenizer(folder, chat_template: str | None = ERNIE_VL_TEMPLATE):
+    """A small SentencePiece model carrying ERNIE-4.5-VL's special tokens, with its chat template."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    (folder / "tokenizer.model").write_bytes(_sentencepiece_model(400, SPECIALS))
     config = {"tokenizer_class": "Ernie4_5_VLTokenizer", "additional_special_tokens": SPECIALS}
     if chat_template is not None:
         config["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+# ERNIE's vocabulary order: the text pieces, then the sentence markers, the image placeholder, the image and video
+# markers (every id from the placeholder up is an image-side token, as FastDeploy reads them)
+SERVED_PIECES = 300
+SERVED_SPECIALS = [*SPECIALS[:2], "<|IMAGE_PLACEHOLDER|>", *SPECIALS[2:6], "<|VIDEO_PLACEHOLDER|>"]
+SERVED_VOCAB = SERVED_PIECES + len(SERVED_SPECIALS)
+SERVED_PLACEHOLDER = SERVED_PIECES + SERVED_SPECIALS.index("<|IMAGE_PLACEHOLDER|>")
+
+
+def make_served_tokenizer(folder):
+    """A SentencePiece tokenizer laid out as ERNIE-4.5-VL's: its special tokens after the text pieces, as added
+    tokens (``added_tokens_decoder``), with ERNIE-4.5-VL's chat template."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.model").write_bytes(_sentencepiece_model(SERVED_PIECES, []))
+    decoder = {str(SERVED_PIECES + i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                        "normalized": False, "single_word": False}
+               for i, t in enumerate(SERVED_SPECIALS)}
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Ernie4_5_VLTokenizer", "additional_special_tokens": SERVED_SPECIALS,
+        "added_tokens_decoder": decoder, "chat_template": ERNIE_VL_TEMPLATE}))
     return folder
 
 

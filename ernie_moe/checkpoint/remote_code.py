@@ -1,0 +1,107 @@
+"""The code an ERNIE-4.5-VL model folder names in ``auto_map``, which transformers runs with ``trust_remote_code``
+to read the folder's config, tokenizer and processor (vLLM and SGLang read a folder that way: its ``model_type``
+is not one transformers knows). A fine-tune of a folder that has such code keeps it: its ``.py`` files are copied
+and its ``auto_map`` entries and processor classes kept; a folder without any gets this package's own modules
+(``hub_code/``)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..json_files import UnreadableJSON, read_json
+from .engines import module_file
+
+HUB_CODE = Path(__file__).with_name("hub_code")
+# this package's module, and the auto_map entries naming it, of config.json, tokenizer_config.json and the processor's
+OWN: dict[str, tuple[str, dict[str, Any]]] = {
+    "config.json": ("configuration_ernie_moe.py", {"AutoConfig": "configuration_ernie_moe.Ernie4_5_VLMoEConfig"}),
+    "tokenizer_config.json": ("tokenization_ernie_moe.py",
+                              {"AutoTokenizer": ["tokenization_ernie_moe.Ernie4_5_VLTokenizer", None]}),
+    "preprocessor_config.json": ("processing_ernie_moe.py", {
+        "AutoProcessor": "processing_ernie_moe.Ernie4_5_VLProcessor",
+        "AutoImageProcessor": "processing_ernie_moe.Ernie4_5_VLImageProcessor"}),
+}
+NEEDED = {"config.json": "AutoConfig", "tokenizer_config.json": "AutoTokenizer",
+          "preprocessor_config.json": "AutoProcessor"}
+PROCESSOR_CLASSES = ("image_processor_type", "processor_class", "auto_map")  # a base's, kept over the run's
+MAX_FILES, MAX_BYTES = 64, 4 << 20  # a folder's remote code is a handful of modules of some KiB
+
+
+def ship_remote_code(folder, base=None, vl: bool = True) -> None:
+    """Give the model folder ``folder`` the remote code its ``auto_map`` names: ``base`` (the folder the run
+    started from, or the exported one) gives its ``.py`` modules and processor classes where it has them, this
+    package's modules fill what is left. The tokenizer entry only beside a ``tokenizer.model``; a text model
+    (``vl`` False, a model type transformers knows) needs only that one."""
+    out = Path(folder)
+    source = Path(base) if base else None
+    if source is not None and source.resolve() != out.resolve():
+        base_processor = _object(source / "preprocessor_config.json")
+        if base_processor and (out / "preprocessor_config.json").is_file():
+            ours = _object(out / "preprocessor_config.json")
+            kept = {k: base_processor[k] for k in PROCESSOR_CLASSES if k in base_processor}
+            _write(out / "preprocessor_config.json", {**base_processor, **ours, **kept})
+        present = {p.name: p for p in base_modules(source)}
+        for module in _needed(out, present):
+            shutil.copyfile(present[module], out / module)
+    for name, (module, entries) in OWN.items():
+        path = out / name
+        if not path.is_file() or (name == "tokenizer_config.json" and not (out / "tokenizer.model").is_file()):
+            continue
+        if not vl and name != "tokenizer_config.json":
+            continue
+        config = _object(path)
+        given = config.get("auto_map")
+        auto_map: dict = given if isinstance(given, dict) else {}
+        if NEEDED[name] in auto_map:
+            continue
+        _write(path, {**config, "auto_map": {**auto_map, **entries}})
+        shutil.copyfile(HUB_CODE / module, out / module)
+
+
+def base_modules(folder: Path) -> list[Path]:
+    """The ``.py`` files at the top of a model folder (its remote code and the modules it imports), bounded."""
+    modules = sorted(p for p in folder.glob("*.py") if p.is_file() and not p.is_symlink())
+    if len(modules) > MAX_FILES:
+        raise ValueError(f"{folder} holds {len(modules)} .py files: more than a model folder's remote code "
+                         f"(at most {MAX_FILES})")
+    large = [p.name for p in modules if p.stat().st_size > MAX_BYTES]
+    if large:
+        raise ValueError(f"{folder}: {', '.join(large)} larger than {MAX_BYTES >> 20} MiB, not remote code")
+    return modules
+
+
+def _needed(folder: Path, present: dict[str, Path]) -> list[str]:
+    """The modules of ``present`` that ``folder``'s auto_map entries name, and those they import from beside them."""
+    wanted = [module_file(entry) for name in OWN for entry in _entries(_object(folder / name).get("auto_map"))]
+    found: list[str] = []
+    while wanted:
+        module = wanted.pop()
+        if module in present and module not in found:
+            found.append(module)
+            text = present[module].read_text(errors="replace")
+            wanted += [f"{m}.py" for m in re.findall(r"^\s*from\s+\.(\w+)\s+import", text, re.MULTILINE)]
+    return found
+
+
+def _entries(auto_map) -> list[str]:
+    if not isinstance(auto_map, dict):
+        return []
+    values = [v for entry in auto_map.values() for v in (entry if isinstance(entry, list) else [entry])]
+    return [v for v in values if isinstance(v, str) and "." in v]
+
+
+
+def _object(path: Path) -> dict:
+    try:
+        value = read_json(path)
+    except UnreadableJSON:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _write(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2))
