@@ -21,7 +21,7 @@ from .config import ConfigError
 from .data.encoding.packing import BadSample
 from .data.formats.jsonl import IMAGE_MARK, VIDEO_MARK, load_image, load_video, local, parse_messages
 from .generation import UsageError
-from .paths import not_a_file
+from .paths import not_a_file, open_output
 from .serving.chat_model import ChatModel, Sampling
 
 HELP = "/image PATH, /video FRAME... (or a video file), /reset, /save FILE.jsonl, /quit"
@@ -148,7 +148,7 @@ def _save(talk: Transcript, file: str) -> None:
         print(f"not saved: '{path}' {problem}")
         return
     try:
-        with path.open("a", encoding="utf-8") as out:
+        with open_output(path, "a") as out:
             out.write(json.dumps(talk.record(path.parent), ensure_ascii=False) + "\n")
     except OSError as err:
         print(f"not saved: {err.strerror}")

@@ -33,6 +33,8 @@ def bounded(kind: type, low: float, high: float = math.inf, low_included: bool =
 
 
 at_least_one = bounded(int, 1)
+# the largest sizes an option takes, far above any device or file, so that a size times its unit stays a number
+MAX_GB, MAX_MB = 1e6, 1e9
 
 
 def add_thinking_argument(parser: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ from .data.formats.synthetic import SyntheticShapes
 from .evaluation.results import MAX_NEW_TOKENS, MAX_SIDE_BY_SIDE, benchmark_results
 from .generation import folder_run_config, load_model_folder
 from .parallel import DistEnv
-from .paths import not_a_file
+from .paths import check_output, not_a_file, refuse_inputs, write_output
 from .training.evaluate import evaluate
 
 
@@ -76,6 +76,10 @@ def main(argv=None) -> int:
         parser.error("give --data, --benchmark or both")
     result: dict = {}
     try:
+        if args.out:  # before any answer: the results over an input would lose it
+            refuse_inputs(args.out, [args.model, args.data, args.config,
+                                     *(spec.partition(":")[2] for spec in args.benchmark)], "--out")
+            check_output(args.out)
         base = folder_run_config(args.model, args.config)
         if args.data:
             figures, skipped = scores(args.model, args.data, base, args.batch_size, args.max_batches)
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
         return 2
     if args.out:
         try:
-            Path(args.out).write_text(json_files.dumps(result, indent=2))
+            write_output(args.out, json_files.dumps(result, indent=2))
         except OSError as err:
             print(f"evaluate error: cannot write --out: {err}", file=sys.stderr)
             return 2

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
@@ -49,7 +50,7 @@ from .checkpoint.formats import (
 )
 from .checkpoint.model_files import PADDLEFORMERS, TRANSFORMERS, correction_bias_zeros, model_config_dict
 from .checkpoint.remote_code import ship_remote_code
-from .cli import bounded
+from .cli import MAX_GB, bounded
 from .config.load import ConfigError, build
 from .config.model_folder import model_config_from
 from .config.schema import ModelConfig
@@ -61,6 +62,7 @@ from .data.encoding.tokenizer import tokenizer_in
 from .finetune.adapter_files import adapter_base, merged_weight, read_adapter
 from .finetune.peft_files import write_peft_adapter
 from .model.parameter_kinds import MTP
+from .paths import write_output
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "tokenizer.json")
@@ -146,6 +148,10 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
             value = averages.get(name)
         if adapter is not None:
             value = merged_weight(name, value, adapter, cfg)
+        if not np.isfinite(value).all():  # every loader refuses such a folder: say so before writing it
+            raise CheckpointError(f"{name} holds nan or inf values{' after merging the adapter' if adapter else ''}:"
+                                  " the weights are damaged (a diverged run, or a broken conversion); nothing "
+                                  "written for it")
         for hf_name, array in to_hf(name, value, cfg, model_type):
             shard[transformers_name(hf_name) if form == TRANSFORMERS else hf_name] = array
             size += array.nbytes
@@ -162,13 +168,13 @@ def export(source_dir, output_dir, model_type: str = VL, max_shard_bytes: int = 
         (out / f"part-{k}.safetensors").rename(out / filename)
         weight_map.update({name: filename for name in names})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_output(out / "model.safetensors.index.json", json.dumps(index, indent=2))
+    write_output(out / "config.json", json.dumps(config, indent=2))
     for filename in (*TOKENIZER_FILES, "generation_config.json"):
         if (Path(source_dir) / filename).is_file():
             shutil.copy(Path(source_dir) / filename, out / filename)
     if saved is not None:
-        (out / PROCESSOR_FILE).write_text(json.dumps(for_library(saved, form == TRANSFORMERS), indent=2))
+        write_output(out / PROCESSOR_FILE, json.dumps(for_library(saved, form == TRANSFORMERS), indent=2))
     if form == PADDLEFORMERS:
         ship_remote_code(out, source_dir, vl=model_type == VL)
     return {"tensors": len(weight_map), "shards": len(shards), "bytes": total, "left_out": left_out}
@@ -204,7 +210,7 @@ def main(argv=None) -> int:
                         help="say whether vLLM, SGLang and FastDeploy would serve SOURCE as trained (exit 1 if not)")
     parser.add_argument("--no-mtp", action="store_true", help="leave the multi-token prediction layers out")
     parser.add_argument("--model-type", default=VL, choices=MODEL_TYPES)
-    parser.add_argument("--max-shard-size-gb", type=bounded(float, 0, low_included=False), default=5.0)
+    parser.add_argument("--max-shard-size-gb", type=bounded(float, 0, MAX_GB, low_included=False), default=5.0)
     parser.add_argument("--merge-lora", action="store_true", help="SOURCE is a LoRA adapter: merge it into its base")
     parser.add_argument("--adapter", action="store_true",
                         help="with --format transformers, SOURCE is a LoRA adapter: write it in PEFT's form")

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from .checkpoint.errors import CheckpointError
-from .cli import add_speculative_argument, add_thinking_argument, at_least_one, bounded, thinking_of
+from .cli import MAX_MB, add_speculative_argument, add_thinking_argument, at_least_one, bounded, thinking_of
 from .config import ConfigError
 from .serving.chat_model import SIDE_BY_SIDE, ChatModel
 from .serving.openai_api import Limits
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     parser.add_argument("--served-name", help="the model name clients send (default: the folder's name)")
     parser.add_argument("--image-root", help="a folder local image paths are read from (default: none are read)")
     parser.add_argument("--config", help="a training config whose data section overrides the folder's settings")
-    parser.add_argument("--max-request-mb", type=bounded(float, 0, low_included=False), default=20.0)
+    parser.add_argument("--max-request-mb", type=bounded(float, 0, MAX_MB, low_included=False), default=20.0)
     parser.add_argument("--max-images", type=bounded(int, 0), default=Limits.max_images, help="per request")
     parser.add_argument("--max-tokens", type=at_least_one, default=Limits.max_tokens,
                         help="the most new tokens a request may ask for, and the default")

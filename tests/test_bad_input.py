@@ -153,6 +153,7 @@ def test_an_image_url_is_named_as_it_was_written(folder, tmp_path, capsys):
     ("max_steps=5", "write training.max_steps=5"),
     ("model.vocab_size=10000000000", "model.vocab_size (10000000000) is above 2,147,483,647"),
     ("data.max_seq_len=1000000000000", "data.max_seq_len (1000000000000) is above 4,194,304"),
+    ("training.device_memory_gb=1e308", "training.device_memory_gb (1e+308) must be at most 1e6"),
 ])
 def test_config_values_that_cannot_work_are_one_line_errors(override, words):
     """A NUL byte reached the output lock as a ValueError; a bare section was told to become training.model; a
@@ -195,3 +196,155 @@ def test_the_chat_names_paths_that_are_not_files_instead_of_blocking(not_files, 
     talk.messages.append({"role": "user", "content": [{"type": "text", "text": "hi"}]})
     _save(talk, not_files[0])
     assert f"not saved: '{not_files[0]}' is not a regular file" in capsys.readouterr().out
+
+
+# -- this round's features: benchmark rows, results files, size options, the server's client faults ----------------
+
+def test_a_benchmark_row_whose_index_is_not_finite_or_that_has_no_answer_is_a_counted_skip(tmp_path):
+    from ernie_moe.evaluation.formats import read_benchmark
+
+    rows = ["index\tquestion\tA\tB\tanswer", "inf\tWhich?\tred\tgreen\tA", "1e400\tWhich?\tred\tgreen\tA",
+            "2\tWhich?\tred\tgreen\tB", "3\tWhich?\tred\tgreen\t"]
+    (tmp_path / "b.tsv").write_text("\n".join(rows) + "\n")
+    for kind in ("mcq", "mmbench"):
+        bench = read_benchmark(tmp_path / "b.tsv", kind)
+        assert {item.group for item in bench.items} == {"2"}  # row 2 (MMBench's also rotated)
+        assert dict(bench.skipped) == {"bad_index": 2, "no_answer": 1}
+    (tmp_path / "no_answers.tsv").write_text("index\tquestion\tA\tB\n0\tWhich?\tred\tgreen\n1\tAnd?\tred\tblue\n")
+    with pytest.raises(Exception, match="no_answer"):  # the VQA kinds' word for it, not answer_not_an_option
+        read_benchmark(tmp_path / "no_answers.tsv", "mcq")
+
+
+def results_file(path, items) -> str:
+    path.write_text(json.dumps({"benchmarks": {"b": {"kind": "mcq", "items": items}}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("item, words", [
+    ({"unit": "0", "score": float("nan")}, "score nan"),
+    ({"unit": "0", "score": None}, "score None"),
+    ({"unit": "0", "score": "1"}, "score '1'"),
+    ("an answer", "str where an object was expected"),
+    ({"score": 1.0}, "unit None"),
+    ({"unit": ["0"], "score": 1.0}, "unit ['0']"),
+    ({"unit": "0", "score": 1.0, "category": 3}, "category 3"),
+])
+def test_compare_names_what_a_foreign_or_hand_edited_results_file_gets_wrong(tmp_path, capsys, item, words):
+    from ernie_moe import compare
+
+    good = results_file(tmp_path / "good.json", [{"unit": "0", "score": 1.0, "category": "c"}])
+    bad = results_file(tmp_path / "bad.json", [item])
+    assert compare.main(["--before", bad, "--after", good, "--out", str(tmp_path / "report")]) == 2
+    err = one_line(capsys)
+    assert "item 1: " + words in err and "bad.json" in err
+
+
+def test_compare_names_a_missing_side_and_fails_the_gate_on_a_one_sided_benchmark(tmp_path, capsys):
+    from ernie_moe import compare
+
+    item = [{"unit": str(i), "score": 1.0, "category": ""} for i in range(12)]
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps({"benchmarks": {"kept": {"items": item}, "gone": {"items": item}}}))
+    (tmp_path / "after.json").write_text(json.dumps({"benchmarks": {"kept": {"items": item}, "new": {"items": item}}}))
+    after = str(tmp_path / "after.json")
+    absent = str(tmp_path / "absent.json")
+    assert compare.main(["--before", absent, "--after", after, "--out", str(tmp_path / "r")]) == 2
+    assert "absent.json' does not exist" in one_line(capsys)
+    argv = ["--before", str(before), "--after", after, "--out", str(tmp_path / "r")]
+    assert compare.main(argv) == 0
+    assert "benchmarks on one side only, not compared: gone (before only), new (after only)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["one_sided"] == {
+        "before only": ["gone"], "after only": ["new"]}
+    assert compare.main([*argv, "--fail-on-regression"]) == 1
+
+
+@pytest.mark.parametrize("command, option", [("export", "--max-shard-size-gb"), ("serve", "--max-request-mb"),
+                                             ("memory", "--device-memory-gb")])
+def test_a_size_option_too_large_to_multiply_is_refused(folder, tmp_path, capsys, command, option):
+    import importlib
+
+    module = importlib.import_module(f"ernie_moe.{command}" if command != "memory" else "ernie_moe.memory.report")
+    argv = {"export": [str(folder), str(tmp_path / "out")], "serve": ["--model", str(folder)],
+            "memory": ["--config", str(CONFIG)]}[command]
+    with pytest.raises(SystemExit) as stop:
+        module.main([*argv, option, "1e308"])
+    assert stop.value.code == 2 and "at most" in capsys.readouterr().err
+
+
+def test_export_refuses_nan_weights_naming_the_tensor(folder, tmp_path, capsys):
+    from ernie_moe.export import main as export_main
+
+    copy = copy_of(folder, tmp_path)
+    tensors = load_file(shard_of(copy))
+    name = next(n for n in tensors if n.endswith("o_proj.weight"))
+    tensors[name][0, 0] = np.nan
+    save_file(tensors, str(shard_of(copy)))
+    assert export_main([str(copy), str(tmp_path / "exported")]) == 2
+    err = one_line(capsys)
+    assert "holds nan or inf values" in err and ".o_proj." in err
+
+
+def test_serve_names_a_file_given_for_the_model_folder(folder, capsys):
+    from ernie_moe import serve
+
+    assert serve.main(["--model", str(folder / "config.json")]) == 2
+    assert "is a file, not a model folder" in capsys.readouterr().err
+
+
+def test_a_chat_request_that_is_malformed_gets_a_400_naming_the_fault():
+    from ernie_moe.serving.openai_api import ApiError, Limits, parse_request
+    from ernie_moe.serving.server import MAX_NESTING, nesting
+
+    def refused(body) -> str:
+        with pytest.raises(ApiError) as err:
+            parse_request(body, "tiny", Limits(), None, 1 << 20)
+        assert err.value.status == 400
+        return err.value.body()["error"]["message"]
+
+    assert "model must be a string" in refused({"model": ["tiny"], "messages": [{"role": "user", "content": "hi"}]})
+    assert "model is required" in refused({"messages": [{"role": "user", "content": "hi"}]})
+    text_null = [{"role": "user", "content": [{"type": "text", "text": None}]}]
+    assert "holds no text" in refused({"model": "tiny", "messages": text_null})
+    nul = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a\x00.png"}}]}]
+    assert "NUL byte" in refused({"model": "tiny", "messages": nul})
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert nesting(deep) > MAX_NESTING and nesting({"messages": [{"content": [{"a": 1}]}]}) == 5
+
+
+def test_a_client_that_hangs_up_leaves_one_quiet_line(capsys):
+    from types import SimpleNamespace
+
+    from ernie_moe.serving.server import ChatServer
+
+    try:
+        raise BrokenPipeError(32, "Broken pipe")
+    except BrokenPipeError:
+        ChatServer.handle_error(SimpleNamespace(log_requests=True), None, ("127.0.0.1", 5000))
+    err = capsys.readouterr().err
+    assert err == "127.0.0.1 hung up before its answer was written\n"
+
+
+def test_a_training_benchmark_of_which_nothing_could_be_asked_says_so(tmp_path, capsys):
+    from support.lora import trainer
+
+    from ernie_moe.evaluation.results import read_benchmarks
+    from ernie_moe.training.benchmark_eval import benchmark_metrics
+
+    question = " ".join(["what"] * 5000)  # past the model's positions
+    (tmp_path / "long.tsv").write_text(f"index\tquestion\tA\tB\tanswer\n0\t{question}\tred\tgreen\tA\n")
+    tr = trainer(tmp_path / "run")
+    figures = benchmark_metrics(read_benchmarks([f"mcq:{tmp_path / 'long.tsv'}"]), tr.model, tr.tokenizer,
+                                tr.cfg.data, tr.env)
+    assert figures == {"eval_bench/long/skipped_too_long": 1}
+    assert "warning: benchmark long" in capsys.readouterr().out
+
+
+def test_save_best_metric_naming_a_benchmark_that_asked_nothing_is_no_typo():
+    from ernie_moe.training.best_model import BestModel
+
+    best = BestModel.__new__(BestModel)
+    best.metric = "eval_bench/long"
+    with pytest.raises(ConfigError, match="had no question it could ask at this evaluation"):
+        best.update(10, {"eval_loss": 1.0, "eval_bench/long/skipped_too_long": 1})

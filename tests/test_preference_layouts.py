@@ -83,7 +83,9 @@ def test_preference_layout_matches_one_process(tmp_path, base, reference, layout
     assert [r["dpo/reward_accuracy"] for r in train[1][1:]] == [r["dpo/reward_accuracy"] for r in train[0][1:]]
     evals = [[r for r in records(out) if "eval_loss" in r][-1] for out in (one, many)]
     for key in ("eval_loss", "eval_reward_margin", "eval_logps_chosen"):
-        np.testing.assert_allclose(evals[1][key], evals[0][key], rtol=1e-4, err_msg=key)
+        # as the training figures: a margin near zero (-0.036) carries the layouts' float32 rounding (3.7e-6 on an
+        # Intel Xeon) above 1e-4 of itself
+        np.testing.assert_allclose(evals[1][key], evals[0][key], rtol=1e-4, atol=1e-5, err_msg=key)
     assert evals[1]["eval_reward_accuracy"] == evals[0]["eval_reward_accuracy"]
     if shared == LORA:
         a, b = adapter(one / "final_model"), adapter(many / "final_model")

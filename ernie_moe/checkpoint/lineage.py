@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import secrets
 import shutil
 import time
@@ -27,12 +28,15 @@ from ..config.schema import TrainingConfig
 from ..elastic.job import Attempt, JobRecord
 from ..json_files import UnreadableJSON, read_json
 from ..parallel.env import DistEnv
+from ..paths import check_output
 from .errors import CheckpointError
 from .files import sha256_of
 from .output_lock import lock_output_dir, note_attempt
 
 MARKER = "COMPLETE"
 PREFIX = "checkpoint-"
+OWN_CHECKPOINT = re.compile(r"checkpoint-\d+(\.tmp)?")  # what this package names a checkpoint (or one being saved)
+MODEL_FOLDERS = ("final_model", "best_model")  # the models a run writes into its output folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,18 +196,22 @@ def _unverified_said(checkpoint: Checkpoint, warn) -> Checkpoint:
     return checkpoint
 
 
-def claim_output_dir(training_cfg: TrainingConfig, env: DistEnv, job: JobRecord | None = None) -> list[Attempt]:
+def claim_output_dir(training_cfg: TrainingConfig, env: DistEnv, job: JobRecord | None = None,
+                     outputs: tuple[str, ...] = ()) -> list[Attempt]:
     """Take the output folder's lock (one job at a time, every run: fresh, resumed or overwriting; see
-    ``output_lock``), then: a fresh run (no resume) may not write into a folder holding another run's
-    checkpoints, unless ``training.overwrite_output_dir`` says to remove them. Under the elastic launcher
-    (``job``): the earlier attempts of the job, read once the lock is held (a restart when there are any, which
-    resumes what its job saved and is no fresh run); [] otherwise."""
+    ``output_lock``), with ``outputs`` (the files the run writes there) each a regular file or absent; then: no run
+    replaces the model it starts from, and a fresh run (no resume) may not write into a folder holding another
+    run's checkpoints or final model, unless ``training.overwrite_output_dir`` says to replace them. Under the
+    elastic launcher (``job``): the earlier attempts of the job, read once the lock is held (a restart when there
+    are any, which resumes what its job saved and is no fresh run); [] otherwise."""
     t = training_cfg
     root = Path(t.output_dir)
     refused, earlier = None, []
     if env.is_main:
         try:
             lock_output_dir(root, job.job if job else "")
+            for name in outputs:
+                check_output(root / name)
             earlier = job.attempts() if job else []
             if job:
                 note_attempt(root, len(earlier))
@@ -217,16 +225,25 @@ def claim_output_dir(training_cfg: TrainingConfig, env: DistEnv, job: JobRecord 
         raise ConfigError(refused)
     if earlier:
         return earlier
+    base = Path(t.model_name_or_path).resolve() if t.model_name_or_path else None
+    for name in MODEL_FOLDERS:
+        folder = (root / name).resolve()
+        if base is not None and (base == folder or folder in base.parents):
+            raise ConfigError(f"training.model_name_or_path '{t.model_name_or_path}' is the {name} this run writes "
+                              f"into training.output_dir '{root}' (it would replace the model it starts from): choose "
+                              "another output_dir, or copy the model elsewhere first.")
     if t.resume_from_checkpoint or not root.is_dir():
         return []
-    existing = sorted(root.glob(PREFIX + "*"))
-    if not existing:
+    existing = sorted(p for p in root.glob(PREFIX + "*") if OWN_CHECKPOINT.fullmatch(p.name) and p.is_dir())
+    models = [name for name in MODEL_FOLDERS if (root / name).is_dir()]
+    if not existing and not models:
         return []
     if not t.overwrite_output_dir:
-        raise ConfigError(f"training.output_dir '{root}' already holds checkpoints of an earlier run "
-                          f"({', '.join(p.name for p in existing[:3])}{', ...' if len(existing) > 3 else ''}). "
-                          "Resume it with training.resume_from_checkpoint=auto, choose another output_dir, or set "
-                          "training.overwrite_output_dir=true to remove them.")
+        held = ", ".join([*(p.name for p in existing[:3]), *(["..."] if len(existing) > 3 else []), *models])
+        what = "checkpoints of an earlier run" if existing else "the model of an earlier run"
+        raise ConfigError(f"training.output_dir '{root}' already holds {what} ({held}). Resume it with "
+                          "training.resume_from_checkpoint=auto, choose another output_dir, or set "
+                          "training.overwrite_output_dir=true to replace them.")
     if env.is_main:
         for path in existing:
             shutil.rmtree(path, ignore_errors=True)

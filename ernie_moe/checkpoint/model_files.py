@@ -25,6 +25,7 @@ from ..moe.layer import router_counts
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor
 from ..parallel.env import DistEnv
+from ..paths import write_output
 from .engines import MARKER_IDS
 from .files import WrittenFiles
 from .formats import VL, to_hf, transformers_name
@@ -287,7 +288,7 @@ def save_model(model, model_cfg: ModelConfig, directory: str, tokenizer: Tokeniz
                  **(extra or {})}
         if written is None:
             for name, text in texts.items():
-                (out / name).write_text(text)
+                write_output(out / name, text)
             if tokenizer is not None:
                 tokenizer.save(out)
             return out

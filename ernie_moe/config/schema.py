@@ -283,8 +283,9 @@ class TrainingConfig:
     reset_schedule_on_resume: bool = opt(False, "a warm restart: the resumed run takes the checkpoint's weights and "
                                                 "optimizer states and starts the learning-rate schedule afresh "
                                                 "(warmup, then the decay to max_steps) at the resumed step")
-    overwrite_output_dir: bool = opt(False, "let a fresh run remove the checkpoints an earlier run left in "
-                                            "output_dir (without it, such a run stops)")
+    overwrite_output_dir: bool = opt(False, "let a fresh run remove the checkpoints (checkpoint-<step>) an earlier "
+                                            "run left in output_dir and replace its final model at the end (without "
+                                            "it, such a run stops); never the model the run starts from")
     max_eval_batches: int = opt(0, "cap on evaluation batches; 0 = the whole held-out set")
     eval_generate: bool = opt(False, "at every evaluation also answer the held-out samples greedily (each sample's "
                                      "last trained span is the answer, what precedes it the prompt) and score the "

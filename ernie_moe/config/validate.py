@@ -251,6 +251,8 @@ def _check_training(cfg: Config, check_paths: bool = True) -> None:
     _require(t.adam_epsilon > 0, f"training.adam_epsilon must be positive, got {t.adam_epsilon}.")
     for name in ("save_steps", "save_total_limit", "device_memory_gb", "loss_subbatch_seqlen", "global_batch_size"):
         _require(getattr(t, name) >= 0, f"training.{name} cannot be negative, got {getattr(t, name)}.")
+    # far above any device, so that the size in bytes stays a number
+    _require(t.device_memory_gb <= 1e6, f"training.device_memory_gb ({t.device_memory_gb:g}) must be at most 1e6.")
     _check_output_dir(t.output_dir)
     _require(not (t.bf16 and t.fp16), "training.bf16 and training.fp16 are both set; choose one.")
     _require(0 <= t.memory_guard_fraction <= 1, "training.memory_guard_fraction must be in [0, 1] (0 = off).")

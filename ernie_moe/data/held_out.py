@@ -13,6 +13,7 @@ from PIL import Image
 
 from ..cli import bounded
 from ..config import ConfigError, load_config
+from ..paths import write_output
 from .formats.synthetic import SyntheticShapes, caption
 
 MAX_COUNT = 1_000_000  # the held-out split's images are drawn one by one: far more is a typo
@@ -30,7 +31,7 @@ def write_held_out(directory, seed: int, image_size: int, count: int) -> Path:
         name = f"{index:05d}.png"
         Image.fromarray(sample.images[0]).save(out / name)
         lines.append(json.dumps({"image": name, "text": caption(sample)}))
-    (out / "captions.jsonl").write_text("\n".join(lines) + "\n")
+    write_output(out / "captions.jsonl", "\n".join(lines) + "\n")
     return out / "captions.jsonl"
 
 

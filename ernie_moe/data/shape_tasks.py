@@ -22,6 +22,7 @@ import numpy as np
 from PIL import Image
 
 from ..cli import bounded
+from ..paths import write_output
 from .encoding.tokenizer import WordTokenizer
 from .formats.synthetic import COLORS, COLUMNS, ROWS, SHAPES, paint, vocabulary
 
@@ -75,7 +76,7 @@ def write_task(directory, task: str, seed: int, image_size: int, count: int, ben
                 record = {"id": f"{task}-{index}", "question": question, "answer": [answer], "image": file,
                           "question_type": category}
             lines.append(json.dumps(record))
-        (folder / name).write_text("\n".join(lines) + "\n")
+        write_output(folder / name, "\n".join(lines) + "\n")
     return folder
 
 

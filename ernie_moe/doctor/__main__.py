@@ -21,7 +21,7 @@ from pathlib import Path
 import paddle
 
 from ..checkpoint.errors import CheckpointError
-from ..cli import at_least_one, bounded
+from ..cli import MAX_GB, at_least_one, bounded
 from ..config import ConfigError, load_config
 from ..config.schema import Config
 from ..data.encoding.packing import BadSample
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value, applied to --config")
     parser.add_argument("--world-size", type=at_least_one, help="ranks of the run (default: the product of the "
                                                                   "degrees)")
-    parser.add_argument("--device-memory-gb", type=bounded(float, 0, low_included=False),
+    parser.add_argument("--device-memory-gb", type=bounded(float, 0, MAX_GB, low_included=False),
                         help="GB per device (default: training.device_memory_gb, else this machine's)")
     parser.add_argument("--serve", metavar="FOLDER", help="serve this model folder with each engine installed here "
                                                            "and compare its answer with this package's")
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     parser.add_argument("--engine-command", help="with --serve: serve with this command instead, an OpenAI-compatible "
                                                  "server ({python}, {model} and {port} filled in)")
     parser.add_argument("--image", help="with --serve: the image asked about (default: a drawn shape)")
-    parser.add_argument("--serve-timeout", type=bounded(float, 1), default=1200.0,
+    parser.add_argument("--serve-timeout", type=bounded(float, 1, 1e6), default=1200.0,
                         help="with --serve: seconds an engine may take to load and answer")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="No ccache found")

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..paths import open_output
+
 JOB_VARIABLE = "PADDLE_JOB_ID"
 RECORD = "attempts.jsonl"
 MAX_READ_BYTES = 1 << 20  # thousands of restarts
@@ -92,7 +94,7 @@ class JobRecord:
     def _append(self, entry: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._check_regular()
-        with open(self.path, "a", encoding="utf-8") as f:
+        with open_output(self.path, "a") as f:
             f.write(json.dumps({"job": self.job, **entry}) + "\n")
             f.flush()
             os.fsync(f.fileno())

@@ -24,6 +24,7 @@ import base64
 import binascii
 import csv
 import json
+import math
 import re
 import string
 from collections import Counter
@@ -267,8 +268,12 @@ def _mcq_items(rows: list[dict], path: Path, skipped: Counter) -> list[Item]:
                 raise RowSkip("no_question")
             if len(options) < 2:
                 raise RowSkip("too_few_options")
+            if not answer:
+                raise RowSkip("no_answer")
             if answer not in options:
                 raise RowSkip("answer_not_an_option")
+            if _is_number(index) and not math.isfinite(float(index)):
+                raise RowSkip("bad_index")  # MMBench's rotations are numbered from a whole index
             cell = _text(row, "image")
             if len(cell) <= 64 and cell:
                 if cell not in images:

@@ -43,7 +43,9 @@ def load_model_folder(directory, need_tokenizer: bool = True) -> LoadedModel:
     another shape, weights missing (only a text model's missing vision side is allowed)."""
     folder = Path(directory)
     if not folder.is_dir():
-        raise CheckpointError(f"model folder '{folder}' does not exist")
+        raise CheckpointError(f"model folder '{folder}' " + ("is a file, not a model folder (give the folder that "
+                                                             "holds config.json)" if folder.exists() else
+                                                             "does not exist"))
     adapter = folder if (folder / BASE_FILE).is_file() else None  # a LoRA adapter: its base, then its pairs
     weights = Path(adapter_base(folder)) if adapter else folder
     cfg = build(ModelConfig, model_config_from(weights), "model")

@@ -25,7 +25,7 @@ import functools
 import sys
 from pathlib import Path
 
-from ..cli import at_least_one, bounded
+from ..cli import MAX_GB, at_least_one, bounded
 from ..config import ConfigError, load_config
 from ..config.schema import Config
 from ..monitor.memory import MemoryMonitor
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     parser.add_argument("--world-size", type=at_least_one, help="ranks (default: the product of the degrees)")
-    parser.add_argument("--device-memory-gb", type=bounded(float, 0, low_included=False),
+    parser.add_argument("--device-memory-gb", type=bounded(float, 0, MAX_GB, low_included=False),
                         help="GB per device (default: training.device_memory_gb, else this machine's GPU, or its RAM "
                              "on a CPU)")
     parser.add_argument("--search", action="store_true", help="list the layouts that fit")

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import yaml
 
 from .. import json_files
+from ..paths import check_output, open_output
 
 PER_RANK = re.compile(r"memory/rank(\d+)/(.+)")
 
@@ -118,8 +119,9 @@ def _plain(value):
 
 def _reopened(path: Path, resumed_at: int) -> TextIO:
     """``path`` opened for writing, holding its records up to step ``resumed_at`` when a run resumes there."""
+    check_output(path)  # before reading it: a FIFO there would block the read for good
     kept = _records_up_to(path, resumed_at) if resumed_at and path.exists() else []
-    file = open(path, "w")
+    file = open_output(path)
     file.writelines(line + "\n" for line in kept)
     return file
 

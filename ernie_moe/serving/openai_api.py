@@ -84,6 +84,8 @@ def read_image(source: str, image_root: Path | None, max_pixels: int) -> np.ndar
         except (binascii.Error, ValueError):
             raise ApiError(400, "an image data URL holds no valid base64", "messages", "invalid_image") from None
         return decode_image(io.BytesIO(data), "data URL", max_pixels)
+    if "\x00" in source:
+        raise ApiError(400, "an image path holds a NUL byte", "messages", "invalid_image")
     if "://" in source and not source.startswith("file://"):
         raise ApiError(400, f"image '{source[:200]}': only data URLs and local paths are read (no downloads)",
                        "messages", "invalid_image")
@@ -104,8 +106,10 @@ def parse_request(body, served: str, limits: Limits, image_root: Path | None, ma
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
         raise ApiError(400, "model is required", "model")
+    if not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, the served model's name, not {str(model)[:100]}", "model")
     if model != served:
         raise ApiError(404, f"The model '{model[:200]}' does not exist (this server has '{served}')", "model",
                        "model_not_found")

@@ -6,6 +6,7 @@ at once, more get 503. Every failure is answered in the API's error shape; none 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import traceback
@@ -19,6 +20,22 @@ from .chat_model import ChatModel
 from .openai_api import ApiError, Completion, Limits, models_list, parse_request
 
 PAGE = resources.files(__package__).joinpath("page.html").read_bytes()
+
+
+MAX_NESTING = 32  # a chat request's JSON is a few levels deep (messages, a message, its parts, an image_url)
+
+
+def nesting(value) -> int:
+    """How deep lists and objects nest in a JSON value (iteratively: a value nested 100,000 deep is measured)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_NESTING:
+                return depth
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
 
 
 class ChatServer(ThreadingHTTPServer):
@@ -37,6 +54,14 @@ class ChatServer(ThreadingHTTPServer):
         self.created = int(time.time())
         self.waiting = 0  # requests holding or waiting for the model
         self.count_lock = threading.Lock()
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that hung up before its answer (or its error) was written: one quiet line, no traceback."""
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError, TimeoutError)):
+            if self.log_requests:
+                print(f"{client_address[0]} hung up before its answer was written", file=sys.stderr, flush=True)
+            return
+        super().handle_error(request, client_address)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -125,9 +150,14 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(413, f"the request is {int(length)} bytes, over the server's limit of "
                                 f"{self.server.limits.max_request_bytes} (--max-request-mb)", code="request_too_large")
         try:
-            return json.loads(self.rfile.read(int(length)))
+            body = json.loads(self.rfile.read(int(length)))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ApiError(400, f"the request body is not JSON: {err}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deep") from None
+        if nesting(body) > MAX_NESTING:
+            raise ApiError(400, f"the request body is nested more than {MAX_NESTING} deep: no chat request is")
+        return body
 
     def _error(self, err: ApiError) -> None:
         self._json(err.status, err.body())

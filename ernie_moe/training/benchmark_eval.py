@@ -23,10 +23,14 @@ def benchmark_metrics(benches: dict[str, Benchmark], model, tokenizer: Tokenizer
         answered = answer_benchmark(model, tokenizer, data_cfg, bench, max_new_tokens(bench.kind), SIDE_BY_SIDE,
                                     env.data_rank, env.data_world, summed)
         figures = dict(answered.figures)
-        if not figures:
+        result.update({f"eval_bench/{name}/skipped_{reason}": n for reason, n in answered.skipped.items()})
+        if not figures:  # no score to log: say why, where the run is watched
+            if env.is_main:
+                print(f"warning: benchmark {name} ({bench.path}): no question could be asked at this evaluation "
+                      f"(skipped: {dict(answered.skipped) or 'none'}), so eval_bench/{name} has no figure",
+                      flush=True)
             continue
         result[f"eval_bench/{name}"] = figures.pop("score")
         figures.pop("count")
         result.update({f"eval_bench/{name}/{key}": value for key, value in figures.items()})
-        result.update({f"eval_bench/{name}/skipped_{reason}": n for reason, n in answered.skipped.items()})
     return result

@@ -41,6 +41,11 @@ class BestModel:
         if not self.metric or not metrics:
             return False
         if self.metric not in metrics:
+            skipped = {k.rsplit("/skipped_", 1)[1]: v for k, v in metrics.items()
+                       if k.startswith(self.metric + "/skipped_")}
+            if skipped:  # a benchmark of which nothing could be asked: no typo
+                raise ConfigError(f"training.save_best_metric {self.metric!r}: the benchmark had no question it "
+                                  f"could ask at this evaluation (skipped: {skipped})")
             known = ", ".join(sorted(k for k in metrics if not k.startswith("eval_skipped")))
             raise ConfigError(f"training.save_best_metric {self.metric!r} is not among this run's evaluation "
                               f"figures ({known})")

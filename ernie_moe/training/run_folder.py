@@ -15,6 +15,11 @@ from ..config import Config
 from ..elastic.job import Attempt, JobRecord, restart_history
 from ..parallel.env import DistEnv
 from ..parallel.global_batch import global_batch
+from ..paths import write_output
+
+# what a run writes into its output folder beside checkpoints and models (each a regular file or absent)
+RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "summary.json", "run_config.yaml", "data_report.json",
+             "import_report.json", "attempts.jsonl")
 
 
 class RunFolder:
@@ -45,7 +50,7 @@ class RunFolder:
         sections = dataclasses.asdict(self.cfg)
         if self.env.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "run_config.yaml").write_text(yaml.safe_dump(sections, sort_keys=False))
+            write_output(self.out / "run_config.yaml", yaml.safe_dump(sections, sort_keys=False))
         return sections
 
     def write_summary(self, summary: dict) -> None:
@@ -56,4 +61,4 @@ class RunFolder:
             summary = {**summary, "job": self.job.job, "restarts": len(self.restarts),
                        "restart_history": self.restarts}
             self.job.end(self.attempt, summary["status"], summary["steps"], summary.get("reason", ""))
-        (self.out / "summary.json").write_text(json_files.dumps(summary, indent=2))
+        write_output(self.out / "summary.json", json_files.dumps(summary, indent=2))

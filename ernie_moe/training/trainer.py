@@ -47,6 +47,7 @@ from ..objectives.rewards import build_rewards
 from ..objectives.sums import loss_weights
 from ..parallel import init_distributed
 from ..parallel.global_batch import for_world
+from ..paths import write_output
 from ..timing import part
 from .assembly import assemble
 from .benchmark_eval import benchmark_metrics
@@ -57,7 +58,7 @@ from .memory_guard import Rung
 from .optimizer import clip_gradients, gradient_norms, optimizer_state_bytes
 from .precision import NonFiniteGradients
 from .replica_check import ReplicaCheck, ReplicasDiffer
-from .run_folder import RunFolder
+from .run_folder import RUN_FILES, RunFolder
 from .startup import check_memory, check_tokenizer, device_bytes, sized_to_tokenizer
 from .state import StepResult, TrainingState, read_results
 from .stop import StopRequested, StopWatch
@@ -77,7 +78,7 @@ class Trainer:
         t = cfg.training
         check_memory(cfg, self.env)  # before the output folder is claimed: a layout that cannot fit writes nothing
         self.rewards = build_rewards(t)  # the user's reward functions imported, before anything is written
-        earlier = claim_output_dir(t, self.env, job)
+        earlier = claim_output_dir(t, self.env, job, RUN_FILES)
         self.run = Run.begin(self.env)
         paddle.seed(t.seed)
         check_tokenizer(self.tokenizer, cfg.model)
@@ -512,7 +513,7 @@ class Trainer:
             print(format_report(report), flush=True)
             out = Path(self.cfg.training.output_dir)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "import_report.json").write_text(json.dumps(report, indent=2))
+            write_output(out / "import_report.json", json.dumps(report, indent=2))
 
     def _report_data(self, train_set) -> None:
         """One encoded sample and the data's figures, printed and written to data_report.json."""
@@ -520,7 +521,7 @@ class Trainer:
         report = data_report(train_set, sample_encoder(self.tokenizer, self.cfg, Counter()), self.tokenizer,
                              d.report_samples, self.cfg.training.seed)
         print(describe(report), flush=True)
-        (Path(self.cfg.training.output_dir) / "data_report.json").write_text(json_files.dumps(report, indent=2))
+        write_output(Path(self.cfg.training.output_dir) / "data_report.json", json_files.dumps(report, indent=2))
 
     def _notes(self) -> None:
         """What a setting does not do on this machine, said once by rank 0."""

@@ -400,7 +400,9 @@ def _source(part: dict, kind: str):
 
 def _part(part, image_paths: list[str], video_frames: list[list[str]]) -> dict:
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text" and isinstance(part.get("text"), str):
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise BadSample("bad_message", f"text part {str(part)[:200]} holds no text (its text must be a string)")
         return {"type": "text", "text": part["text"]}
     if kind in ("image", "image_url"):
         source = _source(part, "image")
@@ -414,4 +416,4 @@ def _part(part, image_paths: list[str], video_frames: list[list[str]]) -> dict:
             raise BadSample("video_without_frames", f"video part {part!r} names no video file or frames")
         video_frames.append(source)
         return {"type": "video"}
-    raise BadSample("bad_message", f"unknown content part {part!r} (text, image, image_url or video)")
+    raise BadSample("bad_message", f"unknown content part {str(part)[:200]} (text, image, image_url or video)")
