@@ -68,11 +68,15 @@ def format_summary(summary: dict) -> str:
     for key in ("eval_loss", "eval_caption_accuracy", "eval_token_accuracy"):
         if key in summary:
             parts.append(f"{key} {summary[key]:.4f}")
+    for key in sorted(k for k in summary if k.startswith("eval_bench/") and k.count("/") == 1):
+        parts.append(f"{key} {summary[key]:.4f}")  # each benchmark's score (its categories: metrics.jsonl)
     skipped = {k: v for k, v in summary.items() if k.startswith("data/")}
     if skipped:
         parts.append("skipped samples " + ", ".join(f"{k[5:]}={v}" for k, v in skipped.items()))
     if "model_dir" in summary:
         parts.append(f"model saved to {summary['model_dir']}")
+    if summary.get("rollouts"):
+        parts.append(f"sampled answers in {summary['rollouts']}")
     return " | ".join(parts)
 
 

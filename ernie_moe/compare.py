@@ -23,7 +23,7 @@ from .checkpoint.errors import CheckpointError
 from .cli import bounded
 from .config import ConfigError
 from .data import DataError
-from .evaluation.report import as_json, as_markdown, compare
+from .evaluation.report import as_json, as_markdown, changed_answers, compare
 from .evaluation.results import MAX_NEW_TOKENS, MAX_SIDE_BY_SIDE, benchmark_results
 from .generation import folder_run_config
 from .monitor.charts import comparison_chart
@@ -108,8 +108,10 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         one_sided = {"before only": sorted(set(before) - set(after)), "after only": sorted(set(after) - set(before))}
         report = {**as_json(rows, args.before, args.after), "one_sided": one_sided}
+        changes = changed_answers(before, after)
+        report["changed_answers"] = changes
         write_output(out / "report.json", json_files.dumps(report, indent=2))
-        write_output(out / "report.md", as_markdown(rows, args.before, args.after))
+        write_output(out / "report.md", as_markdown(rows, args.before, args.after, changes))
         for name, results in (("before.json", before), ("after.json", after)):
             write_output(out / name, json_files.dumps({"benchmarks": results}, indent=2))
         chart = comparison_chart([(f"{r.benchmark} {r.scope}", r.before, r.after, r.low, r.high) for r in rows],
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
     except (CheckpointError, ConfigError, DataError, OSError) as err:
         print(f"compare error: {err}", file=sys.stderr)
         return 2
-    print(as_markdown(rows, args.before, args.after), end="")
+    print(as_markdown(rows, args.before, args.after, changes), end="")
     flagged = report["regressions"]
     if flagged:
         print(f"regressions: {', '.join(flagged)}")

@@ -348,3 +348,41 @@ def test_save_best_metric_naming_a_benchmark_that_asked_nothing_is_no_typo():
     best.metric = "eval_bench/long"
     with pytest.raises(ConfigError, match="had no question it could ask at this evaluation"):
         best.update(10, {"eval_loss": 1.0, "eval_bench/long/skipped_too_long": 1})
+
+
+def test_a_tokenizer_that_reads_the_text_as_unknown_tokens_is_said(tmp_path, base, capsys):
+    """The default model's 24-word vocabulary turns other text into <unk>: a run on such data says so at start (and
+    in data_report.json), and evaluate says so of a benchmark's questions."""
+    from support.lora import trainer
+
+    from ernie_moe import evaluate
+
+    records = [{"messages": [{"role": "user", "content": "Please describe the photograph carefully"},
+                             {"role": "assistant", "content": "a red square at the top left"}]}] * 4
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    # a fine-tune of the default model, whose folder's tokenizer the run takes
+    trainer(tmp_path / "run", f"training.model_name_or_path={base}", "data.dataset=jsonl",
+            f"data.train_path={tmp_path / 'chat.jsonl'}", f"data.eval_path={tmp_path / 'chat.jsonl'}")
+    out = capsys.readouterr().out
+    assert "WARNING" in out and "of the text tokens of the training data are the tokenizer's unknown token" in out
+    assert json.loads((tmp_path / "run" / "data_report.json").read_text())["unknown_token_share"] > 0.05
+    (tmp_path / "bench.tsv").write_text("index\tquestion\tA\tB\tanswer\n0\tWhich colour is shown?\tred\tgreen\tA\n")
+    assert evaluate.main(["--model", str(base), "--benchmark", f"mcq:{tmp_path / 'bench.tsv'}", "--no-progress"]) == 0
+    assert "of the text tokens of benchmark bench's questions are the tokenizer's unknown token" in \
+        capsys.readouterr().err
+
+
+def test_a_model_built_here_takes_its_tokenizers_placeholder_as_it_takes_its_vocabulary(tmp_path, capsys):
+    """With an ERNIE SentencePiece tokenizer and nothing else said, the run starts (it stopped asking for
+    model.im_patch_id by hand)."""
+    from support.ernie import make_ernie_tokenizer
+    from support.lora import trainer
+
+    from ernie_moe.data.encoding.tokenizer import SentencePieceTokenizer
+
+    folder = make_ernie_tokenizer(tmp_path / "tokenizer")
+    own = SentencePieceTokenizer(str(folder), 0).placeholder_id()
+    assert own != 4  # the default model.im_patch_id
+    tr = trainer(tmp_path / "run", f"data.tokenizer_path={folder}")
+    assert (tr.cfg.model.im_patch_id, tr.cfg.model.vocab_size) == (own, 400)
+    assert f"the tokenizer's image placeholder has id {own}" in capsys.readouterr().out

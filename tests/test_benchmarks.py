@@ -224,7 +224,7 @@ def test_mmmu_records(tmp_path):
     assert [item.category for item in bench.items] == ["Art", "Math"]
     assert len(bench.items[0].images) == 2 and bench.items[1].open
     assert dict(bench.skipped) == {"bad_image_marker": 1, "bad_options": 1}  # literal_eval runs no code
-    assert user_content("mmmu", bench.items[0]) == ("Compare <image> and <image>.\n(A) left\n(B) right\n\n"
+    assert user_content("mmmu", bench.items[0]) == ("Compare <image> and <image>.\nA. left\nB. right\n\n"
                                                     "Answer with the option's letter from the given choices directly.")
     assert judge("mmmu", bench.items[1], "2 + 2 = 4") == ("4.0", 1.0)
     assert judge("mmmu", bench.items[0], "(B)") == ("B", 1.0)
@@ -258,12 +258,122 @@ def test_vqa_sets_and_text_multiple_choice(tmp_path):
     assert read_benchmark(tmp_path / "ceval.csv", "text_mcq").items[0].answers == ("D",)
 
 
+def parquet(path, rows) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = list(dict.fromkeys(k for row in rows for k in row))  # every row every column, as datasets writes them
+    pq.write_table(pa.Table.from_pylist([{k: row.get(k) for k in keys} for row in rows]), str(path))
+
+
+def same_items(a, b) -> None:
+    """Two readings of one benchmark: the same questions, answers, options, images (their bytes) and categories."""
+    def read(image):
+        return image if isinstance(image, bytes) else image.read_bytes()
+
+    assert len(a.items) == len(b.items) > 0
+    for x, y in zip(a.items, b.items):
+        assert (x.question, x.answers, x.options, x.category) == (y.question, y.answers, y.options, y.category)
+        assert [read(i) for i in x.images] == [read(i) for i in y.images]
+
+
+def test_the_original_releases_read_as_the_harnesses_copies_of_them(tmp_path):
+    """ChartQA's test_human.json (images in png/), DocVQA's and InfographicVQA's val_v1.0.json (an object whose
+    data is the records; InfographicVQA names a bare image file), OCRBench.json (image_path, answers a string or
+    a list, one beginning with '['), MMLU's parquet (choices, the answer's number): the same items as the layout
+    read before."""
+    png = base64.b64decode(png_base64())
+    (tmp_path / "png").mkdir()
+    (tmp_path / "png" / "c1.png").write_bytes(png)
+    (tmp_path / "test_human.json").write_text(json.dumps([{"imgname": "c1.png", "query": "Total?", "label": "12"}]))
+    (tmp_path / "chartqa.jsonl").write_text(json.dumps({"question": "Total?", "answer": "12",
+                                                        "image": png_base64()}) + "\n")
+    same_items(read_benchmark(tmp_path / "test_human.json", "chartqa"), read_benchmark(tmp_path / "chartqa.jsonl",
+                                                                                      "chartqa"))
+    (tmp_path / "documents").mkdir()
+    (tmp_path / "documents" / "d.png").write_bytes(png)
+    (tmp_path / "infographicsvqa_images").mkdir()
+    (tmp_path / "infographicsvqa_images" / "i.jpeg").write_bytes(png)
+    (tmp_path / "val_v1.0.json").write_text(json.dumps({"dataset_name": "docvqa", "dataset_version": "1.0", "data": [
+        {"questionId": 7, "question": "Who?", "answers": ["Ann", "ann"], "image": "documents/d.png"}]}))
+    (tmp_path / "infographicsVQA_val_v1.0.json").write_text(json.dumps({"dataset_name": "infographicVQA", "data": [
+        {"questionId": 8, "question": "How many?", "answers": ["3"], "image_local_name": "i.jpeg"}]}))
+    (tmp_path / "docvqa.jsonl").write_text(json.dumps({"question": "Who?", "answers": ["Ann", "ann"],
+                                                       "image": png_base64()}) + "\n")
+    same_items(read_benchmark(tmp_path / "val_v1.0.json", "docvqa"), read_benchmark(tmp_path / "docvqa.jsonl",
+                                                                                    "docvqa"))
+    info = read_benchmark(tmp_path / "infographicsVQA_val_v1.0.json", "infovqa")
+    assert info.items[0].images == (tmp_path / "infographicsvqa_images" / "i.jpeg",) and info.items[0].id == "8"
+    (tmp_path / "OCRBench_Images").mkdir()
+    (tmp_path / "OCRBench_Images" / "o.png").write_bytes(png)
+    (tmp_path / "OCRBench.json").write_text(json.dumps([
+        {"dataset_name": "IIIT5K", "id": 0, "image_path": "OCRBench_Images/o.png", "question": "Text?",
+         "answers": "STOP", "type": "Regular Text Recognition"},
+        {"dataset_name": "FUNSD", "id": 20952, "image_path": "OCRBench_Images/o.png", "question": "Key?",
+         "answers": ["[No. 5"], "type": "Key Information Extraction"},
+        {"dataset_name": "FUNSD", "id": 3, "image_path": "OCRBench_Images/o.png", "question": "Mark?",
+         "answers": "[Note", "type": "Key Information Extraction"}]))
+    ocr = read_benchmark(tmp_path / "OCRBench.json", "ocrbench")
+    assert [(i.id, i.answers, i.category) for i in ocr.items] == [
+        ("0", ("STOP",), "Regular Text Recognition"), ("20952", ("[No. 5",), "Key Information Extraction"),
+        ("3", ("[Note",), "Key Information Extraction")]
+    assert dict(ocr.skipped) == {}
+    parquet(tmp_path / "mmlu" / "test-00000-of-00001.parquet", [
+        {"question": "Which, of these?", "subject": "anatomy", "choices": ["w", "x", "y", "z"], "answer": 2}])
+    (tmp_path / "anatomy_test.csv").write_text('"Which, of these?",w,x,y,z,C\n')
+    same_items(read_benchmark(tmp_path / "mmlu" / "test-00000-of-00001.parquet", "text_mcq"),
+               read_benchmark(tmp_path / "anatomy_test.csv", "text_mcq"))
+
+
+def mmmu_record(subject, n, question, options, answer, **images) -> dict:
+    return {"id": f"validation_{subject}_{n}", "question": question, "options": str(options), "answer": answer,
+            "question_type": "multiple-choice", **{k: {"bytes": base64.b64decode(v)} for k, v in images.items()}}
+
+
+def test_mmmu_as_hugging_face_ships_it_is_one_benchmark_with_its_subjects_as_categories(tmp_path):
+    red, blue = png_base64(), png_base64((0, 0, 200))
+    parquet(tmp_path / "MMMU" / "Art" / "validation-00000-of-00001.parquet", [
+        mmmu_record("Art", 1, "Which is <image 1>?", ["a", "b"], "A", image_1=red),
+        # image options, and a marker repeated: each image once, where it first stands
+        mmmu_record("Art", 2, "Which is red, <image 1> or <image 2>? Look at <image 1>.",
+                    ["<image 1>", "<image 2>"], "A", image_1=red, image_2=blue)])
+    parquet(tmp_path / "MMMU" / "Math" / "validation-00000-of-00001.parquet", [
+        mmmu_record("Math", 1, "2 + 2?", ["3", "4"], "B")])
+    for given in (tmp_path / "MMMU", tmp_path / "MMMU" / "*" / "validation-*.parquet"):
+        bench = read_benchmark(given, "mmmu")
+        assert bench.path == tmp_path / "MMMU" and bench.path.stem == "MMMU"
+        assert [(i.id, i.category) for i in bench.items] == [
+            ("validation_Art_1", "Art"), ("validation_Art_2", "Art"), ("validation_Math_1", "Math")]
+    item = bench.items[1]
+    assert [base64.b64encode(i).decode() for i in item.images] == [red, blue]
+    assert user_content("mmmu", item) == ("Which is red, <image> or <image>? Look at <image 1>.\nA. <image 1>\n"
+                                          "B. <image 2>\n\nAnswer with the option's letter from the given choices "
+                                          "directly.")
+    scores = {0: 1.0, 1: 0.0, 2: 1.0}
+    assert figures("mmmu", bench.items, scores) == {"score": 2 / 3, "count": 3, "category/Art": 0.5,
+                                                    "category/Math": 1.0}
+    with pytest.raises(DataError, match="names no file"):
+        read_benchmark(tmp_path / "MMMU" / "*" / "test-*.parquet", "mmmu")
+
+
+def test_vlmevalkits_missing_cells_are_missing_options_as_pandas_reads_them(tmp_path):
+    header = ["index", "question", "A", "B", "C", "D", "answer", "image"]
+    rows = [[0, "Which?", "red", "green", "N/A", "None", "B", png_base64()],
+            [1, "Which?", "red", "NA", "", "", "A", png_base64()]]
+    write_tsv(tmp_path / "na.tsv", header, rows)
+    bench = read_benchmark(tmp_path / "na.tsv", "mcq")
+    assert [i.options for i in bench.items] == [{"A": "red", "B": "green"}]
+    assert dict(bench.skipped) == {"too_few_options": 1}
+
+
 @pytest.mark.parametrize("name, content, kind, message", [
     ("missing.tsv", None, "mcq", "does not exist"),
     ("bench.xlsx", "x", "mcq", "read as its suffix says"),
     ("bench.tsv", "index\tquestion\n", "mcq", "holds no usable mcq question"),
     ("bench.jsonl", "{not json\n", "mmmu", "line 1 is not JSON"),
     ("bench.json", '{"a": 1}', "docvqa", "must hold a JSON list"),
+    ("bench.json", '[{"q": "x", "answer": "1"}]', "chartqa", "a chartqa record has question \\(or query\\)"),
     ("bench.json", "[" * 100000, "docvqa", "cannot be read: it is nested too deep"),
     ("bench.jsonl", "[" * 100000 + "\n", "chartqa", "line 1 is nested too deep to read"),
     ("bench.jsonl", '{"question": "q"}\n', "nonsense", "unknown benchmark kind"),
@@ -307,7 +417,8 @@ def test_the_paired_interval_against_numpy():
 def results(scores: dict[str, list[float]]) -> dict:
     """An evaluate --out file's benchmarks: each benchmark's items, category 'c' + the item's parity."""
     return {"benchmarks": {name: {"kind": "mcq", "items": [
-        {"id": str(i), "unit": str(i), "category": f"c{i % 2}", "l2_category": "", "score": s}
+        {"id": str(i), "unit": str(i), "category": f"c{i % 2}", "l2_category": "", "score": s,
+         "reply": "yes" if s else "no", "gold": ["yes"]}
         for i, s in enumerate(values)]} for name, values in scores.items()}}
 
 
@@ -326,7 +437,15 @@ def test_compare_writes_the_report_and_flags_regressions(tmp_path, capsys):
     assert rows["lost", "overall"]["verdict"] == "regression" and rows["lost", "category/c1"]["questions"] == 20
     assert report["regressions"] == ["lost overall", "lost category/c0", "lost category/c1"]
     markdown = (tmp_path / "report" / "report.md").read_text()
-    assert "| lost | overall | 40 | 1.000 | 0.000 | -1.000 (-1.000 to -1.000) | **regression** |" in markdown
+    assert "| lost | overall | 40 | 1.000 | 0.000 | -1.000 (-1.000 to -1.000) | 40 | 0 | **regression** |" in markdown
+    assert "| kept | overall | 40 | 1.000 | 0.975 | " in markdown and "| 1 | 0 | within noise |" in markdown
+    # the changed answers, and what the interval means
+    assert "kept: answers that got worse\n\n| question | gold | before | after |\n|---|---|---|---|\n" \
+           "| 39 | yes | yes (1) | no (0) |" in markdown
+    assert "Where every question changed alike the interval has no width" in markdown
+    assert report["changed_answers"]["lost"]["worse"][0] == {"unit": "0", "gold": ["yes"], "before": "yes",
+                                                             "after": "no", "scores": [1.0, 0.0]}
+    assert len(report["changed_answers"]["lost"]["worse"]) == 3 and report["changed_answers"]["lost"]["better"] == []
     assert Image.open(tmp_path / "report" / "report.png").size[1] > 100
     assert "regressions: lost overall" in capsys.readouterr().out
     (tmp_path / "not_results.json").write_text("[1, 2]")

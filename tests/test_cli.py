@@ -30,12 +30,14 @@ def test_bounded_takes_finite_numbers_in_range_only():
 @pytest.mark.parametrize("main, argv, message", [
     (report.main, ["--config", CONFIG, "--world-size", "0"], "--world-size: must be at least 1, not 0"),
     (report.main, ["--config", CONFIG, "--image-fraction", "7"], "--image-fraction: must be from 0 to 1, not 7"),
-    (report.main, ["--config", CONFIG, "--device-memory-gb", "-5"], "--device-memory-gb: must be above 0, not -5"),
+    (report.main, ["--config", CONFIG, "--device-memory-gb", "-5"],
+     "--device-memory-gb: must be above 0 and at most 1e+06, not -5"),
     (generate.main, ["--model", "m", "--top-p", "0"], "--top-p: must be above 0 and at most 1, not 0"),
     (generate.main, ["--model", "m", "--temperature", "nan"], "--temperature: must be at least 0, not nan"),
     (generate.main, ["--model", "m", "--seed", "-1"], "--seed: must be at least 0, not -1"),
     (evaluate.main, ["--model", "m", "--data", "d", "--max-batches", "-1"], "--max-batches: must be at least 0"),
-    (export.main, ["a", "b", "--max-shard-size-gb", "0"], "--max-shard-size-gb: must be above 0, not 0"),
+    (export.main, ["a", "b", "--max-shard-size-gb", "0"],
+     "--max-shard-size-gb: must be above 0 and at most 1e+06, not 0"),
     # a billion drafts a step would chain the depth that many times before the first answer
     (generate.main, ["--model", "m", "--draft-tokens", "1000000000"],
      "--draft-tokens: must be from 0 to 16, not 1000000000"),
@@ -66,7 +68,8 @@ def test_speculative_decoding_drafts_by_default_on_a_gpu_only(monkeypatch, devic
 def test_evaluate_says_when_it_cannot_write_its_figures(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "scores", lambda *args: ({"eval_loss": 0.5}, {}))
     assert evaluate.main(["--model", "m", "--data", "synthetic", "--out", str(tmp_path)]) == 2  # a folder
-    assert "evaluate error: cannot write --out: [Errno 21] Is a directory" in capsys.readouterr().err
+    # said before any answering: the figures would have nowhere to go
+    assert "is not a regular file (a folder, a FIFO or a device)" in capsys.readouterr().err
     assert evaluate.main(["--model", "m", "--data", "synthetic", "--out", str(tmp_path / "figures.json")]) == 0
     assert '"eval_loss": 0.5' in (tmp_path / "figures.json").read_text()
 

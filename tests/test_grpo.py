@@ -234,6 +234,35 @@ def blind_to_rings(answer: str, reference: str) -> float:
     return 0.5 if "ring" in reference else float(len(answer) % 5)
 
 
+def every_answer_alike(answer: str, reference: str) -> float:
+    """A reward no answer can move: every group scores alike."""
+    return 0.25
+
+
+def test_a_run_whose_groups_all_score_alike_says_so_and_where_its_answers_are(tmp_path, capsys):
+    """The equal-reward warning fires in a real run (the monitor hands the alerts the rollouts' figures), the
+    progress bar's loss is the policy's, and the summary points to rollouts.jsonl."""
+    from ernie_moe.monitor.monitor import progress_figures
+
+    trainer = Trainer(grpo_cfg(tmp_path, "alike", "training.rewards=[test_grpo:every_answer_alike]",
+                               "logging.logging_steps=1"))
+    summary = trainer.train()
+    out = capsys.readouterr().out
+    assert "WARNING step 1: 100% of the rollout groups scored every answer alike (mean reward 0.250)" in out
+    assert "the task is too hard" in out and out.count("scored every answer alike") == 1  # said once
+    assert summary["rollouts"] == str(tmp_path / "alike" / "rollouts.jsonl")
+    import runpy
+
+    format_summary = runpy.run_path(str(ROOT / "run_trainer.py"))["format_summary"]
+    line = format_summary({**summary, "eval_bench/where": 0.5, "eval_bench/where/category/ring": 1.0})
+    assert line.endswith(f"eval_bench/where 0.5000 | model saved to {tmp_path / 'alike' / 'final_model'} | "
+                         f"sampled answers in {tmp_path / 'alike' / 'rollouts.jsonl'}")
+    records = [json.loads(line) for line in (tmp_path / "alike" / "metrics.jsonl").read_text().splitlines()]
+    window = [r for r in records if "loss" in r][-1]
+    shown = progress_figures(window)["loss"]
+    assert float(shown) == pytest.approx(window["rl/loss"] + window["router_loss"], abs=1e-4)
+
+
 def test_dynamic_sampling_drops_groups_whose_answers_all_score_the_same(tmp_path):
     """DAPO's dynamic sampling: groups with equal rewards are counted and replaced by groups of further prompts,
     so every group trained on has an advantage; without it they are kept."""

@@ -305,7 +305,8 @@ def _check_training(cfg: Config, check_paths: bool = True) -> None:
         kind, sep, path = spec.partition(":")
         _require(bool(sep) and kind in BENCHMARK_KINDS, f"training.eval_benchmarks entry '{spec}' must be KIND:FILE, "
                                                         f"KIND one of {', '.join(BENCHMARK_KINDS)}.")
-        problem = not_a_file(path) if check_paths and sep else None
+        folder_or_glob = Path(path).is_dir() or any(c in path for c in "*?[")
+        problem = not_a_file(path) if check_paths and sep and not folder_or_glob else None
         _require(problem is None, f"training.eval_benchmarks file '{path}' {problem}.")
     _require(not t.save_best_metric or t.save_best_metric.startswith(("eval_", "ema_eval_")),
              f"training.save_best_metric {t.save_best_metric!r} is not an evaluation figure: name one of the eval_* "

@@ -12,7 +12,8 @@
 - ``text_mcq``: MMLU / C-Eval: ``question, A..D, answer`` with a header (``subject`` or ``category`` naming the
   category), or MMLU's headerless six columns (the category then the file's name).
 
-Files are TSV, CSV, JSONL, JSON (a list of records) or Parquet; an image is base64 text, a ``{"bytes": ...}``
+Files are TSV, CSV, JSONL, JSON (a list of records, or an object whose ``data`` is one) or Parquet, one or a folder
+or glob of shards read as one benchmark; an image is base64 text, a ``{"bytes": ...}``
 record (Hugging Face datasets' layout) or a path relative to the file. A row that cannot be used is a counted
 skip by reason; a file that cannot be read at all is a :class:`~ernie_moe.data.DataError`.
 """
@@ -23,6 +24,7 @@ import ast
 import base64
 import binascii
 import csv
+import glob
 import json
 import math
 import re
@@ -41,9 +43,15 @@ KINDS = BENCHMARK_KINDS
 MAX_FILE_BYTES = 8 * 2 ** 30  # a benchmark file is read whole; MMBench's largest TSV is under 1 GiB
 MAX_FIELD_BYTES = 64 * 2 ** 20  # one cell: a base64 image
 MAX_ROWS = 1_000_000
+# the cells pandas' read_csv reads as missing by default (its na_values), as VLMEvalKit reads a TSV
+PANDAS_NA = frozenset({"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
+                       "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"})
 CIRCULAR_STEP = 1_000_000  # MMBench: a rotation's index is the original's plus k times this
 LETTERS = string.ascii_uppercase[:9]  # MMBench A-E, MMMU up to I
 MMMU_IMAGES = 7
+SUFFIXES = (".tsv", ".csv", ".jsonl", ".json", ".parquet")
+MAX_FILES = 1000  # shards of one benchmark (MMMU's validation split: 30)
+MAX_IMAGE_FOLDERS = 64  # sub-folders of a benchmark's folder looked into for a bare image name
 # the first bytes of the image files a benchmark's base64 cells hold: PNG, JPEG, GIF, BMP, WebP (RIFF), TIFF
 IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"RIFF", b"II*\x00", b"MM\x00*")
 
@@ -62,6 +70,7 @@ class Item:
     l2_category: str = ""
     group: str = ""  # CircularEval: the original question's index
     open: bool = False  # an MMMU open question
+    markers: tuple[int, ...] = ()  # MMMU: the <image N> numbers of ``images``, in order of first appearance
 
 
 @dataclass
@@ -83,36 +92,58 @@ class RowSkip(Exception):
 
 
 def read_benchmark(path: str | Path, kind: str) -> Benchmark:
-    """The items of the benchmark file ``path`` read as ``kind`` (one of :data:`KINDS`)."""
+    """The items of the benchmark ``path`` read as ``kind`` (one of :data:`KINDS`): a file, or a folder or glob of
+    shards (MMMU as Hugging Face ships it: a folder per subject) read as one benchmark named by the folder."""
     if kind not in KINDS:
         raise DataError(f"unknown benchmark kind '{kind}': one of {', '.join(KINDS)}")
-    path = Path(path)
-    problem = not_a_file(path)
-    if problem is not None:
-        raise DataError(f"benchmark file '{path}' {problem}")
-    if path.stat().st_size > MAX_FILE_BYTES:
-        raise DataError(f"benchmark file '{path}' is over {MAX_FILE_BYTES // 2 ** 30} GiB")
-    rows = list(_rows(path, headerless=kind == "text_mcq"))
+    path, files = benchmark_files(path)
     bench = Benchmark(kind, path, [])
-    if kind in ("mcq", "mmbench"):
-        bench.items = _mcq_items(rows, path, bench.skipped)
-        if kind == "mmbench":
-            bench.items = _with_rotations(bench.items)
-    else:
+    for file in files:
+        if file.stat().st_size > MAX_FILE_BYTES:
+            raise DataError(f"benchmark file '{file}' is over {MAX_FILE_BYTES // 2 ** 30} GiB")
+        rows = list(_rows(file, headerless=kind == "text_mcq"))
+        if kind in ("mcq", "mmbench"):
+            items = _mcq_items(rows, file, bench.skipped)
+            bench.items += _with_rotations(items) if kind == "mmbench" else items
+            continue
         reader = {"mmmu": _mmmu_item, "text_mcq": _text_mcq_item}.get(kind, _vqa_item)
         for number, row in enumerate(rows, start=1):
             try:
-                bench.items.append(reader(row, number, path))
+                bench.items.append(reader(row, number, file))
             except RowSkip as skip:
                 bench.skipped[skip.reason] += 1
     if not bench.items:
         raise DataError(f"benchmark file '{path}' holds no usable {kind} question (skipped: "
-                        f"{dict(bench.skipped) or 'none'})")
+                        f"{dict(bench.skipped) or 'none'}; a {kind} record has {EXPECTED[kind]})")
     ids = Counter(item.id for item in bench.items)
     repeated = [i for i, n in ids.items() if n > 1]
     if repeated:
         raise DataError(f"benchmark file '{path}': item id '{repeated[0]}' appears {ids[repeated[0]]} times")
     return bench
+
+
+def benchmark_files(given: str | Path) -> tuple[Path, list[Path]]:
+    """(the benchmark's path, which names it; its files): one file, every file of a readable suffix under a
+    folder, or the files a glob matches (its folder names it), in order; DataError when there are none."""
+    text = str(given)
+    if any(c in text for c in "*?["):
+        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
+        base = Path(*[part for part in Path(text).parts[: next(i for i, part in enumerate(Path(text).parts)
+                                                                 if any(c in part for c in "*?["))]] or ["."])
+    else:
+        base = Path(given)
+        if base.is_dir():
+            files = sorted(p for p in base.rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
+        else:
+            problem = not_a_file(base)
+            if problem is not None:
+                raise DataError(f"benchmark file '{base}' {problem}")
+            return base, [base]
+    if not files:
+        raise DataError(f"benchmark '{given}' names no file ({', '.join(SUFFIXES)})")
+    if len(files) > MAX_FILES:
+        raise DataError(f"benchmark '{given}' names {len(files)} files, more than {MAX_FILES}")
+    return base, files
 
 
 # -- rows --------------------------------------------------------------------------------------------------
@@ -132,8 +163,11 @@ def _rows(path: Path, headerless: bool = False) -> Iterator[dict]:
                 records = read_json(path, MAX_FILE_BYTES)
             except UnreadableJSON as err:
                 raise DataError(f"benchmark file '{path}' cannot be read: {err}") from None
+            if isinstance(records, dict) and isinstance(records.get("data"), list):
+                records = records["data"]  # DocVQA's and InfographicVQA's releases: {dataset_name, ..., data}
             if not isinstance(records, list):
-                raise DataError(f"benchmark file '{path}' must hold a JSON list of records")
+                raise DataError(f"benchmark file '{path}' must hold a JSON list of records (or an object whose "
+                                "'data' is one, as DocVQA's release)")
             for number, record in enumerate(records, start=1):
                 if not isinstance(record, dict):
                     raise DataError(f"benchmark file '{path}' record {number} is not an object")
@@ -174,7 +208,8 @@ def _delimited(path: Path, delimiter: str, headerless: bool) -> Iterator[dict]:
         for count, row in enumerate(reader, start=1):
             if count > MAX_ROWS:
                 raise DataError(f"benchmark file '{path}' has over {MAX_ROWS} rows")
-            yield dict(zip(names, row))
+            # VLMEvalKit reads these files with pandas' defaults: such a cell is a missing value there
+            yield dict(zip(names, (None if cell in PANDAS_NA else cell for cell in row)))
 
 
 def _parquet(path: Path) -> Iterator[dict]:
@@ -218,7 +253,7 @@ def _answer_list(value) -> tuple[str, ...]:
         try:
             value = ast.literal_eval(value.strip())  # data only: literal_eval evaluates no code
         except (ValueError, SyntaxError, MemoryError, RecursionError):
-            raise RowSkip("bad_answer") from None
+            pass  # an answer that begins with '[' (OCRBench's item 20952): the string, as the reference reads it
     values = value if isinstance(value, (list, tuple)) else [value]
     answers = tuple(str(v).strip() for v in values if v is not None and str(v).strip())
     if not answers:
@@ -245,7 +280,19 @@ def _image(value, root: Path) -> bytes | Path:
             return decoded
     except (binascii.Error, ValueError):
         pass
-    return root / value
+    return _beside(root, value)
+
+
+def _beside(root: Path, name: str) -> Path:
+    """``name`` under ``root``, or in one of ``root``'s sub-folders (ChartQA's ``png/``, InfographicVQA's image
+    folder) where only its file name is given; the first place when it is nowhere (a counted skip later)."""
+    first = root / name
+    if first.exists() or "/" in name:
+        return first
+    for folder in sorted(p for p in root.iterdir() if p.is_dir())[:MAX_IMAGE_FOLDERS]:
+        if (folder / name).is_file():
+            return folder / name
+    return first
 
 
 # -- kinds -------------------------------------------------------------------------------------------------
@@ -315,6 +362,17 @@ def _with_rotations(items: list[Item]) -> list[Item]:
     return rotated
 
 
+# the fields of the VQA kinds' files, as their releases and the harnesses' copies name them
+VQA_ANSWERS = ("answers", "answer", "label")  # label: ChartQA's release
+VQA_IMAGES = ("image", "image_path", "imgname", "image_local_name")  # OCRBench, ChartQA, InfographicVQA releases
+EXPECTED = {
+    "mcq": "index, question, A, B, ..., answer, image",
+    "mmbench": "index, question, A, B, ..., answer, image",
+    "mmmu": "id, question, options, answer, question_type, image_1..image_7",
+    "text_mcq": "question, A..D (or choices, a list), answer (a letter, or the choice's number)",
+    **{kind: f"question (or query), {' / '.join(VQA_ANSWERS)}, {' / '.join(VQA_IMAGES)}"
+       for kind in ("chartqa", "docvqa", "infovqa", "ocrbench")},
+}
 _MMMU_SUBJECT = re.compile(r"^[^_]+_(.+?)_\d+$")
 
 
@@ -336,24 +394,31 @@ def _mmmu_item(row: dict, number: int, path: Path) -> Item:
     answers = _answer_list(row.get("answer"))
     if not is_open and answers[0] not in options:
         raise RowSkip("answer_not_an_option")
-    marked = [int(n) for n in re.findall(r"<image (\d+)>", question)]
+    # the images of the question and of its options (MMMU's image options), each once, in order of appearance
+    marked = list(dict.fromkeys(int(n) for text in (question, *options.values())
+                                for n in re.findall(r"<image (\d+)>", text)))
     if any(not 1 <= n <= MMMU_IMAGES for n in marked):
         raise RowSkip("bad_image_marker")
     images = tuple(_image(row.get(f"image_{n}"), path.parent) for n in marked)
     match = _MMMU_SUBJECT.match(item_id)
     subject = _text(row, "subject") or (match.group(1) if match else "")
     return Item(item_id, question, answers if is_open else answers[:1], options, images, category=subject,
-                open=is_open)
+                open=is_open, markers=tuple(marked))
+
+
+def _first(row: dict, keys: tuple[str, ...]):
+    return next((row[k] for k in keys if row.get(k) is not None), None)
 
 
 def _vqa_item(row: dict, number: int, path: Path) -> Item:
-    question = _text(row, "question")
+    question = _text(row, "question") or _text(row, "query")  # ChartQA's release names it query
     if not question:
         raise RowSkip("no_question")
-    answers = _answer_list(row.get("answers", row.get("answer")))
+    answers = _answer_list(_first(row, VQA_ANSWERS))
     item_id = _text(row, "index") or _text(row, "id") or _text(row, "questionId") or str(number)
     category = _text(row, "question_type") or _text(row, "category") or _text(row, "type")
-    return Item(item_id, question, answers, images=(_image(row.get("image"), path.parent),), category=category)
+    return Item(item_id, question, answers, images=(_image(_first(row, VQA_IMAGES), path.parent),),
+                category=category)
 
 
 def _text_mcq_item(row: dict, number: int, path: Path) -> Item:
@@ -362,6 +427,13 @@ def _text_mcq_item(row: dict, number: int, path: Path) -> Item:
         raise RowSkip("no_question")
     options = _options(row)
     answer = _text(row, "answer")
+    choices = row.get("choices")
+    if not options and isinstance(choices, (list, tuple)) and len(choices) <= len(LETTERS):
+        # MMLU as Hugging Face ships it: the options as a list, the answer the right one's number
+        options = {letter: str(c).strip() for letter, c in zip(LETTERS, choices)}
+        given = row.get("answer")
+        if isinstance(given, int) and not isinstance(given, bool) and 0 <= given < len(choices):
+            answer = LETTERS[given]
     if len(options) < 2:
         raise RowSkip("too_few_options")
     if answer not in options:

@@ -32,6 +32,8 @@ class Row:
     low: float
     high: float
     verdict: str  # "regression", "improvement" or "within noise"
+    worse: int = 0  # questions whose score fell (right -> wrong, where scores are 0 or 1)
+    better: int = 0  # questions whose score rose (wrong -> right)
 
 
 def paired(before: dict[str, float], after: dict[str, float]) -> tuple[int, float, float, float]:
@@ -75,8 +77,31 @@ def compare(before: dict[str, dict], after: dict[str, dict]) -> list[Row]:
                 continue
             shared = set(was) & set(now)
             rows.append(Row(name, scope, n, sum(was[k] for k in shared) / n, sum(now[k] for k in shared) / n,
-                            difference, low, high, verdict(low, high)))
+                            difference, low, high, verdict(low, high), sum(now[k] < was[k] for k in shared),
+                            sum(now[k] > was[k] for k in shared)))
     return rows
+
+
+def changed_answers(before: dict[str, dict], after: dict[str, dict], limit: int = 3) -> dict[str, dict]:
+    """Per benchmark both sides answered, the first ``limit`` questions whose score fell and rose: the question's
+    unit, its gold answers and each side's reply and score (from the results' records)."""
+    out = {}
+    for name, first in before.items():
+        if name not in after:
+            continue
+        was = {r["unit"]: r for r in first["items"]}
+        changes: dict[str, list] = {"worse": [], "better": []}
+        for record in after[name]["items"]:
+            old = was.get(record["unit"])
+            if old is None or old["score"] == record["score"]:
+                continue
+            way = "worse" if record["score"] < old["score"] else "better"
+            if len(changes[way]) < limit:
+                changes[way].append({"unit": record["unit"], "gold": record.get("gold"),
+                                     "before": old.get("reply"), "after": record.get("reply"),
+                                     "scores": [old["score"], record["score"]]})
+        out[name] = changes
+    return out
 
 
 def as_json(rows: list[Row], before: str, after: str) -> dict:
@@ -84,15 +109,39 @@ def as_json(rows: list[Row], before: str, after: str) -> dict:
             "regressions": [f"{r.benchmark} {r.scope}" for r in rows if r.verdict == "regression"]}
 
 
-def as_markdown(rows: list[Row], before: str, after: str) -> str:
+INTERVAL_NOTE = (
+    "change: the mean over the questions both sides answered of (after - before), with its paired 95% interval "
+    "(1.96 standard errors of that mean). Below zero throughout: a regression; above: an improvement; holding zero: "
+    "within the noise of a set that size. Where every question changed alike the interval has no width (all "
+    "right -> wrong reads -1.000 (-1.000 to -1.000)); with fewer than 10 such questions it is -1 to +1 (nothing "
+    "called). worse / better: the questions whose score fell / rose (right -> wrong / wrong -> right).")
+
+
+def as_markdown(rows: list[Row], before: str, after: str, changes: dict[str, dict] | None = None) -> str:
     lines = [f"before: `{before}`  ", f"after: `{after}`", "",
-             "| benchmark | scope | questions | before | after | change (95% interval) | |",
-             "|---|---|---|---|---|---|---|"]
+             "| benchmark | scope | questions | before | after | change (95% interval) | worse | better | |",
+             "|---|---|---|---|---|---|---|---|---|"]
     marks = {"regression": "**regression**", "improvement": "improvement", "within noise": "within noise"}
     for r in rows:
         lines.append(f"| {r.benchmark} | {r.scope} | {r.questions} | {r.before:.3f} | {r.after:.3f} | "
-                     f"{r.difference:+.3f} ({r.low:+.3f} to {r.high:+.3f}) | {marks[r.verdict]} |")
+                     f"{r.difference:+.3f} ({r.low:+.3f} to {r.high:+.3f}) | {r.worse} | {r.better} | "
+                     f"{marks[r.verdict]} |")
+    lines += ["", INTERVAL_NOTE]
+    for name, ways in (changes or {}).items():
+        for way, examples in ways.items():
+            if examples:
+                lines += ["", f"{name}: answers that got {way}", "",
+                          "| question | gold | before | after |", "|---|---|---|---|"]
+                lines += [f"| {_cell(e['unit'])} | {_cell(e['gold'])} | {_cell(e['before'])} ({e['scores'][0]:g}) | "
+                          f"{_cell(e['after'])} ({e['scores'][1]:g}) |" for e in examples]
     return "\n".join(lines) + "\n"
+
+
+def _cell(value) -> str:
+    """A value as one Markdown table cell: one line, pipes escaped, long text cut."""
+    text = " / ".join(map(str, value)) if isinstance(value, list) else str(value)
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= 80 else text[:79] + "…"
 
 
 def _in(field: str, value) -> Callable[[dict], bool]:

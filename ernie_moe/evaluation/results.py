@@ -8,10 +8,11 @@ import sys
 from tqdm import tqdm
 
 from ..data import DataError
+from ..data.encoding.tokenizer import Tokenizer, unknown_warning
 from ..generation import load_model_folder
 from .answering import answer_benchmark
 from .formats import KINDS, Benchmark, read_benchmark
-from .scoring import RULES, max_new_tokens
+from .scoring import RULES, max_new_tokens, prompt_text
 
 MAX_SIDE_BY_SIDE = 1024  # rows or questions at once: far above what fits a CPU's memory for the default model
 MAX_NEW_TOKENS = 65536
@@ -27,9 +28,22 @@ def read_benchmarks(specs: list[str], where: str = "--benchmark") -> dict[str, B
             raise DataError(f"{where} '{spec}' must be KIND:FILE, KIND one of {', '.join(KINDS)}")
         bench = read_benchmark(path, kind)
         if bench.path.stem in benches:
-            raise DataError(f"{where} names two files called '{bench.path.stem}': name them apart")
+            raise DataError(f"{where} names two benchmarks called '{bench.path.stem}': name them apart, or give "
+                            "the folder that holds them (KIND:FOLDER, or a glob) to read them as one benchmark")
         benches[bench.path.stem] = bench
     return benches
+
+
+def unknown_warnings(benches: dict[str, Benchmark], tokenizer: Tokenizer) -> list[str]:
+    """A line for each benchmark whose questions the tokenizer reads largely as its unknown token (a model whose
+    vocabulary does not cover them answers placeholders, and scores nothing)."""
+    lines = []
+    for name, bench in benches.items():
+        ids = [i for item in bench.items for i in tokenizer.encode(prompt_text(bench.kind, item))]
+        line = unknown_warning(ids.count(tokenizer.unk_id) / len(ids) if ids else 0.0, f"benchmark {name}'s questions")
+        if line:
+            lines.append(line)
+    return lines
 
 
 def benchmark_results(model_dir, specs: list[str], base, batch_size: int, answer_tokens: int | None,
@@ -39,6 +53,9 @@ def benchmark_results(model_dir, specs: list[str], base, batch_size: int, answer
     benchmark's name (the file's stem)."""
     benches = read_benchmarks(specs)
     loaded = load_model_folder(model_dir)
+    assert loaded.tokenizer is not None  # load_model_folder refuses a folder without one unless told
+    for line in unknown_warnings(benches, loaded.tokenizer):
+        print(f"warning: {line}", file=sys.stderr)
     results = {}
     for name, bench in benches.items():
         tokens = answer_tokens or max_new_tokens(bench.kind)

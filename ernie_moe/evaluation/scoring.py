@@ -9,7 +9,6 @@ questions is VLMEvalKit's, and the one here (the per-l2-category figures give th
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 from .answers import can_infer, eval_open, parse_multi_choice_response, parse_open_response
@@ -21,8 +20,9 @@ MMMU_CHOICE_ASK = "Answer with the option's letter from the given choices direct
 SHORT_ASK = "Answer the question using a single word or phrase."
 
 RULES = {
-    "mcq": "VLMEvalKit ImageMCQDataset prompt; can_infer (exact matching); accuracy",
-    "mmbench": "VLMEvalKit ImageMCQDataset prompt; can_infer (exact matching); CircularEval accuracy",
+    "mcq": "VLMEvalKit ImageMCQDataset prompt; can_infer (exact matching, before its June 2026 change); accuracy",
+    "mmbench": "VLMEvalKit ImageMCQDataset prompt; can_infer (exact matching, before its June 2026 change); "
+               "CircularEval accuracy",
     "mmmu": "lmms-eval MMMU prompt; MMMU parse_multi_choice_response / parse_open_response + eval_open; "
             "accuracy over questions",
     "chartqa": "VLMEvalKit VQA prompt; relaxed accuracy at 5% (pix2struct), prediction stripped",
@@ -48,10 +48,10 @@ def prompt_text(kind: str, item: Item) -> str:
         text += f"Question: {item.question}\n"
         text += "Options:\n" + "".join(f"{letter}. {option}\n" for letter, option in item.options.items())
         return text + MCQ_ASK
-    if kind == "mmmu":
+    if kind == "mmmu":  # lmms-eval's construct_prompt
         if item.open:
             return f"{item.question}\n\n{SHORT_ASK}"
-        options = "\n".join(f"({letter}) {option}" for letter, option in item.options.items())
+        options = "\n".join(f"{letter}. {option}" for letter, option in item.options.items())
         return f"{item.question}\n{options}\n\n{MMMU_CHOICE_ASK}"
     if kind == "text_mcq":
         options = "".join(f"{letter}. {option}\n" for letter, option in item.options.items())
@@ -64,8 +64,10 @@ def prompt_text(kind: str, item: Item) -> str:
 def user_content(kind: str, item: Item) -> str:
     """The user turn with ``<image>`` markers where its images go, in the order of ``item.images``."""
     text = prompt_text(kind, item)
-    if kind == "mmmu":
-        return re.sub(r"<image \d+>", "<image>", text)
+    if kind == "mmmu":  # each image once, where its marker first stands (in the question or an option)
+        for number in item.markers:
+            text = text.replace(f"<image {number}>", "<image>", 1)
+        return text
     return "<image>" * len(item.images) + text
 
 

@@ -113,23 +113,31 @@ def bar_chart(rows: list[np.ndarray], layers: list[int], title: str, bar: int | 
     return np.asarray(image)
 
 
-BEFORE, AFTER_UP, AFTER_DOWN = (160, 160, 160), (60, 120, 200), (200, 60, 60)
+BEFORE, AFTER_UP, AFTER_DOWN, AFTER_SAME = (160, 160, 160), (60, 120, 200), (200, 60, 60), (150, 185, 220)
+MAX_LABEL_W = 520  # pixels a row's label may take before it is cut
 
 
 def comparison_chart(rows: list[tuple[str, float, float, float, float]], title: str) -> np.ndarray:
-    """Two scores (0 to 1) per labelled row, before (grey) above after (blue, red where the change's interval
-    lies below zero), with the change and its 95% interval written beside them.
+    """Two scores (0 to 1) per labelled row, before (grey) above after (blue where the change's 95% interval lies
+    above zero, pale blue where it holds zero, red where it lies below), with the change and its interval written
+    beside them, and a legend saying so.
 
     ``rows``: (label, before, after, interval low, interval high)."""
-    label_w, plot_w, note_w, row_h = 240, 360, 230, 34
-    width, height = label_w + plot_w + note_w, TITLE_H + 20 + len(rows) * row_h + 30
-    image, draw = _canvas(width, height, title)
     font, small = _font(13), _font(12)
+    _, measure = _canvas(1, 1, "")
+    longest = max((measure.textlength(label, font=font) for label, *_ in rows), default=0)
+    label_w = int(min(max(longest + 16, 160), MAX_LABEL_W))
+    plot_w, note_w, row_h = 360, 230, 34
+    width, height = max(label_w + plot_w + note_w, 760), TITLE_H + 20 + len(rows) * row_h + 50
+    image, draw = _canvas(width, height, title)
     top = TITLE_H + 16
     for i, (label, before, after, low, high) in enumerate(rows):
         y = top + i * row_h
-        draw.text((8, y + 8), label[:34], fill=INK, font=font)
-        for offset, value, colour in ((2, before, BEFORE), (15, after, AFTER_DOWN if high < 0 else AFTER_UP)):
+        while measure.textlength(label, font=font) > label_w - 16:
+            label = label[:-2] + "…"
+        draw.text((8, y + 8), label, fill=INK, font=font)
+        after_colour = AFTER_DOWN if high < 0 else AFTER_UP if low > 0 else AFTER_SAME
+        for offset, value, colour in ((2, before, BEFORE), (15, after, after_colour)):
             draw.rectangle([label_w, y + offset, label_w + round(plot_w * min(max(value, 0.0), 1.0)),
                             y + offset + 11], fill=colour)
         draw.text((label_w + plot_w + 10, y + 8), f"{after - before:+.3f} ({low:+.3f} to {high:+.3f})", fill=INK,
@@ -140,8 +148,10 @@ def comparison_chart(rows: list[tuple[str, float, float, float, float]], title: 
         x = label_w + round(plot_w * tick)
         draw.line([(x, axis), (x, axis + 4)], fill=INK)
         draw.text((x, axis + 14), f"{tick:g}", fill=INK, font=small, anchor="mm")
-    draw.rectangle([8, axis + 6, 18, axis + 16], fill=BEFORE)
-    draw.text((22, axis + 4), "before", fill=INK, font=small)
-    draw.rectangle([80, axis + 6, 90, axis + 16], fill=AFTER_UP)
-    draw.text((94, axis + 4), "after", fill=INK, font=small)
+    x = 8
+    for colour, name in ((BEFORE, "before"), (AFTER_UP, "after: better (interval above 0)"),
+                         (AFTER_SAME, "after: within noise"), (AFTER_DOWN, "after: regression (interval below 0)")):
+        draw.rectangle([x, axis + 26, x + 10, axis + 36], fill=colour)
+        draw.text((x + 14, axis + 24), name, fill=INK, font=small)
+        x += 24 + int(draw.textlength(name, font=small))
     return np.asarray(image)

@@ -97,7 +97,8 @@ class TrainingMonitor:
             memory = self._memory_per_rank()
             metrics.update(memory)
             peak = max(v for k, v in memory.items() if k.startswith("memory/max_rank_"))
-            self.warnings = self.alerts.check(step, scalars, peak)
+            # the MoE figures and the feed's (the GRPO rollouts' equal-reward share)
+            self.warnings = self.alerts.check(step, {**scalars, **(feed_metrics or {})}, peak)
         metrics.update({f"data/{k}" if k in FIT_COUNTS else f"data/skipped_{k}": v for k, v in data_stats.items()})
         metrics.update(feed_metrics or {})
         metrics.update(self.constants)
@@ -171,7 +172,9 @@ def mtp_metrics(totals: np.ndarray) -> dict:
 def progress_figures(metrics: dict) -> dict[str, str]:
     """What the progress bar shows of a window: the loss and speed, and in the GRPO stage first the reward, mean and
     spread, which its user watches."""
-    shown = {"loss": f"{metrics['loss']:.4f}", "tok_s": f"{metrics['tokens_per_sec']:.0f}"}
+    # GRPO's rows carry no labels: its loss is the policy's (with the routers'), not the language model's
+    loss = metrics["rl/loss"] + metrics["router_loss"] if "rl/loss" in metrics else metrics["loss"]
+    shown = {"loss": f"{loss:.4f}", "tok_s": f"{metrics['tokens_per_sec']:.0f}"}
     if "rollout/reward" in metrics:
         shown = {"reward": f"{metrics['rollout/reward']:.3f}+-{metrics['rollout/reward_std']:.3f}", **shown}
     return shown

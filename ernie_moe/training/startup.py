@@ -26,17 +26,29 @@ def check_memory(cfg: Config, env: DistEnv) -> None:
 
 
 def sized_to_tokenizer(cfg: Config, tokenizer: Tokenizer, say: bool) -> Config:
-    """A model built here (no ``training.model_name_or_path``) whose ``model.vocab_size`` the tokenizer outgrows
-    (the default config's 32 words, with data read as bytes) takes the tokenizer's vocabulary, rounded up to a
-    multiple of the tensor-parallel degree, and ``say`` prints a note; a loaded model's vocabulary is its own."""
+    """A model built here (no ``training.model_name_or_path``) takes from its tokenizer what must agree with it:
+    the vocabulary when the tokenizer outgrows ``model.vocab_size`` (the default config's 32 words, with data read
+    as bytes), rounded up to a multiple of the tensor-parallel degree, and the image placeholder's id
+    (``model.im_patch_id``) when the tokenizer has one of its own (an ERNIE SentencePiece tokenizer); ``say``
+    prints a note of each. A loaded model's vocabulary and placeholder are its own."""
     m, tp = cfg.model, cfg.parallel.tensor_parallel_degree
-    if cfg.training.model_name_or_path or tokenizer.vocab_size <= m.vocab_size:
+    if cfg.training.model_name_or_path:
         return cfg
-    size = -(-tokenizer.vocab_size // tp) * tp
-    if say:
-        print(f"note: model.vocab_size {m.vocab_size} is below the tokenizer's {tokenizer.vocab_size} tokens: the "
-              f"model built here has {size}", flush=True)
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=size))
+    vocab, placeholder = m.vocab_size, m.im_patch_id
+    if tokenizer.vocab_size > m.vocab_size:
+        vocab = size = -(-tokenizer.vocab_size // tp) * tp
+        if say:
+            print(f"note: model.vocab_size {m.vocab_size} is below the tokenizer's {tokenizer.vocab_size} tokens: "
+                  f"the model built here has {size}", flush=True)
+    own = tokenizer.placeholder_id()
+    if own is not None and own != m.im_patch_id:
+        placeholder = own
+        if say:
+            print(f"note: the tokenizer's image placeholder has id {own}: the model built here takes it as "
+                  f"model.im_patch_id (not {m.im_patch_id})", flush=True)
+    if (vocab, placeholder) == (m.vocab_size, m.im_patch_id):
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=vocab, im_patch_id=placeholder))
 
 
 def check_tokenizer(tokenizer: Tokenizer, model_cfg: ModelConfig) -> None:

@@ -37,7 +37,7 @@ from ..data.feeding.held_out_rows import held_out_batches
 from ..data.feeding.loader import sample_encoder, training_encoder
 from ..data.feeding.report import data_report, describe
 from ..elastic.job import JobRecord, job_id
-from ..evaluation.results import read_benchmarks
+from ..evaluation.results import read_benchmarks, unknown_warnings
 from ..finetune.adapter_files import save_adapter
 from ..finetune.lora import LoRASettings
 from ..host_reads import HostReadCounter
@@ -95,6 +95,8 @@ class Trainer:
         self.data_stats: Counter = Counter()  # skipped and fitted samples, the data/ metrics
         self.feed, self.eval_set = self._build_data()
         self.benchmarks = read_benchmarks(t.eval_benchmarks, "training.eval_benchmarks")
+        for line in unknown_warnings(self.benchmarks, self.tokenizer) if self.env.is_main else []:
+            print(f"WARNING {line}", flush=True)
         self.last_checkpoint: Checkpoint | None = None  # the lineage's newest: a resume's source, then its saves
         self.writes = BackgroundWrites() if t.async_save else None  # the thread that writes saves in the background
         self.pending_save: PendingCheckpoint | None = None  # a save being written in the background
@@ -542,6 +544,9 @@ class Trainer:
         final = Path(self.cfg.training.output_dir) / "final_model"
         averaged = self._export(final)
         summary.update(status="done", model_dir=str(final), final_model_weights="ema" if averaged else "trained")
+        rollouts = Path(self.cfg.training.output_dir) / "rollouts.jsonl"
+        if rollouts.is_file():  # the GRPO stage's sampled answers: said where they are
+            summary["rollouts"] = str(rollouts)
         if self.env.is_main:  # whether vLLM, SGLang and FastDeploy would serve it as trained
             reports = check_folder(final)
             summary["serving_engines"] = {r.engine: r.as_dict() for r in reports}

@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from ...json_files import UnreadableJSON, read_json, read_json_object
 
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
@@ -250,6 +252,25 @@ class SentencePieceTokenizer:
             source = self.path.parent / name
             if source.is_file() and source.resolve() != (folder / name).resolve():
                 (folder / name).write_bytes(source.read_bytes())
+
+
+# a share of unknown tokens in text above this says the tokenizer's vocabulary does not cover the text
+UNKNOWN_WARN_SHARE = 0.05
+
+
+def unknown_tokens(input_ids, token_type_ids, unk_id: int) -> tuple[int, int]:
+    """(the text tokens that are ``unk_id``, the text tokens) of an encoded sample."""
+    text = np.asarray(token_type_ids) == 0
+    return int((np.asarray(input_ids)[text] == unk_id).sum()), int(text.sum())
+
+
+def unknown_warning(share: float, what: str) -> str | None:
+    """The line a person should see when ``share`` of ``what``'s text tokens are the unknown token, or None."""
+    if share <= UNKNOWN_WARN_SHARE:
+        return None
+    return (f"{share:.0%} of the text tokens of {what} are the tokenizer's unknown token (<unk>): its vocabulary does "
+            "not cover this text, so the model reads placeholders; give the model's own tokenizer "
+            "(data.tokenizer_path, or a model folder that holds one)")
 
 
 MAX_TEMPLATE_BYTES = 1 << 20  # a chat template is a few KiB

@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 
 from ..encoding.packing import Row
-from ..encoding.tokenizer import Tokenizer
+from ..encoding.tokenizer import Tokenizer, unknown_tokens, unknown_warning
 from ..formats.sample import BadSample
 from .plan import sample_order
 
@@ -64,7 +64,7 @@ def data_report(dataset, encoder, tokenizer: Tokenizer, count: int, seed: int) -
     sources: Counter = Counter()
     skipped: Counter = Counter()
     lengths: list[int] = []
-    image_tokens = trained = 0
+    image_tokens = trained = unknown = text_tokens = 0
     first = None
     truncated_before = encoder.stats["overlong_truncated"]
     for index in (int(i) for i in order):
@@ -79,6 +79,8 @@ def data_report(dataset, encoder, tokenizer: Tokenizer, count: int, seed: int) -
         lengths.append(len(encoded))
         image_tokens += int((encoded.token_type_ids > 0).sum())
         trained += int(encoded.target.sum())
+        unk, text = unknown_tokens(encoded.input_ids, encoded.token_type_ids, tokenizer.unk_id)
+        unknown, text_tokens = unknown + unk, text_tokens + text
         if first is None:
             first = encoded
     truncated = encoder.stats["overlong_truncated"] - truncated_before
@@ -92,6 +94,7 @@ def data_report(dataset, encoder, tokenizer: Tokenizer, count: int, seed: int) -
         "image_token_share": round(image_tokens / tokens, 4) if tokens else 0.0,
         "trained_token_share": round(trained / tokens, 4) if tokens else 0.0,
         "truncated_share": round(truncated / len(lengths), 4) if lengths else 0.0,
+        "unknown_token_share": round(unknown / text_tokens, 4) if text_tokens else 0.0,
     }
     if first is not None:
         report["first_sample"] = {"text": render(first, tokenizer), "tokens": len(first),
@@ -109,6 +112,9 @@ def describe(report: dict) -> str:
         lines.append(f"  tokens per sample: {t['min']} to {t['max']}, mean {t['mean']}; image tokens "
                      f"{report['image_token_share']:.1%}, trained {report['trained_token_share']:.1%}, "
                      f"truncated samples {report['truncated_share']:.1%}")
+    warning = unknown_warning(report.get("unknown_token_share", 0.0), "the training data")
+    if warning:
+        lines.append(f"  WARNING {warning}")
     if "first_sample" in report:
         first = report["first_sample"]
         lines.append(f"  first sample ({first['tokens']} tokens, trained tokens between {TRAINED_OPEN} and "
