@@ -195,6 +195,29 @@ def test_the_text_moe_export_resolves_its_range_and_holds_a_bias(served, tmp_pat
     assert problems(tmp_path / "text") == {"vllm": [], "sglang": [], "fastdeploy": []}
 
 
+def test_the_remote_processor_resizes_as_the_training_does():
+    """The resize rule written again in the remote code (which runs without this package) against the training's,
+    over sizes from a sliver to a poster, tall and wide, under and over the budget."""
+    import ast
+    import math
+
+    from ernie_moe.data.encoding.images import pixel_budget_size
+
+    # the function and its constant alone (the module imports transformers, which runs apart from paddle)
+    tree = ast.parse((HUB_CODE / "processing_ernie_moe.py").read_text())
+    wanted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "budget_size"
+              or isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "MAX_ASPECT" for t in n.targets)]
+    space: dict = {"math": math}
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), "processing_ernie_moe.py", "exec"), space)
+    budget_size = space["budget_size"]
+
+    sides = [1, 13, 28, 55, 100, 333, 999, 4096, 9000]
+    for height in sides:
+        for width in sides:
+            for budget in ((56 * 56, 28 * 28 * 1280), (3136, 50176), (4 * 28 * 28, 16 * 28 * 28)):
+                assert budget_size(height, width, 28, *budget) == pixel_budget_size(height, width, 28, *budget)
+
+
 # -- the engines' transformers, at their pin ----------------------------------------------------------------------
 
 def engines_python() -> str:

@@ -26,6 +26,7 @@ ARCHITECTURES = {  # what each engine registers for ERNIE 4.5
     "sglang": {VL_ARCHITECTURE, "Ernie4_5_MoeForCausalLM", "Ernie4_5_ForCausalLM"},
     "fastdeploy": {VL_ARCHITECTURE, "Ernie4_5_MoeForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_ForCausalLM"},
 }
+AUTO = ("vllm", "sglang")  # the engines that read a folder through transformers' Auto classes
 TRANSFORMERS_TYPES = ("ernie4_5", "ernie4_5_moe")  # model types AutoConfig knows without remote code
 KNOWN_TOKENIZERS = ("LlamaTokenizer", "LlamaTokenizerFast", "PreTrainedTokenizerFast", "TokenizersBackend")
 # fields the VL class reads without a default (vLLM and SGLang), and what SGLang's processor reads besides
@@ -57,31 +58,26 @@ def check_folder(folder) -> list[EngineReport]:
     """Each engine's problems and notes with the model folder ``folder``."""
     folder = Path(folder)
     reports = {engine: EngineReport(engine) for engine in ENGINES}
-
-    def every(line: str, engines=tuple(ENGINES)) -> None:
-        for engine in engines:
-            reports[engine].problems.append(line)
-
     try:
         config = read_json(folder / "config.json")
     except UnreadableJSON as err:
-        every(f"config.json: {err}")
+        _problem(reports, f"config.json: {err}")
         return list(reports.values())
     if not isinstance(config, dict):
-        every("config.json is not a JSON object")
+        _problem(reports, "config.json is not a JSON object")
         return list(reports.values())
     if (folder / "lora_config.json").is_file() or (folder / "adapter_config.json").is_file():
-        every("a LoRA adapter, not a model: merge it into its base first (python -m ernie_moe.export ADAPTER OUT "
-              "--merge-lora)")
+        _problem(reports, "a LoRA adapter, not a model: merge it into its base first (python -m ernie_moe.export "
+                          "ADAPTER OUT --merge-lora)")
         return list(reports.values())
     if config.get("model_type") == "ernie4_5_vl_moe":
-        every("transformers' nested ERNIE-4.5-VL config (export --format transformers): the engines' ERNIE classes "
-              "read the PaddleFormers form (python -m ernie_moe.export SOURCE OUT, no --format)")
+        _problem(reports, "transformers' nested ERNIE-4.5-VL config (export --format transformers): the engines' ERNIE "
+                          "classes read the PaddleFormers form (python -m ernie_moe.export SOURCE OUT, no --format)")
         return list(reports.values())
     try:
         names = tensor_names(folder)
     except CheckpointError as err:
-        every(str(err))
+        _problem(reports, str(err))
         return list(reports.values())
     architecture = (config.get("architectures") or [None])[0]
     for engine, known in ARCHITECTURES.items():
@@ -95,6 +91,18 @@ def check_folder(folder) -> list[EngineReport]:
     _check_moe_tensors(config, names, architecture == VL_ARCHITECTURE, reports)
     _check_files(folder, config, architecture == VL_ARCHITECTURE, reports)
     return list(reports.values())
+
+
+def _problem(reports: dict[str, EngineReport], line: str, engines=tuple(ENGINES)) -> None:
+    """``line`` as a problem of each of ``engines``."""
+    for engine in engines:
+        reports[engine].problems.append(line)
+
+
+def _lacks_remote_class(folder: Path, auto_map, key: str) -> bool:
+    """Whether ``auto_map`` names no ``key`` class whose module the folder holds (transformers cannot build it)."""
+    target = _auto_map_file(auto_map, key)
+    return target is None or not (folder / target).is_file()
 
 
 def tensor_names(folder: Path) -> list[str]:
@@ -123,10 +131,8 @@ def _check_dtype(config: dict, names: list[str], reports: dict[str, EngineReport
             f"it has {'both' if has_torch else 'neither'}, so FastDeploy cannot tell how to read the weights")
     fused = [n for n in names if re.search(r"\.(qkv_proj|up_gate_proj)\.weight$", n) and "vision_model" not in n]
     if fused:
-        for engine in ("vllm", "sglang"):
-            reports[engine].problems.append(
-                f"{len(fused)} fused tensors of the Paddle layout (e.g. {fused[0]}): the engine reads split "
-                "q/k/v and gate/up projections (write the folder with python -m ernie_moe.export)")
+        _problem(reports, f"{len(fused)} fused tensors of the Paddle layout (e.g. {fused[0]}): the engine reads split "
+                          "q/k/v and gate/up projections (write the folder with python -m ernie_moe.export)", AUTO)
 
 
 def _check_auto_config(folder: Path, config: dict, reports: dict[str, EngineReport]) -> None:
@@ -141,8 +147,7 @@ def _check_auto_config(folder: Path, config: dict, reports: dict[str, EngineRepo
         line = f"config.json's auto_map names {target}, which the folder lacks: AutoConfig.from_pretrained raises"
     else:
         return
-    for engine in ("vllm", "sglang"):
-        reports[engine].problems.append(line)
+    _problem(reports, line, AUTO)
 
 
 def _auto_map_file(auto_map, key: str) -> str | None:
@@ -167,42 +172,34 @@ def _is_whole(value) -> TypeGuard[int]:
 
 
 def _check_vl_config(config: dict, reports: dict[str, EngineReport]) -> None:
-    both = ("vllm", "sglang")
     missing = [k for k in VL_FIELDS if k not in config]
     if missing:
-        for engine in both:
-            reports[engine].problems.append(f"config.json lacks {', '.join(missing)}, which the ERNIE-4.5-VL class "
-                                            "reads without a default")
+        _problem(reports, f"config.json lacks {', '.join(missing)}, which the ERNIE-4.5-VL class reads without a "
+                          "default", AUTO)
     layers = config.get("num_hidden_layers")
     experts = config.get("moe_num_experts")
     if not (isinstance(experts, list) and len(experts) == 2 and all(_is_whole(e) and e > 0 for e in experts)):
-        for engine in both:
-            reports[engine].problems.append(f"moe_num_experts {experts!r}: the ERNIE-4.5-VL class indexes [text, "
-                                            "vision] expert counts")
+        _problem(reports, f"moe_num_experts {experts!r}: the ERNIE-4.5-VL class indexes [text, vision] expert "
+                          "counts", AUTO)
     elif experts[0] != experts[1]:
         reports["vllm"].problems.append(f"moe_num_experts {experts}: vLLM asserts one count for text and vision")
     widths = config.get("moe_intermediate_size")
     if not (isinstance(widths, list) and len(widths) == 2):
-        for engine in both:
-            reports[engine].problems.append(f"moe_intermediate_size {widths!r}: the ERNIE-4.5-VL class indexes "
-                                            "[text, vision] expert widths")
+        _problem(reports, f"moe_intermediate_size {widths!r}: the ERNIE-4.5-VL class indexes [text, vision] expert "
+                          "widths", AUTO)
     for key in ("moe_layer_start_index", "moe_layer_end_index"):
         value = config.get(key)
         if not (isinstance(value, list) and len(value) == 2 and all(_is_whole(v) for v in value)):
-            for engine in both:
-                reports[engine].problems.append(f"{key} {value!r}: the ERNIE-4.5-VL class indexes it as a [text, "
-                                                "vision] list (TypeError on a number)")
+            _problem(reports, f"{key} {value!r}: the ERNIE-4.5-VL class indexes it as a [text, vision] list "
+                              "(TypeError on a number)", AUTO)
         elif _is_whole(layers) and not all(0 <= v < layers for v in value):
-            for engine in both:
-                reports[engine].problems.append(f"{key} {value}: every entry must be a layer in 0..{layers - 1} "
-                                                "(the engines compare layers with it literally; -1 is not the last "
-                                                "layer there)")
+            _problem(reports, f"{key} {value}: every entry must be a layer in 0..{layers - 1} (the engines compare "
+                              "layers with it literally; -1 is not the last layer there)", AUTO)
     vision = config.get("vision_config")
     vision = vision if isinstance(vision, dict) else {}
     absent = [k for k in VISION_FIELDS if k not in vision]
     if absent:
-        for engine in both:
-            reports[engine].problems.append(f"vision_config lacks {', '.join(absent)}")
+        _problem(reports, f"vision_config lacks {', '.join(absent)}", AUTO)
     if "in_channels" not in vision:
         reports["vllm"].problems.append("vision_config lacks in_channels")
     if "in_chans" not in vision:
@@ -300,26 +297,19 @@ def _check_files(folder: Path, config: dict, vl: bool, reports: dict[str, Engine
     tokenizer_config = _json_object(folder / "tokenizer_config.json")
     if (folder / "tokenizer.model").is_file():
         known = tokenizer_config.get("tokenizer_class") in KNOWN_TOKENIZERS or (folder / "tokenizer.json").is_file()
-        if not known:
-            target = _auto_map_file(tokenizer_config.get("auto_map"), "AutoTokenizer")
-            if target is None or not (folder / target).is_file():
-                for engine in ("vllm", "sglang"):
-                    reports[engine].problems.append(
-                        "tokenizer_config.json has no auto_map.AutoTokenizer whose file the folder holds: "
-                        f"AutoTokenizer cannot build {tokenizer_config.get('tokenizer_class')!r}")
+        if not known and _lacks_remote_class(folder, tokenizer_config.get("auto_map"), "AutoTokenizer"):
+            _problem(reports, "tokenizer_config.json has no auto_map.AutoTokenizer whose file the folder holds: "
+                              f"AutoTokenizer cannot build {tokenizer_config.get('tokenizer_class')!r}", AUTO)
         if vl:
             _check_image_ids(folder, config, tokenizer_config, reports["fastdeploy"])
     elif (folder / "tokenizer.json").is_file():
         reports["fastdeploy"].problems.append("no tokenizer.model: FastDeploy's ERNIE tokenizer reads SentencePiece")
     else:
-        every = "no tokenizer.model or tokenizer.json: the tokenizer is this package's own (a word list or bytes), "
-        for engine in ENGINES:
-            reports[engine].problems.append(every + "which no engine reads; train with a SentencePiece tokenizer "
-                                                    "(data.tokenizer_path)")
+        _problem(reports, "no tokenizer.model or tokenizer.json: the tokenizer is this package's own (a word list or "
+                          "bytes), which no engine reads; train with a SentencePiece tokenizer (data.tokenizer_path)")
     if not tokenizer_config.get("chat_template") and not (folder / "chat_template.jinja").is_file():
-        for engine in ENGINES:
-            reports[engine].problems.append("no chat template (tokenizer_config.json's chat_template or "
-                                            "chat_template.jinja): chat requests cannot be rendered")
+        _problem(reports, "no chat template (tokenizer_config.json's chat_template or chat_template.jinja): chat "
+                          "requests cannot be rendered")
     if not (folder / "generation_config.json").is_file():
         for engine in ENGINES:
             reports[engine].notes.append("no generation_config.json: stop ids from config.json alone")
@@ -327,15 +317,11 @@ def _check_files(folder: Path, config: dict, vl: bool, reports: dict[str, Engine
         return
     processor = _json_object(folder / "preprocessor_config.json")
     if not processor:
-        for engine in ENGINES:
-            reports[engine].problems.append("no preprocessor_config.json: images cannot be encoded")
+        _problem(reports, "no preprocessor_config.json: images cannot be encoded")
         return
-    target = _auto_map_file(processor.get("auto_map"), "AutoProcessor")
-    if target is None or not (folder / target).is_file():
-        for engine in ("vllm", "sglang"):
-            reports[engine].problems.append(
-                "preprocessor_config.json has no auto_map.AutoProcessor whose file the folder holds: AutoProcessor "
-                f"cannot build {processor.get('processor_class')!r}")
+    if _lacks_remote_class(folder, processor.get("auto_map"), "AutoProcessor"):
+        _problem(reports, "preprocessor_config.json has no auto_map.AutoProcessor whose file the folder holds: "
+                          f"AutoProcessor cannot build {processor.get('processor_class')!r}", AUTO)
     absent = [k for k in ("min_pixels", "max_pixels") if k not in processor]
     if absent:
         reports["vllm"].problems.append(f"preprocessor_config.json lacks {', '.join(absent)} (vLLM sizes images by "
@@ -344,8 +330,7 @@ def _check_files(folder: Path, config: dict, vl: bool, reports: dict[str, Engine
              for key in _AUTO_KEYS}
     for name in sorted(n for n in named if n is not None):
         if not (folder / name).is_file():
-            for engine in ("vllm", "sglang"):
-                reports[engine].problems.append(f"auto_map names {name}, which the folder lacks")
+            _problem(reports, f"auto_map names {name}, which the folder lacks", AUTO)
 
 
 _AUTO_KEYS = ("AutoConfig", "AutoTokenizer", "AutoProcessor", "AutoImageProcessor", "AutoModel", "AutoModelForCausalLM")

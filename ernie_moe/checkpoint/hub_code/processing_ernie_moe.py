@@ -17,7 +17,8 @@ MAX_ASPECT = 200
 
 
 def budget_size(height, width, unit, min_pixels, max_pixels):
-    """ERNIE-4.5-VL's resize: sides the nearest multiples of ``unit``, scaled into the pixel budget."""
+    """ERNIE-4.5-VL's resize: sides the nearest multiples of ``unit``, scaled into the pixel budget (transformers runs
+    this file without ernie_moe, so the rule is written here again; the tests hold it to the training's)."""
     if max(height, width) / min(height, width) > MAX_ASPECT:
         if height > width:
             width = max(unit, round(width / unit) * unit)
