@@ -199,6 +199,25 @@ def test_bad_requests_get_the_apis_errors_and_the_server_goes_on(served, client)
     for bad in ({"temperature": 3}, {"max_tokens": 33}, {"n": 2}, {"stop": ["a", "b", "c", "d", "e"]}):
         with pytest.raises(openai.BadRequestError):
             ask(client, PROMPT, **bad)
+    # bodies no client library sends: nested past what JSON's reader survives, or deep inside a message, and an
+    # image path with a NUL byte: 400s naming the fault, not 500s
+    import urllib.error
+    import urllib.request
+
+    deep_content = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}
+    part = deep_content["messages"][0]["content"][0]
+    for _ in range(40):
+        part["text"] = {"text": part["text"]}
+        part = part["text"]
+    nul = {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "square\u0000.png"}}]}]}
+    for body, words in ((b"[" * 100_000 + b"]" * 100_000, "nested too deep"),
+                        (json.dumps(deep_content).encode(), "nested more than 32 deep"),
+                        (json.dumps(nul).encode(), "NUL byte")):
+        request = urllib.request.Request(f"{served[1]}/v1/chat/completions", body, {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=60)
+        assert err.value.code == 400 and words in json.loads(err.value.read())["error"]["message"]
     assert ask(client, PROMPT).choices[0].message.content  # still answering
 
 

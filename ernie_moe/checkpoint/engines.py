@@ -294,7 +294,7 @@ def _layer_list(layers: list[int]) -> str:
 
 
 def _check_files(folder: Path, config: dict, vl: bool, reports: dict[str, EngineReport]) -> None:
-    tokenizer_config = _json_object(folder / "tokenizer_config.json")
+    tokenizer_config = json_object(folder / "tokenizer_config.json")
     if (folder / "tokenizer.model").is_file():
         known = tokenizer_config.get("tokenizer_class") in KNOWN_TOKENIZERS or (folder / "tokenizer.json").is_file()
         if not known and _lacks_remote_class(folder, tokenizer_config.get("auto_map"), "AutoTokenizer"):
@@ -315,7 +315,7 @@ def _check_files(folder: Path, config: dict, vl: bool, reports: dict[str, Engine
             reports[engine].notes.append("no generation_config.json: stop ids from config.json alone")
     if not vl:
         return
-    processor = _json_object(folder / "preprocessor_config.json")
+    processor = json_object(folder / "preprocessor_config.json")
     if not processor:
         _problem(reports, "no preprocessor_config.json: images cannot be encoded")
         return
@@ -336,7 +336,8 @@ def _check_files(folder: Path, config: dict, vl: bool, reports: dict[str, Engine
 _AUTO_KEYS = ("AutoConfig", "AutoTokenizer", "AutoProcessor", "AutoImageProcessor", "AutoModel", "AutoModelForCausalLM")
 
 
-def _json_object(path: Path) -> dict:
+def json_object(path: Path) -> dict:
+    """The JSON object in ``path``; {} for none, or for a file that is not one (the checks name what lacks)."""
     if not path.is_file():
         return {}
     try:

@@ -1,8 +1,8 @@
 """The code an ERNIE-4.5-VL model folder names in ``auto_map``, which transformers runs with ``trust_remote_code``
 to read the folder's config, tokenizer and processor (vLLM and SGLang read a folder that way: its ``model_type``
-is not one transformers knows). A fine-tune of a folder that has such code keeps it: its ``.py`` files are copied
-and its ``auto_map`` entries and processor classes kept; a folder without any gets this package's own modules
-(``hub_code/``)."""
+is not one transformers knows). A fine-tune of a folder that has such code keeps it: the modules its ``auto_map``
+entries name (and those they import beside them) are copied, its entries and processor classes kept; a folder
+without any gets this package's own modules (``hub_code/``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..json_files import UnreadableJSON, read_json
-from .engines import module_file
+from ..paths import write_output
+from .engines import json_object, module_file
+from .errors import CheckpointError
 
 HUB_CODE = Path(__file__).with_name("hub_code")
 # this package's module, and the auto_map entries naming it, of config.json, tokenizer_config.json and the processor's
@@ -39,9 +40,9 @@ def ship_remote_code(folder, base=None, vl: bool = True) -> None:
     out = Path(folder)
     source = Path(base) if base else None
     if source is not None and source.resolve() != out.resolve():
-        base_processor = _object(source / "preprocessor_config.json")
+        base_processor = json_object(source / "preprocessor_config.json")
         if base_processor and (out / "preprocessor_config.json").is_file():
-            ours = _object(out / "preprocessor_config.json")
+            ours = json_object(out / "preprocessor_config.json")
             kept = {k: base_processor[k] for k in PROCESSOR_CLASSES if k in base_processor}
             _write(out / "preprocessor_config.json", {**base_processor, **ours, **kept})
         present = {p.name: p for p in base_modules(source)}
@@ -53,7 +54,7 @@ def ship_remote_code(folder, base=None, vl: bool = True) -> None:
             continue
         if not vl and name != "tokenizer_config.json":
             continue
-        config = _object(path)
+        config = json_object(path)
         given = config.get("auto_map")
         auto_map: dict = given if isinstance(given, dict) else {}
         if NEEDED[name] in auto_map:
@@ -66,17 +67,17 @@ def base_modules(folder: Path) -> list[Path]:
     """The ``.py`` files at the top of a model folder (its remote code and the modules it imports), bounded."""
     modules = sorted(p for p in folder.glob("*.py") if p.is_file() and not p.is_symlink())
     if len(modules) > MAX_FILES:
-        raise ValueError(f"{folder} holds {len(modules)} .py files: more than a model folder's remote code "
-                         f"(at most {MAX_FILES})")
+        raise CheckpointError(f"{folder} holds {len(modules)} .py files: more than a model folder's remote code "
+                              f"(at most {MAX_FILES})")
     large = [p.name for p in modules if p.stat().st_size > MAX_BYTES]
     if large:
-        raise ValueError(f"{folder}: {', '.join(large)} larger than {MAX_BYTES >> 20} MiB, not remote code")
+        raise CheckpointError(f"{folder}: {', '.join(large)} larger than {MAX_BYTES >> 20} MiB, not remote code")
     return modules
 
 
 def _needed(folder: Path, present: dict[str, Path]) -> list[str]:
     """The modules of ``present`` that ``folder``'s auto_map entries name, and those they import from beside them."""
-    wanted = [module_file(entry) for name in OWN for entry in _entries(_object(folder / name).get("auto_map"))]
+    wanted = [module_file(entry) for name in OWN for entry in _entries(json_object(folder / name).get("auto_map"))]
     found: list[str] = []
     while wanted:
         module = wanted.pop()
@@ -94,14 +95,5 @@ def _entries(auto_map) -> list[str]:
     return [v for v in values if isinstance(v, str) and "." in v]
 
 
-
-def _object(path: Path) -> dict:
-    try:
-        value = read_json(path)
-    except UnreadableJSON:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _write(path: Path, value: dict) -> None:
-    path.write_text(json.dumps(value, indent=2))
+    write_output(path, json.dumps(value, indent=2))
