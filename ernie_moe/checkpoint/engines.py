@@ -150,21 +150,20 @@ def _check_auto_config(folder: Path, config: dict, reports: dict[str, EngineRepo
     _problem(reports, line, AUTO)
 
 
-def _auto_map_file(auto_map, key: str) -> str | None:
-    """The file an ``auto_map`` entry names (``module.Class`` or ``[slow, fast]``), or None."""
+def auto_map_files(auto_map, key: str | None = None) -> list[str]:
+    """The module files an ``auto_map`` names, in order, once each: ``key``'s entry, or every entry. An entry is
+    ``module.Class`` (or ``repo--module.Class``), or a ``[slow, fast]`` pair of them."""
     if not isinstance(auto_map, dict):
-        return None
-    entry = auto_map.get(key)
-    if isinstance(entry, list):
-        entry = next((e for e in entry if isinstance(e, str)), None)
-    if not isinstance(entry, str) or "." not in entry:
-        return None
-    return module_file(entry)
+        return []
+    entries = [auto_map.get(key)] if key else list(auto_map.values())
+    names = [e for entry in entries for e in (entry if isinstance(entry, list) else [entry])]
+    return list(dict.fromkeys(e.split("--")[-1].rsplit(".", 1)[0] + ".py"
+                              for e in names if isinstance(e, str) and "." in e))
 
 
-def module_file(entry: str) -> str:
-    """``module.Class`` (or ``repo--module.Class``), an auto_map entry -> the file ``module.py``."""
-    return entry.split("--")[-1].rsplit(".", 1)[0] + ".py"
+def _auto_map_file(auto_map, key: str) -> str | None:
+    """The file ``key``'s ``auto_map`` entry names first (a pair's slow class), or None."""
+    return next(iter(auto_map_files(auto_map, key)), None)
 
 
 def _is_whole(value) -> TypeGuard[int]:
@@ -326,14 +325,12 @@ def _check_files(folder: Path, config: dict, vl: bool, reports: dict[str, Engine
     if absent:
         reports["vllm"].problems.append(f"preprocessor_config.json lacks {', '.join(absent)} (vLLM sizes images by "
                                         "the remote processor's pixel budget)")
-    named = {_auto_map_file(source.get("auto_map"), key) for source in (config, tokenizer_config, processor)
-             for key in _AUTO_KEYS}
-    for name in sorted(n for n in named if n is not None):
+    named = {name for source in (config, tokenizer_config, processor)
+             for name in auto_map_files(source.get("auto_map"))}
+    for name in sorted(named):
         if not (folder / name).is_file():
             _problem(reports, f"auto_map names {name}, which the folder lacks", AUTO)
 
-
-_AUTO_KEYS = ("AutoConfig", "AutoTokenizer", "AutoProcessor", "AutoImageProcessor", "AutoModel", "AutoModelForCausalLM")
 
 
 def json_object(path: Path) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..paths import write_output
-from .engines import json_object, module_file
+from .engines import auto_map_files, json_object
 from .errors import CheckpointError
 
 HUB_CODE = Path(__file__).with_name("hub_code")
@@ -77,7 +77,7 @@ def base_modules(folder: Path) -> list[Path]:
 
 def _needed(folder: Path, present: dict[str, Path]) -> list[str]:
     """The modules of ``present`` that ``folder``'s auto_map entries name, and those they import from beside them."""
-    wanted = [module_file(entry) for name in OWN for entry in _entries(json_object(folder / name).get("auto_map"))]
+    wanted = [module for name in OWN for module in auto_map_files(json_object(folder / name).get("auto_map"))]
     found: list[str] = []
     while wanted:
         module = wanted.pop()
@@ -86,13 +86,6 @@ def _needed(folder: Path, present: dict[str, Path]) -> list[str]:
             text = present[module].read_text(errors="replace")
             wanted += [f"{m}.py" for m in re.findall(r"^\s*from\s+\.(\w+)\s+import", text, re.MULTILINE)]
     return found
-
-
-def _entries(auto_map) -> list[str]:
-    if not isinstance(auto_map, dict):
-        return []
-    values = [v for entry in auto_map.values() for v in (entry if isinstance(entry, list) else [entry])]
-    return [v for v in values if isinstance(v, str) and "." in v]
 
 
 def _write(path: Path, value: dict) -> None:
