@@ -357,6 +357,17 @@ def test_mmmu_as_hugging_face_ships_it_is_one_benchmark_with_its_subjects_as_cat
         read_benchmark(tmp_path / "MMMU" / "*" / "test-*.parquet", "mmmu")
 
 
+def test_a_folder_or_glob_of_too_many_files_is_refused_before_it_is_listed_whole(tmp_path, monkeypatch):
+    from ernie_moe.evaluation import formats
+
+    monkeypatch.setattr(formats, "MAX_FILES", 2)
+    for n in range(3):
+        (tmp_path / f"part{n}.jsonl").write_text(json.dumps({"question": "q", "answer": "a", "image": "x.png"}) + "\n")
+    for given in (tmp_path, tmp_path / "part*.jsonl"):
+        with pytest.raises(DataError, match="names more than 2 files"):
+            read_benchmark(given, "chartqa")
+
+
 def test_vlmevalkits_missing_cells_are_missing_options_as_pandas_reads_them(tmp_path):
     header = ["index", "question", "A", "B", "C", "D", "answer", "image"]
     rows = [[0, "Which?", "red", "green", "N/A", "None", "B", png_base64()],

@@ -24,7 +24,9 @@ import ast
 import base64
 import binascii
 import csv
+import functools
 import glob
+import itertools
 import json
 import math
 import re
@@ -52,6 +54,7 @@ MMMU_IMAGES = 7
 SUFFIXES = (".tsv", ".csv", ".jsonl", ".json", ".parquet")
 MAX_FILES = 1000  # shards of one benchmark (MMMU's validation split: 30)
 MAX_IMAGE_FOLDERS = 64  # sub-folders of a benchmark's folder looked into for a bare image name
+MAX_DIRECTORY_ENTRIES = 100_000  # entries of that folder looked at to find them (images may lie beside the file)
 # the first bytes of the image files a benchmark's base64 cells hold: PNG, JPEG, GIF, BMP, WebP (RIFF), TIFF
 IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"RIFF", b"II*\x00", b"MM\x00*")
 
@@ -97,6 +100,7 @@ def read_benchmark(path: str | Path, kind: str) -> Benchmark:
     if kind not in KINDS:
         raise DataError(f"unknown benchmark kind '{kind}': one of {', '.join(KINDS)}")
     path, files = benchmark_files(path)
+    _sub_folders.cache_clear()  # listed once per read: folders made since an earlier read are seen
     bench = Benchmark(kind, path, [])
     for file in files:
         if file.stat().st_size > MAX_FILE_BYTES:
@@ -125,24 +129,25 @@ def read_benchmark(path: str | Path, kind: str) -> Benchmark:
 def benchmark_files(given: str | Path) -> tuple[Path, list[Path]]:
     """(the benchmark's path, which names it; its files): one file, every file of a readable suffix under a
     folder, or the files a glob matches (its folder names it), in order; DataError when there are none."""
-    text = str(given)
-    if any(c in text for c in "*?["):
-        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
-        base = Path(*[part for part in Path(text).parts[: next(i for i, part in enumerate(Path(text).parts)
-                                                                 if any(c in part for c in "*?["))]] or ["."])
+    parts = Path(given).parts
+    wild = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), None)
+    if wild is not None:
+        base = Path(*parts[:wild]) if wild else Path(".")
+        found: Iterator[Path] = (Path(p) for p in glob.iglob(str(given), recursive=True))
     else:
         base = Path(given)
-        if base.is_dir():
-            files = sorted(p for p in base.rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
-        else:
+        if not base.is_dir():
             problem = not_a_file(base)
             if problem is not None:
                 raise DataError(f"benchmark file '{base}' {problem}")
             return base, [base]
+        found = (p for p in base.rglob("*") if p.suffix.lower() in SUFFIXES)
+    # at most one past the bound is held: a glob or folder far too wide is said before it is listed whole
+    files = sorted(itertools.islice((p for p in found if p.is_file()), MAX_FILES + 1))
     if not files:
         raise DataError(f"benchmark '{given}' names no file ({', '.join(SUFFIXES)})")
     if len(files) > MAX_FILES:
-        raise DataError(f"benchmark '{given}' names {len(files)} files, more than {MAX_FILES}")
+        raise DataError(f"benchmark '{given}' names more than {MAX_FILES} files")
     return base, files
 
 
@@ -289,10 +294,17 @@ def _beside(root: Path, name: str) -> Path:
     first = root / name
     if first.exists() or "/" in name:
         return first
-    for folder in sorted(p for p in root.iterdir() if p.is_dir())[:MAX_IMAGE_FOLDERS]:
+    for folder in _sub_folders(root):
         if (folder / name).is_file():
             return folder / name
     return first
+
+
+@functools.lru_cache(maxsize=16)
+def _sub_folders(root: Path) -> tuple[Path, ...]:
+    """``root``'s first sub-folders by name, listed once for all of a file's bare image names."""
+    return tuple(sorted(p for p in itertools.islice(root.iterdir(), MAX_DIRECTORY_ENTRIES) if p.is_dir())
+                 [:MAX_IMAGE_FOLDERS])
 
 
 # -- kinds -------------------------------------------------------------------------------------------------
