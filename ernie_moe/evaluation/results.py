@@ -39,8 +39,11 @@ def unknown_warnings(benches: dict[str, Benchmark], tokenizer: Tokenizer) -> lis
     vocabulary does not cover them answers placeholders, and scores nothing)."""
     lines = []
     for name, bench in benches.items():
-        ids = [i for item in bench.items for i in tokenizer.encode(prompt_text(bench.kind, item))]
-        line = unknown_warning(ids.count(tokenizer.unk_id) / len(ids) if ids else 0.0, f"benchmark {name}'s questions")
+        unknown = tokens = 0
+        for item in bench.items:
+            ids = tokenizer.encode(prompt_text(bench.kind, item))
+            unknown, tokens = unknown + ids.count(tokenizer.unk_id), tokens + len(ids)
+        line = unknown_warning(unknown / tokens if tokens else 0.0, f"benchmark {name}'s questions")
         if line:
             lines.append(line)
     return lines

@@ -115,6 +115,7 @@ def bar_chart(rows: list[np.ndarray], layers: list[int], title: str, bar: int | 
 
 BEFORE, AFTER_UP, AFTER_DOWN, AFTER_SAME = (160, 160, 160), (60, 120, 200), (200, 60, 60), (150, 185, 220)
 MAX_LABEL_W = 520  # pixels a row's label may take before it is cut
+MAX_LABEL_CHARS = 90  # characters that fit in it, roughly (a category name can be any length)
 
 
 def comparison_chart(rows: list[tuple[str, float, float, float, float]], title: str) -> np.ndarray:
@@ -133,7 +134,8 @@ def comparison_chart(rows: list[tuple[str, float, float, float, float]], title: 
     top = TITLE_H + 16
     for i, (label, before, after, low, high) in enumerate(rows):
         y = top + i * row_h
-        while measure.textlength(label, font=font) > label_w - 16:
+        label = label if len(label) <= MAX_LABEL_CHARS else label[: MAX_LABEL_CHARS - 1] + "…"
+        while measure.textlength(label, font=font) > label_w - 16:  # a few characters at most, once cut
             label = label[:-2] + "…"
         draw.text((8, y + 8), label, fill=INK, font=font)
         after_colour = AFTER_DOWN if high < 0 else AFTER_UP if low > 0 else AFTER_SAME
