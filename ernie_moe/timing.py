@@ -14,7 +14,7 @@ import paddle
 
 # the parts that are communication
 COMMUNICATION = ("tensor_parallel_comm", "expert_all_to_all", "router_stats_comm", "pipeline_send_recv",
-                 "gradient_sync", "step_reduce")
+                 "gradient_sync", "step_reduce", "weight_gather")
 
 
 class StepTimes:

@@ -33,6 +33,7 @@ ROWS = 4  # rows of each global micro-batch
 # fleet's interleaved schedule needs 3 stages or more and 2 x stages micro-batches: 4 stages x 2 chunks of one layer
 INTERLEAVED = ["training.gradient_accumulation_steps=8", "model.num_hidden_layers=8"]
 RECOMPUTE = "training.recompute=true"
+SHARDING2 = "parallel.sharding_parallel_degree=2"
 MTP_ONLY = MTP + ["training.freeze=[vision,adapter,lm]"]
 
 # name: (processes, data ranks, layout overrides, overrides shared with the reference run)
@@ -52,6 +53,18 @@ LAYOUTS = {
     "dp2_tp2_moe_mp_sp": (4, 2, [TP2, "parallel.moe_group=mp", "parallel.sequence_parallel=true"], []),
     "ep2_sharding2": (4, 4, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage1",
                              "parallel.expert_parallel_degree=2"], []),
+    # gradients (stage 2), and weights too (stage 3), each held by one owner of the sharding ranks: over two
+    # micro-batches, beside a data-parallel copy, the experts split over the sharding ranks, tensor x sequence
+    # parallelism with the experts over the tensor ranks, recompute, multi-token prediction, the head over chunks
+    "sharding2_stage2": (2, 2, [SHARDING2, "parallel.sharding=stage2"], ACCUMULATE),
+    "sharding2_stage3": (2, 2, [SHARDING2, "parallel.sharding=stage3"], []),
+    "sharding2_stage3_accumulate_recompute": (2, 2, [SHARDING2, "parallel.sharding=stage3", RECOMPUTE], ACCUMULATE),
+    "dp2_sharding2_stage3": (4, 4, [SHARDING2, "parallel.sharding=stage3"], []),
+    "ep2_sharding2_stage3": (4, 4, [SHARDING2, "parallel.sharding=stage3", "parallel.expert_parallel_degree=2"], []),
+    "tp2_sp_sharding2_stage3": (4, 2, [TP2, "parallel.sequence_parallel=true", "parallel.moe_group=mp", SHARDING2,
+                                       "parallel.sharding=stage3"], []),
+    "sharding2_stage3_mtp_chunked_loss": (2, 2, [SHARDING2, "parallel.sharding=stage3",
+                                                 "training.loss_subbatch_seqlen=16"], MTP),
     "tp2_pp2": (4, 1, [TP2, PP2], ACCUMULATE),
     "dp2_pp2_ep2": (4, 2, [PP2, "parallel.expert_parallel_degree=2"], ACCUMULATE),
     # recompute (against a single process without it): collectives and pipeline stages inside recomputed blocks

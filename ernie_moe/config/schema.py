@@ -446,8 +446,9 @@ class ParallelConfig:
                                            "micro-batches = training.gradient_accumulation_steps")
     virtual_pp_degree: int = opt(1, "model chunks per pipeline rank (fleet's interleaved schedule)")
     sharding_parallel_degree: int = opt(1, "ranks the optimizer states are split over (ZeRO); needs 'sharding'")
-    sharding: str = choice("", "", "stage1", "stage2",
-                           doc="sharding stage: stage1 splits optimizer states (stage2 is not available yet)")
+    sharding: str = choice("", "", "stage1", "stage2", "stage3",
+                           doc="sharding stage: stage1 splits the optimizer states, stage2 the gradients too, "
+                               "stage3 the weights too")
     expert_parallel_degree: int = opt(1, "ranks each modality's experts are split over, with moe_group 'ep'")
     moe_group: str = choice("ep", "ep", "mp", doc="expert ranks: 'ep' from the data x sharding ranks, "
                                                   "'mp' the tensor-parallel ranks (experts not split)")

@@ -461,10 +461,10 @@ def _check_parallel(cfg: Config) -> None:
              f"than pipeline_parallel_degree ({pp}) stages sit idle most of the step: raise it to at least {pp}.")
     _require(vpp == 1 or pp >= 3, f"parallel.virtual_pp_degree ({vpp}): fleet's interleaved schedule needs at "
                                   f"least 3 pipeline stages, got pipeline_parallel_degree {pp}.")
-    _require(p.sharding != "stage2",
-             "parallel.sharding 'stage2' (gradients sharded too, paddle's group_sharded_parallel) is not available "
-             "in this release: it needs GPUs, cannot be combined with pipeline parallelism, and must keep expert "
-             "gradients out of the sharded reduction; use 'stage1'.")
+    _require(p.sharding not in ("stage2", "stage3") or pp == 1,
+             f"parallel.sharding '{p.sharding}' with pipeline_parallel_degree {pp}: gradients and weights are "
+             "sharded by the package's own step, and fleet's pipeline schedule runs a backward of its own (as "
+             "Paddle refuses its stage 3 with a pipeline); use 'stage1' with a pipeline, or pipeline degree 1.")
     tp = p.tensor_parallel_degree
     if tp > 1:
         for name, value in (("num_attention_heads", m.num_attention_heads),
@@ -495,7 +495,7 @@ def _check_parallel(cfg: Config) -> None:
                  "spread over the tensor-parallel ranks).")
     _require((p.sharding_parallel_degree > 1) == bool(p.sharding),
              f"parallel.sharding_parallel_degree ({p.sharding_parallel_degree}) and parallel.sharding "
-             f"('{p.sharding}') go together: set sharding to stage1 or stage2 with a degree above 1, or leave "
+             f"('{p.sharding}') go together: set sharding to stage1, stage2 or stage3 with a degree above 1, or leave "
              "sharding empty with degree 1.")
     counts = m.moe_num_experts
     if p.moe_group == "mp":

@@ -13,6 +13,9 @@ global token mean. Then:
   shared parameters where those ranks are the data ranks, over their own replica group otherwise;
 - sequence-parallel parameters (norms on a piece of the sequence) add up their pieces over the tensor-parallel
   ranks, after the backward pass (a few vectors).
+
+At sharding stage 2 and 3 every gradient is summed onto its owner during the backward instead
+(``parallel.zero.GradientOwners``), and averaged there when the step's backward passes are done.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_
 
 from ..nn.param_spec import spec_of
 from ..parallel.env import DistEnv
+from . import zero
 
 # fleet's reducer buckets (paddle.DataParallel's defaults): the last bucket small, so that the collective left
 # once the backward pass has ended is short
@@ -53,7 +57,8 @@ class GradSync:
     step, before that backward, and :meth:`finish` after it.
     """
 
-    def __init__(self, groups: dict[str, list], env: DistEnv, overlap: bool, one_pass=lambda: True):
+    def __init__(self, groups: dict[str, list], env: DistEnv, overlap: bool, one_pass=lambda: True,
+                 owners: zero.GradientOwners | None = None):
         self.env = env
         self.groups = groups
         self.one_pass = one_pass
@@ -62,7 +67,9 @@ class GradSync:
         self.expert_scale = 1.0
         self.partial = [p for p in groups["non_expert"] if spec_of(p).partial_over_tp]  # summed over tp ranks
         self.in_reducers: set[int] = set()
-        if env.world_size == 1:
+        self.owners = owners  # stage 2 and 3: who keeps which gradient
+        self.shards = list({id(s): s for s, _ in owners.buckets}.values()) if owners is not None else []
+        if env.world_size == 1 or self.shards:
             return
         replicas = env.expert_replica_group
         experts_with_data = replicas is not None and replicas is env.data_group
@@ -82,10 +89,18 @@ class GradSync:
         for reducer in self.reducers if self.overlapped else []:
             reducer.expect_backward(outputs)
 
+    def after_backward(self) -> None:
+        """A micro-batch's backward is done: at stage 2 and 3 its gradients go to their owners."""
+        if self.owners is not None:
+            self.owners.flush()
+
     @paddle.no_grad()
     def finish(self) -> None:
         env, groups = self.env, self.groups
         if env.world_size == 1:
+            return
+        if self.shards:
+            self._finish_owned()
             return
         if env.sequence_parallel:
             fused_allreduce_gradients_with_group(self.partial, env.tp_group, scale=1.0)
@@ -103,4 +118,18 @@ class GradSync:
             fused_allreduce_gradients_with_group(rest, env.expert_replica_group, scale=1.0 / env.data_world)
         else:
             for param in rest:
+                param.grad.scale_(1.0 / env.data_world)
+
+    def _finish_owned(self) -> None:
+        """Stage 2 and 3: the owners' sums made whole (sequence-parallel pieces, data-parallel copies) and averaged;
+        the routed experts that only their expert group holds are complete already."""
+        env = self.env
+        owned = {id(p) for shard in self.shards for p in shard.owned()}
+        partial = [p for p in self.partial if id(p) in owned and p.grad is not None]
+        if env.sequence_parallel and partial:
+            fused_allreduce_gradients_with_group(partial, env.tp_group, scale=1.0)
+        zero.finish_owned(self.shards, 1.0 / env.data_world)
+        sharded = {id(p) for shard in self.shards for p in shard.params}
+        for param in self.groups["expert"]:
+            if id(param) not in sharded and param.grad is not None:
                 param.grad.scale_(1.0 / env.data_world)

@@ -19,6 +19,8 @@ Each step is a small function; the order is the contract, and each step says why
    weights the policy starts from as they will be computed with, and LoRA's adapters, which it switches off.
 9. ``grad_sync``: who averages which gradients over which ranks (``parallel.grad_sync``), after the cast, since
    fleet's reducer holds the parameters it syncs and their gradients' dtype, and once the trainable set is fixed.
+   At sharding stage 2 and 3 the owner of each parameter is chosen here (``parallel.zero``), for the gradients
+   and the optimizer states alike; at stage 3 the blocks then gather and release their weights.
 10. ``runner``: fleet's pipeline schedule where there is one, which takes the model as it now is.
 11. ``guard``: the memory guard, which needs to know whether the runner fixes the micro-batch.
 12. ``optimizer``: AdamW and the schedule over the parameters that train, once nothing adds any.
@@ -39,9 +41,11 @@ from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.recompute import apply_recompute
 from ..moe.experts import use_expert_matmul
 from ..objectives import Objective, build_objective
+from ..parallel import zero
 from ..parallel.env import DistEnv
 from ..parallel.grad_sync import GradSync
 from ..parallel.pipeline import ErniePipeline
+from ..parallel.zero import ShardSet
 from ..timing import StepTimes
 from .ema import WeightAverage
 from .memory_guard import MemoryGuard
@@ -80,10 +84,12 @@ def assemble(cfg: Config, env: DistEnv, state, device_bytes: float, load_weights
     precision = cast(model, t)
     reference = reference_model(model, t)
     groups = split_experts(model)
+    shards = shard_weights(model, groups, env)
+    owners = zero.GradientOwners(shards, model.blocks()) if shards else None
     timed = cfg.logging.time_breakdown
-    runner = build_runner(model, env, precision, grad_sync(groups, cfg, env, state), timed, reference)
+    runner = build_runner(model, env, precision, grad_sync(groups, cfg, env, state, owners), timed, reference)
     guard = MemoryGuard(t, env, device_bytes, model, can_halve=not runner.fixed_micro_batches)
-    optimizer, scheduler = build_optimizer(model, t, env)
+    optimizer, scheduler = build_optimizer(model, t, env, shards)
     ema = WeightAverage(t, env, model) if t.ema_decay else None
     return Assembled(model, fine_tuning, base, precision, runner, guard, optimizer, scheduler, groups,
                      StepTimes(enabled=timed), ema)
@@ -126,10 +132,24 @@ def quantize(model, t, fine_tuning) -> None:
         fine_tuning.quantized = (t.quantize_base, quantize_base(model, t.quantize_base, t.quantize_group_size))
 
 
-def grad_sync(groups, cfg: Config, env: DistEnv, state) -> GradSync:
+def shard_weights(model, groups: dict, env: DistEnv) -> list[ShardSet]:
+    """Stage 2 and 3: who owns each trained parameter; at stage 3 the blocks then hold only their owners'."""
+    if zero.stage_of(env) < 2:
+        return []
+    shards = zero.shard_sets(groups, env)
+    if zero.stage_of(env) == 3:
+        model.weight_shards = zero.WeightShards(shards, model.blocks())
+        if model.tied is not None:  # the tied head reads the first block's matrix
+            tied, embedding = model.tied, model.blocks()[0]
+            model.tied = lambda block, inputs: model.weight_shards.around(embedding, tied, block, inputs)
+    return shards
+
+
+def grad_sync(groups, cfg: Config, env: DistEnv, state, owners: zero.GradientOwners | None) -> GradSync:
     """One pass per backward unless a reentrant recompute is on (read each step: the guard may turn it on)."""
     reentrant = cfg.training.recompute_use_reentrant
-    return GradSync(groups, env, cfg.parallel.overlap_grad_sync, one_pass=lambda: not (state.recompute and reentrant))
+    return GradSync(groups, env, cfg.parallel.overlap_grad_sync, one_pass=lambda: not (state.recompute and reentrant),
+                    owners=owners)
 
 
 def cast(model, t) -> Precision:

@@ -14,7 +14,8 @@ from ..finetune import learning_rate_ratios
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import spec_of
 from ..parallel.env import DistEnv
-from ..parallel.replicas import broadcast_owned, owners
+from ..parallel.replicas import owners
+from ..parallel.zero import ShardSet, send_owned, stage_of
 from .offload import OffloadedOptimizer, buckets, state_bytes_per_parameter
 from .schedule import WarmupDecay
 
@@ -24,12 +25,14 @@ def no_decay(name: str, param) -> bool:
     return len(param.shape) < 2 or name.endswith(".bias")
 
 
-def build_optimizer(model, training_cfg: TrainingConfig, env: DistEnv | None = None):
+def build_optimizer(model, training_cfg: TrainingConfig, env: DistEnv | None = None,
+                    shards: list[ShardSet] | None = None):
     """AdamW over every trainable parameter. With optimizer sharding (stage 1) the non-expert parameters'
     states are split over the sharding ranks by fleet's sharding optimizer, and the routed experts' states
-    over the ranks that hold the same experts (:class:`ShardedExpertAdamW`): different ranks hold different
-    experts, so expert weights are never broadcast across the sharding group. With ``training.offload_optim``
-    the states wait in host memory between steps (``training.offload``)."""
+    over the ranks that hold the same experts (:class:`ShardedAdamW`): different ranks hold different
+    experts, so expert weights are never broadcast across the sharding group. At stage 2 and 3 ``shards``
+    (``parallel.zero.shard_sets``) say who owns what, for the gradients as for the states. With
+    ``training.offload_optim`` the states wait in host memory between steps (``training.offload``)."""
     t = training_cfg
     params = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
     ratios = learning_rate_ratios(model, t)
@@ -60,6 +63,8 @@ def build_optimizer(model, training_cfg: TrainingConfig, env: DistEnv | None = N
 
     if env is None or not env.sharding:
         return local([p for _, p in params]), scheduler
+    if stage_of(env) >= 2:
+        return _owners_step(local, params, shards or [], stage_of(env) == 2, scheduler), scheduler
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
         DygraphShardingOptimizer,
     )
@@ -73,28 +78,47 @@ def build_optimizer(model, training_cfg: TrainingConfig, env: DistEnv | None = N
         return MoEShardingOptimizer(shared, None), scheduler
     if replicas is None or replicas.nranks == 1:
         return MoEShardingOptimizer(shared, local(experts)), scheduler
-    return MoEShardingOptimizer(shared, ShardedExpertAdamW(local, experts, replicas)), scheduler
+    owner = owners(replicas.nranks, [p.size for p in experts])
+    return MoEShardingOptimizer(shared, ShardedAdamW(local, ShardSet(experts, owner, replicas),
+                                                     schedule=scheduler)), scheduler
 
 
-class ShardedExpertAdamW:
-    """ZeRO-1 for the routed experts: the ranks that hold the same experts (their data-parallel replicas)
-    split the experts' AdamW states, each updating the weights it owns and sending them to the others.
+def _owners_step(local, params: list, shards: list[ShardSet], sends: bool,
+                 schedule: WarmupDecay) -> MoEShardingOptimizer:
+    """Stage 2 and 3: each shard set's owners step their parameters (and at stage 2 send them to the others);
+    routed experts no other rank holds step where they are."""
+    sharded = {id(p) for shard in shards for p in shard.params}
+    alone = [p for n, p in params if id(p) not in sharded]
+    parts = [ShardedAdamW(local, shard, sends, schedule) for shard in shards]
+    return MoEShardingOptimizer(*parts, local(alone) if alone else None)
 
-    Ownership is by size, greedily, in the parameters' order, which is the same on every replica (the same
-    experts, built the same way). Gradients are already summed over the replicas when ``step`` runs.
+
+class ShardedAdamW:
+    """ZeRO for a set of parameters shared out over a group (``parallel.zero.ShardSet``): each rank keeps the
+    AdamW states of the parameters it owns, updates them, and (``sends``) sends their new values to the others.
+
+    Ownership is by size, greedily, in the parameters' order, which is the same on every rank of the group.
+    Gradients are already summed onto each owner when ``step`` runs.
     """
 
-    def __init__(self, make_adamw, params: list, group):
-        self.params, self.group = params, group
-        self.owner = owners(group.nranks, [p.size for p in params])
-        mine = [p for p, o in zip(params, self.owner) if o == group.rank]
+    def __init__(self, make_adamw, shard: ShardSet, sends: bool = True, schedule: WarmupDecay | None = None):
+        self.shard, self.sends = shard, sends
+        self.schedule = schedule  # where the learning rate is read (a rank may own none of the parameters)
+        self.params, self.owner = shard.params, shard.owner
+        mine = shard.owned()
         self._inner_opt = make_adamw(mine) if mine else None  # ``_inner_opt``: where the checkpoint finds states
 
     @paddle.no_grad()
     def step(self) -> None:
         if self._inner_opt is not None:
             self._inner_opt.step()
-        broadcast_owned(self.params, self.owner, self.group)
+        if self.sends:
+            send_owned(self.shard)
+
+    def get_lr(self) -> float:
+        if self.schedule is None:
+            raise RuntimeError("ShardedAdamW.get_lr needs the schedule it was built with")
+        return self.schedule()
 
     def clear_grad(self) -> None:
         for param in self.params:
@@ -102,10 +126,11 @@ class ShardedExpertAdamW:
 
 
 class MoEShardingOptimizer:
-    """fleet's sharding optimizer for the shared parameters next to a local one for the experts."""
+    """Optimizers over disjoint parameters stepped together: fleet's sharding optimizer for the shared parameters
+    next to one for the experts, or one per shard set."""
 
-    def __init__(self, shared, experts):
-        self.parts = [o for o in (shared, experts) if o is not None]
+    def __init__(self, *parts):
+        self.parts = [o for o in parts if o is not None]
 
     def step(self) -> None:
         for part in self.parts:

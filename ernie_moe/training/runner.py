@@ -88,6 +88,7 @@ class PlainRunner:
                     self.grad_sync.expect_backward([loss])
                 with part("backward"), during_backward():  # overlap_grad_sync: the gradient all-reduce too
                     self.precision.scale(loss).backward()
+                self.grad_sync.after_backward()
             sums.append(step_sums(out.loss_sum, out.router_loss, out.figures, out.mtp_sums))
         return paddle.add_n(sums) if len(sums) > 1 else sums[0]
 

@@ -47,6 +47,7 @@ from ..objectives.rewards import build_rewards
 from ..objectives.sums import loss_weights
 from ..parallel import init_distributed
 from ..parallel.global_batch import for_world
+from ..parallel.zero import norms_over_owners, whole_weights
 from ..paths import write_output
 from ..timing import part
 from .assembly import assemble
@@ -244,8 +245,9 @@ class Trainer:
                       "gradients", flush=True)
             return
         self._finish_save()  # a second save waits for the first
-        pending = start_checkpoint(self.parts, self.cfg, self.tokenizer, self.env, self.run, self.last_checkpoint,
-                                   self.writes)
+        with whole_weights(self.model):
+            pending = start_checkpoint(self.parts, self.cfg, self.tokenizer, self.env, self.run,
+                                       self.last_checkpoint, self.writes)
         if self.writes is None:
             self.last_checkpoint = pending.finish(self.env)
         else:
@@ -300,7 +302,8 @@ class Trainer:
                     with part("optimizer"):
                         self._update(done)
                         if self.ema is not None:
-                            self.ema.update(self.step)
+                            with whole_weights(self.model):
+                                self.ema.update(self.step)
                     result = done
                 if result is None:  # out of memory: the attempt's gradients dropped, its rows cut as the rung says
                     self.optimizer.clear_grad()
@@ -329,7 +332,8 @@ class Trainer:
         """The replica check (every rank): its figures logged, a mismatch stopping the run or warning."""
         if not self.replicas.enabled:
             return
-        metrics, mismatch = self.replicas.run(when)
+        with whole_weights(self.model):
+            metrics, mismatch = self.replicas.run(when)
         self.monitor.log_check(self.step, metrics)
         if mismatch is None:
             return
@@ -350,7 +354,8 @@ class Trainer:
         t, env = self.cfg.training, self.env
         self.precision.unscale(p for params in self.param_groups.values() for p in params)
         norms = gradient_norms(
-            self.param_groups, reduce={"expert": lambda x: env.all_reduce_sum(x, env.expert_group)},
+            self.param_groups, reduce=norms_over_owners(self.runner.grad_sync.shards, self.param_groups,
+                                                        {"expert": lambda x: env.all_reduce_sum(x, env.expert_group)}),
             reduce_split=lambda x: env.all_reduce_sum(x, env.tp_group),
             reduce_stages=self.runner.sum_over_stages, uncounted=self.runner.copies_of_other_stages())
         result.lr = self.optimizer.get_lr()
@@ -392,6 +397,10 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """The held-out figures (``eval_*``), and the EMA's beside them (``ema_eval_*``) once it has started."""
+        with whole_weights(self.model):  # generation reads the decoder layers past their blocks
+            return self._evaluate_both()
+
+    def _evaluate_both(self) -> dict:
         result = self._evaluate()
         if result and self.ema is not None and self.ema.started:
             with self.ema.swapped_in():
@@ -469,7 +478,8 @@ class Trainer:
             checkpoint = resolve(t.resume_from_checkpoint, t.output_dir, self.env, warn=say)
         if checkpoint is None:
             return
-        saved = load_checkpoint(self.parts, checkpoint.path, self.env)  # the data position too
+        with whole_weights(self.model):
+            saved = load_checkpoint(self.parts, checkpoint.path, self.env)  # the data position too
         if "data" not in saved:
             say(f"WARNING {checkpoint.path} predates saved data positions: the data starts again from its first "
                 "sample", flush=True)
@@ -556,6 +566,10 @@ class Trainer:
 
     def _export(self, folder: Path) -> bool:
         """The model folder (or, for LoRA, the adapter) of the weights now; whether they were the EMA's."""
+        with whole_weights(self.model):
+            return self._write_model(folder)
+
+    def _write_model(self, folder: Path) -> bool:
         t = self.cfg.training
         files = inference_files(self.cfg, self.tokenizer, t.final_model_format)
         ema = self.ema if t.save_ema_as_final and self.ema is not None and self.ema.started else None
