@@ -245,7 +245,9 @@ def _save_ema(parts: TrainingParts, env: DistEnv, directory: Path, written: Writ
     rule of expert states sharded over their replicas)."""
     if parts.ema is None or not parts.ema.started:
         return
-    writes = {True: _writes_experts(env, sharded=True), False: env.tp_rank == 0}
+    # at sharding stage 3 the shared weights' averages are split as their optimizer states are
+    shared = _writes_shared(env) if env.sharding == "stage3" else env.tp_rank == 0
+    writes = {True: _writes_experts(env, sharded=True), False: shared}
     entries = [(name, param, value, writes[is_expert(name)]) for name, param, value in parts.ema.saved_states()]
     _write_full_tensors(entries, env, directory, EMA, written)
 

@@ -25,6 +25,7 @@ from ..moe.layer import router_counts
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor
 from ..parallel.env import DistEnv
+from ..parallel.zero import held
 from ..paths import write_output
 from .engines import MARKER_IDS
 from .files import WrittenFiles
@@ -265,9 +266,11 @@ def save_model(model, model_cfg: ModelConfig, directory: str, tokenizer: Tokeniz
         filename = f"{stem}-{writer + 1:05d}-of-{writers:05d}.safetensors"
         file = SafetensorsWriter(out / filename, specs, {"format": "pd"}, written)
     for name, param in named:
-        tensor = full_tensor(param, tp_group)  # a collective over the tensor-parallel group: every rank calls it
-        if name in mine:
-            full = tensor.numpy() if tensor.dtype in NUMPY_DTYPES else tensor.astype("float32").numpy()
+        with held(model, [param]):  # sharding stage 3: gathered from its owner, one weight at a time
+            tensor = full_tensor(param, tp_group)  # a collective over the tensor-parallel group: every rank calls it
+            full = None if name not in mine else \
+                tensor.numpy() if tensor.dtype in NUMPY_DTYPES else tensor.astype("float32").numpy()
+        if full is not None:
             assert file is not None  # this rank writes the names it was given
             for part_name, part in converted(name, full):
                 file.write(part_name, part)

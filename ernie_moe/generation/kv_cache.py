@@ -8,6 +8,7 @@ import paddle
 from ..model.blocks import FinalNorm
 from ..model.decoder import DecoderLayer
 from ..nn.flashmask import RowBounds
+from ..parallel.zero import held
 
 
 class LayerCache:
@@ -85,7 +86,8 @@ def forward_cached(model, inputs: tuple, cache: KVCache, keep: bool = False):
         if isinstance(block, DecoderLayer):
             hidden, router_loss, token_type_ids, position_ids, key_ends, *carried = x
             angles, _ = block.attention_inputs(position_ids, key_ends)  # made once for the layers that share them
-            hidden, _ = block.body(hidden, token_type_ids, angles, bounds, cache.layers[block.layer_idx])
+            with held(model, block):  # sharding stage 3: the layer's weights, gathered for its body
+                hidden, _ = block.body(hidden, token_type_ids, angles, bounds, cache.layers[block.layer_idx])
             x = (hidden, router_loss, token_type_ids, position_ids, key_ends, *carried)
         else:
             kept = x if isinstance(block, FinalNorm) else kept

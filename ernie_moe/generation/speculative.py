@@ -33,6 +33,7 @@ from ..data.encoding.packing import Encoded
 from ..model.blocks import ImageFeatures
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.mtp import MultiTokenPrediction
+from ..parallel.zero import held
 from .decoding import (
     NO_TOKEN,
     Decoding,
@@ -166,7 +167,8 @@ def generate_speculative(model, prompts: list[Encoded], decodings: list[Decoding
     mtp = drafter(model)
     if mtp is None:
         raise ValueError("speculative decoding drafts with the model's multi-token prediction layers: it has none")
-    with carried_embeddings(model):
+    # sharding stage 3: the depth and the token embedding run outside their blocks' forward
+    with carried_embeddings(model), held(model, [*mtp.parameters(), *model.model.embed_tokens.parameters()]):
         return _generate_speculative(model, mtp, prompts, decodings, eos_id, never, tokens, on_token, draft_tokens)
 
 

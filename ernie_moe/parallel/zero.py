@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -241,6 +242,7 @@ class WeightShards:
         self.set_of = {id(p): shard for shard in sets for p in shard.params}
         self.owned = {id(p) for shard in sets for p in shard.owned()}
         self.pinned = 0  # inside whole_weights: nothing is released
+        self.holds: Counter[int] = Counter()  # parameters held (``held``) past the blocks that release them
         self.units: dict[int, list] = {}
         seen: set[int] = set()
         for block in blocks:
@@ -276,7 +278,7 @@ class WeightShards:
         if self.pinned:
             return
         for param in params:
-            if id(param) not in self.owned:
+            if id(param) not in self.owned and not self.holds[id(param)]:
                 _release(param)
 
     def release_all(self) -> None:
@@ -333,6 +335,24 @@ def whole_weights(model) -> contextlib.AbstractContextManager:
     """Inside, every rank holds every weight of ``model`` (a no-op below stage 3)."""
     shards = getattr(model, "weight_shards", None)
     return shards.whole() if shards is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def held(model, what: nn.Layer | list) -> Iterator[None]:
+    """Inside, every rank holds the weights of ``what`` (a layer run outside its block's forward, or parameters
+    read one by one); a collective below which every rank enters alike, a no-op below stage 3."""
+    shards = getattr(model, "weight_shards", None)
+    if shards is None:
+        yield
+        return
+    params = [p for p in (what.parameters() if isinstance(what, nn.Layer) else what) if id(p) in shards.set_of]
+    shards.gather(params)
+    shards.holds.update(id(p) for p in params)
+    try:
+        yield
+    finally:
+        shards.holds.subtract(id(p) for p in params)
+        shards.release(params)
 
 
 def norms_over_owners(shards: list[ShardSet], groups: dict[str, list], reduce: dict) -> dict:

@@ -90,7 +90,7 @@ def assemble(cfg: Config, env: DistEnv, state, device_bytes: float, load_weights
     runner = build_runner(model, env, precision, grad_sync(groups, cfg, env, state, owners), timed, reference)
     guard = MemoryGuard(t, env, device_bytes, model, can_halve=not runner.fixed_micro_batches)
     optimizer, scheduler = build_optimizer(model, t, env, shards)
-    ema = WeightAverage(t, env, model) if t.ema_decay else None
+    ema = WeightAverage(t, env, model, shards, zero.stage_of(env) == 3) if t.ema_decay else None
     return Assembled(model, fine_tuning, base, precision, runner, guard, optimizer, scheduler, groups,
                      StepTimes(enabled=timed), ema)
 

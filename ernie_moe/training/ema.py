@@ -5,7 +5,9 @@ the weights; from then on, after every step ``s`` with ``(s - ema_start_step) % 
 ``ema = decay * ema + (1 - decay) * weights``.
 
 Data-parallel replicas hold the same weights, so each keeps the EMA of the parameters it owns only (the
-ownership of ``parallel.replicas.owners``): no rank holds a whole copy where there are replicas. With
+ownership of ``parallel.replicas.owners``): no rank holds a whole copy where there are replicas. At sharding
+stage 3 the owners are the weights' (``parallel.zero``), and the other ranks gather the averages from them as they
+gather the weights. With
 ``training.offload_optim`` the averages wait in host memory. To evaluate or save the EMA, :meth:`swapped_in`
 writes each owner's averages into its parameters and sends them to the other replicas, and puts the trained
 weights back afterwards (each owner keeps its share of them meanwhile).
@@ -22,18 +24,26 @@ from ..config.schema import TrainingConfig
 from ..nn.param_spec import full_shape
 from ..parallel.env import DistEnv
 from ..parallel.replicas import broadcast_owned, owners, replica_sets
+from ..parallel.zero import ShardSet
 
 
 class WeightAverage:
-    def __init__(self, training_cfg: TrainingConfig, env: DistEnv, model):
+    def __init__(self, training_cfg: TrainingConfig, env: DistEnv, model, shards: list[ShardSet] | None = None,
+                 weights_sharded: bool = False):
         t = training_cfg
         self.decay, self.start, self.every = t.ema_decay, t.ema_start_step, t.ema_update_every
         self.on_host = t.offload_optim
         named = [(n, p) for n, p in model.stable_named_parameters(include_tied_copy=True) if not p.stop_gradient]
+        shards = shards or []
         tied_copies = {id(p) for p in getattr(model, "tied_copies", list)()}
         self.sets = []  # (parameters, their owners, group): the parameters the replicas share out
         shared = set()
         self.owned = []  # (exported name, parameter, saved): this rank's; ``saved`` is False for a tied copy
+        if weights_sharded:  # sharding stage 3: each owner averages the weights it keeps; the others gather them
+            mine = {id(p) for shard in shards for p in shard.owned()}
+            others = {id(p) for shard in shards for p in shard.params} - mine
+            self.owned = [(n, p, id(p) not in tied_copies) for n, p in named if id(p) not in others]
+            named = []
         for replica in replica_sets(named, env):
             params = [p for _, p in replica.named]
             owner = owners(replica.group.nranks, [math.prod(full_shape(p)) for p in params])

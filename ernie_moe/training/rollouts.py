@@ -46,7 +46,6 @@ from ..moe.replay import moe_layer_ids, recording, routes_of_forward, rows_of_ge
 from ..objectives.policy import group_advantages
 from ..objectives.rewards import Reward
 from ..parallel.env import DistEnv
-from ..parallel.zero import whole_weights
 from .generation_eval import split_answer
 
 MAX_ROUNDS = 8  # rounds of prompts one rollout may take before it gives up on filling its groups
@@ -255,8 +254,7 @@ class RolloutFeed:
         was_training = self.model.training
         self.model.eval()
         try:
-            with recording(self.model) if self.replay else nullcontext() as records, self.precision.autocast(), \
-                    whole_weights(self.model):
+            with recording(self.model) if self.replay else nullcontext() as records, self.precision.autocast():
                 answers = generate_batch(self.model, encoded, decodings, self.tokenizer.eos_id,
                                          never=(self.model.cfg.im_patch_id,), tokens=self.tokenizer.vocab_size,
                                          with_logps=True, lockstep=self.lockstep)

@@ -245,9 +245,8 @@ class Trainer:
                       "gradients", flush=True)
             return
         self._finish_save()  # a second save waits for the first
-        with whole_weights(self.model):
-            pending = start_checkpoint(self.parts, self.cfg, self.tokenizer, self.env, self.run,
-                                       self.last_checkpoint, self.writes)
+        pending = start_checkpoint(self.parts, self.cfg, self.tokenizer, self.env, self.run, self.last_checkpoint,
+                                   self.writes)
         if self.writes is None:
             self.last_checkpoint = pending.finish(self.env)
         else:
@@ -302,8 +301,7 @@ class Trainer:
                     with part("optimizer"):
                         self._update(done)
                         if self.ema is not None:
-                            with whole_weights(self.model):
-                                self.ema.update(self.step)
+                            self.ema.update(self.step)
                     result = done
                 if result is None:  # out of memory: the attempt's gradients dropped, its rows cut as the rung says
                     self.optimizer.clear_grad()
@@ -397,10 +395,6 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """The held-out figures (``eval_*``), and the EMA's beside them (``ema_eval_*``) once it has started."""
-        with whole_weights(self.model):  # generation reads the decoder layers past their blocks
-            return self._evaluate_both()
-
-    def _evaluate_both(self) -> dict:
         result = self._evaluate()
         if result and self.ema is not None and self.ema.started:
             with self.ema.swapped_in():
@@ -566,7 +560,8 @@ class Trainer:
 
     def _export(self, folder: Path) -> bool:
         """The model folder (or, for LoRA, the adapter) of the weights now; whether they were the EMA's."""
-        with whole_weights(self.model):
+        # sharding stage 3: a full model's weights are gathered one by one as they are written, an adapter's together
+        with whole_weights(self.model) if self.base is not None else contextlib.nullcontext():
             return self._write_model(folder)
 
     def _write_model(self, folder: Path) -> bool:
