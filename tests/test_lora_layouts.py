@@ -40,6 +40,8 @@ LAYOUTS = {
     # the layout configs/ernie45_vl_28b_a3b_lora.yaml uses: sequence parallelism, optimizer sharding
     "sharding2_tp2_sp": (4, 2, [TP2, SP, "parallel.moe_group=mp", "parallel.sharding_parallel_degree=2",
                                 "parallel.sharding=stage1"], []),
+    # sharding stage 3: the pairs split over the sharding ranks, the base (held in 8 bits) whole on each
+    "sharding2_stage3_wint8": (2, 2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage3"], WINT8),
     **{f"{name}_{mode}": (nproc, data, layout, shared + bits)
        for mode, bits in (("wint8", WINT8), ("wint4", WINT4))
        for name, nproc, data, layout, shared in (("tp2", 2, 1, [TP2], []), ("ep2", 2, 2, [EP2], []),

@@ -37,6 +37,8 @@ LAYOUTS = {
     "tp2_pp2": (4, 1, [TP2, PP2], ACCUMULATE),
     "lora_tp2": (2, 1, [TP2], LORA),
     "dp2_kto_pair": (2, 2, ["training.per_device_eval_batch_size=1"], KTO),
+    # sharding stage 3: the policy's weights split over the sharding ranks, the reference copy whole on each
+    "sharding2_stage3": (2, 2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage3"], []),
     # every pair's reference figures computed through the pipeline before the first step, against one process that
     # keeps the reference weights
     "pp2_precomputed": (2, 1, [PP2, "training.dpo_reference=precomputed"], ACCUMULATE),

@@ -315,15 +315,16 @@ def _check_training(cfg: Config, check_paths: bool = True) -> None:
              "training.early_stopping_patience counts evaluations without an improvement of training.save_best_metric:"
              " set it too (for example eval_loss).")
     p = cfg.parallel
-    whole_model = p.tensor_parallel_degree == 1 and p.pipeline_parallel_degree == 1 and p.expert_parallel_degree == 1
+    whole_model = p.tensor_parallel_degree == 1 and p.pipeline_parallel_degree == 1 and \
+        p.expert_parallel_degree == 1 and p.sharding != "stage3"
     _require(not t.eval_generate or whole_model,
              "training.eval_generate decodes on each data-parallel rank with the whole model; it does not run with "
-             "tensor, pipeline or expert parallelism (their ranks would have to decode in step): evaluate "
-             "final_model with python -m ernie_moe.generate instead.")
+             "tensor, pipeline or expert parallelism or sharding stage 3 (their ranks would have to decode in step): "
+             "evaluate final_model with python -m ernie_moe.generate instead.")
     _require(not t.eval_benchmarks or whole_model,
              "training.eval_benchmarks answers on each data-parallel rank with the whole model; it does not run with "
-             "tensor, pipeline or expert parallelism (their ranks would have to decode in step): score final_model "
-             "with python -m ernie_moe.evaluate --benchmark instead.")
+             "tensor, pipeline or expert parallelism or sharding stage 3 (their ranks would have to decode in step): "
+             "score final_model with python -m ernie_moe.evaluate --benchmark instead.")
     _check_fine_tuning(t)
     _check_preference(cfg)
     _check_rl(cfg)

@@ -256,6 +256,10 @@ class WeightShards:
                 if id(param) not in self.owned:
                     param._register_backward_hook(self._release_hook(param))
 
+    def holds_whole(self, param) -> bool:
+        """Whether this rank keeps ``param`` between its uses (its owner, or a parameter nobody shares out)."""
+        return id(param) not in self.set_of or id(param) in self.owned
+
     def params_of(self, block: nn.Layer) -> list:
         return self.units.get(id(block), [])
 

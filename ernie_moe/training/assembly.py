@@ -15,16 +15,18 @@ Each step is a small function; the order is the contract, and each step says why
 6. ``quantize``: a LoRA run's frozen base linears to integers and scales (``training.quantize_base``), after
    the pairs, which wrap the layers by their weights, and before the cast, which would cast those weights.
 7. ``precision``: the cast to the AMP dtype, after every parameter (LoRA's included) exists.
-8. ``reference``: the objective's reference model (``training.preference``), after the cast: it keeps the
-   weights the policy starts from as they will be computed with, and LoRA's adapters, which it switches off.
-9. ``grad_sync``: who averages which gradients over which ranks (``parallel.grad_sync``), after the cast, since
-   fleet's reducer holds the parameters it syncs and their gradients' dtype, and once the trainable set is fixed.
-   At sharding stage 2 and 3 the owner of each parameter is chosen here (``parallel.zero``), for the gradients
-   and the optimizer states alike; at stage 3 the blocks then gather and release their weights.
-10. ``runner``: fleet's pipeline schedule where there is one, which takes the model as it now is.
-11. ``guard``: the memory guard, which needs to know whether the runner fixes the micro-batch.
-12. ``optimizer``: AdamW and the schedule over the parameters that train, once nothing adds any.
-13. ``ema``: the moving average of what trains (``training.ema_decay``), last: it copies the weights as they
+8. ``shards``: at sharding stage 2 and 3, the owner of each parameter that trains (``parallel.zero``), for its
+   gradient, its optimizer states and at stage 3 its weight, once the trainable set is fixed; at stage 3 the
+   blocks then gather and release their weights.
+9. ``reference``: the objective's reference model (``training.preference``), after the cast: it keeps the
+   weights the policy starts from as they will be computed with (at stage 3 those this rank owns), and LoRA's
+   adapters, which it switches off.
+10. ``grad_sync``: who averages which gradients over which ranks (``parallel.grad_sync``), after the cast, since
+    fleet's reducer holds the parameters it syncs and their gradients' dtype.
+11. ``runner``: fleet's pipeline schedule where there is one, which takes the model as it now is.
+12. ``guard``: the memory guard, which needs to know whether the runner fixes the micro-batch.
+13. ``optimizer``: AdamW and the schedule over the parameters that train, once nothing adds any.
+14. ``ema``: the moving average of what trains (``training.ema_decay``), last: it copies the weights as they
     now are, cast and final, and shares them out over the replicas the way the layout holds them.
 """
 
@@ -82,9 +84,9 @@ def assemble(cfg: Config, env: DistEnv, state, device_bytes: float, load_weights
     fine_tuning, base = fine_tune(model, cfg, env)
     quantize(model, t, fine_tuning)
     precision = cast(model, t)
-    reference = reference_model(model, t)
     groups = split_experts(model)
     shards = shard_weights(model, groups, env)
+    reference = reference_model(model, t)
     owners = zero.GradientOwners(shards, model.blocks()) if shards else None
     timed = cfg.logging.time_breakdown
     runner = build_runner(model, env, precision, grad_sync(groups, cfg, env, state, owners), timed, reference)
@@ -105,7 +107,11 @@ def reference_model(model, t) -> ReferenceModel | PrecomputedReference | None:
     source = model.objective.reference_source
     if source is None:
         return None
-    return PrecomputedReference() if source == "precomputed" else ReferenceModel(model, lora=t.fine_tuning == "lora")
+    if source == "precomputed":
+        return PrecomputedReference()
+    shards = getattr(model, "weight_shards", None)  # stage 3: the owners keep the reference, the others gather it
+    return ReferenceModel(model, lora=t.fine_tuning == "lora",
+                          holds=(lambda p: shards.holds_whole(p)) if shards is not None else (lambda p: True))
 
 
 def recompute(model, t, state) -> None:

@@ -15,6 +15,7 @@ resume reads them back. No reference weights are held, and a step runs no refere
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,10 +33,11 @@ from ..parallel.env import DistEnv
 
 
 class ReferenceModel:
-    def __init__(self, model, lora: bool):
+    def __init__(self, model, lora: bool, holds: Callable[[paddle.Tensor], bool] = lambda param: True):
+        """``holds(param)``: whether this rank keeps ``param`` between its uses (at sharding stage 3 its owner)."""
         self.adapters = [layer for layer in model.sublayers() if isinstance(layer, LoRALinear)] if lora else []
         kept = [p for name, p in model.named_parameters()
-                if is_router_bias(name) or (not lora and not p.stop_gradient)]
+                if (is_router_bias(name) or (not lora and not p.stop_gradient)) and holds(p)]
         self.weights = [(p, p.detach().clone()) for p in kept]
 
     def prepare(self, runner, datasets: dict, tokenizer: Tokenizer, cfg, env: DistEnv) -> str | None:

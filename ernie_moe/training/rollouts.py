@@ -46,6 +46,7 @@ from ..moe.replay import moe_layer_ids, recording, routes_of_forward, rows_of_ge
 from ..objectives.policy import group_advantages
 from ..objectives.rewards import Reward
 from ..parallel.env import DistEnv
+from ..parallel.zero import stage_of
 from .generation_eval import split_answer
 
 MAX_ROUNDS = 8  # rounds of prompts one rollout may take before it gives up on filling its groups
@@ -87,10 +88,10 @@ class RolloutFeed:
         self.encoder = training_encoder(tokenizer, cfg, Counter())
         self.group_size, self.length = t.rl_group_size, cfg.data.max_seq_len
         self.replay = t.router_replay == "rollout" and bool(model.moe_layers())  # routes recorded while sampling
-        # expert-parallel ranks exchange their tokens in every MoE forward: they decode in step, and sample every
-        # round, full or not
-        self.exchange = env.expert_group if env.expert_group is not None and not model.plan.experts_on_tp_ranks \
-            else None
+        # expert-parallel ranks exchange their tokens in every MoE forward, and at sharding stage 3 the data ranks
+        # gather each layer's weights: they decode in step, and sample every round, full or not
+        self.exchange = env.data_group if stage_of(env) == 3 else env.expert_group \
+            if env.expert_group is not None and not model.plan.experts_on_tp_ranks else None
         self.prompts_read = 0  # global prompt slots taken so far
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # (pass over the data, its seeded order)
         self.pending: list[Row] = []  # this rank's rows of the rollout being trained on
@@ -244,8 +245,8 @@ class RolloutFeed:
         if not prompts:
             if self.exchange is not None:
                 raise DataError("a round of prompts left this data rank none to sample, and with expert "
-                                "parallelism every rank of the group decodes in step; see the data/skipped_rollout_* "
-                                "counts")
+                                "parallelism or sharding stage 3 every rank of the group decodes in step; see the "
+                                "data/skipped_rollout_* counts")
             return []
         t, g = self.cfg.training, self.group_size
         encoded = [p.encoded for p in prompts for _ in range(g)]
