@@ -46,6 +46,14 @@ LAYOUTS = {
                                "training.per_device_train_batch_size=4"]),
     "ep2 x sharding2": (4, ["parallel.expert_parallel_degree=2", "parallel.sharding_parallel_degree=2",
                             "parallel.sharding=stage1", "training.per_device_train_batch_size=2"]),
+    # gradients, then weights too, split over the sharding ranks: the owners' shares, a block's whole while its
+    # backward runs
+    "sharding stage2 x2": (2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage2",
+                               "training.per_device_train_batch_size=4"]),
+    "sharding stage3 x2": (2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage3",
+                               "training.per_device_train_batch_size=4"]),
+    "ep2 x sharding2 stage3": (4, ["parallel.expert_parallel_degree=2", "parallel.sharding_parallel_degree=2",
+                                   "parallel.sharding=stage3", "training.per_device_train_batch_size=2"]),
     "vocabulary 32k": (1, ["model.vocab_size=32000"]),
     "vocabulary 32k, loss over chunks of 8": (1, ["model.vocab_size=32000", "training.loss_subbatch_seqlen=8"]),
     # against "no recompute" (full fine-tuning of the same model); {base} is that model saved as a folder

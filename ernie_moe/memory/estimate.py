@@ -2,10 +2,12 @@
 
 Persistent: parameters, gradients (kept allocated between steps; with ``parallel.overlap_grad_sync`` over
 several data ranks, fleet's reducer keeps its buckets, a fused copy of the gradients it averages), AdamW moments
-and master weights (optimizer sharding splits the states of the non-expert weights, stage 2 their gradients
-too). Per step: the step's input batches, the activations the forward pass keeps for the backward pass of the
-micro-batches in flight, and the backward pass's transient (a recomputed block run again while the later
-layers' activations are already freed).
+and master weights. Optimizer sharding splits the states over the sharding ranks (the routed experts' over their
+replicas), stage 2 the gradients too (the largest block's whole while it is reduced), stage 3 the weights too (the
+largest block's gathered, two at once where one block's backward meets the next block's gather). Per step: the
+step's input batches, the activations the forward pass keeps for the backward pass of the micro-batches in
+flight, and the backward pass's transient (a recomputed block run again while the later layers' activations are
+already freed).
 
 Activation terms count what this package's layers keep (float32 elements unless noted). The coefficients were
 read off the allocator, block by block, while varying one dimension at a time (batch, sequence, widths,
@@ -26,7 +28,7 @@ from ..moe.replay import moe_layer_ids
 from ..nn.flashmask import BLOCK_ROWS
 from ..objectives import build_objective
 from ..parallel.layout import Layout
-from .params import frozen_parts, stage_layers, stage_lora_params, stage_params, stage_quantized
+from .params import block_sizes, frozen_parts, stage_layers, stage_lora_params, stage_params, stage_quantized
 
 PIXEL_CHANNELS_BYTES = 4  # flattened patches arrive as float32
 INT_FIELDS = 7  # int64 per token: input ids, labels, token types, doc ids, 3 position axes
@@ -353,7 +355,13 @@ def estimate(cfg: Config, workload: Workload, data_world: int | None = None,
     data_world = data_world or p.sharding_parallel_degree
     layout = Layout.of(p, data_world * p.tensor_parallel_degree * p.pipeline_parallel_degree)
     expert_replicas = layout.expert_copies if p.sharding else 1
-    reducer = p.overlap_grad_sync and p.pipeline_parallel_degree == 1 and data_world > 1  # parallel.grad_sync
+    stage_n = {"stage1": 1, "stage2": 2, "stage3": 3}.get(p.sharding, 0)
+    # bytes per element a block adds while its backward runs: at stage 2 its gradients whole until they are reduced
+    # (an owner's too: the new gradient is made before it is added), at stage 3 the gradients and the gathered
+    # weights of what this rank does not own (read off the allocator)
+    per_block = {2: grad_bytes, 3: (grad_bytes + param_bytes) * (1 - 1 / sharding)}.get(stage_n, 0)
+    # parallel.grad_sync: fleet's reducer (below stage 2)
+    reducer = p.overlap_grad_sync and p.pipeline_parallel_degree == 1 and data_world > 1 and stage_n < 2
     data_inputs = workload.tokens * 8 * INT_FIELDS + workload.patches * (
         m.vision_config.in_channels * m.vision_config.patch_size ** 2 * PIXEL_CHANNELS_BYTES)
     out = []
@@ -366,7 +374,13 @@ def estimate(cfg: Config, workload: Workload, data_world: int | None = None,
         quantized_elements, quantized = quantized_stages[stage]  # base linears held as integers and scales
         parameters += quantized - param_bytes * quantized_elements
         trainable = params.trainable_shared + lora.shared, params.trainable_experts + lora.experts
-        gradients = grad_bytes * sum(trainable) / (sharding if p.sharding == "stage2" else 1)
+        if stage_n >= 2:  # the owner's share (a block's whole gradients while they are reduced: transient)
+            gradients = grad_bytes * (trainable[0] / sharding + trainable[1] / max(expert_replicas, 1))
+        else:
+            gradients = grad_bytes * sum(trainable)
+        if stage_n == 3:  # the weights that train: the owner's share (the blocks gathered: transient)
+            parameters -= param_bytes * (trainable[0] * (1 - 1 / sharding)
+                                         + trainable[1] * (1 - 1 / max(expert_replicas, 1)))
         if reducer:  # its buckets: a fused copy of the gradients it averages (experts' where they have replicas)
             gradients += grad_bytes * (trainable[0] + (trainable[1] if layout.expert_copies > 1 else 0))
         states_per_param = 8 + (4 if o2 else 0)  # two AdamW moments, a float32 master copy under O2
@@ -399,8 +413,19 @@ def estimate(cfg: Config, workload: Workload, data_world: int | None = None,
             kept += 4 * workload.tokens * m.hidden_size
         if stage == p.pipeline_parallel_degree - 1:  # the head's backward runs first: nothing is freed yet
             head_kept, head_rerun = _last_stage_activations(m, p, t, workload)
-            kept += head_kept * (1 + depths) + sum(_mtp_activations(m, p, t, k, workload) for k in range(depths))
+            head_total = head_kept * (1 + depths) + sum(_mtp_activations(m, p, t, k, workload) for k in range(depths))
+            kept += head_total
             transient = max(transient, head_rerun)
+            if per_block:  # the head's block from the start of the backward (a tied matrix's gradient is complete
+                # at its end), then each layer's as the later activations are freed
+                blocks = block_sizes(m, p, t)
+                head = per_block * blocks.head
+                transient = max(transient, head + per_block * blocks.mtp)
+                later = head_total
+                for (layer_kept, _), elements in zip(reversed(per_layer[len(per_layer) - len(layers):]),
+                                                     reversed(blocks.layers)):
+                    transient = max(transient, head * m.tie_word_embeddings + per_block * elements - later)
+                    later += layer_kept
         activations = act_scale * kept * in_flight(p, t, stage)
         transient = act_scale * transient
         inputs: float = data_inputs * t.gradient_accumulation_steps
@@ -415,6 +440,8 @@ def estimate(cfg: Config, workload: Workload, data_world: int | None = None,
         # a full fine-tune's reference: the trained weights as they started (LoRA's is its base)
         holds = t.fine_tuning != "lora" and objective.reference_source == "model"
         reference = param_bytes * sum(trainable) if holds else 0.0
+        if holds and stage_n == 3:  # kept by the weights' owners
+            reference = param_bytes * (trainable[0] / sharding + trainable[1] / max(expert_replicas, 1))
         out.append(StageMemory(stage, parameters, gradients, optimizer, inputs, activations, transient,
                                t.offload_optim, reference, rollout, save_copy))
     return out

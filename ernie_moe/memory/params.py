@@ -103,6 +103,31 @@ def mtp_params(cfg: ModelConfig, tp: int, expert_split: int) -> StageParams:
     return out
 
 
+@dataclass
+class BlockSizes:
+    """Elements that train in each block one rank runs, without pipeline stages (sharding stage 2 and 3 run without
+    them): what stage 3 gathers for a block and stage 2 reduces at once."""
+
+    head: int  # the block whose backward runs first: the head, or the tied embedding's matrix
+    layers: list[int]  # each decoder layer's
+    mtp: int  # the multi-token prediction depths'
+
+
+def block_sizes(cfg: ModelConfig, parallel, training=None) -> BlockSizes:
+    tp, expert_split = parallel.tensor_parallel_degree, Layout.of(parallel).expert_split
+    frozen = frozen_parts(training)
+    vocab = cfg.vocab_size * cfg.hidden_size // tp
+    layers = []
+    for layer in range(cfg.num_hidden_layers):
+        block = StageParams()
+        block.add(decoder_layer_params(cfg, layer, tp, expert_split), "layers" in frozen, "router" in frozen)
+        layers.append(block.trainable_shared + block.trainable_experts)
+    mtp = StageParams()
+    mtp.add(mtp_params(cfg, tp, expert_split), "mtp" in frozen)
+    head = "embedding" if cfg.tie_word_embeddings else "head"
+    return BlockSizes(0 if head in frozen else vocab, layers, mtp.trainable_shared + mtp.trainable_experts)
+
+
 def stage_layers(cfg: ModelConfig, pp: int, vpp: int) -> list[list[int]]:
     """Decoder layers of each pipeline stage (interleaved: chunk c of pp x vpp goes to stage c % pp)."""
     chunks = pp * vpp

@@ -6,16 +6,18 @@ for dense and shared-expert weights, the ranks holding the same routed experts (
 keeps the parameter's AdamW states (as in stage 1), and:
 
 - stage 2: its gradient. During the backward each block's gradients are summed onto their owners as soon as the
-  block's last one is complete (:class:`GradientOwners`: one reduce per owner, its parameters flattened into one
-  buffer) and the other ranks release theirs; the owner's next backward adds to the sum, so accumulation holds no
-  whole gradient between micro-batches. The owners' sums are added over the data-parallel copies and scaled once,
-  when the step's last backward is done. After the update each owner sends its new weights to the others.
+  block's last one is complete (:class:`GradientOwners`), in place, and the other ranks release theirs; the
+  owner's next backward adds to the sum, so accumulation holds no whole gradient between micro-batches. The
+  owners' sums are added over the data-parallel copies and scaled once, when the step's last backward is done.
+  After the update each owner sends its new weights to the others.
 - stage 3: its weight too. The other ranks release it; each block of the model (:class:`WeightShards`) gathers its
   weights from their owners when it runs forward, releases them after, gathers them again before its backward and
-  releases each as soon as its gradient is complete. Outside the step, :func:`whole_weights` holds every weight
-  (checkpoints, the EMA, generation).
+  releases each as soon as its gradient is complete. Outside the step :func:`held` gathers what is read past
+  the blocks (a decoder layer as generation runs it, a weight as a save writes it), and :func:`whole_weights`
+  every weight (the replica check, a resume, an adapter's save).
 
-The collectives are a reduce and a broadcast per owner, on NCCL and on gloo alike.
+The collectives are a reduce and a broadcast per parameter, in place (no bucket is copied), on NCCL and on gloo
+alike.
 """
 
 from __future__ import annotations
@@ -89,29 +91,15 @@ def shard_sets(groups: dict[str, list], env: DistEnv) -> list[ShardSet]:
     return sets
 
 
-def _flat(tensors: list) -> paddle.Tensor:
-    return paddle.concat([t.reshape([-1]) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape([-1])
-
-
-def _pieces(flat: paddle.Tensor, like: list) -> list[paddle.Tensor]:
-    return [piece.reshape(t.shape) for piece, t in zip(paddle.split(flat, [t.size for t in like]), like)]
-
-
 def _reduce(shard: ShardSet, params: list) -> None:
-    """Sum the gradients of ``params`` (of ``shard``) onto their owners, one reduce per owner; the other ranks
-    release theirs. A rank without a gradient for a parameter sends zeros."""
+    """Sum the gradients of ``params`` (of ``shard``) onto their owners, in place, one parameter at a time (no
+    copy of a bucket); the other ranks release theirs. A rank without a gradient for a parameter sends zeros."""
     for rank, owned in shard.by_owner(params):
-        grads = [p.grad if p.grad is not None else paddle.zeros(p.shape, p.dtype) for p in owned]
-        flat = _flat(grads)
-        dist.reduce(flat, dst=shard.group.ranks[rank], group=shard.group)
-        if rank == shard.group.rank:
-            for param, piece in zip(owned, _pieces(flat, owned)):
-                if param.grad is None:
-                    param._copy_gradient_from(piece)
-                else:
-                    paddle.assign(piece, output=param.grad)
-        else:
-            for param in owned:
+        for param in owned:
+            if param.grad is None:
+                param._copy_gradient_from(paddle.zeros(param.shape, param.dtype))
+            dist.reduce(param.grad, dst=shard.group.ranks[rank], group=shard.group)
+            if rank != shard.group.rank:
                 param.clear_gradient(False)
 
 
@@ -119,8 +107,8 @@ class GradientOwners:
     """Stage 2 and 3: gradients summed onto their owners during the backward, block by block.
 
     Each block's parameters of a shard set make a bucket; when the last of them has its gradient for this
-    backward (the hook Paddle calls after accumulating a leaf's gradient), the bucket is reduced and the other
-    ranks release it. Every rank builds the same graph (every parameter that trains gets a gradient in every
+    backward (the hook Paddle calls after accumulating a leaf's gradient), the bucket's gradients are reduced and
+    the other ranks release them. Every rank builds the same graph (every parameter that trains gets a gradient in every
     backward, an idle expert a zero one), so the buckets complete in the same order everywhere. :meth:`flush`
     reduces what a micro-batch's backward left: a bucket of parameters without a gradient, or one a parameter
     came back to after its reduce (a recompute that runs a backward of its own).
@@ -179,28 +167,24 @@ def finish_owned(sets: list[ShardSet], scale: float) -> None:
         mine = [p for p in shard.owned() if p.grad is not None]
         if not mine:
             continue
-        if shard.copies is not None:
-            flat = _flat([p.grad for p in mine])
-            dist.all_reduce(flat, group=shard.copies)
-            for param, piece in zip(mine, _pieces(flat, mine)):
-                paddle.assign(piece * scale, output=param.grad)
-        else:
-            for param in mine:
-                param.grad.scale_(scale)
+        for param in mine:
+            if shard.copies is not None:
+                dist.all_reduce(param.grad, group=shard.copies)
+            param.grad.scale_(scale)
 
 
 @paddle.no_grad()
 def send_owned(shard: ShardSet, params: list | None = None) -> None:
-    """Every rank of the set's group takes its owners' values of ``params`` (all of the set's by default)."""
+    """Every rank of the set's group takes its owners' values of ``params`` (all of the set's by default), one
+    parameter at a time: into the parameter where it holds one, else into storage of its own."""
     for rank, owned in shard.by_owner(params):
-        if rank == shard.group.rank:
-            flat = _flat([p.detach() for p in owned])
-        else:
-            flat = paddle.empty([sum(p.size for p in owned)], dtype=owned[0].dtype)
-        dist.broadcast(flat, src=shard.group.ranks[rank], group=shard.group)
-        if rank != shard.group.rank:
-            for param, piece in zip(owned, _pieces(flat, owned)):
-                _fill(param, piece)
+        for param in owned:
+            if rank == shard.group.rank or param._is_initialized():
+                dist.broadcast(param, src=shard.group.ranks[rank], group=shard.group)
+            else:
+                value = paddle.empty(param.shape, dtype=param.dtype)
+                dist.broadcast(value, src=shard.group.ranks[rank], group=shard.group)
+                _fill(param, value)
 
 
 def _fill(param, value: paddle.Tensor) -> None:
