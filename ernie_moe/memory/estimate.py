@@ -370,12 +370,12 @@ def estimate(cfg: Config, workload: Workload, data_world: int | None = None,
     for stage, (params, lora, layers) in enumerate(zip(stage_params(m, p, t), stage_lora_params(m, p, t),
                                                        layers_of)):
         # frozen weights: no gradient, no moments, no master copy (under O2 they stay in low precision only)
-        parameters = param_bytes * (params.total + lora.total - params.float32) + 4 * params.float32
+        parameters: float = param_bytes * (params.total + lora.total - params.float32) + 4 * params.float32
         quantized_elements, quantized = quantized_stages[stage]  # base linears held as integers and scales
         parameters += quantized - param_bytes * quantized_elements
         trainable = params.trainable_shared + lora.shared, params.trainable_experts + lora.experts
         if stage_n >= 2:  # the owner's share (a block's whole gradients while they are reduced: transient)
-            gradients = grad_bytes * (trainable[0] / sharding + trainable[1] / max(expert_replicas, 1))
+            gradients: float = grad_bytes * (trainable[0] / sharding + trainable[1] / max(expert_replicas, 1))
         else:
             gradients = grad_bytes * sum(trainable)
         if stage_n == 3:  # the weights that train: the owner's share (the blocks gathered: transient)
