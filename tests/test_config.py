@@ -197,8 +197,14 @@ def test_layouts_must_fit_the_processes():
     assert data_degree(cfg.parallel, 8) == 2
     with pytest.raises(ConfigError, match=r"6 processes cannot hold tensor x pipeline x sharding = 2 x 1 x 2 = 4"):
         check_layout(cfg.parallel, 6)
-    with pytest.raises(ConfigError, match="'stage2'.*not available"):
-        load_config(None, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage2"])
+    for stage in ("stage2", "stage3"):  # sharded by the package's own step, which a pipeline schedule bypasses
+        assert load_config(None, ["parallel.sharding_parallel_degree=2", f"parallel.sharding={stage}"])
+        with pytest.raises(ConfigError, match=f"'{stage}' with pipeline_parallel_degree 2.*use 'stage1'"):
+            load_config(None, ["parallel.sharding_parallel_degree=2", f"parallel.sharding={stage}",
+                               "parallel.pipeline_parallel_degree=2", "training.gradient_accumulation_steps=2"])
+    with pytest.raises(ConfigError, match="eval_generate.*sharding stage 3"):
+        load_config(None, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage3",
+                           "training.eval_generate=true"])
 
 
 def test_moe_group_mp_rules():

@@ -69,6 +69,6 @@ def test_the_layout_checks_pass_here(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for layout in ("data parallel x2", "tensor parallel x2", "expert parallel x2", "pipeline x2",
-                   "sequence parallel x2, loss over chunks"):
+                   "sharding stage 2 x2", "sharding stage 3 x2", "sequence parallel x2, loss over chunks"):
         assert f"| {layout} | float32 |" in done.stdout
-    assert "19 of 19 checks passed" in done.stdout
+    assert "21 of 21 checks passed" in done.stdout

@@ -245,16 +245,23 @@ def test_a_layout_that_does_not_fit_stops_at_start_up_with_layouts_that_do(tmp_p
 def test_the_real_scale_configs_are_planned(tmp_path):
     # ERNIEKit's published minimums: VL-28B full on 8 and LoRA on 4, VL-424B LoRA on 16 GPUs of 80 GB, and on 8
     # with its base in 4-bit weights at 8K and 32K tokens
+    # VL-424B LoRA's steps fit 16 (and 8 with a 4-bit base), but each rank builds its part of the model in float32
+    # before the cast and the quantisation: 84.6 and 164.1 GiB, so those layouts cannot start
     for name, world, fits in (("ernie45_vl_28b_a3b.yaml", 8, True), ("ernie45_vl_424b_a47b.yaml", 96, True),
-                              ("ernie45_vl_28b_a3b_lora.yaml", 4, True), ("ernie45_vl_424b_a47b_lora.yaml", 16, True),
-                              ("ernie45_vl_424b_a47b_wint4_lora.yaml", 8, True),
-                              ("ernie45_vl_424b_a47b_wint4_lora_32k.yaml", 8, True)):
+                              ("ernie45_vl_28b_a3b_lora.yaml", 4, True), ("ernie45_vl_424b_a47b_lora.yaml", 16, False),
+                              ("ernie45_vl_424b_a47b_wint4_lora.yaml", 8, False),
+                              ("ernie45_vl_424b_a47b_wint4_lora_32k.yaml", 8, False),
+                              ("ernie45_vl_28b_a3b_2x80.yaml", 2, True), ("ernie45_vl_424b_a47b_24x80.yaml", 24, True)):
         cfg = load_config(ROOT / "configs" / name, check_paths=False)  # the weights are not here
         text, ok = report(cfg, world, 80.0, run_search=False)
         p = cfg.parallel
         assert text.count("\n") >= 3 + p.pipeline_parallel_degree
         assert "assumed: images of" in text
         assert ok == fits, (name, text)
+        assert fits or "builds its part of the model in float32" in text and "more than the device holds" in text
+    for name, world in (("ernie45_vl_28b_a3b_4x48.yaml", 4), ("ernie45_vl_424b_a47b_48x48.yaml", 48)):
+        cfg = load_config(ROOT / "configs" / name, check_paths=False)
+        assert report(cfg, world, cfg.training.device_memory_gb, run_search=False)[1], name
     # DPO-LoRA of VL-28B at 8K on 4 GPUs: the reference is the base, so the plan is the LoRA fine-tune's; full DPO
     # adds a reference copy of the trained weights on each rank
     lora = load_config(ROOT / "configs" / "ernie45_vl_28b_a3b_lora.yaml", ["training.stage=dpo"], check_paths=False)
@@ -270,7 +277,8 @@ def test_the_real_scale_configs_are_planned(tmp_path):
                               cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0 and "fewest GPUs of 80 GB: 24," in done.stdout, done.stdout + done.stderr
         assert ("training.offload_optim=true" in done.stdout) == (offload == "false"), done.stdout
-    for quantized, fewest in (("wint4", 8), ("wint8", 8), ("''", 16)):  # VL-424B LoRA: the base's bytes decide
+    # VL-424B LoRA: the float32 build decides, whatever the base is quantised to
+    for quantized, fewest in (("wint4", 24), ("wint8", 24), ("''", 24)):
         done = subprocess.run([sys.executable, "-m", "ernie_moe.memory", "--config",
                                "configs/ernie45_vl_424b_a47b_lora.yaml", "--smallest", "--device-memory-gb", "80",
                                f"training.quantize_base={quantized}"], cwd=ROOT, capture_output=True, text=True)
@@ -286,11 +294,10 @@ def test_the_real_scale_configs_are_planned(tmp_path):
     assert f" of {size(MemoryMonitor().device_total_gb() * 2 ** 30)} (" in done.stdout, done.stdout
 
 
-# ERNIEKit's published cells, 8K to 128K tokens: (config, GPUs of 80 GB)
+# ERNIEKit's published cells, 8K to 128K tokens, that start here: (config, GPUs of 80 GB)
 PUBLISHED = [("ernie45_vl_28b_a3b.yaml", 8), ("ernie45_vl_28b_a3b_32k.yaml", 8), ("ernie45_vl_28b_a3b_128k.yaml", 8),
              ("ernie45_vl_28b_a3b_lora.yaml", 4), ("ernie45_vl_28b_a3b_lora_32k.yaml", 4),
-             ("ernie45_vl_28b_a3b_lora_128k.yaml", 4), ("ernie45_vl_424b_a47b_lora.yaml", 16),
-             ("ernie45_vl_424b_a47b_lora_32k.yaml", 16)]
+             ("ernie45_vl_28b_a3b_lora_128k.yaml", 4)]
 
 
 @pytest.mark.parametrize("name, world", PUBLISHED)

@@ -1,5 +1,5 @@
-"""A few training steps of data, tensor, expert and pipeline parallelism on two local processes, each against
-one process with the same seed and global batch."""
+"""A few training steps of data, tensor, expert and pipeline parallelism and sharding stages 2 and 3 on two local
+processes, each against one process with the same seed and global batch."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ LAYOUTS = {"data parallel x2": (2, []),
            "tensor parallel x2": (1, ["parallel.tensor_parallel_degree=2"]),
            "expert parallel x2": (2, ["parallel.expert_parallel_degree=2"]),
            "pipeline x2": (1, ["parallel.pipeline_parallel_degree=2"]),
+           # gradients, then weights, split over the two (reduced and gathered by NCCL on GPUs)
+           "sharding stage 2 x2": (2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage2"]),
+           "sharding stage 3 x2": (2, ["parallel.sharding_parallel_degree=2", "parallel.sharding=stage3"]),
            # the ViT over each rank's share of the frames, the loss over chunks of which each rank holds a piece
            "sequence parallel x2, loss over chunks": (1, ["parallel.tensor_parallel_degree=2",
                                                           "parallel.sequence_parallel=true", "parallel.moe_group=mp",

@@ -122,6 +122,9 @@ class StageMemory:
     # host memory, not the device's: what an async save (training.async_save) copies before its files are written,
     # at most the stage's weights and optimizer states whole (a writing rank gathers the tensor-parallel slices)
     save_copy: float = 0.0
+    # before the first step: the rank's part of the model built whole in float32 (then loaded, cast, quantised and,
+    # at sharding stage 3, shared out)
+    startup: float = 0.0
 
     @property
     def total(self) -> float:
@@ -442,6 +445,7 @@ def estimate(cfg: Config, workload: Workload, data_world: int | None = None,
         reference = param_bytes * sum(trainable) if holds else 0.0
         if holds and stage_n == 3:  # kept by the weights' owners
             reference = param_bytes * (trainable[0] / sharding + trainable[1] / max(expert_replicas, 1))
+        startup = 4.0 * (params.total + lora.total)
         out.append(StageMemory(stage, parameters, gradients, optimizer, inputs, activations, transient,
-                               t.offload_optim, reference, rollout, save_copy))
+                               t.offload_optim, reference, rollout, save_copy, startup))
     return out

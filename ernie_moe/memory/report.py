@@ -11,9 +11,9 @@ copy of them), gradients, optimizer states, input batches, activations and the b
 the busiest stage fits the device; with ``training.async_save``, the host memory a save's copy of the state takes.
 With ``--search`` it lists the layouts (tensor, pipeline, virtual stages,
 sharding, expert degree or the experts over the tensor ranks with sequence parallelism, recompute, micro-batch,
-optimizer offload, the loss over chunks) that fit, the fastest first by a rough estimate; with
-``--smallest`` the fewest GPUs (a multiple of 8) on which one fits, and that layout. The micro-batch's make-up
-comes from the configured data when it is there (synthetic data, or the JSONL files), otherwise images of
+optimizer offload, the loss over chunks) that fit, the fastest first by a rough estimate; with ``--smallest``
+the fewest GPUs (1, 2, 4 or a multiple of 8) on which one fits, and that layout. The micro-batch's make-up comes
+from the configured data when it is there (synthetic data, or the JSONL files), otherwise images of
 ``data.max_image_side`` are assumed to fill ``--image-fraction`` of the tokens.
 """
 
@@ -77,6 +77,11 @@ def table(stages, device_bytes: float) -> str:
     verdict = "fits" if fits(stages, device_bytes) else "does NOT fit"
     lines.append(f"busiest: stage {busiest.stage}, {size(busiest.total)} of {size(device_bytes)} "
                  f"({busiest.total / device_bytes:.0%}): {verdict} (limit {FIT_FRACTION:.0%} of the device)")
+    start = max(stages, key=lambda s: s.startup)
+    if start.startup > FIT_FRACTION * device_bytes or start.startup > busiest.total:
+        lines.append(f"start-up: stage {start.stage} builds its part of the model in float32 before the cast (and "
+                     f"at sharding stage 3 before sharing it out): {size(start.startup)}"
+                     + ("" if start.startup <= FIT_FRACTION * device_bytes else ", more than the device holds"))
     return "\n".join(lines)
 
 
@@ -138,7 +143,7 @@ def main(argv=None) -> int:
                         help="GB per device (default: training.device_memory_gb, else this machine's GPU, or its RAM "
                              "on a CPU)")
     parser.add_argument("--search", action="store_true", help="list the layouts that fit")
-    parser.add_argument("--smallest", action="store_true", help="the fewest GPUs (a multiple of 8) that fit")
+    parser.add_argument("--smallest", action="store_true", help="the fewest GPUs (1, 2, 4 or a multiple of 8) that fit")
     parser.add_argument("--image-fraction", type=bounded(float, 0, 1), default=0.5)
     args = parser.parse_args(argv)
     try:

@@ -21,19 +21,23 @@ FIT_FRACTION = 0.9  # the rest of the device: CUDA context, allocator fragmentat
 RECOMPUTE_ORDER = (None, "moe", "core_attn", "full_attn", "full")  # least memory saved and time spent first
 RERUN = {None: 0.0, "moe": 0.2, "core_attn": 0.05, "full_attn": 0.15, "full": 0.33}  # extra forward share
 OFFLOAD_COST = 0.1  # a step's share spent moving offloaded optimizer states
+# a step's share spent on sharding's own traffic beyond stage 1's: stage 3 gathers every weight for the forward and
+# again for the backward (ZeRO's 1.5x the gradient traffic)
+SHARDING_COST = {"": 0.0, "stage1": 0.0, "stage2": 0.0, "stage3": 0.1}
 CHUNKED_LOSS_COST = 0.02  # a step's share spent running the LM head again for the loss over chunks
 LONG_LOSS_CHUNK = 8192  # the chunk the search tries for sequences longer than that
 
 
 def fits(stages, device_bytes: float) -> bool:
-    return max(s.total for s in stages) <= FIT_FRACTION * device_bytes
+    """Whether the busiest stage's step, and its start (the model built in float32), fit the device."""
+    return max(max(s.total, s.startup) for s in stages) <= FIT_FRACTION * device_bytes
 
 
 def with_layout(cfg: Config, tp, pp, vpp, sharding, ep, recompute, micro_batch, world, moe_group="ep", offload=None,
-                loss_chunk=None):
+                loss_chunk=None, stage="stage1"):
     """``cfg`` with another layout, the global batch unchanged; None when the layout is invalid. ``offload``:
     whether the optimizer states live on the host, ``loss_chunk``: tokens per chunk of the head and loss (None:
-    as configured)."""
+    as configured), ``stage``: the sharding stage where ``sharding`` is above 1."""
     t = cfg.training
     data = Layout(world, tp, pp).data_world
     global_rows = t.per_device_train_batch_size * t.gradient_accumulation_steps * configured_data_world(cfg, world)
@@ -41,7 +45,7 @@ def with_layout(cfg: Config, tp, pp, vpp, sharding, ep, recompute, micro_batch, 
         return None
     parallel = dataclasses.replace(
         cfg.parallel, tensor_parallel_degree=tp, pipeline_parallel_degree=pp, virtual_pp_degree=vpp,
-        sharding_parallel_degree=sharding, sharding="stage1" if sharding > 1 else "",
+        sharding_parallel_degree=sharding, sharding=stage if sharding > 1 else "",
         expert_parallel_degree=ep if moe_group == "ep" else tp, moe_group=moe_group,
         sequence_parallel=moe_group == "mp" and cfg.data.max_seq_len % tp == 0)
     chunked = t.loss_subbatch_seqlen if loss_chunk is None else loss_chunk
@@ -73,7 +77,8 @@ def relative_time(cfg: Config, world: int, largest_micro_batch: int) -> float:
     comm = 1 + 0.08 * math.log2(p.tensor_parallel_degree) + (0.05 if p.expert_parallel_degree > 1 else 0)
     host = 1 + OFFLOAD_COST if t.offload_optim else 1  # the states cross the host link at each update
     head = 1 + CHUNKED_LOSS_COST if t.loss_subbatch_seqlen else 1  # the head runs again in the backward pass
-    return (1 + rerun) * (1 + bubble) * comm * small * host * head / world
+    sharding = 1 + SHARDING_COST[p.sharding]
+    return (1 + rerun) * (1 + bubble) * comm * small * host * head * sharding / world
 
 
 def search(cfg: Config, workload_for, world: int, device_bytes: float, limit: int = 10) -> list[tuple]:
@@ -96,9 +101,13 @@ def search(cfg: Config, workload_for, world: int, device_bytes: float, limit: in
         # (moe_group mp, with sequence parallelism)
         groups = [("ep", d) for d in powers if d <= data and all(n % d == 0 for n in m.moe_num_experts or [1])]
         groups += [("mp", tp)] if tp > 1 and m.moe_num_experts else []
-        for (moe_group, ep), vpp, recompute, mb, offload, chunk in itertools.product(
-                groups, (1, 2) if pp >= 3 else (1,), RECOMPUTE_ORDER, micro_batches, (False, True), chunks):
-            candidate = with_layout(cfg, tp, pp, vpp, data, ep, recompute, mb, world, moe_group, offload, chunk)
+        # sharding stages 2 and 3 run without pipeline stages (config.validate refuses them)
+        stages_of_sharding = ("stage1", "stage2", "stage3") if data > 1 and pp == 1 else ("stage1",)
+        for (moe_group, ep), vpp, recompute, mb, offload, chunk, sharding in itertools.product(
+                groups, (1, 2) if pp >= 3 else (1,), RECOMPUTE_ORDER, micro_batches, (False, True), chunks,
+                stages_of_sharding):
+            candidate = with_layout(cfg, tp, pp, vpp, data, ep, recompute, mb, world, moe_group, offload, chunk,
+                                    sharding)
             if candidate is None:
                 continue
             per_stage = estimate(candidate, workload_for(mb), data)
@@ -114,8 +123,8 @@ def search(cfg: Config, workload_for, world: int, device_bytes: float, limit: in
 
 def smallest_world(cfg, workload_for, device_bytes: float, step: int = 8, most: int = 1024) -> tuple | None:
     """(ranks, relative throughput, config, busiest-stage bytes) of the fastest layout on the fewest ranks
-    (a multiple of ``step``, at most ``most``) on which one fits; None if none does."""
-    for world in range(step, most + 1, step):
+    (1, 2, 4 or a multiple of ``step``, at most ``most``) on which one fits; None if none does."""
+    for world in [w for w in (1, 2, 4) if w < step] + list(range(step, most + 1, step)):
         found = search(cfg, workload_for, world, device_bytes, limit=1)
         if found:
             return (world, *found[0])

@@ -49,13 +49,14 @@ def replica_sets(named: list, env: DistEnv) -> list[ReplicaSet]:
 
 
 def owners(ranks: int, sizes: list[int]) -> list[int]:
-    """Which of ``ranks`` ranks (its index in their group) owns each parameter: the least loaded so far, by
-    ``sizes`` (the parameters' whole sizes, the same on every rank), in order."""
+    """Which of ``ranks`` ranks (its index in their group) owns each parameter: largest first, each to the least
+    loaded rank so far, by ``sizes`` (the parameters' whole sizes, the same on every rank; ties in order), so that
+    the shares differ by less than the smallest parameters."""
     loads = [0] * ranks
-    owner = []
-    for size in sizes:
-        owner.append(loads.index(min(loads)))
-        loads[owner[-1]] += size
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner[i] = loads.index(min(loads))
+        loads[owner[i]] += sizes[i]
     return owner
 
 

@@ -114,7 +114,8 @@ class GradientOwners:
     came back to after its reduce (a recompute that runs a backward of its own).
     """
 
-    def __init__(self, sets: list[ShardSet], blocks: list[nn.Layer]):
+    def __init__(self, sets: list[ShardSet], blocks: list[nn.Layer], weights: WeightShards | None = None):
+        self.weights = weights  # stage 3: released again once a backward is done, whatever it gathered
         self.buckets: list[tuple[ShardSet, list]] = []
         set_of = {id(p): shard for shard in sets for p in shard.params}
         seen: set[int] = set()
@@ -158,6 +159,8 @@ class GradientOwners:
             if not self.reduced[b] or self.again[b]:
                 self._reduce(b)
         self._reset()
+        if self.weights is not None:
+            self.weights.release_all()
 
 
 @paddle.no_grad()

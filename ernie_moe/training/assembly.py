@@ -87,7 +87,7 @@ def assemble(cfg: Config, env: DistEnv, state, device_bytes: float, load_weights
     groups = split_experts(model)
     shards = shard_weights(model, groups, env)
     reference = reference_model(model, t)
-    owners = zero.GradientOwners(shards, model.blocks()) if shards else None
+    owners = zero.GradientOwners(shards, model.blocks(), getattr(model, "weight_shards", None)) if shards else None
     timed = cfg.logging.time_breakdown
     runner = build_runner(model, env, precision, grad_sync(groups, cfg, env, state, owners), timed, reference)
     guard = MemoryGuard(t, env, device_bytes, model, can_halve=not runner.fixed_micro_batches)
