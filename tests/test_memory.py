@@ -18,11 +18,12 @@ from ernie_moe.config.schema import LORA_TARGET_GROUPS
 from ernie_moe.data.encoding.packing import document_ends
 from ernie_moe.finetune import prepare_fine_tuning
 from ernie_moe.memory.estimate import Workload, attention_core, estimate, sample_workload, sample_workloads
-from ernie_moe.memory.params import mtp_params, stage_lora_params, stage_params
+from ernie_moe.memory.params import block_sizes, mtp_params, stage_lora_params, stage_params
 from ernie_moe.memory.report import planned, report
 from ernie_moe.model.attention import core_attention
 from ernie_moe.nn.flashmask import RowBounds
 from ernie_moe.parallel.env import DistEnv
+from ernie_moe.parallel.replicas import owners
 from ernie_moe.training.runner import build_model
 
 MIB = 2 ** 20
@@ -81,6 +82,35 @@ def test_parameter_counts_are_exact(overrides):
     cfg = load_config(ROOT / "configs" / "vl_moe.yaml", overrides)
     model = build_model(cfg.model, DistEnv())
     assert stage_params(cfg.model, cfg.parallel)[0].total == sum(int(np.prod(p.shape)) for p in model.parameters())
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.tie_word_embeddings=false", "model.num_nextn_predict_layers=1"],
+                                       ["training.freeze=[lm]"]])
+def test_block_sizes_are_what_each_block_trains(overrides):
+    """What sharding stage 3 gathers and stage 2 reduces per block, counted by the planner, against the blocks
+    built: each decoder layer's trainable elements, the MTP depths', and the head's (the tied embedding's)."""
+    cfg = load_config(ROOT / "configs" / "vl_moe.yaml", overrides)
+    model = build_model(cfg.model, DistEnv())
+    prepare_fine_tuning(model, cfg.training, cfg.model, DistEnv())
+    sizes = block_sizes(cfg.model, cfg.parallel, cfg.training)
+
+    def trained(layer) -> int:
+        return sum(int(np.prod(p.shape)) for p in layer.parameters() if not p.stop_gradient)
+
+    assert sizes.layers == [trained(layer) for layer in model.decoder_layers()]
+    assert sizes.mtp == sum(trained(b) for b in model.blocks() if type(b).__name__ == "MultiTokenPrediction")
+    head = model.blocks()[0] if cfg.model.tie_word_embeddings else model.blocks()[-1]
+    assert sizes.head == trained(head) and (sizes.head > 0) == ("lm" not in cfg.training.freeze)
+
+
+def test_owners_share_out_by_size_largest_first():
+    """Whole parameters, largest first to the least loaded rank (ties to the lower rank): 38 elements over 3 ranks
+    as 13, 13 and 12, where taking them in the order given would give 13, 16 and 9."""
+    sizes = [5, 1, 9, 3, 3, 8, 2, 7]
+    owner = owners(3, sizes)
+    assert owner == [2, 0, 0, 1, 0, 1, 1, 2]
+    assert [sum(s for s, o in zip(sizes, owner) if o == r) for r in range(3)] == [13, 13, 12]
+    assert owners(2, [4, 4]) == [0, 1] and owners(1, [3, 2]) == [0, 0]
 
 
 def test_parameter_counts_split_over_stages_and_ranks():
