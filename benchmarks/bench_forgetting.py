@@ -1,6 +1,6 @@
 """What a fine-tune costs the skills it does not train, and what mixing the old data in holds.
 
-    python benchmarks/bench_forgetting.py [--out output/forgetting] [--base-steps 600] [--tune-steps 1000]
+    python benchmarks/bench_forgetting.py [--out output/forgetting] [--base-steps 1200] [--tune-steps 1000]
 
 Writes the two shape tasks (``python -m ernie_moe.data.shape_tasks``: ``captions``, asked ``describe``, and
 ``where``, three shapes with one asked for), trains a base on the captions (the default config, the task's word
@@ -41,7 +41,7 @@ def train(out: Path, name: str, steps: int, *overrides: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="output/forgetting")
-    parser.add_argument("--base-steps", type=int, default=600)
+    parser.add_argument("--base-steps", type=int, default=1200)
     parser.add_argument("--tune-steps", type=int, default=1000)
     parser.add_argument("--tune-lr", default="3e-3")
     args = parser.parse_args()
