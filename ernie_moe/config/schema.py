@@ -445,7 +445,8 @@ class ParallelConfig:
     pipeline_parallel_degree: int = opt(1, "pipeline stages (fleet's PipelineLayer and 1F1B schedule); "
                                            "micro-batches = training.gradient_accumulation_steps")
     virtual_pp_degree: int = opt(1, "model chunks per pipeline rank (fleet's interleaved schedule)")
-    sharding_parallel_degree: int = opt(1, "ranks the optimizer states are split over (ZeRO); needs 'sharding'")
+    sharding_parallel_degree: int = opt(1, "ranks the optimizer states (stage2: the gradients, stage3: the weights "
+                                           "too) are split over (ZeRO); needs 'sharding'")
     sharding: str = choice("", "", "stage1", "stage2", "stage3",
                            doc="sharding stage: stage1 splits the optimizer states, stage2 the gradients too, "
                                "stage3 the weights too")

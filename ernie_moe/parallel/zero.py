@@ -11,10 +11,10 @@ keeps the parameter's AdamW states (as in stage 1), and:
   owners' sums are added over the data-parallel copies and scaled once, when the step's last backward is done.
   After the update each owner sends its new weights to the others.
 - stage 3: its weight too. The other ranks release it; each block of the model (:class:`WeightShards`) gathers its
-  weights from their owners when it runs forward, releases them after, gathers them again before its backward and
-  releases each as soon as its gradient is complete. Outside the step :func:`held` gathers what is read past
-  the blocks (a decoder layer as generation runs it, a weight as a save writes it), and :func:`whole_weights`
-  every weight (the replica check, a resume, an adapter's save).
+  weights from their owners when it runs forward (the next block's gather started as it starts), releases them
+  after, gathers them again before its backward and releases each as soon as its gradient is complete. Outside
+  the step :func:`held` gathers what is read past the blocks (a decoder layer as generation runs it, a weight as a
+  save writes it), and :func:`whole_weights` every weight (the replica check, a resume, an adapter's save).
 
 The collectives are a reduce and a broadcast per parameter, in place (no bucket is copied), on NCCL and on gloo
 alike.
@@ -180,14 +180,23 @@ def finish_owned(sets: list[ShardSet], scale: float) -> None:
 def send_owned(shard: ShardSet, params: list | None = None) -> None:
     """Every rank of the set's group takes its owners' values of ``params`` (all of the set's by default), one
     parameter at a time: into the parameter where it holds one, else into storage of its own."""
+    for param, value, _ in _start_sending(shard, params, wait=True):
+        if value is not None:
+            _fill(param, value)
+
+
+def _start_sending(shard: ShardSet, params: list | None, wait: bool) -> list[tuple]:
+    """The broadcasts of :func:`send_owned`, started (``wait=False``: they may still run when this returns):
+    (parameter, the storage it arrives in or None where it arrives in the parameter, the collective's task)."""
+    started = []
     for rank, owned in shard.by_owner(params):
         for param in owned:
-            if rank == shard.group.rank or param._is_initialized():
-                dist.broadcast(param, src=shard.group.ranks[rank], group=shard.group)
-            else:
-                value = paddle.empty(param.shape, dtype=param.dtype)
-                dist.broadcast(value, src=shard.group.ranks[rank], group=shard.group)
-                _fill(param, value)
+            value = None if rank == shard.group.rank or param._is_initialized() else \
+                paddle.empty(param.shape, dtype=param.dtype)
+            task = dist.broadcast(param if value is None else value, src=shard.group.ranks[rank], group=shard.group,
+                                  sync_op=wait)
+            started.append((param, value, task))
+    return started
 
 
 def _fill(param, value: paddle.Tensor) -> None:
@@ -231,6 +240,9 @@ class WeightShards:
         self.pinned = 0  # inside whole_weights: nothing is released
         self.holds: Counter[int] = Counter()  # parameters held (``held``) past the blocks that release them
         self.units: dict[int, list] = {}
+        # forward: the next block's gather starts as a block starts; (that block, its broadcasts) until it runs
+        self.next_block = {id(a): b for a, b in zip(blocks, blocks[1:])}
+        self.prefetched: tuple[int, list] | None = None
         seen: set[int] = set()
         for block in blocks:
             params = [p for p in block.parameters() if id(p) in self.set_of and id(p) not in seen]
@@ -257,6 +269,7 @@ class WeightShards:
 
     def gather(self, params: list) -> None:
         """Every rank of each set takes its owners' values of ``params`` (every rank calls this alike)."""
+        self._drop_prefetch()
         if self.pinned or not params:
             return
         with part("weight_gather"):
@@ -273,10 +286,47 @@ class WeightShards:
                 _release(param)
 
     def release_all(self) -> None:
+        self._drop_prefetch()
         self.release([p for shard in self.sets for p in shard.params])
 
     def _before(self, block, inputs):
-        self.gather(self.params_of(block))
+        if self.prefetched is not None and self.prefetched[0] == id(block):
+            self._finish_prefetch()
+        else:
+            self.gather(self.params_of(block))
+        following = self.next_block.get(id(block))
+        if following is not None and paddle.is_grad_enabled() and not self.pinned:
+            self._prefetch(following)
+
+    def _prefetch(self, block: nn.Layer) -> None:
+        """Start gathering ``block``'s weights, to overlap the block that runs now (NCCL runs them on its own
+        stream; gloo's broadcasts complete as they are called)."""
+        params = self.params_of(block)
+        if not params:
+            return
+        with part("weight_gather"):
+            started = [item for shard in self.sets
+                       for item in _start_sending(shard, [p for p in params if self.set_of[id(p)] is shard], False)]
+        self.prefetched = (id(block), started)
+
+    def _finish_prefetch(self) -> None:
+        assert self.prefetched is not None
+        _, started = self.prefetched
+        self.prefetched = None
+        with part("weight_gather"):
+            for param, value, task in started:
+                task.wait()
+                if value is not None:
+                    _fill(param, value)
+
+    def _drop_prefetch(self) -> None:
+        """A started gather whose block did not run next: its broadcasts complete (every rank started them), their
+        values are not kept."""
+        if self.prefetched is not None:
+            _, started = self.prefetched
+            self.prefetched = None
+            for _, _, task in started:
+                task.wait()
 
     def _after(self, block, inputs, outputs):
         return self._wrap(self.params_of(block), outputs)
