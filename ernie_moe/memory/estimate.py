@@ -28,6 +28,7 @@ from ..moe.replay import moe_layer_ids
 from ..nn.flashmask import BLOCK_ROWS
 from ..objectives import build_objective
 from ..parallel.layout import Layout
+from ..parallel.zero import stage_number
 from .params import block_sizes, frozen_parts, stage_layers, stage_lora_params, stage_params, stage_quantized
 
 PIXEL_CHANNELS_BYTES = 4  # flattened patches arrive as float32
@@ -358,7 +359,7 @@ def estimate(cfg: Config, workload: Workload, data_world: int | None = None,
     data_world = data_world or p.sharding_parallel_degree
     layout = Layout.of(p, data_world * p.tensor_parallel_degree * p.pipeline_parallel_degree)
     expert_replicas = layout.expert_copies if p.sharding else 1
-    stage_n = {"stage1": 1, "stage2": 2, "stage3": 3}.get(p.sharding, 0)
+    stage_n = stage_number(p.sharding)
     # bytes per element a block adds while its backward runs: at stage 2 its gradients whole until they are reduced
     # (an owner's too: the new gradient is made before it is added), at stage 3 the gradients and the gathered
     # weights of what this rank does not own (read off the allocator)

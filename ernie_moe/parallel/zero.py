@@ -43,9 +43,14 @@ from .replicas import owners
 STAGES = {"stage2": 2, "stage3": 3}
 
 
+def stage_number(sharding: str) -> int:
+    """The stage ``parallel.sharding`` names: 0 without sharding, 1, 2 or 3."""
+    return STAGES.get(sharding, 1 if sharding else 0)
+
+
 def stage_of(env: DistEnv) -> int:
-    """The sharding stage of this job: 0 without sharding, 1, 2 or 3."""
-    return STAGES.get(env.sharding, 1 if env.sharding else 0)
+    """The sharding stage of this job."""
+    return stage_number(env.sharding)
 
 
 @dataclass
