@@ -79,6 +79,56 @@ def test_no_import_runs_up_and_no_two_parts_import_each_other():
     assert not mutual, f"parts that import each other: {mutual}"
 
 
+# the floors inside a folder, lowest first: its sub-folders, and its own modules (by name) above them
+ROOMS = {
+    "data": [{"formats"}, {"encoding"}, {"feeding"}, {"held_out", "shape_tasks", "__init__"}],
+}
+
+
+def room_edges(folder: str, package: Path = PACKAGE, root: Path = ROOT) -> dict[tuple[str, str], list[str]]:
+    """(importing room, imported room) -> the files, for the rooms of ``folder`` (``ernie_moe/<folder>/``)."""
+    base = package / folder
+    out: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(base.rglob("*.py")):
+        source = part_of(path, base)
+        for module in imported_modules(path, root):
+            parts = module.split(".")
+            if parts[1:2] != [folder] or len(parts) < 3:
+                continue
+            target = parts[2]
+            if target != source:
+                out.setdefault((source, target), []).append(str(path.relative_to(root)))
+    return out
+
+
+def rooms_upward(folder: str, package: Path = PACKAGE, root: Path = ROOT) -> dict[str, list[str]]:
+    floor = {room: level for level, rooms in enumerate(ROOMS[folder]) for room in rooms}
+    found = room_edges(folder, package, root)
+    unknown = {a for pair in found for a in pair} - set(floor)
+    assert not unknown, f"rooms of {folder}/ without a floor: {sorted(unknown)}"
+    return {f"{a} -> {b}": files for (a, b), files in found.items() if floor[b] >= floor[a]}
+
+
+def test_the_rooms_inside_a_folder_keep_their_floors():
+    for folder, rooms in ROOMS.items():
+        listed = {part_of(p, PACKAGE / folder) for p in (PACKAGE / folder).rglob("*.py")}
+        assert listed == set().union(*rooms), f"{folder}/: rooms {sorted(listed)}, floors {rooms}"
+        assert rooms_upward(folder) == {}, folder
+
+
+def test_a_room_importing_up_is_found(tmp_path):
+    """The room walk finds an import up a folder's floors (formats importing feeding), so the test above can
+    fail."""
+    for room in ("formats", "feeding"):
+        (tmp_path / "ernie_moe" / "data" / room).mkdir(parents=True)
+    (tmp_path / "ernie_moe" / "data" / "feeding" / "loader.py").write_text("from ..formats import sample\n")
+    (tmp_path / "ernie_moe" / "data" / "formats" / "sample.py").write_text("X = 1\n")
+    assert rooms_upward("data", tmp_path / "ernie_moe", tmp_path) == {}
+    (tmp_path / "ernie_moe" / "data" / "formats" / "jsonl.py").write_text(
+        "def later():\n    from ..feeding.loader import rows\n")
+    assert list(rooms_upward("data", tmp_path / "ernie_moe", tmp_path)) == ["formats -> feeding"]
+
+
 def test_the_walk_sees_relative_absolute_and_deferred_imports(tmp_path):
     """The walk itself finds an import of each kind, so the test above can fail."""
     folder = tmp_path / "ernie_moe" / "nn"

@@ -16,7 +16,8 @@ from ernie_moe.config import ConfigError, load_config
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate
 from ernie_moe.data.encoding.packing import make_row
 from ernie_moe.data.feeding.loader import sample_encoder
-from ernie_moe.data.formats.preference import PairEncoder, PreferenceJsonl
+from ernie_moe.data.encoding.pairs import PairEncoder
+from ernie_moe.data.formats.preference import PreferenceJsonl
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.objectives.preference import LOSSES, PreferenceLoss, PreferenceSettings, pair_losses
 from ernie_moe.training.trainer import Trainer
@@ -326,7 +327,7 @@ def test_the_dpo_loss_of_a_batch_equals_paddleformers(tmp_path, loss):
     from support.ernie import paddleformers
     from support.models import imported
 
-    from ernie_moe.data.formats.preference import pair_row
+    from ernie_moe.data.encoding.pairs import pair_row
 
     paddleformers("make", "dense", tmp_path / "dense", cwd=tmp_path)
     folder = tmp_path / "dense" / "hf"

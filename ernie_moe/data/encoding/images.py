@@ -55,16 +55,6 @@ def target_size(height: int, width: int, unit: int, max_side: int,
     return fit_size(height, width, unit, max_side)
 
 
-def unread(shape) -> np.ndarray:
-    """An image (``[H, W, 3]``) or video (``[T, H, W, 3]``) whose pixels were not read, only its size: no memory
-    behind it. The encoder gives such an image its tokens and grid, without patches (the packing plan's lengths)."""
-    return np.broadcast_to(np.zeros((), np.uint8), tuple(shape))
-
-
-def is_unread(image: np.ndarray) -> bool:
-    return image.size > 0 and not any(image.strides)
-
-
 def prepare(image: np.ndarray, unit: int, max_side: int, pixel_budget: tuple[int, int] | None = None) -> np.ndarray:
     """uint8 HxWxC -> float32 HxWxC normalised, sides a multiple of ``unit``, at :func:`target_size`."""
     h, w = target_size(image.shape[0], image.shape[1], unit, max_side, pixel_budget)

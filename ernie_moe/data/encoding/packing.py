@@ -15,8 +15,8 @@ import numpy as np
 from ...batch import IGNORE_INDEX
 from ...config.schema import ModelConfig
 from ..formats.chat import chat_format
-from ..formats.sample import BadSample, Chunk, Sample
-from .images import is_unread, patchify, prepare, target_size, video_frames
+from ..formats.sample import BadSample, Chunk, Sample, is_unread
+from .images import patchify, prepare, target_size, video_frames
 from .tokenizer import END_OF_SENTENCE, Tokenizer
 from .video_fit import VideoFit, fit_videos
 

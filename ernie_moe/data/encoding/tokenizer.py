@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from ...json_files import UnreadableJSON, read_json, read_json_object
+from ..formats.erniekit import BEGIN_OF_SENTENCE, END_OF_SENTENCE
 
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
 
@@ -98,8 +99,6 @@ class SpecialSplitter:
 
 
 PLACEHOLDER_PIECES = ("<|IMAGE_PLACEHOLDER|>", "<image>")
-# ERNIE-4.5's sentence markers: the chat template opens a conversation and closes each answer with them
-BEGIN_OF_SENTENCE, END_OF_SENTENCE = "<|begin_of_sentence|>", "<|end_of_sentence|>"
 # the special pieces ERNIE's data processors write into a conversation (ERNIEKit's records, its chat layout)
 ERNIE_PIECES = (BEGIN_OF_SENTENCE, END_OF_SENTENCE, "<|IMAGE_START|>", "<|IMAGE_END|>", "<|VIDEO_START|>",
                 "<|VIDEO_END|>")

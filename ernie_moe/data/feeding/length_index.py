@@ -4,7 +4,7 @@ without reading a sample (``data.feeding.plan``) and each data rank reads only t
 For sample ``i`` the index holds the number of tokens it encodes to under the run's encoding settings (fitted to
 ``data.max_seq_len`` as training fits it), or the reason it cannot be used; and, for the few samples fitting
 changed, what it did (the counts training reports). A sample is measured from its text and its images' sizes,
-read from their headers (``images.unread``): the encoder gives such an image its tokens without its pixels.
+read from their headers (``sample.unread``): the encoder gives such an image its tokens without its pixels.
 
 The measuring is shared out over every process of the job (and ``data.num_workers`` each), gathered, and kept in
 ``data.index_dir`` under a key made of the data's identity (its files' size and modification time) and the
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
 import shutil
 from collections import Counter
@@ -29,6 +28,7 @@ from tqdm import tqdm
 
 from ...json_files import UnreadableJSON, read_json
 from ..encoding.packing import FIT_COUNTS, PAD_TYPE, Row
+from ..formats.kept import default_index_dir
 from .workers import SampleWorkers, encode_in_order
 
 # what the encoder counts of a sample it keeps: truncated, or its videos fitted (``packing.FIT_COUNTS``)
@@ -96,10 +96,6 @@ def index_key(dataset, encoder) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=repr).encode()).hexdigest()[:32]
 
 
-def default_index_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ernie_moe" / "data_index"
-
-
 def length_index(dataset, encoder, index_dir: str, env, workers: int = 0, progress: bool = True) -> LengthIndex:
     """The index of ``dataset`` under ``encoder``'s settings: read from ``index_dir`` (default: the user's cache)
     when kept there, otherwise measured by every process of the job together and kept. Every rank calls this."""
@@ -161,46 +157,6 @@ def _merge(parts: list, size: int) -> LengthIndex:
         lengths[rank::world] = codes
     fitted = np.concatenate([f for _, _, f, _ in parts])
     return LengthIndex(lengths, reasons, fitted[np.argsort(fitted[:, 0], kind="stable")], patches)
-
-
-def seal(values: np.ndarray) -> int:
-    """A 64-bit digest of an int64 array's values, kept after them: an array edited by hand, or cut short, no longer
-    matches it."""
-    return int.from_bytes(hashlib.blake2b(np.ascontiguousarray(values).tobytes(), digest_size=8).digest(), "little",
-                          signed=True)
-
-
-def keep_array(path: Path, values: np.ndarray, sealed: bool = False) -> bool:
-    """Write ``values`` to ``path`` whole (a temporary name, then renamed), with ``sealed`` their digest after them;
-    whether it was kept."""
-    tmp = path.with_name(f"{path.stem}.tmp-{secrets.token_hex(4)}.npy")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.save(tmp, np.append(values, np.int64(seal(values))) if sealed else values)
-        tmp.rename(path)
-        return True
-    except OSError:  # a cache that cannot be written: the values are used from memory
-        tmp.unlink(missing_ok=True)
-        return False
-
-
-def kept_array(path: Path, dtype, sealed: bool = False, check: bool = True) -> np.ndarray | None:
-    """The 1-D array of ``dtype`` kept at ``path``, memory-mapped; None when there is none, it is not one (nor a
-    regular file: a FIFO would block the read), or, ``sealed``, its values do not match the digest kept after them
-    (``check=False``: not computed again, where this process's parent did)."""
-    if not path.is_file():
-        return None
-    try:
-        values = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError):
-        return None
-    if values.dtype != dtype or values.ndim != 1:
-        return None
-    if not sealed:
-        return values
-    if not len(values) or (check and seal(values[:-1]) != int(values[-1])):
-        return None
-    return values[:-1]
 
 
 def _write(folder: Path, index: LengthIndex) -> None:

@@ -14,10 +14,11 @@ import paddle
 from ...batch import IGNORE_INDEX, Batch, HostCounts
 from ...config.schema import MTP_MAX_DEPTH, Config
 from ..encoding.packing import BadSample, Encoded, Encoder, Row, make_row
+from ..encoding.pairs import PairEncoder
 from ..encoding.tokenizer import ByteTokenizer, Tokenizer, WordTokenizer, tokenizer_in
 from ..formats import synthetic
 from ..formats.chat import chat_format
-from ..formats.preference import PairEncoder, SyntheticPairs
+from ..formats.preference import SyntheticPairs
 from ..formats.sample import DataError, no_usable_sample
 from ..formats.sources import source_dataset
 from .plan import check_position, sample_order

@@ -20,13 +20,21 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from ..encoding.tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE, Tokenizer
-from .erniekit import CALL, EMPTY_THINK, TOOL_LIST, TOOL_OUTPUT, check_think, tool_calls
+from .erniekit import (
+    BEGIN_OF_SENTENCE,
+    CALL,
+    EMPTY_THINK,
+    END_OF_SENTENCE,
+    TOOL_LIST,
+    TOOL_OUTPUT,
+    check_think,
+    tool_calls,
+)
 from .sample import BadSample, Chunk
 
 IMAGE_SLOT = "<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>"
@@ -117,7 +125,13 @@ def check_messages(messages) -> Conversation:
     return Conversation(messages)
 
 
-def chat_format(tokenizer: Tokenizer):
+class Vocabulary(Protocol):
+    """What the chat format asks of a tokenizer (``data.encoding.tokenizer``): whether it has a piece."""
+
+    def token_id(self, token: str) -> int | None: ...
+
+
+def chat_format(tokenizer: Vocabulary):
     """The chat format of ``tokenizer``: its template when it has ERNIE's special tokens, plain lines otherwise."""
     if tokenizer.token_id(BEGIN_OF_SENTENCE) is not None and tokenizer.token_id(END_OF_SENTENCE) is not None:
         return TemplateChat(getattr(tokenizer, "chat_template", None) or ERNIE_VL_TEMPLATE)

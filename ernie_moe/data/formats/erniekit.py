@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..encoding.tokenizer import BEGIN_OF_SENTENCE, END_OF_SENTENCE
 from .sample import BadSample, Chunk
 
+# ERNIE-4.5's sentence markers: the chat template opens a conversation and closes each answer with them
+BEGIN_OF_SENTENCE, END_OF_SENTENCE = "<|begin_of_sentence|>", "<|end_of_sentence|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 TAGS = ("mask", "no_mask")

@@ -29,11 +29,10 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from ...paths import is_url, not_a_file
-from ..encoding.images import is_unread, unread
-from ..feeding.length_index import default_index_dir, keep_array, kept_array
 from .chat import check_messages
 from .erniekit import is_erniekit, lay_out, record_thinking
-from .sample import BadSample, Chunk, DataError, Sample
+from .kept import default_index_dir, keep_array, kept_array
+from .sample import BadSample, Chunk, DataError, Sample, is_unread, unread
 from .video import ERNIE_VIDEO_READING, VideoReading, read_video, stack_frames, stamp_frames
 
 IMAGE_MARK, VIDEO_MARK = "<image>", "<video>"
@@ -149,7 +148,7 @@ class JsonlDataset:
         return self.sample_of(*self._record(index))
 
     def shapes(self, index: int) -> Sample:
-        """Sample ``index`` with only its images' sizes read (their headers), not their pixels (``images.unread``):
+        """Sample ``index`` with only its images' sizes read (their headers), not their pixels (``sample.unread``):
         what its encoded length needs. A video file is decoded whole to count its frames."""
         return self.sample_of(*self._record(index), header_only=True)
 
@@ -263,7 +262,7 @@ def images_of(record: dict, where: str) -> list[str]:
 
 
 def load_image(path: Path, max_pixels: int, header_only: bool = False) -> np.ndarray:
-    """An image file as RGB ``uint8 [H, W, 3]`` (``header_only``: its size alone, ``images.unread``); BadSample
+    """An image file as RGB ``uint8 [H, W, 3]`` (``header_only``: its size alone, ``sample.unread``); BadSample
     when it is missing, too large or undecodable."""
     problem = not_a_file(path)
     if problem is not None:

@@ -56,3 +56,13 @@ class Sample:
     videos: list[np.ndarray] = field(default_factory=list)  # TxHxWxC uint8 frames
     conversation: object = None  # data.formats.chat.Conversation: the encoder's chat format makes the chunks
     closed: bool = False  # the chunks hold the begin and end tokens themselves (ERNIE's special tokens)
+
+
+def unread(shape) -> np.ndarray:
+    """An image (``[H, W, 3]``) or video (``[T, H, W, 3]``) whose pixels were not read, only its size: no memory
+    behind it. The encoder gives such an image its tokens and grid, without patches (the packing plan's lengths)."""
+    return np.broadcast_to(np.zeros((), np.uint8), tuple(shape))
+
+
+def is_unread(image: np.ndarray) -> bool:
+    return image.size > 0 and not any(image.strides)

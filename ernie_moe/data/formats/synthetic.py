@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..encoding.images import unread
-from .sample import Chunk, Sample
+from .sample import Chunk, Sample, unread
 
 COLORS = {
     "red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230),
@@ -93,7 +92,7 @@ class SyntheticShapes:
                 "captions": [TEMPLATES, list(COLORS), SHAPES, ROWS, COLUMNS]}  # what a sample's length depends on
 
     def shapes(self, index: int) -> Sample:
-        """Sample ``index`` without its image drawn (``images.unread``): what its encoded length needs."""
+        """Sample ``index`` without its image drawn (``sample.unread``): what its encoded length needs."""
         return self.sample(self.describe(index), draw=False)
 
     def __getitem__(self, index: int) -> Sample:

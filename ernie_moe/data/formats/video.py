@@ -15,8 +15,7 @@ import numpy as np
 
 from ...config.schema import VideoReading
 from ...paths import not_a_file
-from ..encoding.images import is_unread, unread
-from .sample import BadSample
+from .sample import BadSample, is_unread, unread
 
 ERNIE_VIDEO_READING = VideoReading()  # ERNIE-4.5-VL's processor's defaults
 
