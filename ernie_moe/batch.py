@@ -8,7 +8,10 @@ import numpy as np
 import paddle
 
 IGNORE_INDEX = -100  # a label position that is not trained on (prompts, images, padding)
-CHOSEN, REJECTED = 1, 2  # Batch.pair_sides of a preference pair's two answers (0: the shared prompt, padding)
+# a preference pair's row: its ``objective_inputs[PAIR_SIDES]``, CHOSEN and REJECTED on its two answers' positions
+# (0: the shared prompt, padding)
+PAIR_SIDES = "pair_sides"
+CHOSEN, REJECTED = 1, 2
 
 
 def rows_with_pairs(labels: np.ndarray, pair_sides: np.ndarray) -> np.ndarray:
@@ -86,7 +89,7 @@ class Batch:
         """The batch's counts; a batch made without them counts its tensors (reading them back), but for
         ``labels_ahead``: multi-token prediction trains on collated batches (``data.collate``)."""
         if self.counts is None:
-            given = self.objective_inputs.get("pair_sides")
+            given = self.objective_inputs.get(PAIR_SIDES)
             sides = None if given is None else given.numpy()
             return HostCounts.of(self.labels.numpy(), self.token_type_ids.numpy(), sides)
         return self.counts

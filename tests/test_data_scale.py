@@ -189,8 +189,8 @@ def pair_configs(pairs, index_dir):
 
 def same_pairs(rows, expected):
     same_rows(rows, expected)
-    assert [r.pair_key for r in rows] == [r.pair_key for r in expected]
-    assert all(np.array_equal(a.pair_sides, b.pair_sides) for a, b in zip(rows, expected))
+    assert [r.key for r in rows] == [r.key for r in expected]
+    assert all(np.array_equal(a.inputs["pair_sides"], b.inputs["pair_sides"]) for a, b in zip(rows, expected))
 
 
 @pytest.mark.parametrize("kind", ["synthetic", "jsonl"])

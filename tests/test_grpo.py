@@ -123,9 +123,10 @@ def test_rollout_rows_advantages_and_a_data_ranks_share(tmp_path):
         labelled = np.flatnonzero(row.labels != IGNORE_INDEX)
         assert len(labelled) and (np.diff(labelled) == 1).all()
         np.testing.assert_array_equal(row.labels[labelled], row.input_ids[labelled + 1])
-        assert (row.old_logps[labelled] < 0).all() and (np.delete(row.old_logps, labelled) == 0).all()
+        old = row.inputs["old_logps"]
+        assert (old[labelled] < 0).all() and (np.delete(old, labelled) == 0).all()
         assert row.routes.shape == (1, 40, 2)  # one MoE layer, k = 2
-    advantages = np.array([r.advantage for r in rows]).reshape(4, 2)
+    advantages = np.array([float(r.inputs["advantages"]) for r in rows]).reshape(4, 2)
     np.testing.assert_allclose(advantages.sum(axis=1), 0, atol=1e-9)
     figures = feed.window_metrics(elapsed=10.0)
     answer_tokens = sum(int((r.labels != IGNORE_INDEX).sum()) for r in rows)
@@ -135,7 +136,7 @@ def test_rollout_rows_advantages_and_a_data_ranks_share(tmp_path):
     shown = feed.window_answers()  # the window's first groups, to show: each answer with its reward and advantage
     assert len(shown) == 2 and feed.window_answers() == []
     for group, mine in zip(shown, (rows[:2], rows[2:4])):
-        assert [a["advantage"] for a in group["answers"]] == [r.advantage for r in mine]
+        assert [a["advantage"] for a in group["answers"]] == [float(r.inputs["advantages"]) for r in mine]
         assert group["prompt"].startswith("<s><image 1 x ") and group["reference"]
         assert all(set(a["scores"]) == {"word_accuracy"} and 0 <= a["reward"] <= 1 for a in group["answers"])
 
@@ -145,8 +146,8 @@ def test_rollout_rows_advantages_and_a_data_ranks_share(tmp_path):
                          trainer.precision, trainer.rewards, Counter())._rollout(4)
     for mine, theirs in [*zip(rows, again), *zip(rows[4:], second)]:
         np.testing.assert_array_equal(mine.input_ids, theirs.input_ids)
-        assert mine.advantage == theirs.advantage
-        np.testing.assert_allclose(mine.old_logps, theirs.old_logps, rtol=1e-4, atol=1e-5)
+        assert mine.inputs["advantages"] == theirs.inputs["advantages"]
+        np.testing.assert_allclose(mine.inputs["old_logps"], theirs.inputs["old_logps"], rtol=1e-4, atol=1e-5)
     trainer.feed.close()
 
 
@@ -271,7 +272,7 @@ def test_dynamic_sampling_drops_groups_whose_answers_all_score_the_same(tmp_path
         trainer = Trainer(grpo_cfg(tmp_path, f"dynamic_{dynamic}", reward,
                                    f"training.rl_dynamic_sampling={str(dynamic).lower()}"))
         rows = trainer.feed._rollout(16)
-        equal = [np.all(np.array([r.advantage for r in rows[i:i + 2]]) == 0) for i in range(0, 16, 2)]
+        equal = [np.all(np.array([float(r.inputs["advantages"]) for r in rows[i:i + 2]]) == 0) for i in range(0, 16, 2)]
         window = trainer.feed.window
         assert window["equal_groups"] > 0
         if dynamic:

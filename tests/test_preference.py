@@ -15,8 +15,8 @@ from ernie_moe.batch import IGNORE_INDEX
 from ernie_moe.config import ConfigError, load_config
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate
 from ernie_moe.data.encoding.packing import make_row
-from ernie_moe.data.feeding.loader import sample_encoder
 from ernie_moe.data.encoding.pairs import PairEncoder
+from ernie_moe.data.feeding.loader import sample_encoder
 from ernie_moe.data.formats.preference import PreferenceJsonl
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.objectives.preference import LOSSES, PreferenceLoss, PreferenceSettings, pair_losses
@@ -166,10 +166,10 @@ def test_pair_rows_hold_the_prompt_once_and_each_answer_behind_a_copy_of_its_las
     row = sample_encoder(tok, cfg, Counter())(train[0])
     words = [tok.decode([int(i)]) for i in row.input_ids]
     prompt = words.index("a")
-    chosen_end = list(row.pair_sides).index(2)
+    chosen_end = list(row.inputs["pair_sides"]).index(2)
     assert words[prompt] == words[chosen_end] == "a" and words[chosen_end - 1] == "</s>"
     assert (row.position_ids[prompt] == row.position_ids[chosen_end]).all()
-    sides = row.pair_sides
+    sides = row.inputs["pair_sides"]
     # the prompt's keys reach the rejected answer's end, the chosen answer's stop where the rejected begins
     used = int((sides > 0).sum()) + prompt
     assert (row.key_ends[:prompt] == used).all() and (row.key_ends[sides == 1] == chosen_end).all()
@@ -211,13 +211,13 @@ def test_pair_records_in_both_shapes_and_bad_pairs_as_counted_skips(tmp_path):
     assert stats == Counter({"equal_answers": 1, "empty_answer": 1, "pair_over_max_seq_len": 1, "bad_record": 1,
                              "wrong_format": 1})
     assert len(rows) == 3
-    decode = lambda row, side: tok.decode(row.labels[(row.pair_sides == side) & (row.labels >= 0)]).strip()  # noqa: E731
+    decode = lambda row, side: tok.decode(row.labels[(row.inputs["pair_sides"] == side) & (row.labels >= 0)]).strip()  # noqa: E731
     eos = "<|end_of_sentence|>"
     assert (decode(rows[0], 1), decode(rows[0], 2)) == ("a small animal" + eos, "a tiny picture" + eos)
     assert (decode(rows[1], 1), decode(rows[1], 2)) == ("yes" + eos, "ok then" + eos)
     # ERNIEKit's shape: the higher sort is chosen; the earlier answer (tgt) is prompt, not trained
     assert (decode(rows[2], 1), decode(rows[2], 2)) == ("both first" + eos, "tiny" + eos)
-    assert "yes" in tok.decode(rows[2].input_ids[rows[2].pair_sides == 0])
+    assert "yes" in tok.decode(rows[2].input_ids[rows[2].inputs["pair_sides"] == 0])
     assert rows[0].patches and not rows[2].patches
 
 

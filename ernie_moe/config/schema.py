@@ -19,6 +19,11 @@ def choice(default, *options, doc=""):
     return field(default=default, metadata={"choices": options, "doc": doc})
 
 
+# training.stage's values: the objectives this package registers, and any a program registers beside them
+# (``objectives.register``), which adds its name here so that a config may name it
+STAGES = ["sft", "dpo", "grpo"]
+
+
 def opt(default, doc=""):
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
@@ -381,10 +386,10 @@ class TrainingConfig:
                                "each depth's attention and norms copied from the last decoder layer and its MLP from "
                                "the last dense layer (the projection and its two norms start as drawn); full runs "
                                "only: a LoRA adapter could not be loaded over depths its base lacks")
-    stage: str = choice("sft", "sft", "dpo", "grpo",
-                        doc="what the run learns from: supervised answers, preference pairs (a prompt with a chosen "
-                            "and a rejected answer; see dpo_*), or answers the model samples to prompts, scored by "
-                            "training.rewards (reinforcement learning; see rl_*)")
+    stage: str = field(default="sft", metadata={"choices": STAGES, "doc": (
+        "what the run learns from: supervised answers, preference pairs (a prompt with a chosen and a rejected "
+        "answer; see dpo_*), or answers the model samples to prompts, scored by training.rewards (reinforcement "
+        "learning; see rl_*)")})
     dpo_loss: str = choice("sigmoid", "sigmoid", "ipo", "simpo", "kto_pair", "dpop",
                            doc="dpo: the preference loss (DPO's sigmoid, IPO, SimPO, paired KTO, DPO-Positive)")
     dpo_beta: float = opt(0.1, "dpo: beta, the strength of the tie to the reference model (SimPO: the reward "

@@ -10,6 +10,9 @@ import paddle
 from ..config.schema import ModelConfig
 from .head import Predictions
 
+# the input a reference pass fills (``Objective.reference``): what it kept of each row
+REFERENCE_LOGPS = "reference_logps"
+
 
 class Objective:
     """What a batch's loss is, given the model's predictions.
@@ -52,6 +55,13 @@ class Objective:
     def units(self, counts) -> int:
         """What the loss is a mean over, counted in a micro-batch's ``batch.HostCounts``: its label tokens."""
         return counts.label_tokens
+
+    def row_inputs(self, row) -> dict[str, np.ndarray]:
+        """The inputs a row of packed samples or pairs carries for this objective (``data.encoding.packing.Row``),
+        made from the row as it is read, training and held out; ``collate`` stacks them over a batch's rows into
+        ``Batch.objective_inputs``. The package's objectives have theirs written where their rows are made (a
+        pair's sides by the pair encoder, a sampled answer's by the rollouts)."""
+        return {}
 
     def inputs(self, batch, placeholders: bool = False) -> list[paddle.Tensor | None]:
         """The loss's inputs of ``batch`` (:attr:`input_names`); ``placeholders``: a tensor of the right shape

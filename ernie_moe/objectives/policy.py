@@ -42,7 +42,7 @@ from .. import host_reads
 from ..batch import IGNORE_INDEX
 from ..config.schema import TrainingConfig
 from ..config.validate import mtp_trains
-from .base import Objective
+from .base import REFERENCE_LOGPS, Objective
 from .head import Predictions
 
 LOSSES = ("grpo", "dr_grpo", "dapo", "gspo")
@@ -52,6 +52,12 @@ STD_EPS = 1e-6
 # the per-answer figures of a forward (summed over the answers for the metrics); a row without an answer has zeros
 FIGURES = ("answers", "loss", "kl", "clipped", "tokens", "ratio", "logp", "mismatch_k3", "mismatch_past",
            "corrected")
+
+
+# a sampled answer's row's inputs (data.encoding.packing.Row.inputs): its advantage, the sampling policy's
+# log-probability of each label (the trainer's own forward of the sampling weights under router_replay old_policy,
+# with the sampler's kept in SAMPLER_LOGPS)
+ADVANTAGES, OLD_LOGPS, SAMPLER_LOGPS = "advantages", "old_logps", "sampler_logps"
 
 
 @dataclass(frozen=True)
@@ -180,7 +186,7 @@ class PolicyGradient(Objective):
     name = "rl"
     figures = FIGURES
     trains_on = "rollouts"
-    input_names = ("advantages", "old_logps", "reference_logps", "sampler_logps")
+    input_names = (ADVANTAGES, OLD_LOGPS, REFERENCE_LOGPS, SAMPLER_LOGPS)
 
     def __init__(self, settings: PolicySettings):
         self.settings = settings
@@ -202,13 +208,13 @@ class PolicyGradient(Objective):
 
     def inputs(self, batch, placeholders: bool = False) -> list:
         given = batch.objective_inputs
-        reference = given.get("reference_logps")
+        reference = given.get(REFERENCE_LOGPS)
         if reference is None and placeholders:
             reference = paddle.zeros(batch.labels.shape, dtype="float32")
-        sampler = given.get("sampler_logps")
+        sampler = given.get(SAMPLER_LOGPS)
         if sampler is None and placeholders:
             sampler = paddle.zeros(batch.labels.shape, dtype="float32")
-        return [given.get("advantages"), given.get("old_logps"), reference, sampler]
+        return [given.get(ADVANTAGES), given.get(OLD_LOGPS), reference, sampler]
 
     def loss(self, predictions: Predictions, labels: paddle.Tensor,
              *inputs: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor | None]:

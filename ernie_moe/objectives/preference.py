@@ -26,9 +26,9 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from ..batch import CHOSEN, IGNORE_INDEX, REJECTED
+from ..batch import CHOSEN, IGNORE_INDEX, PAIR_SIDES, REJECTED
 from ..config.schema import TrainingConfig
-from .base import Objective
+from .base import REFERENCE_LOGPS, Objective
 from .head import Predictions
 
 LOSSES = ("sigmoid", "ipo", "simpo", "kto_pair", "dpop")
@@ -160,14 +160,14 @@ class PreferenceLoss(Objective):
     def reference_source(self) -> str | None:
         return self.settings.reference if self.needs_reference else None
 
-    input_names = ("pair_sides", "reference_logps")  # the reference's log-probabilities: None before its pass
+    input_names = (PAIR_SIDES, REFERENCE_LOGPS)  # the reference's log-probabilities: None before its pass
 
     def units(self, counts) -> int:
         """The pairs."""
         return counts.pairs
 
     def inputs(self, batch, placeholders: bool = False) -> list:
-        sides, reference = batch.objective_inputs.get("pair_sides"), batch.objective_inputs.get("reference_logps")
+        sides, reference = batch.objective_inputs.get(PAIR_SIDES), batch.objective_inputs.get(REFERENCE_LOGPS)
         if reference is None and placeholders:
             reference = paddle.zeros([batch.labels.shape[0], 2], dtype="float32")
         return [sides, reference]

@@ -21,4 +21,5 @@ def build_feed(cfg: Config, train_set, tokenizer: Tokenizer, env: DistEnv, stats
     kind = runner.objective.trains_on
     if kind == "rollouts":
         return RolloutFeed(train_set, runner, tokenizer, cfg, env, precision, rewards, stats)
-    return RowFeed(train_set, tokenizer, cfg, env, stats)  # packed rows, or preference pairs (a row each)
+    # packed rows, or preference pairs (a row each)
+    return RowFeed(train_set, tokenizer, cfg, env, stats, runner.objective.row_inputs)

@@ -23,12 +23,13 @@ import numpy as np
 import paddle
 
 from .. import json_files
-from ..batch import rows_with_pairs
+from ..batch import PAIR_SIDES, rows_with_pairs
 from ..config.schema import Config
 from ..data import RowStream, rank_batches
 from ..data.encoding.tokenizer import Tokenizer
 from ..finetune.lora import LoRALinear
 from ..model.parameter_kinds import is_router_bias
+from ..objectives.base import REFERENCE_LOGPS
 from ..parallel.env import DistEnv
 
 
@@ -82,7 +83,7 @@ class PrecomputedReference:
         for batch in micro_batches:
             keys = batch.row_keys
             values = np.stack([self.tables["eval"][-1 - k] if k < 0 else self.tables["train"][k] for k in keys])
-            batch.objective_inputs["reference_logps"] = paddle.to_tensor(np.nan_to_num(values).astype(np.float32))
+            batch.objective_inputs[REFERENCE_LOGPS] = paddle.to_tensor(np.nan_to_num(values).astype(np.float32))
 
     def prepare(self, runner, datasets: dict, tokenizer: Tokenizer, cfg: Config, env: DistEnv) -> str:
         """Read the figures from the output folder when they were computed for this data and start, else compute
@@ -119,10 +120,10 @@ class PrecomputedReference:
         for group in runner.micro_batch_groups(batches, t):
             runner.logps_pass(group)
             for batch in group:
-                reference = batch.objective_inputs.get("reference_logps")
+                reference = batch.objective_inputs.get(REFERENCE_LOGPS)
                 if reference is None:  # a pipeline stage before the last
                     continue
-                held = rows_with_pairs(batch.labels.numpy(), batch.objective_inputs["pair_sides"].numpy())
+                held = rows_with_pairs(batch.labels.numpy(), batch.objective_inputs[PAIR_SIDES].numpy())
                 for key, value, real in zip(batch.row_keys, reference.numpy(), held):
                     if real:
                         found[int(key)] = value.astype(np.float64).tolist()

@@ -43,7 +43,8 @@ from ..data.feeding.report import render
 from ..generation import Decoding, generate_batch
 from ..generation.decoding import Generated
 from ..moe.replay import moe_layer_ids, recording, routes_of_forward, rows_of_generation
-from ..objectives.policy import group_advantages
+from ..objectives.base import REFERENCE_LOGPS
+from ..objectives.policy import ADVANTAGES, OLD_LOGPS, SAMPLER_LOGPS, group_advantages
 from ..objectives.rewards import Reward
 from ..parallel.env import DistEnv
 from ..parallel.zero import stage_of
@@ -289,10 +290,10 @@ class RolloutFeed:
                 self.runner.logps_pass(batches[first:first + accumulation_steps])
         for i, batch in enumerate(batches):
             mine = rows[i * micro_batch_size:(i + 1) * micro_batch_size]
-            reference = batch.objective_inputs.get("reference_logps")
+            reference = batch.objective_inputs.get(REFERENCE_LOGPS)
             if reference is not None:
                 for row, logps in zip(mine, host_reads.read(reference, "rollout")):
-                    row.old_logps = logps
+                    row.inputs[OLD_LOGPS] = logps
             routes = routes_of_forward(records, i, moe_layer_ids(self.model.cfg), len(mine), self.length,
                                        self.model.cfg.moe_k)
             for row, table in zip(mine, routes):
@@ -316,10 +317,11 @@ class RolloutFeed:
             tokens = answer.ids + ([self.tokenizer.eos_id] if answer.stop == "eos" else [])
             row = answer_row(group.prompt.encoded, tokens, self.length, self.tokenizer.pad_id)
             start = len(group.prompt.encoded) - 1  # the position whose label is the answer's first token
-            row.old_logps = np.zeros(self.length, np.float32)
-            row.old_logps[start:start + len(tokens)] = answer.logps
-            row.sampler_logps = row.old_logps.copy()  # kept where the old policy's forward replaces old_logps
-            row.advantage, row.routes = float(advantage), routes
+            logps = np.zeros(self.length, np.float32)
+            logps[start:start + len(tokens)] = answer.logps
+            # the sampler's kept where the old policy's forward replaces OLD_LOGPS
+            row.inputs = {ADVANTAGES: np.array(advantage, np.float32), OLD_LOGPS: logps, SAMPLER_LOGPS: logps.copy()}
+            row.routes = routes
             rows.append(row)
             w["answers"] += 1
             w["answer_tokens"] += len(tokens)

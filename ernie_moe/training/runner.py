@@ -24,6 +24,7 @@ from ..model.parameter_kinds import is_expert
 from ..moe.replay import replayed
 from ..nn.param_spec import describe
 from ..objectives import LanguageModelling, Objective
+from ..objectives.base import REFERENCE_LOGPS
 from ..objectives.sums import step_sums, weighted_loss
 from ..parallel import build_plan
 from ..parallel.env import DistEnv
@@ -107,12 +108,12 @@ class PlainRunner:
     def logps_pass(self, micro_batches) -> None:
         """What the objective's reference pass keeps of each batch (a preference pair's answers'
         log-probabilities) under the weights the model holds now, in evaluation mode, into
-        ``batch.objective_inputs["reference_logps"]``."""
+        ``batch.objective_inputs[REFERENCE_LOGPS]``."""
         self.model.eval()
         try:
             with self.precision.autocast():
                 for batch in micro_batches:
-                    batch.objective_inputs["reference_logps"] = self.model(batch, reference_pass=True).figures
+                    batch.objective_inputs[REFERENCE_LOGPS] = self.model(batch, reference_pass=True).figures
         finally:
             self.model.train()
 
@@ -228,7 +229,7 @@ class PipelineRunner(PlainRunner):
             loss.collect_reference = False
         for batch, logps in zip(micro_batches, loss.references or [None] * len(micro_batches)):
             if logps is not None:  # a stage before the last has none
-                batch.objective_inputs["reference_logps"] = logps
+                batch.objective_inputs[REFERENCE_LOGPS] = logps
 
     @paddle.no_grad()
     def evaluate(self, batches, training_cfg: TrainingConfig) -> dict:

@@ -425,7 +425,8 @@ class Trainer:
             return benchmarks
         skipped: Counter = Counter()
         batches = held_out_batches(self.eval_set, self.tokenizer, self.cfg, self.env,
-                                   self.runner.eval_rows_per_device(self.cfg.training), skipped)
+                                   self.runner.eval_rows_per_device(self.cfg.training), skipped,
+                                   self.runner.objective.row_inputs)
         result = self.runner.evaluate(batches, self.cfg.training)
         t = self.cfg.training
         if t.eval_generate:

@@ -8,7 +8,7 @@ global batch out of the same row stream.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -238,15 +238,12 @@ class Row:
     key_ends: np.ndarray  # the first position that no longer sees each position's key (nn.flashmask.RowBounds)
     patches: list[np.ndarray]
     grids: list[np.ndarray]
-    pair_sides: np.ndarray | None = None  # a preference pair's row: 1 chosen answer, 2 rejected, 0 prompt (Batch)
-    pair_key: int = 0  # a pair's sample index in its data set (held out: -1 - index), for precomputed figures
-    # a sampled answer's row (training.stage: grpo): its advantage, the sampling policy's log-probability of each
-    # label (old_logps; the trainer's own forward of the sampling weights under router_replay old_policy, with the
-    # sampler's kept in sampler_logps), the experts each token went to ([moe layers, seq, k], moe.replay)
-    advantage: float | None = None
-    old_logps: np.ndarray | None = None
-    sampler_logps: np.ndarray | None = None
-    routes: np.ndarray | None = None
+    # the objective's inputs of this row by its input names (objectives.Objective.input_names: a preference pair's
+    # sides, a sampled answer's advantage and its sampler's log-probabilities, ...), each stacked over the rows by
+    # ``collate`` into ``Batch.objective_inputs``; every row of a batch carries the same names
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    key: int = 0  # the row's sample index in its data set (held out: -1 - index), for figures kept per row
+    routes: np.ndarray | None = None  # the experts each token went to when sampled ([moe layers, seq, k], moe.replay)
 
     def unpadded(self) -> Encoded:
         """The row's tokens before its padding as one encoded sample (the trained tokens those with a label)."""

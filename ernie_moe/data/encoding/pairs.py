@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 
-from ...batch import CHOSEN, IGNORE_INDEX, REJECTED
+from ...batch import CHOSEN, IGNORE_INDEX, PAIR_SIDES, REJECTED
 from ..formats.preference import Pair
 from ..formats.sample import BadSample
 from .packing import PAD_TYPE, Encoded, Encoder, Row
@@ -98,4 +98,4 @@ def pair_row(chosen: Encoded, rejected: Encoded, length: int, pad_id: int, image
         key_ends[span] = at + n if side == CHOSEN else used
         at += n
     return Row(ids, labels, np.zeros(length, np.int64), types, positions, doc_ids, key_ends, chosen.patches,
-               chosen.grids, pair_sides=sides)
+               chosen.grids, inputs={PAIR_SIDES: sides})

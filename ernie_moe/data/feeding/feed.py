@@ -30,7 +30,7 @@ import contextlib
 import queue
 import threading
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -102,13 +102,26 @@ class _Ahead:
     imbalance: float | None  # the step's largest data rank's vision patches over their mean (None: no patches)
 
 
+# what an objective makes of a row as it is read: its inputs by name (objectives.Objective.row_inputs)
+RowInputs = Callable[[Row], dict[str, np.ndarray]]
+
+
+def with_inputs(row: Row, row_inputs: RowInputs | None) -> Row:
+    if row_inputs is not None:
+        row.inputs.update(row_inputs(row))
+    return row
+
+
 class RowFeed:
     """Packed rows planned from the samples' lengths, each rank reading its own rows' samples, the next
     ``data.read_ahead_steps`` steps' in the background (:class:`Feed`); in the DPO stage, preference pairs, a row
     each, planned and read the same way."""
 
-    def __init__(self, dataset, tokenizer: Tokenizer, cfg: Config, env, stats: Counter):
-        """``stats``: where skipped and fitted samples are counted (``data/...`` in the metrics)."""
+    def __init__(self, dataset, tokenizer: Tokenizer, cfg: Config, env, stats: Counter,
+                 row_inputs: RowInputs | None = None):
+        """``stats``: where skipped and fitted samples are counted (``data/...`` in the metrics); ``row_inputs``:
+        the objective's inputs each row carries, made from the row as it is read (``Row.inputs``)."""
+        self.row_inputs = row_inputs
         self.rank, self.world = env.data_rank, env.data_world
         self.rows_read = 0  # global rows handed out so far
         self.max_seq_len = cfg.data.max_seq_len
@@ -190,9 +203,11 @@ class RowFeed:
 
     def _row(self, samples: list, counted: Counter) -> Row:
         if not self.pairs:
-            return planned_row(samples, self.max_seq_len, self.pad_id, counted)
-        (index, pair, reason), = samples
-        return indexed_pair(index, pair, reason)
+            row = planned_row(samples, self.max_seq_len, self.pad_id, counted)
+        else:
+            (index, pair, reason), = samples
+            row = indexed_pair(index, pair, reason)
+        return with_inputs(row, self.row_inputs)
 
     def gate(self) -> None:
         self.gated = True
@@ -258,7 +273,7 @@ def indexed_pair(index: int, pair: Row | None, reason: str | None, held_out: boo
         raise DataError(f"{'held-out ' if held_out else ''}preference pair {index} cannot be read now ({reason}), "
                         "though its index entry, measured from its text and its images' headers, found it usable: "
                         "the data changed since it was indexed, or an image's body is broken")
-    pair.pair_key = -1 - index if held_out else index
+    pair.key = -1 - index if held_out else index
     return pair
 
 

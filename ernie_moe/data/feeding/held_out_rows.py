@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from ...config.schema import Config
 from ..encoding.packing import Row
 from ..encoding.tokenizer import Tokenizer
-from .feed import indexed_pair, planned_row
+from .feed import RowInputs, indexed_pair, planned_row, with_inputs
 from .length_index import length_index
 from .loader import is_preference, rank_share, sample_encoder, short_share, unlabelled
 from .plan import rows_in_order
@@ -23,9 +23,16 @@ from .workers import encode_in_order
 
 
 def held_out_batches(dataset, tokenizer: Tokenizer, cfg: Config, env, rows_per_rank: int,
-                     stats: Counter) -> Iterator[list[Row]]:
+                     stats: Counter, row_inputs: RowInputs | None = None) -> Iterator[list[Row]]:
     """This data rank's rows of each held-out batch; the samples skipped, and what fitting changed, counted in
-    ``stats`` (every rank counts every sample: the figures are the whole set's)."""
+    ``stats`` (every rank counts every sample: the figures are the whole set's); ``row_inputs``: the objective's
+    inputs of each row (``feed.RowFeed``)."""
+    for rows in _held_out_rows(dataset, tokenizer, cfg, env, rows_per_rank, stats):
+        yield [with_inputs(row, row_inputs) for row in rows]
+
+
+def _held_out_rows(dataset, tokenizer: Tokenizer, cfg: Config, env, rows_per_rank: int,
+                   stats: Counter) -> Iterator[list[Row]]:
     rank, world = env.data_rank, env.data_world
     encoder = sample_encoder(tokenizer, cfg, Counter())  # its counts are the plan's
     index = length_index(dataset, encoder, cfg.data.index_dir, env, cfg.data.num_workers, progress=False)

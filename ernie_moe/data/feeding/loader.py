@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import paddle
 
-from ...batch import IGNORE_INDEX, Batch, HostCounts
+from ...batch import IGNORE_INDEX, PAIR_SIDES, Batch, HostCounts
 from ...config.schema import MTP_MAX_DEPTH, Config
 from ..encoding.packing import BadSample, Encoded, Encoder, Row, make_row
 from ..encoding.pairs import PairEncoder
@@ -184,7 +184,7 @@ class RowStream:
                     self.unusable.add(index)
                     continue
                 if self.pairs:
-                    encoded.pair_key = -1 - index if self.held_out else index
+                    encoded.key = -1 - index if self.held_out else index
                 yield index, encoded
             if not self.shuffle:
                 return
@@ -289,13 +289,21 @@ def _stacked(rows: list[Row], field: str, dtype) -> paddle.Tensor | None:
     return paddle.to_tensor(np.stack([np.asarray(getattr(r, field), dtype) for r in rows]))
 
 
+def objective_inputs(rows: list[Row]) -> dict[str, np.ndarray]:
+    """Each input the rows carry, stacked over the rows (the same names in every row, or the batch is refused)."""
+    names = rows[0].inputs.keys()
+    if any(r.inputs.keys() != names for r in rows):
+        raise ValueError(f"a batch's rows carry different objective inputs: {sorted({tuple(r.inputs) for r in rows})}")
+    return {name: np.stack([r.inputs[name] for r in rows]) for name in names}
+
+
 def collate(rows: list[Row]) -> Batch:
     patches = [p for row in rows for p in row.patches]
     grids = [g for row in rows for g in row.grids]
     channels = patches[0].shape[1] if patches else 0
     labels, types = np.stack([r.labels for r in rows]), np.stack([r.token_type_ids for r in rows])
     key_ends = np.stack([r.key_ends for r in rows])
-    sides = np.stack([np.asarray(r.pair_sides) for r in rows]) if rows[0].pair_sides is not None else None
+    inputs = objective_inputs(rows)
     return Batch(
         input_ids=paddle.to_tensor(np.stack([r.input_ids for r in rows])),
         labels=paddle.to_tensor(labels),
@@ -304,12 +312,9 @@ def collate(rows: list[Row]) -> Batch:
         key_ends=paddle.to_tensor(key_ends),
         pixel_patches=paddle.to_tensor(np.concatenate(patches) if patches else np.zeros([0, channels], np.float32)),
         grid_thw=np.stack(grids) if grids else np.zeros([0, 3], np.int64),
-        objective_inputs={name: value for name, value in [
-            ("pair_sides", paddle.to_tensor(sides) if sides is not None else None),
-            ("advantages", _stacked(rows, "advantage", np.float32)),
-            ("old_logps", _stacked(rows, "old_logps", np.float32)),
-            ("sampler_logps", _stacked(rows, "sampler_logps", np.float32))] if value is not None},
-        row_keys=np.array([r.pair_key for r in rows], np.int64) if sides is not None else None,
+        objective_inputs={name: paddle.to_tensor(value) for name, value in inputs.items()},
+        row_keys=np.array([r.key for r in rows], np.int64),
         routes=_stacked(rows, "routes", np.int32),
-        counts=HostCounts.of(labels, types, sides, key_ends, MTP_MAX_DEPTH),  # whatever depths the model has
+        # MTP_MAX_DEPTH: whatever depths the model has
+        counts=HostCounts.of(labels, types, inputs.get(PAIR_SIDES), key_ends, MTP_MAX_DEPTH),
     )
