@@ -50,13 +50,13 @@ def main() -> None:
             return seconds(trainer.train_step)
 
         def save(writes) -> float:
-            trainer.writes = writes
-            return seconds(trainer._save)
+            trainer.saves.writes = writes
+            return seconds(trainer.saves.save)
 
         for _ in range(2):  # warm-up: the allocator, the optimizer's states, the first files
             step()
         save(None)
-        state = sum(f.stat().st_size for f in trainer.last_checkpoint.path.glob("*.safetensors"))
+        state = sum(f.stat().st_size for f in trainer.saves.last.path.glob("*.safetensors"))
         stalls: dict[str, list[float]] = {"sync": [], "async": []}
         written, alone, beside = [], [], []
         for _ in range(args.rounds):
@@ -65,10 +65,10 @@ def main() -> None:
             step()
             stalls["async"].append(save(background))
             beside.append(step())  # the writer's thread runs beside this step
-            written.append(stalls["async"][-1] + beside[-1] + seconds(trainer._finish_save))
-        trainer.feed.close()
+            written.append(stalls["async"][-1] + beside[-1] + seconds(trainer.saves.finish))
+        trainer.parts.feed.close()
         median = {mode: statistics.median(values) for mode, values in stalls.items()}
-        print(f"{state / 1e6:.0f} MB of state in {Path(trainer.last_checkpoint.path).name}'s tensor files; "
+        print(f"{state / 1e6:.0f} MB of state in {Path(trainer.saves.last.path).name}'s tensor files; "
               f"medians of {args.rounds} alternated rounds:")
         print(f"| save | step stall per save (s) |\n|---|---|\n| synchronous | {median['sync']:.3f} |\n"
               f"| background (training.async_save) | {median['async']:.3f} |")

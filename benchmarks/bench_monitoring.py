@@ -39,7 +39,7 @@ def call_costs(steps: int, overrides: list[str]) -> tuple[float, float, float]:
         per_step = window_cost = step_cost = 0.0
         for _ in range(steps):
             batches = trainer.next_micro_batches()
-            moes = trainer.model.moe_layers()
+            moes = trainer.parts.model.moe_layers()
             start = time.perf_counter()
             result = trainer.train_step(batches)
             step_cost += time.perf_counter() - start
@@ -53,7 +53,7 @@ def call_costs(steps: int, overrides: list[str]) -> tuple[float, float, float]:
                 moe.stats.record_routing(moe.stats.usage, moe.stats.usage)
             per_step += time.perf_counter() - start
             start = time.perf_counter()
-            monitor.end_window(trainer.step, [result.read()], trainer.data_stats)
+            monitor.end_window(trainer.step, [result.read()], trainer.parts.data_stats)
             window_cost += time.perf_counter() - start
         monitor.close()
         return per_step / steps * 1e3, window_cost / steps * 1e3, step_cost / steps * 1e3

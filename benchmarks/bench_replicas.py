@@ -51,7 +51,7 @@ def main() -> None:
 
         step_s = mean_seconds(step, args.steps, env)
         check_s = mean_seconds(lambda: compare_replicas(trainer.replicas.sets, env), args.steps, env)
-        ema_s = mean_seconds(lambda: trainer.ema.update(trainer.step), args.steps, env)
+        ema_s = mean_seconds(lambda: trainer.parts.ema.update(trainer.step), args.steps, env)
         held = sum(p.size * p.element_size() for s in trainer.replicas.sets for _, p in s.named)
         if env.is_main:
             print(f"{env.world_size} ranks, {held / 2 ** 20:.1f} MiB of replicated weights per rank: step "

@@ -34,7 +34,7 @@ def main() -> None:
         for _ in range(5):  # warm-up
             trainer.train_step()
         rounds, parts, steps_timed = {True: [], False: []}, defaultdict(float), 0
-        times = trainer.step_times
+        times = trainer.parts.step_times
         opened = count_parts(times)
         for _ in range(args.rounds):
             for on in (True, False):

@@ -44,7 +44,7 @@ def measure(args) -> dict:
         cfg = load_config(args.config, [f"training.output_dir={out}", "logging.visualdl=false",
                                         f"training.max_steps={args.steps + args.warmup}", *args.overrides])
         trainer = Trainer(cfg)
-        counter = FlopsCounter(trainer.model, cfg.model)
+        counter = FlopsCounter(trainer.parts.model, cfg.model)
         for _ in range(args.warmup):
             trainer.train_step()
         profile = Profile(args.steps) if args.profile else None
@@ -57,7 +57,7 @@ def measure(args) -> dict:
                 results.append(trainer.train_step(micro_batches))
         tokens = sum(float(result.tokens) for result in results)  # read once the steps are done
         elapsed = time.perf_counter() - start
-        trainer.feed.close()
+        trainer.parts.feed.close()
     result = {"tokens_per_s": tokens / elapsed, "step_ms": elapsed / args.steps * 1e3, "flops": flops,
               "tokens": tokens, "elapsed": elapsed, "peak_memory_mib": peak_memory_bytes(paddle) / 2 ** 20}
     if profile:

@@ -30,10 +30,10 @@ from .data import DataError, RowStream, rank_batches
 from .data.feeding.loader import source_dataset
 from .data.formats.synthetic import SyntheticShapes
 from .evaluation.results import MAX_NEW_TOKENS, MAX_SIDE_BY_SIDE, benchmark_results
+from .evaluation.token_scores import evaluate
 from .generation import folder_run_config, load_model_folder
 from .parallel import DistEnv
 from .paths import check_output, not_a_file, refuse_inputs, write_output
-from .training.evaluate import evaluate
 
 
 def scores(model_dir, data: str, base, batch_size: int = 8, max_batches: int = 0) -> tuple[dict, dict]:

@@ -72,5 +72,5 @@ def base(tmp_path_factory):
     """The default model at its seed's weights, saved as a model folder with its tokenizer."""
     tmp = tmp_path_factory.mktemp("base")
     tr = trainer(tmp / "run")
-    save_model(tr.model, tr.cfg.model, str(tmp / "model"), tr.tokenizer, hf_layout=True)
+    save_model(tr.parts.model, tr.cfg.model, str(tmp / "model"), tr.tokenizer, hf_layout=True)
     return tmp / "model"

@@ -329,13 +329,13 @@ def test_a_client_that_hangs_up_leaves_one_quiet_line(capsys):
 def test_a_training_benchmark_of_which_nothing_could_be_asked_says_so(tmp_path, capsys):
     from support.lora import trainer
 
+    from ernie_moe.evaluation.during_training import benchmark_metrics
     from ernie_moe.evaluation.results import read_benchmarks
-    from ernie_moe.training.benchmark_eval import benchmark_metrics
 
     question = " ".join(["what"] * 5000)  # past the model's positions
     (tmp_path / "long.tsv").write_text(f"index\tquestion\tA\tB\tanswer\n0\t{question}\tred\tgreen\tA\n")
     tr = trainer(tmp_path / "run")
-    figures = benchmark_metrics(read_benchmarks([f"mcq:{tmp_path / 'long.tsv'}"]), tr.model, tr.tokenizer,
+    figures = benchmark_metrics(read_benchmarks([f"mcq:{tmp_path / 'long.tsv'}"]), tr.parts.model, tr.tokenizer,
                                 tr.cfg.data, tr.env)
     assert figures == {"eval_bench/long/skipped_too_long": 1}
     assert "warning: benchmark long" in capsys.readouterr().out

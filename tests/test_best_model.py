@@ -8,10 +8,10 @@ from support.runs import ROOT, launch, load_model, records
 
 from ernie_moe import export
 from ernie_moe.config import ConfigError, load_config
-from ernie_moe.data.encoding.packing import Encoded
+from ernie_moe.data.encoding.packing import Encoded, split_answer
+from ernie_moe.evaluation.generated import answer_sums, generation_metrics, token_f1
+from ernie_moe.evaluation.token_scores import CATEGORIES
 from ernie_moe.training.best_model import BestModel
-from ernie_moe.training.evaluate import CATEGORIES
-from ernie_moe.training.generation_eval import answer_sums, generation_metrics, split_answer, token_f1
 
 SHORT = ["logging.progress_bar=false", "data.num_eval_samples=16", "data.image_size=56", "data.max_seq_len=48"]
 
@@ -163,9 +163,9 @@ def test_two_data_ranks_answer_half_the_samples_each_and_give_the_whole_sets_fig
 
     from ernie_moe.data.feeding.loader import training_encoder
     from ernie_moe.data.formats.synthetic import SyntheticShapes
+    from ernie_moe.evaluation.generated import evaluate_by_generation
     from ernie_moe.generation import load_model_folder
     from ernie_moe.parallel import DistEnv
-    from ernie_moe.training.generation_eval import evaluate_by_generation
 
     args = ["training.max_steps=6", "training.eval_steps=6", "training.eval_generate=true",
             "data.num_eval_samples=16", "training.per_device_train_batch_size=4"]

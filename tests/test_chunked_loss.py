@@ -38,7 +38,7 @@ def test_the_whole_logits_are_not_held(tmp_path):
         assert batch.input_ids.shape == [4, 512]
         base = core.host_memory_stat_current_value("Allocated", 0)
         core.host_memory_stat_reset_peak_value("Allocated", 0)
-        out = tr.model(batch)
+        out = tr.parts.model(batch)
         (out.loss_sum + out.router_loss).backward()
         return core.host_memory_stat_peak_value("Allocated", 0) - base
 

@@ -16,6 +16,24 @@ def test_default_config_loads_with_typed_sections():
     assert cfg.model.vision_config.patch_size == 14
 
 
+def test_an_objectives_settings_are_a_section_read_flat_too(tmp_path):
+    """``training.dpo.*`` and ``training.rl.*``, and the flat ``training.dpo_*`` / ``training.rl_*`` keys configs
+    were written with, in a file or on the command line: the command line's wins over the file's either way; one
+    key given both ways in one file is refused, naming both."""
+    path = tmp_path / "flat.yaml"
+    path.write_text("training:\n  stage: dpo\n  dpo_beta: 0.2\n  rl:\n    group_size: 6\n  rl_top_p: 0.9\n")
+    cfg = load_config(path, ["training.dpo_loss=ipo", "training.rl.temperature=0.7"]).training
+    assert (cfg.dpo.beta, cfg.dpo.loss, cfg.rl.group_size, cfg.rl.top_p, cfg.rl.temperature) == \
+        (0.2, "ipo", 6, 0.9, 0.7)
+    assert load_config(path, ["training.dpo.beta=0.3"]).training.dpo.beta == 0.3
+    assert load_config(path, ["training.rl_group_size=8"]).training.rl.group_size == 8
+    path.write_text("training:\n  dpo_beta: 0.2\n  dpo:\n    beta: 0.3\n")
+    with pytest.raises(ConfigError, match=r"training\.dpo_beta and training\.dpo\.beta"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"unknown key 'training\.rl\.group_sise'.*group_size"):
+        load_config(None, ["training.rl_group_sise=4"])
+
+
 def test_overrides_follow_yaml_types():
     cfg = load_config(ROOT / "configs" / "vl_moe.yaml", [
         "training.max_steps=20", "model.hidden_size=32", "training.learning_rate=1e-3",

@@ -546,6 +546,6 @@ def test_a_resumed_run_with_workers_on_jsonl_equals_the_uninterrupted_one(captio
     Trainer(load_config(None, [*common, "training.max_steps=3", f"training.output_dir={tmp_path / 'part'}"])).train()
     resumed = Trainer(load_config(None, [*common, "training.max_steps=6", f"training.output_dir={tmp_path / 'part'}",
                                          "training.resume_from_checkpoint=auto"]))
-    assert resumed.feed.rows_read == 12 and resumed.feed.plan.epoch >= 1
+    assert resumed.parts.feed.rows_read == 12 and resumed.parts.feed.plan.epoch >= 1
     resumed.train()
     assert losses(tmp_path / "part") == losses(tmp_path / "whole")

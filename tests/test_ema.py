@@ -18,24 +18,24 @@ def test_the_ema_follows_the_numpy_recurrence_exactly(tmp_path):
     """Ten steps: nothing before step 3, a copy of the weights after it, then the recurrence every second step."""
     tr = same_loss_trainer(tmp_path, f"training.ema_decay={DECAY}", f"training.ema_start_step={START}",
                  f"training.ema_update_every={EVERY}", "data.num_eval_samples=4")
-    params = dict(tr.model.stable_named_parameters())
-    assert [n for n, _, _ in tr.ema.owned] == [n for n, p in params.items() if not p.stop_gradient]
+    params = dict(tr.parts.model.stable_named_parameters())
+    assert [n for n, _, _ in tr.parts.ema.owned] == [n for n, p in params.items() if not p.stop_gradient]
     expected, updates = None, 0
     for step in range(1, 11):
         tr.step = step
         tr.train_step()
-        weights = {n: params[n].numpy().astype(np.float32) for n, _, _ in tr.ema.owned}
+        weights = {n: params[n].numpy().astype(np.float32) for n, _, _ in tr.parts.ema.owned}
         if step < START:
-            assert not tr.ema.started
+            assert not tr.parts.ema.started
             continue
         if expected is None:
             expected, updates = weights, 1
         elif (step - START) % EVERY == 0:
             expected = {n: expected[n] * np.float32(DECAY) + weights[n] * np.float32(1 - DECAY) for n in weights}
             updates += 1
-        assert tr.ema.updates == updates
+        assert tr.parts.ema.updates == updates
         for name, value in expected.items():
-            np.testing.assert_array_equal(tr.ema.values[id(params[name])].numpy(), value, err_msg=name)
+            np.testing.assert_array_equal(tr.parts.ema.values[id(params[name])].numpy(), value, err_msg=name)
     assert updates == 1 + 3  # steps 3 (the copy), 5, 7, 9
 
     online = {n: p.numpy() for n, p in params.items()}
@@ -116,8 +116,8 @@ def test_the_planner_counts_each_ranks_share_of_the_ema(tmp_path):
     tr = same_loss_trainer(tmp_path, "training.ema_decay=0.9")
     tr.step = 1
     tr.train_step()
-    held = sum(v.size * v.element_size() for v in tr.ema.values.values())
-    trained = sum(p.size for p in tr.model.parameters() if not p.stop_gradient)
+    held = sum(v.size * v.element_size() for v in tr.parts.ema.values.values())
+    trained = sum(p.size for p in tr.parts.model.parameters() if not p.stop_gradient)
     assert held == 4 * trained
     for data_world in (1, 2):
         with_ema, without = (estimate(c, sample_workload(c, data_world), data_world)[0].optimizer

@@ -440,16 +440,16 @@ def test_the_fine_tune_config_carries_erniekits_sft_settings_to_the_optimizer(tm
     assert (t.moe_gate_lr_ratio, t.vit_lr_ratio, t.visual_ld, t.adam_beta2, t.freeze) == (0.01, 0.9, 0.9, 0.95,
                                                                                           ["vision"])
     assert (m.moe_aux_loss_lambda, m.moe_aux_free_update_coef) == (0.0, 0.0)
-    ratios = {p.name: p.optimize_attr["learning_rate"] for p in tr.optimizer._parameter_list}
-    named = dict(tr.model.stable_named_parameters())
+    ratios = {p.name: p.optimize_attr["learning_rate"] for p in tr.parts.optimizer._parameter_list}
+    named = dict(tr.parts.model.stable_named_parameters())
     assert ratios[named["model.layers.1.mlp.gate.weight"].name] == 0.01
     assert ratios[named["model.norm.weight"].name] == 1.0
     assert not any(n.startswith("vision_model.") and not p.stop_gradient for n, p in named.items())
-    assert tr.optimizer._beta2 == 0.95
-    bias = [m.moe_statics.e_score_correction_bias.numpy().copy() for m in tr.model.moe_layers()]
+    assert tr.parts.optimizer._beta2 == 0.95
+    bias = [m.moe_statics.e_score_correction_bias.numpy().copy() for m in tr.parts.model.moe_layers()]
     summary = tr.train()
     assert summary["steps"] == 3 and summary["data/bad_tag"] == 1
-    for layer, before in zip(tr.model.moe_layers(), bias):
+    for layer, before in zip(tr.parts.model.moe_layers(), bias):
         np.testing.assert_array_equal(layer.moe_statics.e_score_correction_bias.numpy(), before)
     report = json.loads((tmp_path / "out" / "data_report.json").read_text())
     assert report["samples_read"] == 5 and report["skipped"] == {"bad_tag": 1}
@@ -458,8 +458,8 @@ def test_the_fine_tune_config_carries_erniekits_sft_settings_to_the_optimizer(tm
 
     unfrozen = Trainer(load_config(ROOT / "configs" / "finetune_ernie45_vl_smoke.yaml",
                                    [*overrides, "training.freeze=[]", f"training.output_dir={tmp_path / 'vit'}"]))
-    ratios = {p.name: p.optimize_attr["learning_rate"] for p in unfrozen.optimizer._parameter_list}
-    named = dict(unfrozen.model.stable_named_parameters())
+    ratios = {p.name: p.optimize_attr["learning_rate"] for p in unfrozen.parts.optimizer._parameter_list}
+    named = dict(unfrozen.parts.model.stable_named_parameters())
     depth = unfrozen.cfg.model.vision_config.depth
     assert ratios[named["vision_model.ln.weight"].name] == pytest.approx(0.9)
     assert ratios[named["vision_model.blocks.0.attn.qkv.weight"].name] == pytest.approx(0.9 * 0.9 ** depth)

@@ -414,9 +414,9 @@ def test_a_save_in_the_background_writes_what_a_synchronous_save_writes(tmp_path
         tr = trainer(runs[mode], "training.max_steps=5", "training.save_steps=2", "training.save_total_limit=2",
                      f"training.async_save={mode}")
         tr.train()
-        assert tr.pending_save is None and tr.last_checkpoint.step == 5
+        assert tr.saves.pending is None and tr.saves.last.step == 5
     (planned,) = estimate(tr.cfg, sample_workload(tr.cfg, 1), 1)
-    tensors = sum(f.stat().st_size for f in tr.last_checkpoint.path.glob("*.safetensors"))
+    tensors = sum(f.stat().st_size for f in tr.saves.last.path.glob("*.safetensors"))
     assert planned.save_copy == pytest.approx(tensors, rel=0.02)
     assert [c.step for c in scan(runs["true"])] == [c.step for c in scan(runs["false"])] == [4, 5]
     for step in (4, 5):
@@ -475,7 +475,7 @@ def test_a_streak_of_skipped_steps_saves_nothing_and_names_the_checkpoint_before
     assert [c.step for c in scan(tmp_path)] == [2]
 
     resumed = trainer(tmp_path, "training.max_steps=8", "training.resume_from_checkpoint=auto")
-    assert resumed.step == 2 and resumed.precision.skipped_in_a_row == 0
+    assert resumed.step == 2 and resumed.parts.precision.skipped_in_a_row == 0
 
 
 @pytest.mark.slow
@@ -488,7 +488,7 @@ def test_a_run_whose_every_step_is_non_finite_fails(tmp_path):
     out = tmp_path / "run"
     trainer = Trainer(load_config(CONFIG, [*QUIET, "training.max_steps=3", "training.max_skipped_steps=0",
                                            f"training.output_dir={out}", "logging.visualdl=false"]))
-    embedding = trainer.model.model.embed_tokens.weight
+    embedding = trainer.parts.model.model.embed_tokens.weight
     embedding.set_value(np.full(embedding.shape, np.nan, np.float32))
     with pytest.raises(NonFiniteGradients, match="3 of the 3 steps of this run were skipped"):
         trainer.train()
@@ -906,7 +906,7 @@ def test_silent_cases_speak(tmp_path, monkeypatch, capsys):
     tensors["model.norm.weight"] = tensors["model.norm.weight"].view(np.int32)
     save_file(tensors, str(shard))
     with pytest.raises(CheckpointError, match="model.norm.weight.*is stored as int32"):
-        load_pretrained(tr.model, final)
+        load_pretrained(tr.parts.model, final)
     monkeypatch.setattr(export_module, "save_file", lambda *a, **k: (_ for _ in ()).throw(
         SafetensorError("No space left on device (os error 28)")))
     assert export_module.main([str(out / "checkpoint-1"), str(tmp_path / "exported")]) == 2
@@ -934,7 +934,7 @@ def test_a_data_file_rewritten_during_a_run_or_a_fifo_for_a_shard_stops_with_a_l
         with pytest.raises(DataError, match="changed while this run reads it"):
             for _ in range(4):
                 tr.train_step()
-        tr.feed.close()
+        tr.parts.feed.close()
     model = tmp_path / "model"
     tr.step = 50
     tr._finish({})
@@ -943,7 +943,7 @@ def test_a_data_file_rewritten_during_a_run_or_a_fifo_for_a_shard_stops_with_a_l
     shard.unlink()
     os.mkfifo(shard)
     with pytest.raises(CheckpointError, match="is not a regular file"):
-        load_pretrained(tr.model, model)
+        load_pretrained(tr.parts.model, model)
 
 
 def test_a_peer_lost_in_a_collective_is_one_line_naming_the_ranks(monkeypatch, capsys):

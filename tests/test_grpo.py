@@ -32,8 +32,8 @@ def first_update(tmp_path, name, *overrides) -> dict:
     trainer = Trainer(grpo_cfg(tmp_path, name, *overrides))
     trainer.step = 1
     result = trainer.train_step().read()
-    trainer.feed.close()
-    objective = trainer.model.objective
+    trainer.parts.feed.close()
+    objective = trainer.parts.model.objective
     largest = objective.window_maxima(trainer.env.all_reduce_max)[f"{objective.name}/mismatch_max_ratio"]
     return {**objective.metrics(result.figures, ""), "mismatch_max_ratio": largest, "lm_loss": result.lm_loss_sum}
 
@@ -87,13 +87,13 @@ def test_a_grpo_run_trains_its_mtp_depth_or_leaves_it_and_evaluates_its_drafts(t
     trainer = Trainer(grpo_cfg(tmp_path, name, "model.num_nextn_predict_layers=1", "training.eval_generate=true",
                                "training.eval_generate_samples=4", "data.num_eval_samples=4",
                                *(["training.freeze=[mtp]"] if frozen else [])))
-    depth = trainer.model.model.mtp_linear_proj[0].weight
+    depth = trainer.parts.model.model.mtp_linear_proj[0].weight
     before = depth.numpy()
     result = trainer.train_step().read()
-    assert (result.mtp is None) == frozen and trainer.model.objective.mtp_depths(trainer.cfg.model) == 1 - frozen
+    assert (result.mtp is None) == frozen and trainer.parts.model.objective.mtp_depths(trainer.cfg.model) == 1 - frozen
     assert np.array_equal(depth.numpy(), before) == frozen
     assert 0 <= trainer.evaluate()["eval_draft_acceptance"] <= 1
-    trainer.feed.close()
+    trainer.parts.feed.close()
 
 
 class OneOfTwo:
@@ -116,7 +116,7 @@ def test_rollout_rows_advantages_and_a_data_ranks_share(tmp_path):
     The same seed samples the same rows again, and the second of two data ranks samples exactly the second half of
     one process's rollout (the same prompts, answers and advantages), so a layout does not change the data."""
     trainer = Trainer(grpo_cfg(tmp_path, "rows"))
-    feed: RolloutFeed = trainer.feed
+    feed: RolloutFeed = trainer.parts.feed
     rows = feed._rollout(8)
     assert len(rows) == 8 and feed.prompts_read == 4
     for row in rows:
@@ -140,20 +140,20 @@ def test_rollout_rows_advantages_and_a_data_ranks_share(tmp_path):
         assert group["prompt"].startswith("<s><image 1 x ") and group["reference"]
         assert all(set(a["scores"]) == {"word_accuracy"} and 0 <= a["reward"] <= 1 for a in group["answers"])
 
-    again = RolloutFeed(feed.dataset, trainer.runner, trainer.tokenizer, trainer.cfg, trainer.env, trainer.precision,
-                        trainer.rewards, Counter())._rollout(8)
-    second = RolloutFeed(feed.dataset, trainer.runner, trainer.tokenizer, trainer.cfg, OneOfTwo(trainer.env, 1),
-                         trainer.precision, trainer.rewards, Counter())._rollout(4)
+    again = RolloutFeed(feed.dataset, trainer.parts.runner, trainer.tokenizer, trainer.cfg, trainer.env,
+                        trainer.parts.precision, trainer.parts.rewards, Counter())._rollout(8)
+    second = RolloutFeed(feed.dataset, trainer.parts.runner, trainer.tokenizer, trainer.cfg, OneOfTwo(trainer.env, 1),
+                         trainer.parts.precision, trainer.parts.rewards, Counter())._rollout(4)
     for mine, theirs in [*zip(rows, again), *zip(rows[4:], second)]:
         np.testing.assert_array_equal(mine.input_ids, theirs.input_ids)
         assert mine.inputs["advantages"] == theirs.inputs["advantages"]
         np.testing.assert_allclose(mine.inputs["old_logps"], theirs.inputs["old_logps"], rtol=1e-4, atol=1e-5)
-    trainer.feed.close()
+    trainer.parts.feed.close()
 
 
 def test_a_rollout_position_is_saved_and_a_bad_one_refused(tmp_path):
     trainer = Trainer(grpo_cfg(tmp_path, "position"))
-    feed = trainer.feed
+    feed = trainer.parts.feed
     feed.next_step(4, 1)
     assert feed.state_dict() == {"prompts_read": 2}
     feed.load_state_dict({"prompts_read": 6})
@@ -178,15 +178,15 @@ def test_token_logp_and_entropy_are_numpys():
     (["training.rewards=[]"], "name at least one"),
     (["training.rl_group_size=1"], "at least 2"),
     (["training.rl_group_size=3"], "whole groups"),
-    (["training.rl_temperature=0"], "rl_temperature"),
+    (["training.rl_temperature=0"], r"rl\.temperature"),
     (["training.rl_max_new_tokens=40"], "leave room"),
     (["parallel.tensor_parallel_degree=2", "parallel.sequence_parallel=true", "parallel.moe_group=mp"],
      "sequence parallelism"),
     (["training.token_balance_loss=true"], "token_balance_loss"),
-    (["training.rl_importance_cap=1"], "rl_importance_cap"),
-    (["training.rl_importance_cap=.inf"], "rl_importance_cap"),
+    (["training.rl_importance_cap=1"], r"rl\.importance_cap"),
+    (["training.rl.importance_cap=.inf"], r"rl\.importance_cap"),
     (["training.rl_importance_correction=tis", "training.rl_updates_per_rollout=2"], "router_replay=old_policy"),
-    (["model.num_nextn_predict_layers=1", "training.rl_train_mtp=false"], "training.rl_train_mtp=true"),
+    (["model.num_nextn_predict_layers=1", "training.rl_train_mtp=false"], r"training\.rl\.train_mtp=true"),
 ])
 def test_grpo_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -271,14 +271,14 @@ def test_dynamic_sampling_drops_groups_whose_answers_all_score_the_same(tmp_path
     for dynamic in (True, False):
         trainer = Trainer(grpo_cfg(tmp_path, f"dynamic_{dynamic}", reward,
                                    f"training.rl_dynamic_sampling={str(dynamic).lower()}"))
-        rows = trainer.feed._rollout(16)
+        rows = trainer.parts.feed._rollout(16)
         equal = [np.all(np.array([float(r.inputs["advantages"]) for r in rows[i:i + 2]]) == 0) for i in range(0, 16, 2)]
-        window = trainer.feed.window
+        window = trainer.parts.feed.window
         assert window["equal_groups"] > 0
         if dynamic:
-            assert not any(equal) and window["groups"] > 8 and trainer.feed.prompts_read > 8
+            assert not any(equal) and window["groups"] > 8 and trainer.parts.feed.prompts_read > 8
         else:
-            assert any(equal) and window["groups"] == 8 and trainer.feed.prompts_read == 8
+            assert any(equal) and window["groups"] == 8 and trainer.parts.feed.prompts_read == 8
 
 
 @pytest.mark.slow
@@ -412,11 +412,11 @@ def test_a_grpo_run_resumes_at_its_next_prompts(tmp_path):
     """A checkpoint keeps the rollout position; a resumed run samples from the next prompts on and finishes."""
     first = Trainer(grpo_cfg(tmp_path, "resumed"))
     first.train()
-    assert first.feed.prompts_read == 4  # two steps of 2 prompts each
+    assert first.parts.feed.prompts_read == 4  # two steps of 2 prompts each
     again = Trainer(grpo_cfg(tmp_path, "resumed", "training.max_steps=3", "training.resume_from_checkpoint=auto"))
-    assert again.step == 2 and again.feed.prompts_read == 4
+    assert again.step == 2 and again.parts.feed.prompts_read == 4
     summary = again.train()
-    assert summary["status"] == "done" and again.feed.prompts_read == 6
+    assert summary["status"] == "done" and again.parts.feed.prompts_read == 6
     # each logging window's first groups in rollouts.jsonl, the resumed run's after the first run's up to its step
     shown = [json.loads(line) for line in (tmp_path / "resumed" / "rollouts.jsonl").read_text().splitlines()]
     assert [g["step"] for g in shown] == [2, 2, 3, 3] and all(len(g["answers"]) == 2 for g in shown)

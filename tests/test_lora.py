@@ -45,14 +45,14 @@ def test_lora_starts_as_the_base_and_trains_only_its_pairs(tmp_path, base):
     full, adapted = trainer(tmp_path / "full", f"training.model_name_or_path={base}"), lora(tmp_path / "lora", base)
     batch = adapted.next_micro_batches()[0]
     np.testing.assert_array_equal(logits(adapted, batch), logits(full, batch))  # B starts at zero
-    named = dict(adapted.model.stable_named_parameters())
+    named = dict(adapted.parts.model.stable_named_parameters())
     before = {n: p.numpy().copy() for n, p in named.items()}
     trainable = {n for n, p in named.items() if not p.stop_gradient}
     assert trainable and trainable == {n for n in named if is_lora(n)}
     targets = {n.rsplit(".", 1)[0] for n in trainable}
     assert "model.layers.1.mlp.experts.4.up_gate_proj" in targets and "model.layers.0.self_attn.qkv_proj" in targets
     assert not any(t.startswith(("vision_model", "model.resampler_model")) for t in targets)  # default targets
-    optimized = {p.name for p in adapted.optimizer._parameter_list}
+    optimized = {p.name for p in adapted.parts.optimizer._parameter_list}
     assert optimized == {named[n].name for n in trainable}
     for adapted.step in range(1, 4):
         adapted.train_step()
@@ -70,8 +70,8 @@ def test_recompute_trains_the_pairs_when_nothing_before_them_trains(tmp_path, ba
     grads = []
     for name, extra in (("plain", []), ("recompute", ["training.recompute=true"])):
         tr = lora(tmp_path / name, base, *extra)
-        tr.runner.forward_backward(tr.next_micro_batches(), 0.01)
-        grads.append({n: p.grad.numpy() for n, p in tr.model.stable_named_parameters() if p.grad is not None})
+        tr.parts.runner.forward_backward(tr.next_micro_batches(), 0.01)
+        grads.append({n: p.grad.numpy() for n, p in tr.parts.model.stable_named_parameters() if p.grad is not None})
     assert set(grads[1]) == set(grads[0]) and len(grads[0]) > 20
     for name, value in grads[0].items():
         np.testing.assert_allclose(grads[1][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
@@ -107,15 +107,15 @@ def test_a_lora_run_averages_its_pairs_and_saves_their_ema_as_the_adapter(tmp_pa
     """The EMA of a LoRA run holds the pairs only (the frozen base is not averaged); with save_ema_as_final the
     adapter written is the averaged pairs, and the model keeps its trained ones."""
     tr = lora(tmp_path / "run", base, "training.ema_decay=0.5", "training.save_ema_as_final=true")
-    named = dict(tr.model.stable_named_parameters())
-    assert {n for n, _, _ in tr.ema.owned} == {n for n, p in named.items() if not p.stop_gradient}
-    assert all(is_lora(n) for n, _, _ in tr.ema.owned)
+    named = dict(tr.parts.model.stable_named_parameters())
+    assert {n for n, _, _ in tr.parts.ema.owned} == {n for n, p in named.items() if not p.stop_gradient}
+    assert all(is_lora(n) for n, _, _ in tr.parts.ema.owned)
     for tr.step in range(1, 4):
         tr.train_step()
     trained = {n: p.numpy() for n, p in named.items() if is_lora(n)}
     tr._finish({})
     _, adapter = read_adapter(tmp_path / "run" / "final_model", tr.cfg.model)
-    averaged = {n: tr.ema.values[id(named[n])].numpy() for n in trained}
+    averaged = {n: tr.parts.ema.values[id(named[n])].numpy() for n in trained}
     assert adapter and set(adapter) == set(averaged)
     for name, value in adapter.items():
         np.testing.assert_array_equal(value, averaged[name], err_msg=name)
@@ -143,12 +143,12 @@ def test_the_bases_generation_settings_reach_the_final_model(tmp_path, base):
 def test_freezing_parts_and_the_vit_learning_rates(tmp_path):
     tr = trainer(tmp_path, "training.freeze=[vision, router]", "training.vit_lr_ratio=0.5", "training.visual_ld=0.8",
                  "training.moe_gate_lr_ratio=2.0", "model.moe_use_aux_free=true")
-    named = tr.model.stable_named_parameters()
+    named = tr.parts.model.stable_named_parameters()
     for name, param in named:
         frozen = name.startswith("vision_model.") or ".mlp.gate." in name or "correction_bias" in name
         assert param.stop_gradient == frozen, name
-    assert all(m.moe_statics.frozen for m in tr.model.moe_layers())
-    ratios = learning_rate_ratios(tr.model, tr.cfg.training)
+    assert all(m.moe_statics.frozen for m in tr.parts.model.moe_layers())
+    ratios = learning_rate_ratios(tr.parts.model, tr.cfg.training)
     by_name = {n: ratios[id(p)] for n, p in named}
     depth = tr.cfg.model.vision_config.depth
     assert by_name["vision_model.ln.weight"] == 0.5
@@ -156,7 +156,7 @@ def test_freezing_parts_and_the_vit_learning_rates(tmp_path):
     assert by_name["vision_model.blocks.0.attn.qkv.weight"] == pytest.approx(0.5 * 0.8 ** depth)
     assert by_name["vision_model.patch_embed.proj.weight"] == pytest.approx(0.5 * 0.8 ** (depth + 1))
     assert by_name["model.layers.1.mlp.gate.weight"] == 2.0 and by_name["model.norm.weight"] == 1.0
-    optimized = {p.name for p in tr.optimizer._parameter_list}
+    optimized = {p.name for p in tr.parts.optimizer._parameter_list}
     assert optimized == {p.name for n, p in named if not p.stop_gradient}  # frozen parts: no optimizer state
 
 
@@ -166,7 +166,8 @@ def test_lora_pairs_in_a_frozen_part_are_a_config_error(tmp_path, base):
     with pytest.raises(ConfigError, match=r"LoRA pairs in vision, which training.freeze \['vision'\] freezes"):
         lora(tmp_path / "frozen", base, "training.lora_targets=[attention, vit]", "training.freeze=[vision]")
     tr = lora(tmp_path / "free", base, "training.lora_targets=[attention, vit]")
-    assert any(n.startswith("vision_model.") and not p.stop_gradient for n, p in tr.model.stable_named_parameters())
+    named = tr.parts.model.stable_named_parameters()
+    assert any(n.startswith("vision_model.") and not p.stop_gradient for n, p in named)
 
 
 def test_a_run_where_nothing_trains_is_a_config_error(tmp_path):
@@ -228,7 +229,7 @@ def test_an_adapter_of_another_shape_does_not_merge_or_load(tmp_path, base):
         merged_weight("model.layers.0.mlp.down_proj.weight", np.zeros([128, 96], "float32"), adapter, wider)
     other = trainer(tmp_path / "other", "model.intermediate_size=96")
     with pytest.raises(CheckpointError, match="another shape"):
-        load_adapter(other.model, other.cfg.model, tmp_path / "run" / "final_model")
+        load_adapter(other.parts.model, other.cfg.model, tmp_path / "run" / "final_model")
     # a pair of nan values (a diverged run) is named as it loads, not met at the first step
     folder = tmp_path / "run" / "final_model"
     shard = folder / sorted(set(json.loads((folder / "peft_model.safetensors.index.json").read_text())
@@ -239,4 +240,4 @@ def test_an_adapter_of_another_shape_does_not_merge_or_load(tmp_path, base):
     save_file(tensors, str(shard), metadata={"format": "np"})
     same = trainer(tmp_path / "same")
     with pytest.raises(CheckpointError, match="holds nan or inf values: the adapter is damaged"):
-        load_adapter(same.model, same.cfg.model, folder)
+        load_adapter(same.parts.model, same.cfg.model, folder)

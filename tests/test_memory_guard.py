@@ -50,10 +50,11 @@ def test_an_out_of_memory_step_runs_again_on_the_next_rungs(tmp_path):
     seen = out_of_memory_on(tr, {1})  # the ladder's last recompute rung is on: the micro-batch halves
     result = tr.train_step()
     assert result.memory_guard_rungs == 1 and seen == [1, 2]  # one micro-batch, then two halves
-    assert (tr.state.micro_batch_size, tr.state.accumulation_steps) == (2, 2)
+    assert (tr.parts.state.micro_batch_size, tr.parts.state.accumulation_steps) == (2, 2)
     assert (tr.cfg.training.per_device_train_batch_size, tr.cfg.training.gradient_accumulation_steps) == (4, 1)
-    assert tr.guard.taken == ["out of memory in step 0: micro-batch 2 x 2 accumulated"]
-    for (name, a), (_, b) in zip(expected.model.stable_named_parameters(), tr.model.stable_named_parameters()):
+    assert tr.parts.guard.taken == ["out of memory in step 0: micro-batch 2 x 2 accumulated"]
+    pairs = zip(expected.parts.model.stable_named_parameters(), tr.parts.model.stable_named_parameters())
+    for (name, a), (_, b) in pairs:
         # summation order differs between one micro-batch and two; a lost or doubled one moves weights by ~1e-4
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 

@@ -129,7 +129,7 @@ def test_loss_counts_tokens_not_micro_batches(tiny_cfg, tmp_path):
     b = split.forward_backward(split.next_micro_batches()).read()
     assert a.label_tokens == b.label_tokens
     np.testing.assert_allclose(a.lm_loss_sum, b.lm_loss_sum, rtol=1e-5)
-    for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters()):
+    for (name, p), q in zip(whole.parts.model.named_parameters(), split.parts.model.parameters()):
         if p.stop_gradient:
             continue
         np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)

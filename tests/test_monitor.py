@@ -152,7 +152,7 @@ def test_router_forced_to_one_expert_shows_max_mean_equal_to_experts(tmp_path):
     trainer = Trainer(cfg)
     bias = np.zeros((2, 4), np.float32)
     bias[0, 0] = 100.0
-    trainer.model.moe_layers()[0].moe_statics.e_score_correction_bias.set_value(bias)
+    trainer.parts.model.moe_layers()[0].moe_statics.e_score_correction_bias.set_value(bias)
     trainer.train()
     logdir = tmp_path / "visualdl"
     assert [v for _, v in read_scalars(logdir, "moe/layer1_text/max_mean_load")] == [4.0, 4.0]

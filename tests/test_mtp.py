@@ -54,11 +54,11 @@ def test_a_step_weighs_each_depth_by_lambda_over_its_labels(tmp_path, chunk):
                                                                   f"training.loss_subbatch_seqlen={chunk}"]))
     micro_batches = tr.next_micro_batches()
     result = tr.forward_backward(micro_batches).read()
-    params = [p for p in tr.model.parameters() if not p.stop_gradient]
+    params = [p for p in tr.parts.model.parameters() if not p.stop_gradient]
     ours = {id(p): p.grad.numpy().copy() for p in params if p.grad is not None}
-    tr.optimizer.clear_grad()
+    tr.parts.optimizer.clear_grad()
 
-    outs = [tr.model(b) for b in micro_batches]
+    outs = [tr.parts.model(b) for b in micro_batches]
     ahead = [(labels_ahead(b.labels, b.key_ends, 2) != IGNORE_INDEX).reshape([2, -1]).sum(axis=1)
              for b in micro_batches]
     labels = sum(o.num_label_tokens for o in outs)
@@ -66,7 +66,7 @@ def test_a_step_weighs_each_depth_by_lambda_over_its_labels(tmp_path, chunk):
     assert counts.numpy().tolist() == [sum(b.counts.labels_ahead[k] for b in micro_batches) for k in range(2)]
     loss = sum(o.loss_sum / labels + o.router_loss / 2 + 0.3 / 2 * (o.mtp_sums / counts).sum() for o in outs)
     loss.backward()
-    mtp_params = {id(p) for n, p in tr.model.named_parameters() if ".mtp_" in n}
+    mtp_params = {id(p) for n, p in tr.parts.model.named_parameters() if ".mtp_" in n}
     assert mtp_params and mtp_params <= set(ours)
     for p in params:
         if id(p) in ours:

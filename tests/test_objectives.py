@@ -37,9 +37,9 @@ def _two_steps(tmp_path, name, stage="sft"):
     metrics = []
     for step in (1, 2):
         trainer.step = step
-        metrics.append(trainer.monitor.end_window(step, [trainer.train_step().read()], trainer.data_stats))
+        metrics.append(trainer.monitor.end_window(step, [trainer.train_step().read()], trainer.parts.data_stats))
     result = trainer.evaluate()
-    trainer.feed.close()
+    trainer.parts.feed.close()
     return trainer, metrics, result
 
 
@@ -51,11 +51,12 @@ def test_a_new_objective_trains_logs_and_evaluates_through_the_same_runner(tmp_p
     _, lm_windows, lm_eval = _two_steps(tmp_path, "lm")
     register("rows", lambda settings, reduce_sum: RowLosses())
     trainer, windows, evaluated = _two_steps(tmp_path, "rows", stage="rows")
-    assert isinstance(trainer.model.objective, RowLosses)
+    assert isinstance(trainer.parts.model.objective, RowLosses)
     for ours, lm in zip(windows, lm_windows):
         np.testing.assert_allclose(ours["lm_loss"], lm["lm_loss"], rtol=1e-5)
         np.testing.assert_allclose(ours["rows/token_loss"], ours["lm_loss"], rtol=1e-5)
-        assert ours["rows/rows"] == trainer.state.micro_batch_size * trainer.cfg.training.gradient_accumulation_steps
+        state = trainer.parts.state
+        assert ours["rows/rows"] == state.micro_batch_size * trainer.cfg.training.gradient_accumulation_steps
         assert not any(k.startswith("rows/") for k in lm)
     assert "eval_loss" not in evaluated and "eval_token_loss" not in lm_eval
     np.testing.assert_allclose(evaluated["eval_token_loss"], lm_eval["eval_loss"], rtol=1e-5)
@@ -95,11 +96,11 @@ def test_an_objective_with_a_per_row_input_is_registered_trained_and_evaluated_b
         *SMALL, f"training.output_dir={tmp_path}", "training.max_steps=1", "training.eval_steps=0",
         "training.max_eval_batches=1", "training.stage=weighted"])
     trainer = Trainer(cfg)
-    assert trainer.model.objective is objective
+    assert trainer.parts.model.objective is objective
     trainer.step = 1
-    window = trainer.monitor.end_window(1, [trainer.train_step().read()], trainer.data_stats)
+    window = trainer.monitor.end_window(1, [trainer.train_step().read()], trainer.parts.data_stats)
     trained = objective.seen[:]
-    rows = trainer.state.micro_batch_size * trainer.cfg.training.gradient_accumulation_steps
+    rows = trainer.parts.state.micro_batch_size * trainer.cfg.training.gradient_accumulation_steps
     assert sum(len(w) for w, _, _ in trained) == rows
     weights = np.concatenate([w for w, _, _ in trained])
     assert weights.shape == (rows,) and len(set(weights.round(6))) > 1  # a weight per row, not one per batch
@@ -115,4 +116,4 @@ def test_an_objective_with_a_per_row_input_is_registered_trained_and_evaluated_b
     expected = sum(float((w * losses).sum()) for w, losses, _ in held_out) / \
         sum(int((labels != IGNORE_INDEX).sum()) for _, _, labels in held_out)
     np.testing.assert_allclose(evaluated["eval_loss_per_token"], expected, rtol=1e-5)
-    trainer.feed.close()
+    trainer.parts.feed.close()

@@ -27,10 +27,10 @@ def test_offloaded_states_train_exactly_as_resident_ones(tmp_path, monkeypatch):
     plain, plain_weights, _ = trained(tmp_path / "plain")
     monkeypatch.setattr(offload, "BUCKET_BYTES", 8 * 30_000)
     moved, moved_weights, tr = trained(tmp_path / "offloaded", "training.offload_optim=true")
-    assert isinstance(tr.optimizer, OffloadedOptimizer) and len(tr.optimizer.parts) >= 5
+    assert isinstance(tr.parts.optimizer, OffloadedOptimizer) and len(tr.parts.optimizer.parts) >= 5
     # every state was sent to host memory after its bucket's update, and is known to come back
-    held = [t for part in tr.optimizer.parts for table in part._accumulators.values() for t in table.values()]
-    assert held and all(id(t) in tr.optimizer.home for t in held)
+    held = [t for part in tr.parts.optimizer.parts for table in part._accumulators.values() for t in table.values()]
+    assert held and all(id(t) in tr.parts.optimizer.home for t in held)
     np.testing.assert_allclose(moved, plain, rtol=1e-5)
     for name, value in plain_weights.items():
         np.testing.assert_allclose(moved_weights[name], value, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -27,7 +27,7 @@ def trainer(tmp_path, *overrides):
 
 
 def weights(tr) -> dict:
-    return {name: p.numpy().copy() for name, p in tr.model.stable_named_parameters()}
+    return {name: p.numpy().copy() for name, p in tr.parts.model.stable_named_parameters()}
 
 
 def test_fp16_loss_scaling_gives_the_float32_updates(tmp_path):
@@ -53,8 +53,8 @@ def test_a_step_with_inf_gradients_is_skipped_counted_and_halves_the_scale(tmp_p
     poison_gradients(tr, {2})
     tr.step = 1
     tr.train_step()
-    before, lr_before = weights(tr), tr.scheduler.last_epoch
-    adam = tr.optimizer._accumulators["moment1"]
+    before, lr_before = weights(tr), tr.parts.scheduler.last_epoch
+    adam = tr.parts.optimizer._accumulators["moment1"]
     moments_before = {k: v.numpy().copy() for k, v in adam.items()}
     tr.step = 2
     result = tr.train_step()
@@ -64,8 +64,8 @@ def test_a_step_with_inf_gradients_is_skipped_counted_and_halves_the_scale(tmp_p
         np.testing.assert_array_equal(after[name], before[name], err_msg=name)
     for k, v in adam.items():
         np.testing.assert_array_equal(v.numpy(), moments_before[k])
-    assert tr.scheduler.last_epoch == lr_before
-    assert tr.precision.loss_scale == 512.0 and tr.precision.skipped == 1
+    assert tr.parts.scheduler.last_epoch == lr_before
+    assert tr.parts.precision.loss_scale == 512.0 and tr.parts.precision.skipped == 1
     tr.step = 3
     result = tr.train_step()  # the next finite step goes ahead
     assert not result.skipped and np.isfinite(result.grad_norm)

@@ -222,11 +222,11 @@ def test_pair_records_in_both_shapes_and_bad_pairs_as_counted_skips(tmp_path):
 
 
 def test_preference_settings_are_checked():
-    with pytest.raises(ConfigError, match="dpo_beta"):
+    with pytest.raises(ConfigError, match=r"training\.dpo\.beta"):
         dpo_cfg("training.dpo_beta=0")
     with pytest.raises(ConfigError, match="eval_generate"):
         dpo_cfg("training.eval_generate=true")
-    with pytest.raises(ConfigError, match="dpo_loss"):
+    with pytest.raises(ConfigError, match=r"training\.dpo\.loss"):
         dpo_cfg("training.dpo_loss=orpo")
 
 
@@ -246,21 +246,21 @@ def test_the_first_step_starts_at_the_reference(tmp_path, fine_tuning):
                               "training.learning_rate=1e-2", "training.warmup_steps=0", *overrides))
     batches = trainer.next_micro_batches()
     first = trainer.train_step(batches).read()
-    assert first.figures[0] == trainer.state.micro_batch_size * trainer.env.data_world
+    assert first.figures[0] == trainer.parts.state.micro_batch_size * trainer.env.data_world
     np.testing.assert_allclose(first.lm_loss_sum / first.label_tokens, math.log(2), rtol=1e-5)
     start = [b.objective_inputs["reference_logps"].numpy() for b in batches]
     for _ in range(4):
         trainer.train_step()
     again = [dataclass_copy(b) for b in batches]
-    trainer.runner.reference_pass(again)
+    trainer.parts.runner.reference_pass(again)
     for before, after in zip(start, again):
         np.testing.assert_allclose(after.objective_inputs["reference_logps"].numpy(), before, rtol=1e-5, atol=1e-4)
-    trainer.runner.model.eval()
+    trainer.parts.runner.model.eval()
     with paddle.no_grad():
-        moved = trainer.model(again[0]).figures.numpy()
-    trainer.runner.model.train()
+        moved = trainer.parts.model(again[0]).figures.numpy()
+    trainer.parts.runner.model.train()
     assert np.abs(moved[:, 2:4] - start[0]).max() > 1e-2
-    trainer.feed.close()
+    trainer.parts.feed.close()
 
 
 def dataclass_copy(batch):
@@ -298,11 +298,11 @@ def test_dpo_learns_to_prefer_the_true_caption_word(tmp_path):
 def true_word_share(folder, cfg) -> float:
     """The share of held-out pairs whose greedy caption (from the image and "a") has the chosen word where the
     chosen and rejected captions differ."""
+    from ernie_moe.data.encoding.packing import split_answer
     from ernie_moe.data.feeding.loader import training_encoder
     from ernie_moe.data.formats.preference import SyntheticPairs
     from ernie_moe.generation import generate
     from ernie_moe.generation.model_folder import load_model_folder
-    from ernie_moe.training.generation_eval import split_answer
 
     loaded = load_model_folder(folder)
     encoder = training_encoder(loaded.tokenizer, cfg, Counter())
@@ -377,7 +377,7 @@ def test_precomputed_reference_figures_train_as_the_reference_model_does_and_are
     for reference in ("model", "precomputed"):
         trainer = Trainer(dpo_cfg(*common, f"training.dpo_reference={reference}",
                                   f"training.output_dir={tmp_path / reference}"))
-        assert (reference == "model") == (trainer.runner.reference.__class__.__name__ == "ReferenceModel")
+        assert (reference == "model") == (trainer.parts.runner.reference.__class__.__name__ == "ReferenceModel")
         trainer.train()
         lines = (tmp_path / reference / "metrics.jsonl").read_text().splitlines()
         runs[reference] = [json.loads(line) for line in lines]
@@ -391,5 +391,5 @@ def test_precomputed_reference_figures_train_as_the_reference_model_does_and_are
     again = Trainer(dpo_cfg(*common, "training.dpo_reference=precomputed", "training.overwrite_output_dir=true",
                             f"training.output_dir={tmp_path / 'precomputed'}"))
     assert "reference log-probabilities read from" in capsys.readouterr().out
-    np.testing.assert_array_equal(again.runner.reference.tables["train"], table)
-    again.feed.close()
+    np.testing.assert_array_equal(again.parts.runner.reference.tables["train"], table)
+    again.parts.feed.close()

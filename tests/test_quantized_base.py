@@ -87,7 +87,7 @@ def numpy_dequantized(layer: QuantizedLinear) -> np.ndarray:
 
 def quantized_layers(tr) -> dict:
     return {name: (layer.base if isinstance(layer, LoRALinear) else layer)
-            for name, _, _, layer in linear_layers(tr.model) if BASE_LINEAR.fullmatch(name)}
+            for name, _, _, layer in linear_layers(tr.parts.model) if BASE_LINEAR.fullmatch(name)}
 
 
 @pytest.mark.parametrize("mode", ["wint8", "wint4"])
@@ -100,7 +100,7 @@ def test_lora_on_a_quantised_base_is_lora_on_its_dequantised_weights(tmp_path, b
     layers = quantized_layers(quantized)
     # two layers' attention (2 each), layer 0's dense MLP (2), layer 1's shared expert (2) and 4 + 4 experts (2 each)
     assert len(layers) == 2 * 2 + 2 + 2 + 8 * 2 and all(isinstance(x, QuantizedLinear) for x in layers.values())
-    names = {n for n, _ in quantized.model.stable_named_parameters()}
+    names = {n for n, _ in quantized.parts.model.stable_named_parameters()}
     assert not any(f"{n}.weight" in names for n in layers)  # no full-precision copy of the base is held
     targets = {name: layer.weight for name, layer in quantized_layers(plain).items()}
     assert set(targets) == set(layers)
@@ -117,7 +117,7 @@ def test_lora_on_a_quantised_base_is_lora_on_its_dequantised_weights(tmp_path, b
             run.append(result.lm_loss_sum / result.label_tokens)
         losses.append(run)
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
-    pairs = [{n: p.numpy() for n, p in tr.model.stable_named_parameters() if not p.stop_gradient}
+    pairs = [{n: p.numpy() for n, p in tr.parts.model.stable_named_parameters() if not p.stop_gradient}
              for tr in (quantized, plain)]
     assert set(pairs[0]) == set(pairs[1]) and any(np.abs(v).max() > 0 for n, v in pairs[0].items()
                                                   if n.endswith(".lora_B"))
@@ -134,11 +134,11 @@ def test_the_planner_counts_the_quantised_bytes(tmp_path, base, mode, group):
     tr = lora(tmp_path / "run", base, f"training.quantize_base={mode}", f"training.quantize_group_size={group}")
     gc.collect()
     allocated = paddle.base.core.host_memory_stat_current_value("Allocated", 0) - before
-    held = sum(t.size * t.element_size() for t in [*tr.model.parameters(), *tr.model.buffers()])
+    held = sum(t.size * t.element_size() for t in [*tr.parts.model.parameters(), *tr.parts.model.buffers()])
     predicted = estimate(tr.cfg, sample_workload(tr.cfg, 1), 1)[0].parameters
     assert abs(predicted / allocated - 1) <= 0.02 and abs(predicted / held - 1) <= 0.02, (predicted, allocated, held)
     full = lora(tmp_path / "full", base)
-    assert held < sum(p.size * p.element_size() for p in full.model.parameters())
+    assert held < sum(p.size * p.element_size() for p in full.parts.model.parameters())
 
 
 def test_bad_quantisation_settings_are_one_line_config_errors(tmp_path, base):

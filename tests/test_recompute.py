@@ -23,8 +23,8 @@ def gradients_and_usage(tmp_path, *overrides):
     """One step's gradients (two micro-batches) and the expert usage counted by the MoE layers."""
     tr = trainer(tmp_path, "training.gradient_accumulation_steps=2", *overrides)
     tr.forward_backward(tr.next_micro_batches())
-    grads = {name: p.grad.numpy().copy() for name, p in tr.model.stable_named_parameters() if p.grad is not None}
-    usage = [moe.stats.pop_usage().numpy() for moe in tr.model.moe_layers()]
+    grads = {name: p.grad.numpy().copy() for name, p in tr.parts.model.stable_named_parameters() if p.grad is not None}
+    usage = [moe.stats.pop_usage().numpy() for moe in tr.parts.model.moe_layers()]
     return grads, usage
 
 
@@ -59,8 +59,8 @@ def test_recompute_layers_picks_the_layers(tmp_path):
     assert selected_layers(0, 4) == {0, 1, 2, 3} and selected_layers(2, 4) == {0, 1} and selected_layers([3], 4) == {3}
     tr = trainer(tmp_path, "training.recompute=true", "training.recompute_granularity=core_attn",
                  "training.recompute_layers=[1]")
-    assert [layer.recompute for layer in tr.model.decoder_layers()] == [None, "core_attn"]
-    assert [layer.self_attn.recompute_core for layer in tr.model.decoder_layers()] == [False, True]
+    assert [layer.recompute for layer in tr.parts.model.decoder_layers()] == [None, "core_attn"]
+    assert [layer.self_attn.recompute_core for layer in tr.parts.model.decoder_layers()] == [False, True]
     with pytest.raises(ConfigError, match="recompute_layers"):
         load_config(None, ["training.recompute_layers=[5]"])
 
@@ -76,7 +76,7 @@ def test_peak_memory_falls_in_the_expected_order(tmp_path):
         batch = tr.next_micro_batches()[0]
         base = core.host_memory_stat_current_value("Allocated", 0)
         core.host_memory_stat_reset_peak_value("Allocated", 0)
-        out = tr.model(batch)
+        out = tr.parts.model(batch)
         (out.loss_sum + out.router_loss).backward()
         return core.host_memory_stat_peak_value("Allocated", 0) - base
 

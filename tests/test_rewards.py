@@ -8,6 +8,7 @@ import pytest
 from support.runs import ROOT
 
 from ernie_moe.config import ConfigError, load_config
+from ernie_moe.evaluation.generated import SUMS, answer_sums, generation_metrics
 from ernie_moe.objectives.rewards import (
     build_rewards,
     containment,
@@ -17,7 +18,6 @@ from ernie_moe.objectives.rewards import (
     think_format,
     word_accuracy,
 )
-from ernie_moe.training.generation_eval import SUMS, answer_sums, generation_metrics
 
 CONFIG = ROOT / "configs" / "vl_moe.yaml"
 

@@ -12,8 +12,10 @@ from support.runs import ROOT
 
 from ernie_moe.config import load_config
 from ernie_moe.data import build_datasets
+from ernie_moe.data.encoding.packing import split_answer
 from ernie_moe.data.feeding.loader import collate, training_encoder
 from ernie_moe.data.formats.sample import Chunk, Sample
+from ernie_moe.evaluation.generated import evaluate_by_generation
 from ernie_moe.generation import Decoding, KVCache, forward_cached, generate_batch, generate_drafting
 from ernie_moe.generation.decoding import _extended, prompt_inputs
 from ernie_moe.generation.speculative import distribution, verify
@@ -22,7 +24,6 @@ from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
 from ernie_moe.model.mtp import split_rows
 from ernie_moe.parallel.env import DistEnv
 from ernie_moe.training import Trainer
-from ernie_moe.training.generation_eval import evaluate_by_generation, split_answer
 from ernie_moe.training.rollouts import answer_row
 
 MTP = ["data.image_size=56", "model.num_nextn_predict_layers=1"]
@@ -113,12 +114,12 @@ def trained(tmp_path_factory):
         "data.num_eval_samples=16", "logging.visualdl=false", "logging.progress_bar=false",
         f"training.output_dir={out}"]))
     tr.train()
-    tr.model.eval()
+    tr.parts.model.eval()
     cfg = tr.cfg
     encoder = training_encoder(tr.tokenizer, cfg, Counter())
     _, held_out = build_datasets(cfg)
     prompts = [encoder.prompt(Sample(held_out[i].images, [Chunk(image=0)])) for i in range(16)]
-    return tr.model, tr.tokenizer, prompts, tr.cfg
+    return tr.parts.model, tr.tokenizer, prompts, tr.cfg
 
 
 def test_a_trained_mtp_layer_drafts_what_the_model_then_says(trained):

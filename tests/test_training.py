@@ -95,13 +95,13 @@ def test_a_step_is_three_frames_from_the_loop_to_the_runner(tmp_path):
     trainer = Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [
         *SMALL, "training.max_steps=1", "training.eval_steps=0", "training.save_steps=0", "logging.visualdl=false",
         f"training.output_dir={tmp_path}"]))
-    real, seen = trainer.runner.forward_backward, []
+    real, seen = trainer.parts.runner.forward_backward, []
 
     def forward_backward(*args, **kwargs):
         names = [frame.function for frame in inspect.stack()[1:]]
         seen.append(names[: names.index("_train") + 1])
         return real(*args, **kwargs)
 
-    trainer.runner.forward_backward = forward_backward
+    trainer.parts.runner.forward_backward = forward_backward
     trainer.train()
     assert seen == [["forward_backward", "train_step", "_train"]]

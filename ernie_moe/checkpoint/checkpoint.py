@@ -33,15 +33,12 @@ from safetensors import safe_open
 from .. import faults
 from ..config.schema import Config, ModelConfig
 from ..data.encoding.tokenizer import Tokenizer
-from ..data.feeding.feed import Feed
 from ..data.formats.sample import DataError
 from ..json_files import read_json, read_json_object
-from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor, shard_of
 from ..parallel.env import DistEnv
-from ..parallel.pipeline import ErniePipeline
 from .errors import CheckpointError
 from .files import BackgroundWrites, WrittenFiles, sha256_of, sync_folder
 from .formats import read_weight_map
@@ -54,6 +51,7 @@ from .model_files import (
     save_model,
     trained_names,
 )
+from .parts import TrainingParts
 
 BASE_FILE = "base_model.json"
 ADAM_STATES = ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
@@ -74,22 +72,6 @@ def adam_parts(optimizer) -> list:
     if hasattr(inner, "parts"):
         return [adamw for part in inner.parts for adamw in adam_parts(part)]
     return [inner]
-
-
-@dataclass
-class TrainingParts:
-    """What a checkpoint saves and restores."""
-
-    model: ErnieMoEForConditionalGeneration | ErniePipeline  # the model, or this rank's pipeline stages
-    optimizer: Any  # Paddle's optimizer, or the sharded and offloaded ones wrapping it
-    scheduler: Any  # the learning-rate schedule (training.schedule)
-    # the training side's parts, which sit above this folder: loss scaling and skipped-step counts
-    # (training.precision.Precision), the run's position (a dataclass of JSON values with ``step``)
-    scaler: Any
-    state: Any
-    data: Feed  # the data feed: its position (``state_dict()``) is saved with the step
-    base: dict | None = None  # a LoRA run's base model (``finetune.adapter_files.base_reference``)
-    ema: Any = None  # the EMA of the weights (training.ema.WeightAverage), or None
 
 
 def start_checkpoint(parts: TrainingParts, cfg: Config, tokenizer: Tokenizer, env: DistEnv, run: Run,
@@ -123,9 +105,9 @@ def start_checkpoint(parts: TrainingParts, cfg: Config, tokenizer: Tokenizer, en
     _save_ema(parts, env, tmp, written)
     written.write(tmp / f"rng_state-{env.rank:05d}.json", json.dumps(rng_state()))
     if env.is_main:
-        state = {**dataclasses.asdict(parts.state), "data": parts.data.state_dict(),
+        state = {**dataclasses.asdict(parts.state), "data": parts.feed.state_dict(),
                  "scheduler": parts.scheduler.state_dict(), "schedule": parts.scheduler.plan(),
-                 "loss_scaler": parts.scaler.state_dict(), "ema_updates": parts.ema.updates if parts.ema else 0,
+                 "loss_scaler": parts.precision.state_dict(), "ema_updates": parts.ema.updates if parts.ema else 0,
                  "config": dataclasses.asdict(cfg)}
         written.write(tmp / "trainer_state.json", json.dumps(state, indent=2))
     return PendingCheckpoint(step, tmp, final, run, parent, written, root, cfg.training.save_total_limit)
@@ -420,10 +402,10 @@ def load_checkpoint(parts: TrainingParts, directory: Path, env: DistEnv) -> dict
     parts.scheduler.set_state_dict(state["scheduler"])
     _load_ema(parts, directory, state)
     if "loss_scaler" in state:
-        parts.scaler.load_state_dict(state["loss_scaler"])
+        parts.precision.load_state_dict(state["loss_scaler"])
     if "data" in state:  # where the data stream stopped (a checkpoint from before positions were kept has none)
         try:
-            parts.data.load_state_dict(state["data"])
+            parts.feed.load_state_dict(state["data"])
         except DataError as err:
             raise CheckpointError(f"{directory / 'trainer_state.json'}: {err}") from None
     rng_file = directory / f"rng_state-{env.rank:05d}.json"

@@ -48,7 +48,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), c
             raise ConfigError(f"config file '{path}' is empty; start from configs/vl_moe.yaml.")
         if not isinstance(raw, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, not {type(raw).__name__}.")
-    raw = _overlay(base or {}, raw)
+    raw = _overlay(base or {}, _nested_flat_keys(raw))
     given: dict = {}  # what the command line set, which a model folder's own settings must agree with
     for item in overrides:
         _apply_override(raw, item)
@@ -153,11 +153,42 @@ def _overlay(base: dict, top: dict) -> dict:
     return merged
 
 
+# the keys of a section inside ``training`` are also read flat, by a prefix: training.dpo_beta is training.dpo.beta
+FLAT_PREFIXES = {"dpo_": "dpo", "rl_": "rl"}
+
+
+def _nested(parts: list[str]) -> list[str]:
+    """A key's path with a flat ``training.<prefix><key>`` read as ``training.<section>.<key>``."""
+    if len(parts) == 2 and parts[0] == "training":
+        for prefix, section in FLAT_PREFIXES.items():
+            if parts[1].startswith(prefix) and len(parts[1]) > len(prefix):
+                return ["training", section, parts[1][len(prefix):]]
+    return parts
+
+
+def _nested_flat_keys(raw):
+    """``raw`` with its flat ``training`` keys moved into their sections; a key given both ways is an error."""
+    training = raw.get("training") if isinstance(raw, dict) else None
+    if not isinstance(training, dict):
+        return raw
+    for key in [k for k in training if isinstance(k, str)]:
+        path = _nested(["training", key])
+        if len(path) == 2:
+            continue
+        inner = training.setdefault(path[1], {})
+        if not isinstance(inner, dict):
+            continue  # the section given as a value: its build says so
+        if path[2] in inner:
+            raise ConfigError(f"training.{key} and training.{path[1]}.{path[2]} are one key, given twice; keep one.")
+        inner[path[2]] = training.pop(key)
+    return raw
+
+
 def _apply_override(raw: dict, item: str) -> None:
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override '{item}' must look like section.key=value (e.g. training.max_steps=20).")
-    parts = key.strip().split(".")
+    parts = _nested(key.strip().split("."))
     if len(parts) < 2:
         raise ConfigError(f"override '{item}' names no section; {_override_hint(parts[0], value)}")
     node = raw

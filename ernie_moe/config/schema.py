@@ -235,6 +235,60 @@ OFFLOAD_BUCKET_BYTES = 2 ** 30
 
 
 @dataclass(frozen=True)
+class PreferenceConfig:
+    """``training.dpo``: the preference stage's settings (``training.stage: dpo``)."""
+
+    loss: str = choice("sigmoid", "sigmoid", "ipo", "simpo", "kto_pair", "dpop",
+                       doc="the preference loss (DPO's sigmoid, IPO, SimPO, paired KTO, DPO-Positive)")
+    beta: float = opt(0.1, "beta, the strength of the tie to the reference model (SimPO: the reward "
+                           "scale)")
+    label_smoothing: float = opt(0.0, "the share of pairs assumed mislabelled (cDPO; sigmoid, dpop, simpo)")
+    simpo_gamma: float = opt(0.5, "SimPO's target reward margin gamma")
+    dpop_lambda: float = opt(50.0, "DPO-Positive's lambda, the weight of its penalty on a chosen answer "
+                                   "that lost probability")
+    normalize_length: bool = opt(False, "divide each answer's log-probability by its token count (SimPO "
+                                        "always does)")
+    sft_weight: float = opt(0.0, "add this multiple of the chosen answer's mean token cross-entropy")
+    reference: str = choice("model", "model", "precomputed",
+                            doc="the reference's log-probabilities from the starting weights kept beside "
+                                "the policy (LoRA: the base, its adapters switched off), or computed for every "
+                                "pair in one pass before the first step and kept in the output folder (no "
+                                "reference weights held)")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """``training.rl``: the GRPO family's settings (``training.stage: grpo``)."""
+
+    loss: str = choice("grpo", "grpo", "dr_grpo", "dapo", "gspo",
+                       doc="the policy loss (GRPO; Dr. GRPO: no per-group std, a constant divisor; DAPO: a "
+                           "mean over every answer token; GSPO: one clipped ratio per answer, suited to MoE)")
+    group_size: int = opt(4, "answers sampled per prompt (a group; advantages are relative within it)")
+    updates_per_rollout: int = opt(1, "optimizer steps each rollout serves, one mini-batch of its answers "
+                                      "each (the sampling policy's log-probabilities kept for all of them)")
+    temperature: float = opt(1.0, "the sampling temperature; the loss reads the logits divided by it too")
+    top_p: float = opt(1.0, "sample from the smallest set of tokens holding this much probability")
+    max_new_tokens: int = opt(16, "the longest answer sampled (Dr. GRPO divides by it)")
+    clip_low: float = opt(0.2, "the ratio's lower clip, 1 - this (GSPO: about 3e-4)")
+    clip_high: float = opt(0.2, "the ratio's upper clip, 1 + this (DAPO's clip-higher: 0.28; GSPO: 4e-4)")
+    kl_beta: float = opt(0.0, "weight of the k3 KL estimate to the reference model (0: no reference held)")
+    dynamic_sampling: bool = opt(False, "DAPO's dynamic sampling: groups whose answers all score the same "
+                                        "are dropped and more prompts sampled in their place")
+    importance_correction: str = choice("off", "off", "tis", "mis",
+                                        doc="weigh each token's policy term by w, the trainer's probability "
+                                            "of it at the sampling weights over the sampler's: truncated (tis, "
+                                            "min(w, cap)) or masked (mis, left out where w passes the cap)")
+    importance_level: str = choice("token", "token", "sequence",
+                                   doc="the correction's w per token, or one per answer (the geometric mean "
+                                       "of its tokens'; gspo always)")
+    importance_cap: float = opt(2.0, "the correction's cap on w; a ratio past it either way counts in "
+                                     "rl/mismatch_past_bound")
+    train_mtp: bool = opt(True, "the model's multi-token prediction depths train on the sampled answers "
+                                "beside the policy (their loss weighted by model.multi_token_pred_lambda), so "
+                                "their drafts follow the policy as it moves; false: left as they are")
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     output_dir: str = opt("output/vl_moe", "where metrics, VisualDL logs and the final model go")
     seed: int = opt(42, "seed for weights and data order")
@@ -388,50 +442,12 @@ class TrainingConfig:
                                "only: a LoRA adapter could not be loaded over depths its base lacks")
     stage: str = field(default="sft", metadata={"choices": STAGES, "doc": (
         "what the run learns from: supervised answers, preference pairs (a prompt with a chosen and a rejected "
-        "answer; see dpo_*), or answers the model samples to prompts, scored by training.rewards (reinforcement "
-        "learning; see rl_*)")})
-    dpo_loss: str = choice("sigmoid", "sigmoid", "ipo", "simpo", "kto_pair", "dpop",
-                           doc="dpo: the preference loss (DPO's sigmoid, IPO, SimPO, paired KTO, DPO-Positive)")
-    dpo_beta: float = opt(0.1, "dpo: beta, the strength of the tie to the reference model (SimPO: the reward "
-                               "scale)")
-    dpo_label_smoothing: float = opt(0.0, "dpo: the share of pairs assumed mislabelled (cDPO; sigmoid, dpop, simpo)")
-    dpo_simpo_gamma: float = opt(0.5, "dpo: SimPO's target reward margin gamma")
-    dpo_dpop_lambda: float = opt(50.0, "dpo: DPO-Positive's lambda, the weight of its penalty on a chosen answer "
-                                       "that lost probability")
-    dpo_normalize_length: bool = opt(False, "dpo: divide each answer's log-probability by its token count (SimPO "
-                                            "always does)")
-    dpo_sft_weight: float = opt(0.0, "dpo: add this multiple of the chosen answer's mean token cross-entropy")
-    dpo_reference: str = choice("model", "model", "precomputed",
-                                doc="dpo: the reference's log-probabilities from the starting weights kept beside "
-                                    "the policy (LoRA: the base, its adapters switched off), or computed for every "
-                                    "pair in one pass before the first step and kept in the output folder (no "
-                                    "reference weights held)")
-    rl_loss: str = choice("grpo", "grpo", "dr_grpo", "dapo", "gspo",
-                          doc="grpo: the policy loss (GRPO; Dr. GRPO: no per-group std, a constant divisor; DAPO: a "
-                              "mean over every answer token; GSPO: one clipped ratio per answer, suited to MoE)")
-    rl_group_size: int = opt(4, "grpo: answers sampled per prompt (a group; advantages are relative within it)")
-    rl_updates_per_rollout: int = opt(1, "grpo: optimizer steps each rollout serves, one mini-batch of its answers "
-                                         "each (the sampling policy's log-probabilities kept for all of them)")
-    rl_temperature: float = opt(1.0, "grpo: the sampling temperature; the loss reads the logits divided by it too")
-    rl_top_p: float = opt(1.0, "grpo: sample from the smallest set of tokens holding this much probability")
-    rl_max_new_tokens: int = opt(16, "grpo: the longest answer sampled (Dr. GRPO divides by it)")
-    rl_clip_low: float = opt(0.2, "grpo: the ratio's lower clip, 1 - this (GSPO: about 3e-4)")
-    rl_clip_high: float = opt(0.2, "grpo: the ratio's upper clip, 1 + this (DAPO's clip-higher: 0.28; GSPO: 4e-4)")
-    rl_kl_beta: float = opt(0.0, "grpo: weight of the k3 KL estimate to the reference model (0: no reference held)")
-    rl_dynamic_sampling: bool = opt(False, "grpo: DAPO's dynamic sampling: groups whose answers all score the same "
-                                           "are dropped and more prompts sampled in their place")
-    rl_importance_correction: str = choice("off", "off", "tis", "mis",
-                                           doc="grpo: weigh each token's policy term by w, the trainer's probability "
-                                               "of it at the sampling weights over the sampler's: truncated (tis, "
-                                               "min(w, cap)) or masked (mis, left out where w passes the cap)")
-    rl_importance_level: str = choice("token", "token", "sequence",
-                                      doc="grpo: the correction's w per token, or one per answer (the geometric mean "
-                                          "of its tokens'; gspo always)")
-    rl_importance_cap: float = opt(2.0, "grpo: the correction's cap on w; a ratio past it either way counts in "
-                                        "rl/mismatch_past_bound")
-    rl_train_mtp: bool = opt(True, "grpo: the model's multi-token prediction depths train on the sampled answers "
-                                   "beside the policy (their loss weighted by model.multi_token_pred_lambda), so "
-                                   "their drafts follow the policy as it moves; false: left as they are")
+        "answer; see training.dpo), or answers the model samples to prompts, scored by training.rewards "
+        "(reinforcement learning; see training.rl)")})
+    dpo: PreferenceConfig = field(default_factory=PreferenceConfig,
+                                  metadata={"doc": "training.stage dpo's settings (also read as training.dpo_<key>)"})
+    rl: PolicyConfig = field(default_factory=PolicyConfig,
+                             metadata={"doc": "training.stage grpo's settings (also read as training.rl_<key>)"})
     router_replay: str = choice("rollout", "rollout", "old_policy", "off",
                                 doc="grpo: the experts each token went to when it was sampled are imposed in the "
                                     "update (rollout), so the ratio measures the policy and not routing flips "

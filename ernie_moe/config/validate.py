@@ -271,13 +271,13 @@ def _check_training(cfg: Config, check_paths: bool = True) -> None:
     _require(t.scale_loss >= 1 and t.scale_incr_every >= 1 and t.max_skipped_steps >= 0,
              "training.scale_loss and training.scale_incr_every must be at least 1, training.max_skipped_steps "
              "at least 0.")
-    trained_beside = t.stage == "sft" or (t.stage == "grpo" and t.rl_train_mtp)
+    trained_beside = t.stage == "sft" or (t.stage == "grpo" and t.rl.train_mtp)
     _require(not cfg.model.num_nextn_predict_layers or trained_beside or not mtp_trains(t),
              f"training.stage {t.stage} does not train the model's multi-token prediction layers "
              f"(model.num_nextn_predict_layers {cfg.model.num_nextn_predict_layers}): add mtp to training.freeze to "
              "keep them as loaded (with LoRA: leave mtp out of training.lora_targets), or set "
              "model.num_nextn_predict_layers to 0 to leave them out" +
-             (" (or training.rl_train_mtp=true to train them on the sampled answers)." if t.stage == "grpo" else "."))
+             (" (or training.rl.train_mtp=true to train them on the sampled answers)." if t.stage == "grpo" else "."))
     r, layers = t.recompute_layers, cfg.model.num_hidden_layers
     if isinstance(r, list):
         _require(all(0 <= i < layers for i in r), f"training.recompute_layers {r} names layers outside the model's "
@@ -334,11 +334,11 @@ def _check_preference(cfg: Config) -> None:
     t = cfg.training
     if t.stage != "dpo":
         return
-    _require(t.dpo_beta > 0, f"training.dpo_beta must be positive, got {t.dpo_beta}.")
-    _require(0 <= t.dpo_label_smoothing < 0.5, f"training.dpo_label_smoothing must be in [0, 0.5), got "
-                                               f"{t.dpo_label_smoothing}.")
-    _require(t.dpo_dpop_lambda >= 0 and t.dpo_sft_weight >= 0,
-             "training.dpo_dpop_lambda and training.dpo_sft_weight cannot be negative.")
+    _require(t.dpo.beta > 0, f"training.dpo.beta must be positive, got {t.dpo.beta}.")
+    _require(0 <= t.dpo.label_smoothing < 0.5, f"training.dpo.label_smoothing must be in [0, 0.5), got "
+                                               f"{t.dpo.label_smoothing}.")
+    _require(t.dpo.dpop_lambda >= 0 and t.dpo.sft_weight >= 0,
+             "training.dpo.dpop_lambda and training.dpo.sft_weight cannot be negative.")
     _require(not t.eval_generate, "training.eval_generate scores answers to prompts; a preference run evaluates its "
                                   "held-out pairs (eval_reward_accuracy): set training.eval_generate=false.")
     _require(not t.token_balance_loss, "training.token_balance_loss divides by tokens; a preference run's loss is "
@@ -351,36 +351,36 @@ def _check_rl(cfg: Config) -> None:
         return
     _require(bool(t.rewards), "training.stage grpo learns from rewards: name at least one in training.rewards (for "
                               "example word_accuracy, exact_match, or your module:function).")
-    _require(t.rl_group_size >= 2, f"training.rl_group_size ({t.rl_group_size}) must be at least 2: advantages "
+    _require(t.rl.group_size >= 2, f"training.rl.group_size ({t.rl.group_size}) must be at least 2: advantages "
                                    "compare the answers of a group.")
     rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
-    _require(t.rl_updates_per_rollout >= 1 and rows % t.rl_group_size == 0,
-             f"training.rl_updates_per_rollout must be at least 1, and a step's rows on each data rank "
+    _require(t.rl.updates_per_rollout >= 1 and rows % t.rl.group_size == 0,
+             f"training.rl.updates_per_rollout must be at least 1, and a step's rows on each data rank "
              f"(per_device_train_batch_size x gradient_accumulation_steps = {rows}) whole groups of "
-             f"training.rl_group_size ({t.rl_group_size}).")
-    _require(t.rl_temperature > 0 and 0 < t.rl_top_p <= 1,
-             f"training.rl_temperature ({t.rl_temperature}) must be positive and training.rl_top_p ({t.rl_top_p}) in "
+             f"training.rl.group_size ({t.rl.group_size}).")
+    _require(t.rl.temperature > 0 and 0 < t.rl.top_p <= 1,
+             f"training.rl.temperature ({t.rl.temperature}) must be positive and training.rl.top_p ({t.rl.top_p}) in "
              "(0, 1].")
-    _require(1 <= t.rl_max_new_tokens < cfg.data.max_seq_len,
-             f"training.rl_max_new_tokens ({t.rl_max_new_tokens}) must be at least 1 and leave room for a prompt in "
+    _require(1 <= t.rl.max_new_tokens < cfg.data.max_seq_len,
+             f"training.rl.max_new_tokens ({t.rl.max_new_tokens}) must be at least 1 and leave room for a prompt in "
              f"data.max_seq_len ({cfg.data.max_seq_len}).")
-    _require(0 <= t.rl_clip_low < 1 and t.rl_clip_high >= 0 and t.rl_kl_beta >= 0,
-             "training.rl_clip_low must be in [0, 1), training.rl_clip_high and training.rl_kl_beta cannot be "
+    _require(0 <= t.rl.clip_low < 1 and t.rl.clip_high >= 0 and t.rl.kl_beta >= 0,
+             "training.rl.clip_low must be in [0, 1), training.rl.clip_high and training.rl.kl_beta cannot be "
              "negative.")
-    _require(math.isfinite(t.rl_importance_cap) and t.rl_importance_cap > 1,
-             f"training.rl_importance_cap ({t.rl_importance_cap}) must be a finite number above 1.")
-    _require(t.rl_importance_correction == "off" or t.rl_updates_per_rollout == 1 or t.router_replay == "old_policy",
-             f"training.rl_importance_correction {t.rl_importance_correction} weighs the trainer's probabilities at "
-             f"the sampling weights against the sampler's: with rl_updates_per_rollout "
-             f"{t.rl_updates_per_rollout} the later updates' forwards are no longer at those weights; set "
+    _require(math.isfinite(t.rl.importance_cap) and t.rl.importance_cap > 1,
+             f"training.rl.importance_cap ({t.rl.importance_cap}) must be a finite number above 1.")
+    _require(t.rl.importance_correction == "off" or t.rl.updates_per_rollout == 1 or t.router_replay == "old_policy",
+             f"training.rl.importance_correction {t.rl.importance_correction} weighs the trainer's probabilities at "
+             f"the sampling weights against the sampler's: with rl.updates_per_rollout "
+             f"{t.rl.updates_per_rollout} the later updates' forwards are no longer at those weights; set "
              "training.router_replay=old_policy (a forward of the sampling weights before the updates) or "
-             "rl_updates_per_rollout=1.")
+             "rl.updates_per_rollout=1.")
     _require(p.virtual_pp_degree <= 1 and not p.sequence_parallel,
              "training.stage grpo samples its answers one token at a time through the model's stages: it runs with "
              "data, tensor, pipeline and expert parallelism and sharding, not with interleaved pipeline stages "
              "(parallel.virtual_pp_degree) or sequence parallelism (a new token's sequence cannot be split).")
     _require(not t.token_balance_loss, "training.token_balance_loss divides by tokens; the GRPO family's losses are "
-                                       "normalised as training.rl_loss says: set training.token_balance_loss=false.")
+                                       "normalised as training.rl.loss says: set training.token_balance_loss=false.")
 
 
 def _check_fine_tuning(t) -> None:

@@ -139,7 +139,7 @@ class StageMemory:
 def rollout_rows(training) -> int:
     """A GRPO rollout's rows on one data rank: every optimizer step it serves takes its share."""
     t = training
-    return t.per_device_train_batch_size * t.gradient_accumulation_steps * t.rl_updates_per_rollout
+    return t.per_device_train_batch_size * t.gradient_accumulation_steps * t.rl.updates_per_rollout
 
 
 def uses_flash_attention(training) -> bool:

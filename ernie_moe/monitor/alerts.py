@@ -63,7 +63,7 @@ class Alerts:
                 advice = "the answers mostly score high: give harder prompts, or a stricter reward"
             lines.append(f"step {step}: {share:.0%} of the rollout groups scored every answer alike (mean reward "
                          f"{reward:.3f}), so they give the policy no gradient; {advice}. "
-                         "training.rl_dynamic_sampling=true samples other prompts in their place. Said again when it "
+                         "training.rl.dynamic_sampling=true samples other prompts in their place. Said again when it "
                          "ends")
         elif self.equal_rewards and not equal:
             lines.append(f"step {step}: {share:.0%} of the rollout groups scored their answers alike, fewer than "

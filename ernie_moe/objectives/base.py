@@ -19,7 +19,7 @@ class Objective:
 
     ``figures`` names per-row figures the loss returns beside it (``[rows, len(figures)]``, detached): the step
     sums them over its rows, the runner evaluates held-out data by them, and :meth:`metrics` turns their sums
-    into the logged means. An objective without figures is evaluated by its token scores (``training.evaluate``).
+    into the logged means. An objective without figures is evaluated by its token scores (``evaluation.token_scores``).
     """
 
     name = "lm"  # the metrics' prefix in training (``{name}/...``)

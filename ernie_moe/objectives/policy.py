@@ -82,9 +82,9 @@ class PolicySettings:
     @classmethod
     def of(cls, training_cfg: TrainingConfig) -> PolicySettings:
         t = training_cfg
-        return cls(t.rl_loss, t.rl_clip_low, t.rl_clip_high, t.rl_kl_beta, t.rl_temperature, t.rl_max_new_tokens,
-                   t.rl_importance_correction, t.rl_importance_level, t.rl_importance_cap,
-                   t.router_replay == "old_policy", t.rl_train_mtp and mtp_trains(t))
+        return cls(t.rl.loss, t.rl.clip_low, t.rl.clip_high, t.rl.kl_beta, t.rl.temperature, t.rl.max_new_tokens,
+                   t.rl.importance_correction, t.rl.importance_level, t.rl.importance_cap,
+                   t.router_replay == "old_policy", t.rl.train_mtp and mtp_trains(t))
 
     @property
     def per_answer(self) -> bool:

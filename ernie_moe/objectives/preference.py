@@ -48,13 +48,13 @@ class PreferenceSettings:
     dpop_lambda: float = 50.0
     normalize_length: bool = False
     sft_weight: float = 0.0
-    reference: str = "model"  # where the reference's log-probabilities come from (training.dpo_reference)
+    reference: str = "model"  # where the reference's log-probabilities come from (training.dpo.reference)
 
     @classmethod
     def of(cls, training_cfg: TrainingConfig) -> PreferenceSettings:
         t = training_cfg
-        return cls(t.dpo_loss, t.dpo_beta, t.dpo_label_smoothing, t.dpo_simpo_gamma, t.dpo_dpop_lambda,
-                   t.dpo_normalize_length, t.dpo_sft_weight, t.dpo_reference)
+        return cls(t.dpo.loss, t.dpo.beta, t.dpo.label_smoothing, t.dpo.simpo_gamma, t.dpo.dpop_lambda,
+                   t.dpo.normalize_length, t.dpo.sft_weight, t.dpo.reference)
 
     @property
     def needs_reference(self) -> bool:
@@ -107,7 +107,7 @@ def pair_losses(settings: PreferenceSettings, policy: paddle.Tensor, reference: 
         rewards = scaled.detach()
     else:
         if reference is None:
-            raise ValueError(f"training.dpo_loss {s.loss} needs the reference model's log-probabilities")
+            raise ValueError(f"training.dpo.loss {s.loss} needs the reference model's log-probabilities")
         reference = reference.astype("float32")
         if s.normalize_length:
             policy, reference = normalized, reference / lengths

@@ -1,12 +1,16 @@
 """A micro-batch's loss terms and the step's weights on them: the objective's loss and the multi-token prediction
-depths' beside it, written once for the model on one device and for a pipeline's last stage."""
+depths' beside it, written once for the model on one device and for a pipeline's last stage; the step's counts and
+sums by name (their order is known in this file alone)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import paddle
 
+from ..batch import HostCounts
+from ..config.schema import TrainingConfig
 from .base import Objective
 from .head import Predictions, token_losses
 
@@ -60,3 +64,53 @@ def loss_weights(data_ranks: int, denominator: Callable[[paddle.Tensor], paddle.
         return scale
     weights = data_ranks * mtp_lambda / depths / denominator(labels_ahead)
     return paddle.concat([scale, weights.reshape([depths])])
+
+
+@dataclass(frozen=True)
+class StepSums:
+    """A step's :func:`step_sums`, summed over its micro-batches (and ranks), by name; device tensors."""
+
+    loss: paddle.Tensor  # the objective's loss summed over its units
+    router: paddle.Tensor  # the weighted router losses, summed over micro-batches
+    figures: paddle.Tensor | None  # the objective's figures summed over rows (None: it has none)
+    mtp: paddle.Tensor | None  # each MTP depth's loss sum (None: no depth trains)
+
+    @classmethod
+    def of(cls, sums: paddle.Tensor, figures: int, depths: int) -> StepSums:
+        """``figures``: how many the objective has; ``depths``: the MTP depths that train beside it."""
+        return cls(sums[0], sums[1], sums[2:2 + figures] if figures else None,
+                   sums[2 + figures:2 + figures + depths] if depths else None)
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What a step's loss is a mean over, counted on the host before it runs and summed over the data ranks in one
+    vector: the objective's units (label tokens, pairs, answers), the tokens read, and the labels each MTP depth
+    trains on."""
+
+    units: paddle.Tensor
+    tokens: paddle.Tensor
+    labels_ahead: paddle.Tensor  # [depths]
+
+    @staticmethod
+    def local(objective: Objective, counts: Sequence[HostCounts], depths: int) -> paddle.Tensor:
+        """This rank's counts of its micro-batches, as the vector :meth:`of` reads once summed."""
+        values = [sum(objective.units(c) for c in counts), sum(c.tokens for c in counts)]
+        values += [sum(c.labels_ahead[k] for c in counts) for k in range(depths)]
+        return paddle.to_tensor(values, dtype="float64")
+
+    @classmethod
+    def of(cls, totals: paddle.Tensor) -> StepCounts:
+        return cls(totals[0], totals[1], totals[2:])
+
+
+def loss_denominator(training_cfg: TrainingConfig, max_seq_len: int, micro_batch_size: int,
+                     accumulation_steps: int, data_ranks: int) -> Callable[[paddle.Tensor], paddle.Tensor]:
+    """What a loss summed over some units (a device count, or one per MTP depth) is divided by: their count, or
+    with ``training.token_balance_loss`` a fixed number of tokens per micro-batch (ERNIE's token-balanced loss)."""
+    t = training_cfg
+    if t.token_balance_loss:
+        per_micro = t.token_balance_seqlen or max_seq_len * micro_batch_size
+        fixed = float(per_micro * accumulation_steps * data_ranks)
+        return lambda units: paddle.full(units.shape, fixed, dtype="float32")
+    return lambda units: paddle.clip(units, min=1.0).astype("float32")

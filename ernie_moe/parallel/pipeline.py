@@ -30,7 +30,7 @@ from ..model.blocks import (
     tied_head,
 )
 from ..model.decoder import DecoderLayer
-from ..model.ernie_vl import BlockQueries
+from ..model.ernie_vl import BlockQueries, ErnieMoEForConditionalGeneration
 from ..model.mtp import MultiTokenPrediction, labels_ahead, split_rows
 from ..model.single_device import SingleDevicePlan
 from ..nn.init import init_weights
@@ -267,3 +267,7 @@ def _timed(method, name: str):
         with part(name):
             return method(*args, **kwargs)
     return timed
+
+
+# the model a rank trains: the whole model, or its pipeline stages
+TrainedModel = ErnieMoEForConditionalGeneration | ErniePipeline

@@ -23,13 +23,14 @@ import paddle
 from ..config.schema import TrainingConfig
 from ..nn.param_spec import full_shape
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
 from ..parallel.replicas import broadcast_owned, owners, replica_sets
 from ..parallel.zero import ShardSet
 
 
 class WeightAverage:
-    def __init__(self, training_cfg: TrainingConfig, env: DistEnv, model, shards: list[ShardSet] | None = None,
-                 weights_sharded: bool = False):
+    def __init__(self, training_cfg: TrainingConfig, env: DistEnv, model: TrainedModel,
+                 shards: list[ShardSet] | None = None, weights_sharded: bool = False):
         t = training_cfg
         self.decay, self.start, self.every = t.ema_decay, t.ema_start_step, t.ema_update_every
         self.on_host = t.offload_optim

@@ -16,8 +16,9 @@ dropped first; no optimizer step has happened).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import paddle
 
@@ -25,6 +26,9 @@ from .. import host_reads
 from ..config.schema import TrainingConfig
 from ..model.recompute import GRANULARITIES, apply_recompute
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
+
+T = TypeVar("T")
 
 LADDER = (None, "moe", "core_attn", "full_attn", "full")
 assert set(LADDER[1:]) == set(GRANULARITIES)
@@ -42,7 +46,8 @@ class Rung:
 
 
 class MemoryGuard:
-    def __init__(self, training_cfg: TrainingConfig, env: DistEnv, device_bytes: float, model, can_halve: bool):
+    def __init__(self, training_cfg: TrainingConfig, env: DistEnv, device_bytes: float, model: TrainedModel,
+                 can_halve: bool):
         self.env, self.model = env, model
         self.fraction = training_cfg.memory_guard_fraction
         self.limit = self.fraction * device_bytes
@@ -69,6 +74,19 @@ class MemoryGuard:
             if rung is None:
                 raise
             rungs.append(rung)
+
+    def retrying(self, state, rows: list | None, attempt: Callable[[list | None], T],
+                 clear: Callable[[], None]) -> tuple[T, list[Rung]]:
+        """``attempt(rows)`` until it runs without running out of memory: after each out-of-memory error its
+        gradients are dropped (``clear``), the next rung taken, and where that rung halves the micro-batch each of
+        the step's micro-batches of ``rows`` (None: batches given whole) cut in two. (the result, the rungs taken)."""
+        rungs: list[Rung] = []
+        while True:
+            with self.attempt(state, rungs):
+                return attempt(rows), rungs
+            clear()
+            if rungs[-1].halved and rows is not None:
+                rows = [half for r in rows for half in (r[: len(r) // 2], r[len(r) // 2:])]
 
     def after_step(self, state, step_peak: float, ends_window: bool) -> Rung | None:
         """The step's memory peak noted; at a window's end (every rank together), the next rung when the window's
@@ -122,6 +140,6 @@ class MemoryGuard:
         return "the configured expert capacity is back"
 
 
-def set_training_capacity(model, factor: float | None) -> None:
+def set_training_capacity(model: TrainedModel, factor: float | None) -> None:
     for moe in model.moe_layers():
         moe.training_capacity = factor

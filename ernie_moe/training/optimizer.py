@@ -14,6 +14,7 @@ from ..finetune import learning_rate_ratios
 from ..model.parameter_kinds import is_expert
 from ..nn.param_spec import spec_of
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
 from ..parallel.replicas import owners
 from ..parallel.zero import ShardSet, send_owned, stage_of
 from .offload import OffloadedOptimizer, buckets, state_bytes_per_parameter
@@ -25,7 +26,7 @@ def no_decay(name: str, param) -> bool:
     return len(param.shape) < 2 or name.endswith(".bias")
 
 
-def build_optimizer(model, training_cfg: TrainingConfig, env: DistEnv | None = None,
+def build_optimizer(model: TrainedModel, training_cfg: TrainingConfig, env: DistEnv | None = None,
                     shards: list[ShardSet] | None = None):
     """AdamW over every trainable parameter. With optimizer sharding (stage 1) the non-expert parameters'
     states are split over the sharding ranks by fleet's sharding optimizer, and the routed experts' states
@@ -157,7 +158,7 @@ def optimizer_state_bytes(optimizer) -> int:
     return total
 
 
-def split_experts(model) -> dict[str, list]:
+def split_experts(model: TrainedModel) -> dict[str, list]:
     """Trainable parameters grouped as routed-expert weights and everything else."""
     groups: dict[str, list] = {"expert": [], "non_expert": []}
     for name, param in model.named_parameters():

@@ -24,6 +24,7 @@ from ..config.schema import TrainingConfig
 from ..moe.layer import MoEStatics
 from ..moe.router import Router
 from ..nn.layers import RMSNorm
+from ..parallel.pipeline import TrainedModel
 
 # Layers whose weights stay float32 under O2
 FLOAT32_LAYERS: list[nn.Layer | type[nn.Layer]] = [Router, RMSNorm, MoEStatics, nn.LayerNorm]
@@ -65,7 +66,7 @@ class Precision:
     def o2(self) -> bool:
         return self.enabled and self.level == "O2"
 
-    def cast_model(self, model) -> None:
+    def cast_model(self, model: TrainedModel) -> None:
         """O2: weights to low precision, except the float32 layers. Paddle leaves the model as it is on a CPU
         (no low-precision matmul kernels there), where mixed precision runs in float32."""
         if self.o2:

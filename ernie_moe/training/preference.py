@@ -1,13 +1,13 @@
 """The reference model of a preference run, and its pass over each step's pairs.
 
-The reference is the model the run starts from (``training.dpo_reference: model``). A LoRA run has it already: the
+The reference is the model the run starts from (``training.dpo.reference: model``). A LoRA run has it already: the
 base with the adapters switched off, so nothing is copied. A full fine-tune keeps a frozen copy of the weights that
 train, on the ranks that hold them (the layout's own placement, no gradients, no optimizer states), and swaps it in
 for the reference pass. The routers' correction biases are kept too, so the reference routes as the starting model
 did however the aux-loss-free rule moves the policy's. The reference pass runs in evaluation mode (no router
 statistics, no router losses, no dropout), as the pass of a separate frozen model would.
 
-With ``training.dpo_reference: precomputed`` the starting model's log-probabilities of every training and held-out
+With ``training.dpo.reference: precomputed`` the starting model's log-probabilities of every training and held-out
 pair are computed in one pass before the first step, while the weights are still the reference's, and kept in the
 output folder (``reference_logps.json``: what they were computed for; ``reference_logps_{train,eval}.npy``); a
 resume reads them back. No reference weights are held, and a step runs no reference pass.
@@ -31,10 +31,11 @@ from ..finetune.lora import LoRALinear
 from ..model.parameter_kinds import is_router_bias
 from ..objectives.base import REFERENCE_LOGPS
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
 
 
 class ReferenceModel:
-    def __init__(self, model, lora: bool, holds: Callable[[paddle.Tensor], bool] = lambda param: True):
+    def __init__(self, model: TrainedModel, lora: bool, holds: Callable[[paddle.Tensor], bool] = lambda param: True):
         """``holds(param)``: whether this rank keeps ``param`` between its uses (at sharding stage 3 its owner)."""
         self.adapters = [layer for layer in model.sublayers() if isinstance(layer, LoRALinear)] if lora else []
         kept = [p for name, p in model.named_parameters()

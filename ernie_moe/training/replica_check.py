@@ -9,6 +9,7 @@ import paddle
 
 from ..config.schema import TrainingConfig
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
 from ..parallel.replicas import compare_replicas, describe, replica_sets
 
 
@@ -17,7 +18,7 @@ class ReplicasDiffer(RuntimeError):
 
 
 class ReplicaCheck:
-    def __init__(self, training_cfg: TrainingConfig, env: DistEnv, model):
+    def __init__(self, training_cfg: TrainingConfig, env: DistEnv, model: TrainedModel):
         self.action, self.every = training_cfg.replica_check, training_cfg.replica_check_steps
         self.env = env
         named = model.stable_named_parameters(include_tied_copy=True)

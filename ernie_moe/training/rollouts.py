@@ -4,15 +4,15 @@ and turned into training rows.
 A rollout takes, for each optimizer step it serves, a round of the next prompts of a seeded shuffle of the training
 data (each training sample's last answer is cut off; what precedes it is the prompt, the answer is the reference the
 rewards compare with), this data rank its contiguous share of each round, so a step trains on the same rows in
-every layout. It samples ``rl_group_size`` answers to each prompt with the package's KV-cache decoding,
+every layout. It samples ``rl.group_size`` answers to each prompt with the package's KV-cache decoding,
 all of the rank's answers side by side, each with its own seed (drawn from the run's seed and the prompt's place
 in the shuffle, so a layout does not change what is sampled). Each answer becomes a row: the prompt, then the answer
 (with its end-of-sentence token where it stopped there) as labels, its group's advantage, the sampling policy's
 log-probability of each answer token, and with router replay the experts each token went to. One rollout serves
-``rl_updates_per_rollout`` optimizer steps, a mini-batch of its rows each.
+``rl.updates_per_rollout`` optimizer steps, a mini-batch of its rows each.
 
 A prompt that cannot be used (a sample that cannot be read, an image after its answer, a prompt that leaves no room
-for ``rl_max_new_tokens`` in ``data.max_seq_len``) is counted and another round of prompts sampled; so is a group
+for ``rl.max_new_tokens`` in ``data.max_seq_len``) is counted and another round of prompts sampled; so is a group
 whose answers all score the same under DAPO's dynamic sampling (it carries no advantage), each rank keeping its
 first usable groups; after eight rounds such groups fill what is still missing (``rollout/equal_groups_kept``),
 and a rollout with too few usable prompts stops the run with a DataError. Rounds are global: every data rank takes
@@ -35,7 +35,7 @@ import paddle
 from .. import host_reads
 from ..config.schema import Config
 from ..data import DataError
-from ..data.encoding.packing import BadSample, Encoded, Row, make_row
+from ..data.encoding.packing import BadSample, Encoded, Row, make_row, split_answer
 from ..data.encoding.tokenizer import Tokenizer
 from ..data.feeding.loader import collate, training_encoder
 from ..data.feeding.plan import sample_order
@@ -48,7 +48,6 @@ from ..objectives.policy import ADVANTAGES, OLD_LOGPS, SAMPLER_LOGPS, group_adva
 from ..objectives.rewards import Reward
 from ..parallel.env import DistEnv
 from ..parallel.zero import stage_of
-from .generation_eval import split_answer
 
 MAX_ROUNDS = 8  # rounds of prompts one rollout may take before it gives up on filling its groups
 
@@ -87,7 +86,7 @@ class RolloutFeed:
         self.model = model = runner.model
         self.precision, self.rewards, self.stats = precision, list(rewards), stats
         self.encoder = training_encoder(tokenizer, cfg, Counter())
-        self.group_size, self.length = t.rl_group_size, cfg.data.max_seq_len
+        self.group_size, self.length = t.rl.group_size, cfg.data.max_seq_len
         self.replay = t.router_replay == "rollout" and bool(model.moe_layers())  # routes recorded while sampling
         # expert-parallel ranks exchange their tokens in every MoE forward, and at sharding stage 3 the data ranks
         # gather each layer's weights: they decode in step, and sample every round, full or not
@@ -105,7 +104,7 @@ class RolloutFeed:
         rollout where the last one is used up."""
         need = micro_batch_size * accumulation_steps
         if len(self.pending) < need:
-            self.pending = self._rollout(need, self.cfg.training.rl_updates_per_rollout)
+            self.pending = self._rollout(need, self.cfg.training.rl.updates_per_rollout)
             if self.cfg.training.router_replay == "old_policy":
                 self._old_policy(self.pending, micro_batch_size, accumulation_steps)
         rows, self.pending = self.pending[:need], self.pending[need:]
@@ -171,7 +170,7 @@ class RolloutFeed:
         started = time.perf_counter()
         per_step = step_rows // self.group_size
         want = per_step * updates
-        dynamic = self.cfg.training.rl_dynamic_sampling
+        dynamic = self.cfg.training.rl.dynamic_sampling
         kept: list[Group] = []
         spare: list[Group] = []  # groups dynamic sampling dropped: the filling of last resort
         # every rank takes every round, full or not: the position stays the same everywhere
@@ -191,7 +190,7 @@ class RolloutFeed:
         if len(kept) < want:
             raise DataError(f"a rollout found {len(kept)} usable prompt(s) of the {want} it needs in {MAX_ROUNDS} "
                             "rounds; see the data/skipped_rollout_* counts and data.max_seq_len against "
-                            "training.rl_max_new_tokens")
+                            "training.rl.max_new_tokens")
         self.window["seconds"] += time.perf_counter() - started
         return [row for group in kept[:want] for row in self._rows(group)]
 
@@ -210,7 +209,7 @@ class RolloutFeed:
             except BadSample as bad:
                 self.stats[f"rollout_{bad.reason}"] += 1
                 continue
-            if len(prompt.encoded) + self.cfg.training.rl_max_new_tokens + 1 > self.length:
+            if len(prompt.encoded) + self.cfg.training.rl.max_new_tokens + 1 > self.length:
                 self.stats["rollout_prompt_too_long"] += 1
                 continue
             prompts.append(prompt)
@@ -242,7 +241,7 @@ class RolloutFeed:
 
     @paddle.no_grad()
     def _sample(self, prompts: list[Prompt]) -> list[Group]:
-        """``rl_group_size`` answers to each prompt, side by side, scored."""
+        """``rl.group_size`` answers to each prompt, side by side, scored."""
         if not prompts:
             if self.exchange is not None:
                 raise DataError("a round of prompts left this data rank none to sample, and with expert "
@@ -251,7 +250,7 @@ class RolloutFeed:
             return []
         t, g = self.cfg.training, self.group_size
         encoded = [p.encoded for p in prompts for _ in range(g)]
-        decodings = [Decoding(t.rl_max_new_tokens, t.rl_temperature, t.rl_top_p,
+        decodings = [Decoding(t.rl.max_new_tokens, t.rl.temperature, t.rl.top_p,
                               seed=(t.seed * 1_000_003 + p.slot) * g + i) for p in prompts for i in range(g)]
         was_training = self.model.training
         self.model.eval()
@@ -302,7 +301,7 @@ class RolloutFeed:
 
     def _rows(self, group: Group) -> list[Row]:
         """The group's answers as training rows, with their advantages; its figures into the window."""
-        scale = self.cfg.training.rl_loss != "dr_grpo"
+        scale = self.cfg.training.rl.loss != "dr_grpo"
         advantages = group_advantages(group.rewards, self.group_size, scale)
         w = self.window
         if len(self.answers) < ANSWERS_SHOWN:

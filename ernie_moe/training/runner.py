@@ -19,6 +19,7 @@ from paddle.distributed import fleet
 from ..batch import IGNORE_INDEX
 from ..config.schema import ModelConfig, TrainingConfig
 from ..data import collate
+from ..evaluation.token_scores import SCORE_SIZE, batch_scores, eval_metrics, evaluate
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.parameter_kinds import is_expert
 from ..moe.replay import replayed
@@ -29,9 +30,8 @@ from ..objectives.sums import step_sums, weighted_loss
 from ..parallel import build_plan
 from ..parallel.env import DistEnv
 from ..parallel.grad_sync import GradSync
-from ..parallel.pipeline import ErniePipeline, time_schedule_parts
+from ..parallel.pipeline import ErniePipeline, TrainedModel, time_schedule_parts
 from ..timing import part
-from .evaluate import SCORE_SIZE, batch_scores, eval_metrics, evaluate
 from .preference import PrecomputedReference, ReferenceModel
 
 
@@ -53,7 +53,7 @@ def build_model(model_cfg: ModelConfig, env: DistEnv, loss_chunk: int = 0, objec
     return model
 
 
-def build_runner(model, env: DistEnv, precision, grad_sync: GradSync, timed: bool,
+def build_runner(model: TrainedModel, env: DistEnv, precision, grad_sync: GradSync, timed: bool,
                  reference: ReferenceModel | PrecomputedReference | None = None) -> PlainRunner | PipelineRunner:
     """The runner for ``model`` as :func:`build_model` built it for this layout; ``timed``: the step's time is
     broken down (``logging.time_breakdown``); ``reference``: the reference of an objective that has one."""
@@ -67,7 +67,7 @@ class PlainRunner:
     # whether the micro-batch shape is fixed once the run is built (the memory guard cannot halve it)
     fixed_micro_batches = False
 
-    def __init__(self, model, env: DistEnv, precision, grad_sync: GradSync, timed: bool, reference=None):
+    def __init__(self, model: TrainedModel, env: DistEnv, precision, grad_sync: GradSync, timed: bool, reference=None):
         self.model, self.env, self.precision, self.grad_sync = model, env, precision, grad_sync
         self.reference = reference
 
@@ -175,7 +175,7 @@ class PipelineRunner(PlainRunner):
 
     fixed_micro_batches = True  # fleet's schedule keeps the tensor shapes of its first step
 
-    def __init__(self, model, env: DistEnv, precision, grad_sync: GradSync, timed: bool, reference=None):
+    def __init__(self, model: TrainedModel, env: DistEnv, precision, grad_sync: GradSync, timed: bool, reference=None):
         self.model, self.env, self.precision, self.grad_sync = model, env, precision, grad_sync
         self.reference = reference
         self.fleet_model = fleet.distributed_model(model)

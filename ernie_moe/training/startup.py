@@ -1,15 +1,27 @@
-"""What a run settles before it claims its output folder and builds its model: the device's memory against the
-planner's prediction, and the model's vocabulary and image placeholder against the tokenizer."""
+"""What a run settles before it claims its output folder and builds its model (the device's memory against the
+planner's prediction, the model's vocabulary and image placeholder against the tokenizer), and what it says as it
+starts: the notes on settings this machine does not act on, the pretrained weights' import report, the data
+report."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
 
+import paddle
+
+from .. import json_files
+from ..checkpoint.pretrained import format_report
 from ..config import Config, ConfigError
 from ..config.schema import ModelConfig, TrainingConfig
 from ..data.encoding.tokenizer import Tokenizer
+from ..data.feeding.loader import sample_encoder
+from ..data.feeding.report import data_report, describe
 from ..monitor.memory import MemoryMonitor
 from ..parallel.env import DistEnv
+from ..paths import write_output
 
 
 def device_bytes(training_cfg: TrainingConfig) -> float:
@@ -59,3 +71,40 @@ def check_tokenizer(tokenizer: Tokenizer, model_cfg: ModelConfig) -> None:
     if own is not None and own != model_cfg.im_patch_id:
         raise ConfigError(f"the tokenizer's image placeholder piece has id {own} but model.im_patch_id is "
                           f"{model_cfg.im_patch_id}; set model.im_patch_id={own}.")
+
+
+def notes(cfg: Config, env: DistEnv, mixed_precision: str | None) -> None:
+    """What a setting does not do on this machine, said once by rank 0 (``mixed_precision``: the AMP dtype, or
+    None)."""
+    t = cfg.training
+    if not env.is_main:
+        return
+    if mixed_precision and not paddle.is_compiled_with_cuda():
+        print(f"note: {mixed_precision} mixed precision needs a GPU; on this CPU build Paddle computes in "
+              "float32 (loss scaling and the inf/nan step guard still apply)", flush=True)
+    if t.final_model_format == "transformers" and cfg.model.num_nextn_predict_layers:
+        print("note: the final model in transformers' form leaves the multi-token prediction layers out "
+              "(transformers' ERNIE-4.5-VL has none); the checkpoints keep them", flush=True)
+    if t.offload_optim and not paddle.device.get_device().startswith("gpu"):
+        print("note: training.offload_optim keeps optimizer states in host memory between steps; on a CPU that "
+              "is where they already are, so it saves nothing here (the same moves run)", flush=True)
+
+
+def import_report(report: dict, cfg: Config, env: DistEnv) -> None:
+    """The pretrained weights' import report, printed and written to import_report.json by rank 0."""
+    if env.is_main:
+        print(format_report(report), flush=True)
+        out = Path(cfg.training.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        write_output(out / "import_report.json", json.dumps(report, indent=2))
+
+
+def report_data(train_set, tokenizer: Tokenizer, cfg: Config, env: DistEnv) -> None:
+    """One encoded sample and the data's figures, printed and written to data_report.json by rank 0
+    (``data.report_samples`` of them; 0: none)."""
+    if not env.is_main or not cfg.data.report_samples:
+        return
+    report = data_report(train_set, sample_encoder(tokenizer, cfg, Counter()), tokenizer, cfg.data.report_samples,
+                         cfg.training.seed)
+    print(describe(report), flush=True)
+    write_output(Path(cfg.training.output_dir) / "data_report.json", json_files.dumps(report, indent=2))

@@ -22,8 +22,8 @@ def lora(tmp_path, base, *overrides) -> Trainer:
 
 
 def logits(tr, batch) -> np.ndarray:
-    tr.model.eval()
+    tr.parts.model.eval()
     with paddle.no_grad():
-        out = tr.model(batch, return_logits=True).logits.numpy()
-    tr.model.train()
+        out = tr.parts.model(batch, return_logits=True).logits.numpy()
+    tr.parts.model.train()
     return out

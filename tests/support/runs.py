@@ -152,7 +152,7 @@ def trained(tmp_path, *overrides):
     for tr.step in range(1, 6):
         result = tr.train_step().read()
         losses.append(result.lm_loss_sum / result.label_tokens)
-    return losses, {name: p.numpy() for name, p in tr.model.stable_named_parameters()}, tr
+    return losses, {name: p.numpy() for name, p in tr.parts.model.stable_named_parameters()}, tr
 
 
 def fine_tune(base, folder, out, *overrides):
@@ -182,7 +182,7 @@ def poison_gradients(tr, steps: set):
         result = real(micro_batches)
         calls.append(None)
         if len(calls) in steps:
-            param = tr.model.model.layers[0].self_attn.o_proj.weight
+            param = tr.parts.model.model.layers[0].self_attn.o_proj.weight
             param.grad.set_value(paddle.full_like(param.grad, float("inf")))
         return result
 

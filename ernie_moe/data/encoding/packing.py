@@ -225,6 +225,22 @@ class Encoder:
                        e.position_ids[:keep], e.patches, e.grids)
 
 
+def split_answer(encoded: Encoded) -> tuple[Encoded, np.ndarray, np.ndarray] | None:
+    """(prompt, answer ids, their categories) of a training encoding: the answer is its last run of trained
+    tokens without the closing end-of-sentence token; None when an image or video follows the answer's start."""
+    trained = np.flatnonzero(encoded.target)
+    end = int(trained[-1]) + 1
+    start = end
+    while start > 0 and encoded.target[start - 1]:
+        start -= 1
+    if (encoded.token_type_ids[start:] != 0).any():
+        return None
+    e = encoded
+    prompt = Encoded(e.input_ids[:start], e.target[:start], e.scored[:start], e.token_type_ids[:start],
+                     e.position_ids[:start], e.patches, e.grids)
+    return prompt, e.input_ids[start:end], e.scored[start:end]
+
+
 @dataclass
 class Row:
     """One packed sequence as numpy arrays (see :class:`ernie_moe.model.Batch` for the fields)."""

@@ -7,10 +7,11 @@ from __future__ import annotations
 import paddle
 
 from ..data.encoding.tokenizer import Tokenizer
-from ..evaluation import answer_benchmark, max_new_tokens
-from ..evaluation.formats import Benchmark
 from ..parallel.env import DistEnv
-from .generation_eval import SIDE_BY_SIDE
+from .answering import answer_benchmark
+from .formats import Benchmark
+from .generated import SIDE_BY_SIDE
+from .scoring import max_new_tokens
 
 
 def benchmark_metrics(benches: dict[str, Benchmark], model, tokenizer: Tokenizer, data_cfg, env: DistEnv) -> dict:

@@ -24,32 +24,16 @@ from collections.abc import Sequence
 import numpy as np
 import paddle
 
-from ..data.encoding.packing import BadSample, Encoded
+from ..data.encoding.packing import BadSample, split_answer
 from ..data.encoding.tokenizer import Tokenizer
 from ..generation import Decoding, generate_batch
 from ..generation.speculative import drafter, generate_speculative
 from ..objectives.rewards import Reward, exact_match
 from ..parallel.env import DistEnv
-from .evaluate import CATEGORIES, caption_accuracy
+from .token_scores import CATEGORIES, caption_accuracy
 
 SUMS = 3 + 2 * CATEGORIES  # answered, exact matches, F1 sum, then (scored, right) per category
 SIDE_BY_SIDE = 8  # samples decoded together (generation.generate_batch)
-
-
-def split_answer(encoded: Encoded) -> tuple[Encoded, np.ndarray, np.ndarray] | None:
-    """(prompt, answer ids, their categories) of a training encoding: the answer is its last run of trained
-    tokens without the closing end-of-sentence token; None when an image or video follows the answer's start."""
-    trained = np.flatnonzero(encoded.target)
-    end = int(trained[-1]) + 1
-    start = end
-    while start > 0 and encoded.target[start - 1]:
-        start -= 1
-    if (encoded.token_type_ids[start:] != 0).any():
-        return None
-    e = encoded
-    prompt = Encoded(e.input_ids[:start], e.target[:start], e.scored[:start], e.token_type_ids[:start],
-                     e.position_ids[:start], e.patches, e.grids)
-    return prompt, e.input_ids[start:end], e.scored[start:end]
 
 
 def token_f1(answer: str, reference: str) -> float:
