@@ -118,7 +118,7 @@ def test_rollout_rows_advantages_and_a_data_ranks_share(tmp_path):
     trainer = Trainer(grpo_cfg(tmp_path, "rows"))
     feed: RolloutFeed = trainer.parts.feed
     rows = feed._rollout(8)
-    assert len(rows) == 8 and feed.prompts_read == 4
+    assert len(rows) == 8 and feed.order.prompts_read == 4
     for row in rows:
         labelled = np.flatnonzero(row.labels != IGNORE_INDEX)
         assert len(labelled) and (np.diff(labelled) == 1).all()
@@ -157,7 +157,7 @@ def test_a_rollout_position_is_saved_and_a_bad_one_refused(tmp_path):
     feed.next_step(4, 1)
     assert feed.state_dict() == {"prompts_read": 2}
     feed.load_state_dict({"prompts_read": 6})
-    assert feed.prompts_read == 6 and not feed.pending
+    assert feed.order.prompts_read == 6 and not feed.pending
     for bad in ({"rows_read": 3}, {"prompts_read": -1}, {"prompts_read": True}, []):
         with pytest.raises(DataError, match="prompts_read"):
             feed.load_state_dict(bad)
@@ -273,12 +273,12 @@ def test_dynamic_sampling_drops_groups_whose_answers_all_score_the_same(tmp_path
                                    f"training.rl_dynamic_sampling={str(dynamic).lower()}"))
         rows = trainer.parts.feed._rollout(16)
         equal = [np.all(np.array([float(r.inputs["advantages"]) for r in rows[i:i + 2]]) == 0) for i in range(0, 16, 2)]
-        window = trainer.parts.feed.window
+        window = trainer.parts.feed.figures.window
         assert window["equal_groups"] > 0
         if dynamic:
-            assert not any(equal) and window["groups"] > 8 and trainer.parts.feed.prompts_read > 8
+            assert not any(equal) and window["groups"] > 8 and trainer.parts.feed.order.prompts_read > 8
         else:
-            assert any(equal) and window["groups"] == 8 and trainer.parts.feed.prompts_read == 8
+            assert any(equal) and window["groups"] == 8 and trainer.parts.feed.order.prompts_read == 8
 
 
 @pytest.mark.slow
@@ -412,11 +412,11 @@ def test_a_grpo_run_resumes_at_its_next_prompts(tmp_path):
     """A checkpoint keeps the rollout position; a resumed run samples from the next prompts on and finishes."""
     first = Trainer(grpo_cfg(tmp_path, "resumed"))
     first.train()
-    assert first.parts.feed.prompts_read == 4  # two steps of 2 prompts each
+    assert first.parts.feed.order.prompts_read == 4  # two steps of 2 prompts each
     again = Trainer(grpo_cfg(tmp_path, "resumed", "training.max_steps=3", "training.resume_from_checkpoint=auto"))
-    assert again.step == 2 and again.parts.feed.prompts_read == 4
+    assert again.step == 2 and again.parts.feed.order.prompts_read == 4
     summary = again.train()
-    assert summary["status"] == "done" and again.parts.feed.prompts_read == 6
+    assert summary["status"] == "done" and again.parts.feed.order.prompts_read == 6
     # each logging window's first groups in rollouts.jsonl, the resumed run's after the first run's up to its step
     shown = [json.loads(line) for line in (tmp_path / "resumed" / "rollouts.jsonl").read_text().splitlines()]
     assert [g["step"] for g in shown] == [2, 2, 3, 3] and all(len(g["answers"]) == 2 for g in shown)

@@ -79,9 +79,10 @@ def test_no_import_runs_up_and_no_two_parts_import_each_other():
     assert not mutual, f"parts that import each other: {mutual}"
 
 
-# the floors inside a folder, lowest first: its sub-folders, and its own modules (by name) above them
+# the floors inside a folder, lowest first: its sub-folders, and its own modules (by name; "*": the others) above
 ROOMS = {
     "data": [{"formats"}, {"encoding"}, {"feeding"}, {"held_out", "shape_tasks", "__init__"}],
+    "training": [{"rollouts"}, {"*"}],
 }
 
 
@@ -105,14 +106,19 @@ def rooms_upward(folder: str, package: Path = PACKAGE, root: Path = ROOT) -> dic
     floor = {room: level for level, rooms in enumerate(ROOMS[folder]) for room in rooms}
     found = room_edges(folder, package, root)
     unknown = {a for pair in found for a in pair} - set(floor)
-    assert not unknown, f"rooms of {folder}/ without a floor: {sorted(unknown)}"
-    return {f"{a} -> {b}": files for (a, b), files in found.items() if floor[b] >= floor[a]}
+    assert "*" in floor or not unknown, f"rooms of {folder}/ without a floor: {sorted(unknown)}"
+    level = {room: floor.get(room, floor.get("*")) for pair in found for room in pair}
+    rooms = {room for room in level if (package / folder / room).is_dir()}  # the sub-folders; the rest: modules
+    # the folder's own modules on one floor import each other (the module cycle test holds them)
+    return {f"{a} -> {b}": files for (a, b), files in found.items()
+            if level[b] > level[a] or (level[b] == level[a] and {a, b} & rooms)}
 
 
 def test_the_rooms_inside_a_folder_keep_their_floors():
     for folder, rooms in ROOMS.items():
         listed = {part_of(p, PACKAGE / folder) for p in (PACKAGE / folder).rglob("*.py")}
-        assert listed == set().union(*rooms), f"{folder}/: rooms {sorted(listed)}, floors {rooms}"
+        named = set().union(*rooms) - {"*"}
+        assert named <= listed and ("*" in set().union(*rooms) or listed == named), f"{folder}/: {sorted(listed)}"
         assert rooms_upward(folder) == {}, folder
 
 
