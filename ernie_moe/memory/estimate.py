@@ -11,7 +11,7 @@ already freed).
 
 Activation terms count what this package's layers keep (float32 elements unless noted). The coefficients were
 read off the allocator, block by block, while varying one dimension at a time (batch, sequence, widths,
-heads, key/value heads, experts, k, image sizes); ``tests/test_memory.py`` checks whole-step peaks against
+heads, key/value heads, experts, k, image sizes); ``tests/memory/test_memory.py`` checks whole-step peaks against
 the allocator for several layouts.
 """
 
@@ -151,7 +151,7 @@ def attention_core(training, w: Workload, heads: int, head_dim: int) -> tuple[fl
     """(bytes kept, bytes held while it runs) of one layer's FlashMask attention over this rank's ``heads``.
     Neither grows as seq^2: Paddle's kernel (bf16 / fp16 on GPUs) keeps only its output, counted with the layer's
     projections; the block path (``nn.flashmask``) keeps its float32 output and the q, k, v it reads, and holds one
-    block of rows' scores, probabilities and their gradients at a time (measured: ``tests/test_memory.py``); a
+    block of rows' scores, probabilities and their gradients at a time (measured: ``tests/memory/test_memory.py``); a
     sequence of one block runs as dense attention."""
     if uses_flash_attention(training):
         return 0.0, 0.0

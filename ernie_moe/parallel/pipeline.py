@@ -221,7 +221,7 @@ def stage_inputs(micro_batches, objective: Objective, scored=None, scale: float 
 
 
 # The private parts of fleet's PipelineParallel that the timing wraps. A Paddle release may rename them: the
-# check below names what is missing (tests/test_time_breakdown.py runs it on the installed fleet).
+# check below names what is missing (tests/training/test_time_breakdown.py runs it on the installed fleet).
 FLEET_STEP_METHODS = ("_forward_step", "_backward_step")
 FLEET_P2P_HELPER = "_p2p_helper"
 

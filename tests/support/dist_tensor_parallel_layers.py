@@ -1,4 +1,4 @@
-"""Run on 2 ranks by tests/test_tensor_parallel.py: each tensor-parallel piece next to its unsharded reference,
+"""Run on 2 ranks by tests/launches/test_tensor_parallel.py: each tensor-parallel piece next to its unsharded reference,
 both expert dispatchers next to the single-device one, and the gradient sync against gradients averaged by hand.
 
 Same input on both ranks (the all-to-all dispatcher: each rank its half of the tokens); outputs must equal the

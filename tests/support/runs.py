@@ -137,6 +137,11 @@ def losses(out) -> dict:
     return {r["step"]: r["loss"] for r in records(out) if "loss" in r}
 
 
+def quiet_trainer(tmp_path, *overrides):
+    """The trainer, in this process, at ``QUIET``'s size."""
+    return Trainer(load_config(CONFIG, [*QUIET, f"training.output_dir={tmp_path}", *overrides]))
+
+
 def same_loss_trainer(tmp_path, *overrides):
     """The trainer, in this process, for ``SAME_LOSS``'s 8 steps of 4 rows."""
     return Trainer(load_config(ROOT / "configs" / "vl_moe.yaml", [

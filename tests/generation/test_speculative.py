@@ -1,6 +1,6 @@
 """Speculative decoding with the multi-token prediction layers (``generation.speculative``): greedy answers token for
 token those of plain decoding, sampling with the model's own distribution, and drafts a trained model keeps. On
-images with video: tests/test_ernie_inputs.py; on the server: tests/test_serving.py."""
+images with video: tests/data/test_ernie_inputs.py; on the server: tests/generation/test_serving.py."""
 
 from collections import Counter
 

@@ -34,7 +34,7 @@ from ernie_moe.data.encoding.tokenizer import SentencePieceTokenizer
 from ernie_moe.export import main as export_main
 
 ENGINES_VENV = "engines-venv"  # .ci/run installs the engines' transformers pin here, apart from the package's
-ENGINES_SIDE = Path(__file__).parent / "support" / "engines_side.py"
+ENGINES_SIDE = ROOT / "tests" / "support" / "engines_side.py"
 MARKERS = {"image_start_token_id": "<|IMAGE_START|>", "image_end_token_id": "<|IMAGE_END|>",
            "video_start_token_id": "<|VIDEO_START|>", "video_end_token_id": "<|VIDEO_END|>"}
 

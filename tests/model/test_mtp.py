@@ -1,6 +1,6 @@
 """Multi-token prediction (``model.num_nextn_predict_layers``): its labels, its loss's weight in a training step, and
-starting its layers from a model that has none. Against PaddleFormers: tests/test_ernie_inputs.py; in every layout:
-tests/test_layouts.py."""
+starting its layers from a model that has none. Against PaddleFormers: tests/data/test_ernie_inputs.py; in every layout:
+tests/launches/test_layouts.py."""
 
 import numpy as np
 import paddle
