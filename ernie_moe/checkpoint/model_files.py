@@ -25,6 +25,7 @@ from ..moe.layer import router_counts
 from ..nn.param_spec import full_shape
 from ..nn.sharding import full_tensor
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
 from ..parallel.zero import held
 from ..paths import write_output
 from .engines import MARKER_IDS
@@ -204,12 +205,12 @@ class SafetensorsWriter:
             written.digests[self.path.name] = self.hash.hexdigest()
 
 
-def trained_names(model) -> set[str]:
+def trained_names(model: TrainedModel) -> set[str]:
     """Stable names of the parameters that train (all that a LoRA run's checkpoints and adapter hold)."""
     return {n for n, p in model.stable_named_parameters() if not p.stop_gradient}
 
 
-def save_model(model, model_cfg: ModelConfig, directory: str, tokenizer: Tokenizer | None = None,
+def save_model(model: TrainedModel, model_cfg: ModelConfig, directory: str, tokenizer: Tokenizer | None = None,
                env: DistEnv | None = None,
                hf_layout: bool = False,
                written: WrittenFiles | None = None, only: set[str] | None = None, stem: str = "model",
@@ -305,7 +306,7 @@ def save_model(model, model_cfg: ModelConfig, directory: str, tokenizer: Tokeniz
     return out
 
 
-def absent_correction_biases(model) -> list[tuple[str, np.ndarray]]:
+def absent_correction_biases(model: TrainedModel) -> list[tuple[str, np.ndarray]]:
     """Zeros (no shift) as the aux-loss-free correction bias of each of this stage's MoE layers that has none:
     transformers', vLLM's and SGLang's ERNIE-4.5 models always hold one (transformers would report it newly
     initialised, vLLM refuse the folder, SGLang add uninitialised memory to the router's scores)."""

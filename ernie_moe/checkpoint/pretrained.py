@@ -27,10 +27,11 @@ from ..model.parameter_kinds import MTP, expert_slot, is_router_bias
 from ..nn.param_spec import full_shape
 from ..nn.sharding import shard_of
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
 from .formats import CheckpointError, SourceCheckpoint
 
 
-def load_pretrained(model, directory, env: DistEnv | None = None, source: SourceCheckpoint | None = None,
+def load_pretrained(model: TrainedModel, directory, env: DistEnv | None = None, source: SourceCheckpoint | None = None,
                     mtp_init: str = "scratch") -> dict:
     """Fill this rank's parameters from ``directory`` (``source``: that folder, already opened); ``mtp_init``: how
     multi-token prediction layers the folder lacks start (``training.mtp_init``); returns the report (all ranks'

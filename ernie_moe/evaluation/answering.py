@@ -16,6 +16,7 @@ from ..data.encoding.tokenizer import Tokenizer
 from ..data.formats.jsonl import decode_image, load_image, parse_messages
 from ..data.formats.sample import BadSample, Sample
 from ..generation import ContextTooLong, Decoding, check_room, generate_batch, prompt_encoder
+from ..parallel.pipeline import TrainedModel
 from .formats import Benchmark
 from .scoring import figures, judge, unit_of, user_content
 
@@ -41,7 +42,7 @@ def item_sample(bench: Benchmark, index: int, max_pixels: int) -> Sample:
 
 
 @paddle.no_grad()
-def answer_benchmark(model, tokenizer: Tokenizer, data_cfg, bench: Benchmark, max_new_tokens: int,
+def answer_benchmark(model: TrainedModel, tokenizer: Tokenizer, data_cfg, bench: Benchmark, max_new_tokens: int,
                      side_by_side: int = 8,
                      data_rank: int = 0, data_world: int = 1, sum_over_ranks: Callable | None = None,
                      on_answers: Callable[[int], None] | None = None, sees_images: bool = True) -> Answered:

@@ -8,13 +8,15 @@ import paddle
 
 from ..data.encoding.tokenizer import Tokenizer
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
 from .answering import answer_benchmark
 from .formats import Benchmark
 from .generated import SIDE_BY_SIDE
 from .scoring import max_new_tokens
 
 
-def benchmark_metrics(benches: dict[str, Benchmark], model, tokenizer: Tokenizer, data_cfg, env: DistEnv) -> dict:
+def benchmark_metrics(benches: dict[str, Benchmark], model: TrainedModel, tokenizer: Tokenizer, data_cfg,
+                      env: DistEnv) -> dict:
     """Every benchmark's figures as ``eval_bench/<name>[/<category>]``, and its skipped items."""
     def summed(values):
         return env.all_reduce_sum(paddle.to_tensor(values), env.data_group).numpy()

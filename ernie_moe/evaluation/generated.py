@@ -30,6 +30,7 @@ from ..generation import Decoding, generate_batch
 from ..generation.speculative import drafter, generate_speculative
 from ..objectives.rewards import Reward, exact_match
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
 from .token_scores import CATEGORIES, caption_accuracy
 
 SUMS = 3 + 2 * CATEGORIES  # answered, exact matches, F1 sum, then (scored, right) per category
@@ -79,8 +80,8 @@ def generation_metrics(sums: np.ndarray, rewards: Sequence[Reward] = ()) -> dict
 
 
 @paddle.no_grad()
-def evaluate_by_generation(model, dataset, encoder, tokenizer: Tokenizer, env: DistEnv, count: int, max_new_tokens: int,
-                           rewards: Sequence[Reward] = ()) -> dict:
+def evaluate_by_generation(model: TrainedModel, dataset, encoder, tokenizer: Tokenizer, env: DistEnv, count: int,
+                           max_new_tokens: int, rewards: Sequence[Reward] = ()) -> dict:
     """Greedy answers to the first ``count`` samples of ``dataset`` (0 = all), this rank's share of them, scored
     (and by ``rewards``)."""
     was_training = model.training

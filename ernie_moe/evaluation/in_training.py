@@ -17,6 +17,7 @@ from ..data.feeding.loader import training_encoder
 from ..objectives import Objective
 from ..objectives.rewards import Reward
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
 from .during_training import benchmark_metrics
 from .generated import evaluate_by_generation
 from .results import read_benchmarks, unknown_warnings
@@ -51,7 +52,7 @@ class TrainingEvaluation:
         for line in unknown_warnings(self.benchmarks, tokenizer) if env.is_main else []:
             print(f"WARNING {line}", flush=True)
 
-    def __call__(self, model, runner: HeldOutRunner, precision: Autocast, ema: Averages | None) -> dict:
+    def __call__(self, model: TrainedModel, runner: HeldOutRunner, precision: Autocast, ema: Averages | None) -> dict:
         """The held-out figures (``eval_*``), and the EMA's beside them (``ema_eval_*``) once it has started."""
         result = self._evaluate(model, runner, precision)
         if result and ema is not None and ema.started:
@@ -60,7 +61,7 @@ class TrainingEvaluation:
             result.update({f"ema_{k}": v for k, v in averaged.items() if not k.startswith("eval_skipped")})
         return result
 
-    def _evaluate(self, model, runner: HeldOutRunner, precision: Autocast, warn: bool = True) -> dict:
+    def _evaluate(self, model: TrainedModel, runner: HeldOutRunner, precision: Autocast, warn: bool = True) -> dict:
         cfg, t = self.cfg, self.cfg.training
         benchmarks = {}
         if self.benchmarks:

@@ -9,6 +9,7 @@ from ..batch import IGNORE_INDEX
 from ..data import collate
 from ..data.encoding.packing import SCORE_CATEGORIES
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
 
 CATEGORIES = len(SCORE_CATEGORIES) + 1
 SCORE_SIZE = 3 + 2 * CATEGORIES  # loss sum, label tokens, correct tokens, then (scored, correct) per category
@@ -26,7 +27,7 @@ def batch_scores(predicted, labels, scored, loss_sum) -> np.ndarray:
 
 
 @paddle.no_grad()
-def evaluate(model, batches, env: DistEnv, max_batches: int = 0) -> dict:
+def evaluate(model: TrainedModel, batches, env: DistEnv, max_batches: int = 0) -> dict:
     was_training = model.training
     model.eval()
     totals = np.zeros(SCORE_SIZE)

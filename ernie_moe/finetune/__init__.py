@@ -12,6 +12,7 @@ from ..config.errors import ConfigError
 from ..config.schema import ModelConfig, TrainingConfig
 from ..model.parameter_kinds import LORA_TARGETS, PARTS, PATCH_EMBEDDING, VISION, is_router, vit_block
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
 from .lora import LoRASettings, apply_lora, is_lora
 
 
@@ -42,7 +43,8 @@ def frozen(name: str, training_cfg: TrainingConfig) -> bool:
     return any(PARTS[part](name) for part in training_cfg.freeze)
 
 
-def prepare_fine_tuning(model, training_cfg: TrainingConfig, model_cfg: ModelConfig, env: DistEnv) -> FineTuning:
+def prepare_fine_tuning(model: TrainedModel, training_cfg: TrainingConfig, model_cfg: ModelConfig,
+                        env: DistEnv) -> FineTuning:
     """Add the LoRA pairs, freeze what does not train and stop the router-bias rule where routers are frozen.
     Every rank calls it (a target is checked against the layers of every pipeline stage)."""
     t = training_cfg
@@ -86,7 +88,7 @@ def prepare_fine_tuning(model, training_cfg: TrainingConfig, model_cfg: ModelCon
     return FineTuning(t.fine_tuning, int(trainable), int(total), counts, adapted)
 
 
-def learning_rate_ratios(model, training_cfg: TrainingConfig) -> dict[int, float]:
+def learning_rate_ratios(model: TrainedModel, training_cfg: TrainingConfig) -> dict[int, float]:
     """id(parameter) -> its learning rate as a multiple of the schedule's: routers ``moe_gate_lr_ratio``; the
     ViT ``vit_lr_ratio`` with layer-wise decay ``visual_ld`` (the patch embedding decays most, the final norm
     not at all)."""

@@ -34,6 +34,7 @@ from ..data.encoding.tokenizer import Tokenizer
 from ..json_files import read_json
 from ..nn.sharding import shard_of
 from ..parallel.env import DistEnv
+from ..parallel.pipeline import TrainedModel
 from .lora import LoRASettings, apply_lora, is_lora, linear_layers
 
 CONFIG = "lora_config.json"
@@ -100,8 +101,8 @@ def _joined_pairs(tensors: dict[str, np.ndarray], directory) -> dict[str, np.nda
     return out
 
 
-def save_adapter(model, model_cfg: ModelConfig, settings: LoRASettings, directory, tokenizer: Tokenizer, env: DistEnv,
-                 base: dict,
+def save_adapter(model: TrainedModel, model_cfg: ModelConfig, settings: LoRASettings, directory, tokenizer: Tokenizer,
+                 env: DistEnv, base: dict,
                  extra: dict[str, str] | None = None) -> Path:
     """Write the model's LoRA pairs in PaddleFormers' form for the base's model type, and the ``extra`` files
     (every rank calls this)."""
@@ -184,7 +185,7 @@ def settings_of(config) -> LoRASettings:
                         rslora=bool(config.get("rslora", False)))
 
 
-def load_adapter(model, model_cfg: ModelConfig, directory) -> LoRASettings:
+def load_adapter(model: TrainedModel, model_cfg: ModelConfig, directory) -> LoRASettings:
     """Add the adapter's LoRA pairs to a built model (one process) and load them."""
     settings, tensors = read_adapter(directory, model_cfg)
     # the adapted layers are those the tensors name (target_modules may name PaddleFormers' layers instead)

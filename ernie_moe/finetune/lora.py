@@ -28,6 +28,7 @@ from ..nn.init import init_weights
 from ..nn.param_spec import describe, full_shape, spec_of
 from ..nn.sharding import sharded_parameter
 from ..parallel import tensor_parallel as tp
+from ..parallel.pipeline import TrainedModel
 
 # ``training.lora_targets``: groups (``LORA_TARGETS``), or regular expressions matched in full against a layer's
 # stable name (``model.layers.3.self_attn.qkv_proj``)
@@ -112,7 +113,7 @@ class LoRALinear(nn.Layer):
 _LINEARS = (nn.Linear, tp.ColumnParallelLinear, tp.RowParallelLinear, LoRALinear)
 
 
-def linear_layers(model) -> list[tuple[str, nn.Layer, str, nn.Layer]]:
+def linear_layers(model: TrainedModel) -> list[tuple[str, nn.Layer, str, nn.Layer]]:
     """(stable name, parent, attribute, layer) of every linear layer of ``model`` (this rank's part), a base layer
     held quantised (``finetune.quantize``) included."""
     stable = {id(p): n for n, p in model.stable_named_parameters()}
@@ -158,7 +159,7 @@ def target_matcher(targets: list[str], vision_expert_start: int | None):
     return matches
 
 
-def apply_lora(model, settings: LoRASettings, vision_expert_start: int | None) -> dict[str, list[str]]:
+def apply_lora(model: TrainedModel, settings: LoRASettings, vision_expert_start: int | None) -> dict[str, list[str]]:
     """Put a LoRA pair beside every linear layer a target matches; draws A by name from ``settings.seed``.
     Returns the layers (stable names) each target matched on this rank."""
     matches = target_matcher(list(settings.targets), vision_expert_start)

@@ -23,6 +23,7 @@ from ..model.parameter_kinds import BASE_LINEAR
 from ..nn.param_spec import describe, spec_of
 from ..nn.quant import quantize, quantized_matmul
 from ..parallel import tensor_parallel as tp
+from ..parallel.pipeline import TrainedModel
 from .lora import LoRALinear, linear_layers
 
 
@@ -71,7 +72,7 @@ def refuse_a_quantized_base(folder: str) -> None:
                           "the base in bfloat16 or float32")
 
 
-def quantize_base(model, mode: str, group_size: int) -> int:
+def quantize_base(model: TrainedModel, mode: str, group_size: int) -> int:
     """Quantise every base linear layer of ``model`` (this rank's part); returns how many."""
     count = 0
     for name, parent, attr, layer in linear_layers(model):

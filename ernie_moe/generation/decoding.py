@@ -11,6 +11,7 @@ import paddle
 
 from .. import host_reads
 from ..data.encoding.packing import Encoded
+from ..parallel.pipeline import TrainedModel
 from .kv_cache import KVCache, forward_cached
 
 NO_TOKEN = -1  # the token type of padding: no expert takes it, no image is written there
@@ -112,7 +113,7 @@ def choose(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
 
 
 @paddle.no_grad()
-def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperature: float = 0.0,
+def generate(model: TrainedModel, prompt: Encoded, max_new_tokens: int, eos_id: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, use_cache: bool = True, never: tuple[int, ...] = (),
              tokens: int | None = None, on_token: Callable[[list[int]], bool] | None = None) -> Generated:
     """Continue ``prompt`` (``data.encoding.packing.Encoder.prompt``) until the end-of-sentence token,
@@ -127,8 +128,8 @@ def generate(model, prompt: Encoded, max_new_tokens: int, eos_id: int, temperatu
 
 
 @paddle.no_grad()
-def generate_batch(model, prompts: list[Encoded], decodings: list[Decoding], eos_id: int, use_cache: bool = True,
-                   never: tuple[int, ...] = (), tokens: int | None = None,
+def generate_batch(model: TrainedModel, prompts: list[Encoded], decodings: list[Decoding], eos_id: int,
+                   use_cache: bool = True, never: tuple[int, ...] = (), tokens: int | None = None,
                    on_token: Callable[[int, list[int]], bool] | None = None,
                    with_logps: bool = False, lockstep: Callable[[bool], bool] | None = None) -> list[Generated]:
     """:func:`generate` for several prompts side by side, each with its own :class:`Decoding`: one forward per new

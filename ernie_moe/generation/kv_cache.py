@@ -8,6 +8,7 @@ import paddle
 from ..model.blocks import FinalNorm
 from ..model.decoder import DecoderLayer
 from ..nn.flashmask import RowBounds
+from ..parallel.pipeline import TrainedModel
 from ..parallel.zero import held
 
 
@@ -71,7 +72,7 @@ class KVCache:
 
 
 @paddle.no_grad()
-def forward_cached(model, inputs: tuple, cache: KVCache, keep: bool = False):
+def forward_cached(model: TrainedModel, inputs: tuple, cache: KVCache, keep: bool = False):
     """Logits ``[batch, new tokens, vocab]`` of ``model`` for ``inputs`` (the first block's tuple,
     ``model.blocks.block_inputs``: one document per row), the new tokens seeing the cached ones; their keys and
     values join the cache. With an empty cache this is the model's own forward. A pipeline stage runs its own

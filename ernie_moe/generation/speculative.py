@@ -33,6 +33,7 @@ from ..data.encoding.packing import Encoded
 from ..model.blocks import ImageFeatures
 from ..model.ernie_vl import ErnieMoEForConditionalGeneration
 from ..model.mtp import MultiTokenPrediction
+from ..parallel.pipeline import TrainedModel
 from ..parallel.zero import held
 from .decoding import (
     NO_TOKEN,
@@ -49,7 +50,7 @@ from .decoding import (
 from .kv_cache import KVCache, forward_cached
 
 
-def drafter(model) -> MultiTokenPrediction | None:
+def drafter(model: TrainedModel) -> MultiTokenPrediction | None:
     """The model's multi-token prediction layers, where it has them (the whole model in one process: not a
     pipeline stage), whether or not the run trains them."""
     if not isinstance(model, ErnieMoEForConditionalGeneration):
@@ -147,7 +148,7 @@ class _Rows:
 
 
 @paddle.no_grad()
-def generate_drafting(model, prompts: list[Encoded], decodings: list[Decoding], eos_id: int,
+def generate_drafting(model: TrainedModel, prompts: list[Encoded], decodings: list[Decoding], eos_id: int,
                       never: tuple[int, ...] = (), tokens: int | None = None,
                       on_token: Callable[[int, list[int]], bool] | None = None,
                       draft_tokens: int = DRAFT_TOKENS) -> list[Generated]:
@@ -158,7 +159,7 @@ def generate_drafting(model, prompts: list[Encoded], decodings: list[Decoding], 
     return generate_batch(model, prompts, decodings, eos_id, never=never, tokens=tokens, on_token=on_token)
 
 
-def generate_speculative(model, prompts: list[Encoded], decodings: list[Decoding], eos_id: int,
+def generate_speculative(model: TrainedModel, prompts: list[Encoded], decodings: list[Decoding], eos_id: int,
                          never: tuple[int, ...] = (), tokens: int | None = None,
                          on_token: Callable[[int, list[int]], bool] | None = None,
                          draft_tokens: int = DRAFT_TOKENS) -> list[Generated]:
@@ -173,7 +174,7 @@ def generate_speculative(model, prompts: list[Encoded], decodings: list[Decoding
 
 
 @contextmanager
-def carried_embeddings(model):
+def carried_embeddings(model: TrainedModel):
     """The input embeddings carried past the decoder layers, which the depth reads, also where the run does not
     train it (``model.blocks.set_objective``)."""
     images = next(b for b in model.blocks() if isinstance(b, ImageFeatures))
@@ -184,8 +185,8 @@ def carried_embeddings(model):
         images.carries_embeddings = was
 
 
-def _generate_speculative(model, mtp: MultiTokenPrediction, prompts: list[Encoded], decodings: list[Decoding],
-                          eos_id: int, never: tuple[int, ...], tokens: int | None,
+def _generate_speculative(model: TrainedModel, mtp: MultiTokenPrediction, prompts: list[Encoded],
+                          decodings: list[Decoding], eos_id: int, never: tuple[int, ...], tokens: int | None,
                           on_token: Callable[[int, list[int]], bool] | None, draft_tokens: int) -> list[Generated]:
     channels = model.cfg.vision_config.in_channels * model.cfg.vision_config.patch_size ** 2
 
@@ -228,7 +229,7 @@ def _generate_speculative(model, mtp: MultiTokenPrediction, prompts: list[Encode
     return rows.finished()
 
 
-def _embedded(model, ids) -> paddle.Tensor:
+def _embedded(model: TrainedModel, ids) -> paddle.Tensor:
     return model.model.embed_tokens(paddle.to_tensor(np.array(ids, np.int64)))
 
 
@@ -237,7 +238,7 @@ def _places(positions, ahead: int = 0) -> paddle.Tensor:
     return paddle.to_tensor((np.array(positions, np.int64) + ahead)[:, :, None].repeat(3, axis=2))
 
 
-def _chain(model, mtp: MultiTokenPrediction, rows: _Rows, cache: KVCache, scored, hidden: paddle.Tensor,
+def _chain(model: TrainedModel, mtp: MultiTokenPrediction, rows: _Rows, cache: KVCache, scored, hidden: paddle.Tensor,
            count: int) -> None:
     """``count`` drafts for each live row: the first from the MTP depth's hidden states ``[rows, 1, width]`` at the
     row's last position, each further one from the depth run again on its own output and the last draft's

@@ -38,6 +38,7 @@ from paddle.distributed.communication.group import Group
 from ..nn.param_spec import full_shape
 from ..timing import part
 from .env import DistEnv
+from .pipeline import TrainedModel
 from .replicas import owners
 
 STAGES = {"stage2": 2, "stage3": 3}
@@ -377,14 +378,14 @@ class WeightShards:
             self.release_all()
 
 
-def whole_weights(model) -> contextlib.AbstractContextManager:
+def whole_weights(model: TrainedModel) -> contextlib.AbstractContextManager:
     """Inside, every rank holds every weight of ``model`` (a no-op below stage 3)."""
     shards = getattr(model, "weight_shards", None)
     return shards.whole() if shards is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def held(model, what: nn.Layer | list) -> Iterator[None]:
+def held(model: TrainedModel, what: nn.Layer | list) -> Iterator[None]:
     """Inside, every rank holds the weights of ``what`` (a layer run outside its block's forward, or parameters
     read one by one); a collective below which every rank enters alike, a no-op below stage 3."""
     shards = getattr(model, "weight_shards", None)

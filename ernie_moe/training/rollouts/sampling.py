@@ -17,6 +17,7 @@ from ...generation import Decoding, generate_batch
 from ...generation.decoding import Generated
 from ...moe.replay import moe_layer_ids, recording, rows_of_generation
 from ...objectives.rewards import Reward
+from ...parallel.pipeline import TrainedModel
 from .prompts import Prompt
 
 
@@ -37,7 +38,7 @@ class Sampler:
     """The policy's answers to a rank's prompts, scored. ``lockstep(finished)``: whether a rank that decodes in
     step with this one (expert parallelism, sharding stage 3) has not finished (``generation.generate_batch``)."""
 
-    def __init__(self, model, tokenizer: Tokenizer, cfg: Config, precision, rewards: Sequence[Reward],
+    def __init__(self, model: TrainedModel, tokenizer: Tokenizer, cfg: Config, precision, rewards: Sequence[Reward],
                  lockstep: Callable[[bool], bool] | None):
         self.model, self.tokenizer, self.precision, self.rewards = model, tokenizer, precision, list(rewards)
         self.settings, self.seed, self.length = cfg.training.rl, cfg.training.seed, cfg.data.max_seq_len
