@@ -15,10 +15,8 @@ dropped first; no optimizer step has happened).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 import paddle
 
@@ -27,8 +25,6 @@ from ..config.schema import TrainingConfig
 from ..model.recompute import GRANULARITIES, apply_recompute
 from ..parallel.env import DistEnv
 from ..parallel.pipeline import TrainedModel
-
-T = TypeVar("T")
 
 LADDER = (None, "moe", "core_attn", "full_attn", "full")
 assert set(LADDER[1:]) == set(GRANULARITIES)
@@ -43,6 +39,23 @@ def is_out_of_memory(err: BaseException) -> bool:
 class Rung:
     message: str  # why, and what changed
     halved: bool  # the micro-batch was halved: the step's rows must be cut again
+
+
+class Attempt:
+    """One attempt at a step (:meth:`MemoryGuard.attempts`): ``rows``, this attempt's rows of each micro-batch."""
+
+    def __init__(self, guard: MemoryGuard, state, rows: list | None):
+        self.guard, self.state, self.rows = guard, state, rows
+        self.rung: Rung | None = None  # taken after an out-of-memory error in it
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, kind, err, traceback) -> bool:
+        if err is None or not is_out_of_memory(err):
+            return False
+        self.rung = self.guard.step_down(self.state, f"out of memory in step {self.state.step}")
+        return self.rung is not None  # swallowed: the step runs again on the next rung
 
 
 class MemoryGuard:
@@ -62,30 +75,19 @@ class MemoryGuard:
     def enabled(self) -> bool:
         return self.limit > 0
 
-    @contextlib.contextmanager
-    def attempt(self, state, rungs: list[Rung]) -> Iterator[None]:
-        """One attempt at step ``state.step``: an out-of-memory error in it takes the next rung (appended to
-        ``rungs``) instead of ending the run, and the caller runs the step again; any other error, or one with no
-        rung left, goes on."""
-        try:
-            yield
-        except Exception as err:
-            rung = self.step_down(state, f"out of memory in step {state.step}") if is_out_of_memory(err) else None
-            if rung is None:
-                raise
-            rungs.append(rung)
-
-    def retrying(self, state, rows: list | None, attempt: Callable[[list | None], T],
-                 clear: Callable[[], None]) -> tuple[T, list[Rung]]:
-        """``attempt(rows)`` until it runs without running out of memory: after each out-of-memory error its
-        gradients are dropped (``clear``), the next rung taken, and where that rung halves the micro-batch each of
-        the step's micro-batches of ``rows`` (None: batches given whole) cut in two. (the result, the rungs taken)."""
-        rungs: list[Rung] = []
+    def attempts(self, state, rows: list | None, rungs: list[Rung], clear: Callable[[], None]) -> Iterator[Attempt]:
+        """The attempts at step ``state.step``, each to be run inside its ``with``: an out-of-memory error in one
+        takes the next rung (appended to ``rungs``) instead of ending the run, drops its gradients (``clear``) and
+        starts another, with each of the step's micro-batches of ``rows`` cut in two where the rung halved the
+        micro-batch (``rows`` None: batches given whole); any other error, or one with no rung left, goes on."""
         while True:
-            with self.attempt(state, rungs):
-                return attempt(rows), rungs
+            attempt = Attempt(self, state, rows)
+            yield attempt
+            if attempt.rung is None:
+                return
+            rungs.append(attempt.rung)
             clear()
-            if rungs[-1].halved and rows is not None:
+            if attempt.rung.halved and rows is not None:
                 rows = [half for r in rows for half in (r[: len(r) // 2], r[len(r) // 2:])]
 
     def after_step(self, state, step_peak: float, ends_window: bool) -> Rung | None:

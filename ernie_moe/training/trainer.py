@@ -28,6 +28,7 @@ from ..timing import part
 from .assembly import assemble
 from .best_model import BestModel
 from .final_model import export, serving_check
+from .memory_guard import Rung
 from .optimizer import clip_gradients, gradient_norms, optimizer_state_bytes
 from .precision import NonFiniteGradients
 from .replica_check import ReplicaCheck, ReplicasDiffer
@@ -212,19 +213,20 @@ class Trainer:
                 rows = None if micro_batches is not None else self._next_rows()
             data_wait = time.perf_counter() - started  # measured whether or not the time breakdown is on
 
-            def attempt(rows: list | None) -> tuple[StepResult, list]:
-                with part("data"):
-                    batches = micro_batches or [collate(r) for r in rows or []]
-                done = self.forward_backward(batches)
-                with part("gradient_sync"):
-                    parts.runner.finish_gradients()
-                with part("optimizer"):
-                    self._update(done)
-                    if parts.ema is not None:
-                        parts.ema.update(self.step)
-                return done, batches
-
-            (result, batches), rungs = parts.guard.retrying(parts.state, rows, attempt, parts.optimizer.clear_grad)
+            rungs: list[Rung] = []
+            result, batches = None, micro_batches or []
+            for attempt in parts.guard.attempts(parts.state, rows, rungs, parts.optimizer.clear_grad):
+                with attempt:
+                    with part("data"):
+                        batches = micro_batches or [collate(r) for r in attempt.rows or []]
+                    result = self.forward_backward(batches)
+                    with part("gradient_sync"):
+                        parts.runner.finish_gradients()
+                    with part("optimizer"):
+                        self._update(result)
+                        if parts.ema is not None:
+                            parts.ema.update(self.step)
+            assert result is not None  # the last attempt ran to its end (an error without a rung goes on)
             if faults.at("perturb_weight", self.step, self.env.rank):
                 self.replicas.perturb()
             for fault in ("sigterm_in_step", "launcher_killed", "kill_in_step", "node_lost"):

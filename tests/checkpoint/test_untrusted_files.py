@@ -82,7 +82,7 @@ class Stateful:
     ({"w": np.zeros(2, dtype=[("a", "f4"), ("b", "i4")])}, "structured dtype"),
     ({"w": np.array(["text"])}, "dtype <U4"),
     ({"w": {1, 2}}, "opcode"),
-    ({"w": Stateful()}, "it names test_faults.Stateful"),
+    ({"w": Stateful()}, "it names test_untrusted_files.Stateful"),
     (b"not a pickle", "opcode"),
     ([np.ones(2)], "it holds a list, not a state dict"),
 ], ids=["call", "objects calling", "objects", "records", "strings", "set", "instance", "garbage", "list"])

@@ -1,5 +1,5 @@
 """Training checkpoints: exact resume, resume in another layout, corrupt files named. Crashes during a save,
-flipped bytes, a full disk and lineage rules are in test_faults.py."""
+flipped bytes, a full disk and lineage rules are in checkpoint/test_save_faults.py."""
 
 import json
 import shutil

@@ -135,14 +135,18 @@ def test_loss_counts_tokens_not_micro_batches(tiny_cfg, tmp_path):
         np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
 
 
-def test_token_balanced_loss_uses_a_fixed_denominator(tmp_path):
-    from ernie_moe.training.trainer import Trainer
+def test_token_balanced_loss_uses_a_fixed_denominator():
+    from ernie_moe.objectives.sums import loss_denominator
 
     cfg = load_config(None, ["training.token_balance_loss=true", "training.token_balance_seqlen=100",
-                             "training.gradient_accumulation_steps=3", f"training.output_dir={tmp_path}",
-                             "logging.visualdl=false"])
-    fixed = Trainer(cfg)._loss_denominator(paddle.to_tensor([57.0, 40.0]))  # the label count, and one depth's
+                             "training.gradient_accumulation_steps=3"])
+    counts = paddle.to_tensor([57.0, 40.0])  # the label count, and one depth's
+    fixed = loss_denominator(cfg.training, cfg.data.max_seq_len, 4, 3, 1)(counts)
     assert fixed.numpy().tolist() == [300.0, 300.0]
+    by_rows = load_config(None, ["training.token_balance_loss=true", "data.max_seq_len=64"]).training
+    assert loss_denominator(by_rows, 64, 4, 3, 2)(counts).numpy().tolist() == [64 * 4 * 3 * 2] * 2
+    plain = loss_denominator(load_config(None, []).training, 64, 4, 3, 2)
+    assert plain(paddle.to_tensor([57.0, 0.0])).numpy().tolist() == [57.0, 1.0]
 
 
 def test_text_only_batches_still_give_every_parameter_a_gradient(tiny_cfg):

@@ -415,7 +415,7 @@ def test_most_rollout_groups_scoring_alike_is_said_when_it_begins_and_ends():
     alerts = Alerts(load_config(None, []).logging, 0.0)
     hard = alerts.check(5, {"rollout/equal_reward_groups": 0.75, "rollout/reward": 0.0}, 0.0)
     assert len(hard) == 1 and hard[0].startswith("step 5: 75% of the rollout groups scored every answer alike")
-    assert "too hard" in hard[0] and "training.rl_dynamic_sampling=true" in hard[0]
+    assert "too hard" in hard[0] and "training.rl.dynamic_sampling=true" in hard[0]
     assert alerts.check(6, {"rollout/equal_reward_groups": 0.9, "rollout/reward": 0.0}, 0.0) == []
     ended = alerts.check(7, {"rollout/equal_reward_groups": 0.25, "rollout/reward": 0.4}, 0.0)
     assert ended == ["step 7: 25% of the rollout groups scored their answers alike, fewer than 50% again"]

@@ -4,12 +4,23 @@ evaluation take as they are, with no branch for it."""
 
 import numpy as np
 import paddle
+import pytest
 from support.runs import ROOT, SMALL
 
 from ernie_moe.batch import IGNORE_INDEX
 from ernie_moe.config import load_config
-from ernie_moe.objectives import Objective, register
+from ernie_moe.config.schema import STAGES
+from ernie_moe.objectives import Objective, register, registry
 from ernie_moe.training.trainer import Trainer
+
+
+@pytest.fixture
+def own_objectives(monkeypatch):
+    """Objectives a test registers are gone after it (the config reference lists the registered stages)."""
+    monkeypatch.setattr(registry, "_BUILDERS", dict(registry._BUILDERS))
+    before = list(STAGES)
+    yield
+    STAGES[:] = before
 
 
 class RowLosses(Objective):
@@ -43,7 +54,7 @@ def _two_steps(tmp_path, name, stage="sft"):
     return trainer, metrics, result
 
 
-def test_a_new_objective_trains_logs_and_evaluates_through_the_same_runner(tmp_path):
+def test_a_new_objective_trains_logs_and_evaluates_through_the_same_runner(tmp_path, own_objectives):
     """The same loss as language modelling, written as a new objective: the same two steps (the loss per label
     token within float tolerance, so the same gradients), its figures summed over the step's rows into its own
     metric (``rows/token_loss``, equal to the step's ``lm_loss``), and held-out data evaluated by its figures
@@ -86,7 +97,7 @@ class WeightedRows(Objective):
         return {f"{prefix}loss_per_token": totals[0] / totals[1]}
 
 
-def test_an_objective_with_a_per_row_input_is_registered_trained_and_evaluated_by_name(tmp_path):
+def test_an_objective_with_a_per_row_input_is_registered_trained_and_evaluated_by_name(tmp_path, own_objectives):
     """Registered by name and named in the config (``training.stage: weighted``), with nothing of the package
     changed: its rows carry its input (training and held-out rows alike), ``collate`` stacks it per row, and the
     step's logged loss is the weighted sum over the step's label tokens."""
