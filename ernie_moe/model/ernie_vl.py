@@ -113,8 +113,8 @@ class ErnieMoEForConditionalGeneration(BlockQueries, nn.Layer):
         mtp_labels = None if mtp_hidden is None else labels_ahead(batch.labels, batch.key_ends,
                                                                   self.cfg.num_nextn_predict_layers)
         loss_sum, figures, mtp_sums = loss_sums(objective, predictions, batch.labels, inputs, mtp_hidden, mtp_labels)
-        return ModelOutput(loss_sum, units, router_loss.sum(), predictions.logits if return_logits else None, figures,
-                           mtp_sums)
+        logits = predictions.kept_logits() if return_logits else None
+        return ModelOutput(loss_sum, units, router_loss.sum(), logits, figures, mtp_sums)
 
     def head(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Logits of the final hidden states (the last block, or the tied embedding's matrix)."""

@@ -30,6 +30,13 @@ class Predictions:
         self.logits = self.head(self.final)
         return self.plan.cross_entropy_sum(self.logits, self.labels)
 
+    def kept_logits(self) -> paddle.Tensor:
+        """The whole logits, kept for evaluation: those :meth:`summed` computed, or computed now for an objective
+        that read other figures of the predictions."""
+        if self.logits is None:
+            self.logits = self.head(self.final)
+        return self.logits
+
     def scaled(self, factor: float) -> Predictions:
         """The same head over ``final x factor``: logits times ``factor`` (the head is linear, without a bias)."""
         return Predictions(self.plan, self.head, self.final * factor, self.labels, self.chunk, self.train)

@@ -77,7 +77,7 @@ class PipelineLoss(nn.Layer):
         summed = step_sums(loss_sum, router_loss, figures, mtp_sums)
         self.sums = summed if self.sums is None else self.sums + summed
         if scored:
-            self.evaluated.append((self.plan.predict(predictions.logits), label_ids, scored[0].numpy(),
+            self.evaluated.append((self.plan.predict(predictions.kept_logits()), label_ids, scored[0].numpy(),
                                    float(loss_sum)))
         return weighted_loss(loss_sum, mtp_sums, scale) + router_loss.sum()
 
