@@ -134,6 +134,8 @@ def compare(engine: str, reply: dict, ours: str, our_logps: list[float]) -> Serv
     if not content:
         return ServedAnswer(engine, answer, ours, None, "the engine gave no log-probabilities")
     theirs = [float(token["logprob"]) for token in content]
+    if len(theirs) == len(our_logps) + 1:  # the end-of-sentence token listed too, as it was sampled
+        theirs = theirs[:-1]
     if len(theirs) != len(our_logps):
         return ServedAnswer(engine, answer, ours, None, f"{len(theirs)} answer tokens there, {len(our_logps)} here")
     difference = float(np.abs(np.subtract(theirs, our_logps)).max()) if theirs else 0.0

@@ -35,6 +35,8 @@ class Generated:
     # before top-p), the end-of-sentence token's last when it stopped there, and the entropy it was drawn with
     logps: list[float] | None = None
     entropies: list[float] | None = None
+    # with ``top_logps``: the most likely tokens at each step and their log-probabilities, most likely first
+    top: list[list[tuple[int, float]]] | None = None
     # speculative decoding (generation.speculative): tokens drafted by the multi-token prediction layers, and kept
     drafted: int = 0
     accepted: int = 0
@@ -83,15 +85,27 @@ def token_inputs(token: int, position: int, channels: int) -> tuple:
     return tokens_inputs([token], [position], [True], channels)
 
 
+def log_softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """``log softmax(logits / temperature)`` in float64, temperature 0 read as 1."""
+    scaled = logits.astype(np.float64) / (temperature if temperature > 0 else 1.0)
+    shifted = scaled - scaled.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
 def token_logp(logits: np.ndarray, token: int, temperature: float) -> tuple[float, float]:
     """(``log softmax(logits / temperature)[token]``, the entropy of that distribution), temperature 0 read as 1,
     in float64."""
-    scaled = logits.astype(np.float64) / (temperature if temperature > 0 else 1.0)
-    shifted = scaled - scaled.max()
-    weights = np.exp(shifted)
-    total = weights.sum()
-    log_probs = shifted - np.log(total)
-    return float(log_probs[token]), float(-(weights / total * log_probs).sum())
+    log_probs = log_softmax(logits, temperature)
+    return float(log_probs[token]), float(-(np.exp(log_probs) * log_probs).sum())
+
+
+def most_likely(logits: np.ndarray, temperature: float, count: int, choosable: np.ndarray) -> list[tuple[int, float]]:
+    """The ``count`` most likely tokens of those that may be chosen (``choosable``: True where one may) and their
+    log-probabilities under ``logits / temperature`` over the whole vocabulary, most likely first (ties: the lower
+    id first)."""
+    log_probs = log_softmax(logits, temperature)
+    order = np.argsort(-np.where(choosable, log_probs, -np.inf), kind="stable")[:count]
+    return [(int(token), float(log_probs[token])) for token in order if choosable[token]]
 
 
 def nucleus(logits: np.ndarray, temperature: float, top_p: float) -> tuple[np.ndarray, np.ndarray]:
@@ -131,12 +145,14 @@ def generate(model: TrainedModel, prompt: Encoded, max_new_tokens: int, eos_id: 
 def generate_batch(model: TrainedModel, prompts: list[Encoded], decodings: list[Decoding], eos_id: int,
                    use_cache: bool = True, never: tuple[int, ...] = (), tokens: int | None = None,
                    on_token: Callable[[int, list[int]], bool] | None = None,
-                   with_logps: bool = False, lockstep: Callable[[bool], bool] | None = None) -> list[Generated]:
+                   with_logps: bool = False, lockstep: Callable[[bool], bool] | None = None,
+                   top_logps: int = 0) -> list[Generated]:
     """:func:`generate` for several prompts side by side, each with its own :class:`Decoding`: one forward per new
     token for all of them, each row's logits read back together. Each prompt's answer is the one :func:`generate`
     gives it alone where the MoE layers are dropless, as an evaluation's are unless ``moe_capacity`` sets an
     evaluation factor (the batch's tokens then set the capacity). ``on_token(row, new)``: as :func:`generate`'s,
-    per row; ``with_logps``: each answer with its tokens' log-probabilities and entropies (:class:`Generated`);
+    per row; ``with_logps``: each answer with its tokens' log-probabilities and entropies (:class:`Generated`),
+    and with ``top_logps`` the most likely tokens of each step;
     ``lockstep(finished)``: whether any of the processes that run every forward together (an expert-parallel
     group exchanging tokens) has not finished, told whether this one has; a finished one feeds padding until all
     have. Drafting tokens with the model's multi-token prediction layers: ``speculative.generate_drafting``."""
@@ -148,7 +164,8 @@ def generate_batch(model: TrainedModel, prompts: list[Encoded], decodings: list[
     cache = KVCache(model.cfg.num_hidden_layers, padding)
     logits = forward_cached(model, inputs, cache)
     new: list[list[int]] = [[] for _ in prompts]
-    logps: list[tuple[list[float], list[float]] | None] = [([], []) if with_logps else None for _ in prompts]
+    logps: list[tuple[list, list, list | None] | None] = [
+        ([], [], [] if top_logps else None) if with_logps or top_logps else None for _ in prompts]
     done: list[Generated | None] = [None] * len(prompts)
     while True:
         raw = host_reads.read(model.plan.full_logits(logits[:, -1]).astype("float32"), "decoding")  # every row's
@@ -156,7 +173,7 @@ def generate_batch(model: TrainedModel, prompts: list[Encoded], decodings: list[
         for row, out in enumerate(done):
             if out is None:
                 done[row] = _next(row, scores[row], raw[row], new[row], logps[row], decodings[row], rngs[row],
-                                  eos_id, positions[row] >= limit, on_token)
+                                  eos_id, positions[row] >= limit, on_token, top_logps)
         finished = all(out is not None for out in done)
         if not (lockstep(finished) if lockstep is not None else not finished):
             answers = [out for out in done if out is not None]
@@ -183,14 +200,19 @@ def choosable(logits: np.ndarray, never: tuple[int, ...], tokens: int | None) ->
 
 
 def _next(row: int, scores: np.ndarray, logits: np.ndarray, new: list[int],
-          figures: tuple[list[float], list[float]] | None, decoding: Decoding, rng, eos_id: int,
-          at_last_position: bool, on_token) -> Generated | None:
+          figures: tuple[list, list, list | None] | None, decoding: Decoding, rng, eos_id: int,
+          at_last_position: bool, on_token, top: int = 0) -> Generated | None:
     """Choose one row's next token from ``scores`` into ``new`` (and its log-probability and entropy under
-    ``logits`` into ``figures``, unless None); its :class:`Generated` once it stops, else None."""
+    ``logits`` into ``figures``, unless None, with the ``top`` most likely tokens); its :class:`Generated` once it
+    stops, else None."""
     token = choose(scores, decoding.temperature, decoding.top_p, rng)
     if figures is not None:
-        for kept, value in zip(figures, token_logp(logits, token, decoding.temperature)):
-            kept.append(value)
+        logps, entropies, alternatives = figures
+        logp, entropy = token_logp(logits, token, decoding.temperature)
+        logps.append(logp)
+        entropies.append(entropy)
+        if alternatives is not None:
+            alternatives.append(most_likely(logits, decoding.temperature, top, np.isfinite(scores)))
     return taken(row, token, new, figures, decoding, eos_id, at_last_position, on_token)
 
 

@@ -26,12 +26,24 @@ from ..generation import (
     UsageError,
     check_room,
     folder_run_config,
+    generate_batch,
     generate_drafting,
     load_model_folder,
     prompt_encoder,
 )
 
 SIDE_BY_SIDE = 8  # requests answered together in one turn of the model, at most (serve --batch-size)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token (or one of its alternatives): its id, its text alone, and its log-probability under the
+    logits divided by the request's temperature (temperature 0 read as 1), over the whole vocabulary."""
+
+    id: int
+    text: str
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()  # the most likely tokens at its step, most likely first
 
 
 @dataclass
@@ -42,6 +54,8 @@ class Reply:
     completion_tokens: int
     drafted: int = 0  # tokens drafted by the model's multi-token prediction layers (speculative decoding)
     accepted: int = 0  # of them, kept
+    token_ids: list[int] | None = None  # the sampled tokens, the end-of-sentence token last where it stopped there
+    logprobs: list[TokenLogprob] | None = None  # theirs, where the request asked (``Sampling.logprobs``)
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,7 @@ class Sampling(Decoding):
 
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # the sampled tokens' log-probabilities, with this many alternatives (None: none)
 
 
 class TextStream:
@@ -151,7 +166,17 @@ class ChatModel:
         out = request.out
         assert out is not None  # its turn answered it, or it raised its error above
         finish = "stop" if out.stop in ("eos", "caller") else "length"
-        return Reply(text, finish, len(prompt.input_ids), len(out.ids), out.drafted, out.accepted)
+        ids = out.ids + ([self.tokenizer.eos_id] if out.stop == "eos" else [])
+        return Reply(text, finish, len(prompt.input_ids), len(out.ids), out.drafted, out.accepted, ids,
+                     self._logprobs(ids, out, sampling.logprobs))
+
+    def _logprobs(self, ids: list[int], out: Generated, alternatives: int | None) -> list[TokenLogprob] | None:
+        if alternatives is None or out.logps is None or out.top is None:
+            return None
+        text = self.tokenizer.decode
+        return [TokenLogprob(token, text([token]), logp, tuple(TokenLogprob(t, text([t]), p) for t, p in
+                                                               top[:alternatives]))
+                for token, logp, top in zip(ids, out.logps, out.top)]
 
     def _answer(self, turn: list[_Request]) -> None:
         def on_token(row: int, ids: list[int]) -> bool:
@@ -162,11 +187,19 @@ class ChatModel:
                 request.error = err
                 return True
 
+        never = (self.cfg.im_patch_id,) if self.sees_images else ()
+        prompts = [r.prompt for r in turn]
+        samplings: list[Decoding] = [r.sampling for r in turn]
+        asked = [r.sampling.logprobs for r in turn if r.sampling.logprobs is not None]
         try:
-            outs = generate_drafting(self.model, [r.prompt for r in turn], [r.sampling for r in turn],
-                                     self.tokenizer.eos_id, never=(self.cfg.im_patch_id,) if self.sees_images else (),
-                                     tokens=self.tokenizer.vocab_size, on_token=on_token,
-                                     draft_tokens=self.draft_tokens)
+            if asked:  # each token's figures come from the step that chose it: no drafts in this turn
+                outs = generate_batch(self.model, prompts, samplings, self.tokenizer.eos_id, never=never,
+                                      tokens=self.tokenizer.vocab_size, on_token=on_token,
+                                      top_logps=max(max(asked), 1))
+            else:
+                outs = generate_drafting(self.model, prompts, samplings, self.tokenizer.eos_id, never=never,
+                                         tokens=self.tokenizer.vocab_size, on_token=on_token,
+                                         draft_tokens=self.draft_tokens)
         except Exception as err:  # noqa: BLE001 - every request of the turn hears of it
             for request in turn:
                 request.error, request.answered = request.error or err, True

@@ -17,9 +17,10 @@ import numpy as np
 from ..data.encoding.packing import BadSample
 from ..data.formats.chat import Conversation
 from ..data.formats.jsonl import decode_image, load_image, parse_messages
-from .chat_model import Reply, Sampling
+from .chat_model import Reply, Sampling, TokenLogprob
 
 MAX_STOP_STRINGS = 4  # as the API
+MAX_TOP_LOGPROBS = 20  # as the API
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class ChatRequest:
     images: list[np.ndarray]  # the image parts' pixels, in order
     sampling: Sampling
     stream: bool
+    return_token_ids: bool = False  # the answer's sampled token ids beside its text (vLLM's extension)
 
 
 def _number(body: dict, key: str, default: float, low: float, high: float, low_included: bool = True) -> float:
@@ -59,6 +61,15 @@ def _number(body: dict, key: str, default: float, low: float, high: float, low_i
             (value >= low if low_included else value > low) and value <= high):
         raise ApiError(400, f"{key} must be a number {'from' if low_included else 'above'} {low:g} "
                             f"{'to' if low_included else 'and at most'} {high:g}, not {value!r}", key)
+    return value
+
+
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{key} must be true or false", key)
     return value
 
 
@@ -128,14 +139,20 @@ def parse_request(body, served: str, limits: Limits, image_root: Path | None, ma
             isinstance(s, str) and s for s in stop):
         raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings",
                        "stop")
+    logprobs, return_ids = _flag(body, "logprobs"), _flag(body, "return_token_ids")
+    top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = Sampling(max_new_tokens=_int(body, key, limits.max_tokens, 1, limits.max_tokens),
                         temperature=_number(body, "temperature", 0.0, 0, 2),
                         top_p=_number(body, "top_p", 1.0, 0, 1, low_included=False),
-                        seed=_int(body, "seed", 0, 0, 2 ** 32 - 1), stop=tuple(stop))
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be true or false", "stream")
+                        seed=_int(body, "seed", 0, 0, 2 ** 32 - 1), stop=tuple(stop),
+                        logprobs=top if logprobs else None)
+    stream = _flag(body, "stream")
+    if stream and (logprobs or return_ids):
+        raise ApiError(400, "logprobs and return_token_ids come with whole answers: ask without stream",
+                       "logprobs" if logprobs else "return_token_ids")
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict) or set(template_kwargs) - {"enable_thinking"} or not isinstance(
             template_kwargs.get("enable_thinking", False), bool):
@@ -158,7 +175,7 @@ def parse_request(body, served: str, limits: Limits, image_root: Path | None, ma
                 decoded[source] = read_image(source, image_root, max_pixels)
         except BadSample as err:
             raise ApiError(400, str(err), "messages", "invalid_image") from None
-    return ChatRequest(model, conversation, [decoded[s] for s in sources], sampling, stream)
+    return ChatRequest(model, conversation, [decoded[s] for s in sources], sampling, stream, return_ids)
 
 
 class Completion:
@@ -167,16 +184,31 @@ class Completion:
     def __init__(self, model: str):
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
 
-    def whole(self, reply: Reply) -> dict:
+    def whole(self, reply: Reply, token_ids: bool = False) -> dict:
+        """``token_ids``: the sampled tokens' ids in the choice (``return_token_ids``)."""
+        choice = {"index": 0, "message": {"role": "assistant", "content": reply.text},
+                  "finish_reason": reply.finish_reason, "logprobs": logprobs(reply.logprobs)}
+        if token_ids:
+            choice["token_ids"] = reply.token_ids
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text},
-                             "finish_reason": reply.finish_reason, "logprobs": None}],
-                "usage": usage(reply)}
+                "choices": [choice], "usage": usage(reply)}
 
     def chunk(self, delta: dict, finish_reason: str | None = None, reply: Reply | None = None) -> dict:
         out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
         return {**out, "usage": usage(reply)} if reply is not None else out
+
+
+def logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
+    """OpenAI's ``choices[].logprobs``: each sampled token with its log-probability, its UTF-8 bytes and its
+    alternatives (``top_logprobs``)."""
+    if tokens is None:
+        return None
+
+    def one(token: TokenLogprob) -> dict:
+        return {"token": token.text, "logprob": token.logprob, "bytes": list(token.text.encode("utf-8"))}
+
+    return {"content": [{**one(t), "top_logprobs": [one(a) for a in t.top]} for t in tokens], "refusal": None}
 
 
 def usage(reply: Reply) -> dict:

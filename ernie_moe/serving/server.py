@@ -118,7 +118,7 @@ class Handler(BaseHTTPRequestHandler):
             if request.stream:
                 self._stream(completion, prompt, request)
             else:
-                self._json(200, completion.whole(s.chat.reply(prompt, request.sampling)))
+                self._json(200, completion.whole(s.chat.reply(prompt, request.sampling), request.return_token_ids))
         finally:
             with s.count_lock:
                 s.waiting -= 1

@@ -81,6 +81,12 @@ def test_requests_are_checked_field_by_field():
            ({"messages": [{"role": "tool", "content": "x"}]}, "messages"), ({"messages": []}, "messages"),
            ({"model": None}, "model"), ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs"),
            ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs")]
+    asked = parse(logprobs=True, top_logprobs=3, return_token_ids=True)
+    assert asked.sampling.logprobs == 3 and asked.return_token_ids
+    assert parse(logprobs=True).sampling.logprobs == 0 and parse().sampling.logprobs is None
+    bad += [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ({"logprobs": "yes"}, "logprobs"), ({"logprobs": True, "stream": True}, "logprobs"),
+            ({"return_token_ids": True, "stream": True}, "return_token_ids")]
     for fields, param in bad:
         with pytest.raises(ApiError) as err:
             parse(**fields)
@@ -155,6 +161,40 @@ def test_answers_equal_generates_greedy_answers_for_text_and_an_image(served, cl
         answer = ask(client, [{"type": "image_url", "image_url": {"url": source}}, {"type": "text", "text": PROMPT}])
         assert answer.choices[0].message.content == expected, source
     assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+@pytest.mark.slow
+def test_log_probabilities_and_token_ids_are_the_models_at_the_served_weights(served, client):
+    """``logprobs`` / ``top_logprobs`` as the API defines them and the sampled ids (``return_token_ids``): the same
+    answer as without them, and each token's log-probability equal to a forward of the prompt and the answer
+    through the model at the served weights, as the trainer computes it (the answer's tokens as labels)."""
+    from ernie_moe.data import collate
+    from ernie_moe.generation.decoding import log_softmax
+    from ernie_moe.serving.chat_model import ChatModel
+    from ernie_moe.serving.openai_api import Limits, parse_request
+    from ernie_moe.training.rollouts import answer_row
+
+    folder = served[0]
+    plain = ask(client, PROMPT)
+    answer = ask(client, PROMPT, logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True})
+    choice = answer.choices[0]
+    assert choice.message.content == plain.choices[0].message.content
+    ids, content = choice.model_extra["token_ids"], choice.logprobs.content
+    assert len(ids) == len(content) >= answer.usage.completion_tokens > 0
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob
+               for t in content)
+    assert all(t.top_logprobs[0].token == t.token for t in content)  # greedy: the most likely, every step
+    chat = ChatModel(folder)
+    request = parse_request({"model": "tiny", "messages": [{"role": "user", "content": PROMPT}]}, "tiny", Limits(),
+                            None, 10 ** 6)
+    prompt = chat.encode(request.conversation, [])
+    start = len(prompt) - 1  # the position whose label is the answer's first token
+    batch = collate([answer_row(prompt, ids, len(prompt) + len(ids), chat.tokenizer.pad_id)])
+    chat.model.eval()
+    logits = chat.model(batch, return_logits=True).logits.numpy()[0]
+    expected = [log_softmax(logits[start + i], 1.0)[token] for i, token in enumerate(ids)]
+    np.testing.assert_allclose([t.logprob for t in content], expected, rtol=0, atol=2e-5)
+    assert [t.token for t in content] == [chat.tokenizer.decode([i]) for i in ids]
 
 
 @pytest.mark.slow
