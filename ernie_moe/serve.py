@@ -43,13 +43,18 @@ def main(argv=None) -> int:
                              "more get 503")
     parser.add_argument("--batch-size", type=at_least_one, default=SIDE_BY_SIDE,
                         help="requests the model answers side by side in one turn, at most")
+    parser.add_argument("--weight-updates", help="a folder a trainer writes new weights into: the weight-update "
+                                                 "routes read folders of safetensors under it (default: off)")
     add_thinking_argument(parser)
     add_speculative_argument(parser)
     args = parser.parse_args(argv)
-    image_root = Path(args.image_root).resolve() if args.image_root else None
-    if image_root is not None and not image_root.is_dir():
-        print(f"serve error: --image-root '{args.image_root}' is not a folder", file=sys.stderr)
-        return 2
+    folders = {}
+    for flag, given in (("--image-root", args.image_root), ("--weight-updates", args.weight_updates)):
+        folders[flag] = Path(given).resolve() if given else None
+        if given and not Path(given).is_dir():
+            print(f"serve error: {flag} '{given}' is not a folder", file=sys.stderr)
+            return 2
+    image_root = folders["--image-root"]
     try:
         chat = ChatModel(args.model, args.config, args.batch_size, draft_tokens=args.draft_tokens)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
@@ -58,7 +63,8 @@ def main(argv=None) -> int:
     limits = Limits(int(args.max_request_mb * 2 ** 20), args.max_images, args.max_tokens, args.max_queue)
     served = args.served_name or Path(args.model).resolve().name
     try:
-        server = ChatServer((args.host, args.port), chat, served, limits, image_root, thinking=thinking_of(args))
+        server = ChatServer((args.host, args.port), chat, served, limits, image_root, thinking=thinking_of(args),
+                            weight_updates=folders["--weight-updates"])
     except OSError as err:
         print(f"serve error: cannot listen on {args.host}:{args.port}: {err.strerror}", file=sys.stderr)
         return 2

@@ -56,6 +56,7 @@ class Reply:
     accepted: int = 0  # of them, kept
     token_ids: list[int] | None = None  # the sampled tokens, the end-of-sentence token last where it stopped there
     logprobs: list[TokenLogprob] | None = None  # theirs, where the request asked (``Sampling.logprobs``)
+    policy_version: int = 0  # the weights' version its first token was sampled at (``ChatModel.policy_version``)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ class _Request:
     out: Generated | None = None  # once answered
     error: Exception | None = None  # what its stream raised (a client gone): that request alone ends
     answered: bool = False
+    aborted: bool = False  # ended by a pause that aborts what is in flight
+    version: int = 0  # the policy version its turn started at
 
 
 class ChatModel:
@@ -131,6 +134,13 @@ class ChatModel:
         self.queue_lock = threading.Lock()
         self.turns: Counter = Counter()  # turns of the model by how many requests they answered
         self.side_by_side = side_by_side
+        # pausing (vLLM's modes: wait for the turn in flight, keep it parked between two tokens, or abort it); the
+        # fields below are read and changed under ``self.turn``
+        self.turn = threading.Condition()
+        self.paused: str | None = None  # the pause in force: "wait", "keep" or "abort"; None: serving
+        self.turning = False  # a turn of the model is running
+        self.parked = False  # the running turn waits between two tokens (paused with keep)
+        self.policy_version = 0  # weight updates applied since the folder was loaded
 
     def encode(self, conversation, images: list[np.ndarray], videos: Sequence[np.ndarray] = ()) -> Encoded:
         """The prompt of ``conversation`` (``data.formats.jsonl.parse_messages``'s, its images and videos decoded in
@@ -152,23 +162,65 @@ class ChatModel:
         with self.queue_lock:
             self.queued.append(request)
         while not request.answered:
+            with self.turn:
+                self.turn.wait_for(lambda: self.paused is None)
             with self.lock:
                 with self.queue_lock:
                     if request not in self.queued:  # taken by an earlier turn, which has answered it
                         continue
+                with self.turn:
+                    if self.paused is not None:  # paused since: wait for the resume
+                        continue
+                    self.turning = True
+                with self.queue_lock:
                     others = [r for r in self.queued if r is not request][: self.side_by_side - 1]
                     turn = [request, *others]
                     self.queued = [r for r in self.queued if r not in turn]
-                self._answer(turn)
+                try:
+                    self._answer(turn)
+                finally:
+                    with self.turn:
+                        self.turning = False
+                        self.turn.notify_all()
         if request.error is not None:
             raise request.error
         text = request.stream.finish()
         out = request.out
         assert out is not None  # its turn answered it, or it raised its error above
-        finish = "stop" if out.stop in ("eos", "caller") else "length"
+        finish = "abort" if request.aborted else "stop" if out.stop in ("eos", "caller") else "length"
         ids = out.ids + ([self.tokenizer.eos_id] if out.stop == "eos" else [])
         return Reply(text, finish, len(prompt.input_ids), len(out.ids), out.drafted, out.accepted, ids,
-                     self._logprobs(ids, out, sampling.logprobs))
+                     self._logprobs(ids, out, sampling.logprobs), request.version)
+
+    def pause(self, mode: str) -> None:
+        """Stop starting turns; ``wait``: return once the turn in flight has ended, ``keep``: once it is parked
+        between two tokens (it goes on at the resume, with the weights then in force), ``abort``: end the requests
+        in flight at their next token (``finish_reason`` "abort"). Requests that come meanwhile wait for the
+        resume."""
+        with self.turn:
+            self.paused = mode
+            self.turn.notify_all()
+            self.turn.wait_for(lambda: not self.turning or (mode == "keep" and self.parked))
+
+    def resume(self) -> None:
+        with self.turn:
+            self.paused = None
+            self.turn.notify_all()
+
+    def waiting(self) -> int:
+        """Requests waiting for a turn."""
+        with self.queue_lock:
+            return len(self.queued)
+
+    def _between_tokens(self) -> bool:
+        """Called between two tokens of a turn: parks while paused with keep; whether a pause aborts the turn."""
+        with self.turn:
+            if self.paused == "keep":
+                self.parked = True
+                self.turn.notify_all()
+                self.turn.wait_for(lambda: self.paused != "keep")
+                self.parked = False
+            return self.paused == "abort"
 
     def _logprobs(self, ids: list[int], out: Generated, alternatives: int | None) -> list[TokenLogprob] | None:
         if alternatives is None or out.logps is None or out.top is None:
@@ -181,12 +233,17 @@ class ChatModel:
     def _answer(self, turn: list[_Request]) -> None:
         def on_token(row: int, ids: list[int]) -> bool:
             request = turn[row]
+            if self._between_tokens():
+                request.aborted = True
+                return True
             try:
                 return request.stream(ids)
             except Exception as err:  # noqa: BLE001 - the client's end: its request stops, the others go on
                 request.error = err
                 return True
 
+        for request in turn:
+            request.version = self.policy_version
         never = (self.cfg.im_patch_id,) if self.sees_images else ()
         prompts = [r.prompt for r in turn]
         samplings: list[Decoding] = [r.sampling for r in turn]

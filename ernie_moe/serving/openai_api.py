@@ -191,12 +191,12 @@ class Completion:
         if token_ids:
             choice["token_ids"] = reply.token_ids
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [choice], "usage": usage(reply)}
+                "choices": [choice], "usage": usage(reply), "policy_version": reply.policy_version}
 
     def chunk(self, delta: dict, finish_reason: str | None = None, reply: Reply | None = None) -> dict:
         out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
-        return {**out, "usage": usage(reply)} if reply is not None else out
+        return {**out, "usage": usage(reply), "policy_version": reply.policy_version} if reply is not None else out
 
 
 def logprobs(tokens: list[TokenLogprob] | None) -> dict | None:

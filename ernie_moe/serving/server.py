@@ -1,7 +1,9 @@
 """The HTTP side of ``python -m ernie_moe.serve``: ``POST /v1/chat/completions`` (whole or streamed as server-sent
-events), ``GET /v1/models`` and the chat page at ``/``. Each connection has a thread; the requests that wait for
-the model are answered together in its next turn (``ChatModel.reply``); at most ``Limits.max_queue`` + 1 are held
-at once, more get 503. Every failure is answered in the API's error shape; none stops the server."""
+events), ``GET /v1/models``, the chat page at ``/``, and what a trainer drives it with as a rollout engine (vLLM's
+routes: ``/pause``, ``/resume``, ``/is_paused`` and the four phases of a weight update). Each connection has a
+thread; the requests that wait for the model are answered together in its next turn (``ChatModel.reply``); at most
+``Limits.max_queue`` + 1 are held at once, more get 503. Every failure is answered in the API's error shape; none
+stops the server."""
 
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ from ..data.encoding.packing import BadSample
 from ..generation import ContextTooLong, UsageError
 from .chat_model import ChatModel
 from .openai_api import ApiError, Completion, Limits, models_list, parse_request
+from .weight_updates import WeightUpdates
+
+PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's; abort is its default
 
 PAGE = resources.files(__package__).joinpath("page.html").read_bytes()
 
@@ -45,9 +50,11 @@ class ChatServer(ThreadingHTTPServer):
     request_queue_size = 1024
 
     def __init__(self, address, chat: ChatModel, served: str, limits: Limits, image_root: Path | None,
-                 log_requests: bool = True, thinking: bool | None = None):
-        """``thinking``: ``enable_thinking`` for requests that do not set it (``chat_template_kwargs``)."""
+                 log_requests: bool = True, thinking: bool | None = None, weight_updates: Path | None = None):
+        """``thinking``: ``enable_thinking`` for requests that do not set it (``chat_template_kwargs``);
+        ``weight_updates``: the folder new weights are read from (None: weight updates are off)."""
         super().__init__(address, Handler)
+        self.updates = WeightUpdates(chat.model, weight_updates)
         self.chat, self.served, self.limits, self.image_root = chat, served, limits, image_root
         self.thinking = thinking
         self.log_requests = log_requests
@@ -78,16 +85,27 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, PAGE, "text/html; charset=utf-8")
         elif self.path == "/v1/models":
             self._json(200, models_list(self.server.served, self.server.created))
+        elif self.path == "/is_paused":
+            chat = self.server.chat
+            self._json(200, {"is_paused": chat.paused is not None, "waiting": chat.waiting(),
+                             "policy_version": chat.policy_version})
         else:
             self._error(ApiError(404, f"no route GET {self.path[:200]}", code="not_found"))
 
     def do_POST(self):
         self.streaming = False  # once the stream's headers are out, an error can only end the connection
-        if self.path != "/v1/chat/completions":
+        route, _, query = self.path.partition("?")
+        control = {"/pause": self._pause, "/resume": self._resume, "/init_weight_transfer_engine": self._init,
+                   "/start_weight_update": self._start, "/update_weights": self._update,
+                   "/finish_weight_update": self._finish}
+        if route != "/v1/chat/completions" and route not in control:
             self._error(ApiError(404, f"no route POST {self.path[:200]}", code="not_found"))
             return
         try:
-            self._chat()
+            if route in control:
+                self._json(200, control[route](query))
+            else:
+                self._chat()
         except ApiError as err:
             self._error(err)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -122,6 +140,49 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             with s.count_lock:
                 s.waiting -= 1
+
+    def _pause(self, query: str) -> dict:
+        fields = dict(part.partition("=")[::2] for part in query.split("&") if part)
+        mode = fields.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise ApiError(400, f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode[:50]!r}", "mode")
+        self.server.chat.pause(mode)
+        return {"is_paused": True, "mode": mode}
+
+    def _resume(self, query: str) -> dict:
+        self.server.chat.resume()
+        return {"is_paused": False}
+
+    def _init(self, query: str) -> dict:
+        return self.server.updates.init(self._control_body())
+
+    def _start(self, query: str) -> dict:
+        self._control_body()
+        return self.server.updates.start()
+
+    def _update(self, query: str) -> dict:
+        return self.server.updates.update(self._control_body())
+
+    def _finish(self, query: str) -> dict:
+        """Apply the staged weights: the model must be paused, so that no token is sampled while they change."""
+        self._control_body()
+        chat = self.server.chat
+        with chat.turn:
+            if chat.paused is None:
+                raise ApiError(409, "pause the server first (POST /pause?mode=wait|keep|abort): the weights change "
+                                    "while no token is sampled")
+            changed = self.server.updates.finish()
+            chat.policy_version += 1
+        return {"policy_version": chat.policy_version, "tensors": changed}
+
+    def _control_body(self) -> dict:
+        """A control route's JSON object (an absent body: none)."""
+        if self.headers.get("Content-Length") in (None, "0"):
+            return {}
+        body = self._read_body()
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
 
     def _stream(self, completion: Completion, prompt, request) -> None:
         self.streaming = True

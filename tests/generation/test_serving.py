@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -520,3 +521,121 @@ def test_a_full_queue_is_answered_503_and_a_client_that_hangs_up_stops_nothing(s
     finally:
         server.shutdown()
         server.server_close()
+
+
+def control(base: str, route: str, body: dict | None = None, method: str = "POST") -> tuple[int, dict]:
+    """A rollout-engine route of the server: (status, its JSON)."""
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"{base}{route}", data, {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.slow
+def test_a_trainer_pauses_the_server_and_gives_it_new_weights_in_four_phases(served, tmp_path, capsys):
+    """vLLM's routes, driven as a trainer drives a rollout engine: a folder of safetensors staged (each tensor
+    checked; a tensor of another shape refused by name, leaving the model and its version as they were), applied at
+    the finish only while paused; a request that comes during the pause waits and is answered after the resume by
+    the new weights, with the policy version it was sampled at."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = served[0]
+    updates = tmp_path / "updates"
+    updates.mkdir()
+    other, _ = launch(tmp_path, 1, "training.max_steps=40", "training.eval_steps=0", "data.num_eval_samples=0",
+                      "model.num_nextn_predict_layers=1", "training.seed=7", name="other")
+    shutil.copytree(other / "final_model", updates / "new")
+    shutil.copytree(other / "final_model", updates / "bad")  # one of its tensors of another shape
+    weight_map = json.loads((updates / "bad" / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.embed_tokens.weight"
+    shard = updates / "bad" / weight_map[name]
+    save_file({**load_file(str(shard)), name: np.zeros([3], np.float32)}, str(shard))
+    process, found = start([sys.executable, "-m", "ernie_moe.serve", "--model", str(folder), "--port", "0",
+                            "--served-name", "tiny", "--weight-updates", str(updates), "--max-tokens", "32"],
+                           tmp_path, r"on (http://\S+) ")
+    base = found[1]
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    old, new = (generated(capsys, f, "--prompt", PROMPT, "--draft-tokens", "0")
+                for f in (folder, other / "final_model"))
+    assert old != new
+    first = ask(client, PROMPT)
+    assert first.choices[0].message.content == old and first.model_extra["policy_version"] == 0
+    assert control(base, "/start_weight_update")[0] == 409  # before the transfer is set up
+    assert control(base, "/init_weight_transfer_engine", {"init_info": {"backend": "nccl"}})[0] == 400
+    assert control(base, "/init_weight_transfer_engine", {"init_info": {"backend": "folder"}}) == \
+        (200, {"backend": "folder"})
+    assert control(base, "/start_weight_update", {})[0] == 200
+    status, refused = control(base, "/update_weights", {"update_info": {"path": "bad"}})
+    assert status == 400 and name in refused["error"]["message"] and "shape [3]" in refused["error"]["message"]
+    assert control(base, "/update_weights", {"update_info": {"path": "../"}})[0] == 400  # not under the folder
+    status, staged = control(base, "/update_weights", {"update_info": {"path": "new"}})
+    assert status == 200 and staged["staged"] > 10
+    assert control(base, "/finish_weight_update")[0] == 409  # not paused: nothing applied
+    assert ask(client, PROMPT).choices[0].message.content == old
+    assert control(base, "/pause?mode=later")[0] == 400
+    assert control(base, "/pause?mode=wait") == (200, {"is_paused": True, "mode": "wait"})
+    waiting: list = []
+    asker = threading.Thread(target=lambda: waiting.append(ask(client, PROMPT)))
+    asker.start()
+    while control(base, "/is_paused", method="GET")[1]["waiting"] < 1:  # the request has come and waits
+        time.sleep(0.05)
+    assert not waiting
+    assert control(base, "/finish_weight_update") == (200, {"policy_version": 1, "tensors": staged["staged"]})
+    assert control(base, "/resume") == (200, {"is_paused": False})
+    asker.join()
+    assert waiting[0].choices[0].message.content == new and waiting[0].model_extra["policy_version"] == 1
+    assert control(base, "/is_paused", method="GET")[1] == {"is_paused": False, "waiting": 0, "policy_version": 1}
+    process.terminate()
+    assert process.wait(timeout=60) == 0
+
+
+def test_a_pause_keeps_a_turn_between_two_tokens_or_aborts_it(served):
+    """In the process (no timing): a pause with ``keep`` returns once the answer in flight waits between two tokens
+    and it goes on at the resume to the answer it would have given; ``abort`` ends it at its next token."""
+    from ernie_moe.serving.chat_model import ChatModel, Sampling
+    from ernie_moe.serving.openai_api import Limits, parse_request
+
+    chat = ChatModel(served[0], draft_tokens=0)
+    request = parse_request({"model": "m", "messages": [{"role": "user", "content": PROMPT}]}, "m", Limits(), None,
+                            10 ** 6)
+    prompt = chat.encode(request.conversation, [])
+    whole = chat.reply(prompt, Sampling(max_new_tokens=8))
+    assert whole.completion_tokens >= 2 and whole.finish_reason in ("stop", "length")
+    for mode in ("keep", "abort"):
+        first, go, replies = threading.Event(), threading.Event(), []
+
+        def on_text(piece, first=first, go=go):
+            if not first.is_set():
+                first.set()
+                go.wait()  # the answer holds here, after its first token, until the pause is under way
+
+        def answer(replies=replies, on_text=on_text):
+            replies.append(chat.reply(prompt, Sampling(max_new_tokens=8), on_text))
+
+        answering = threading.Thread(target=answer)
+        answering.start()
+        first.wait()
+        pausing = threading.Thread(target=chat.pause, args=(mode,))
+        pausing.start()
+        with chat.turn:  # the pause is in force before the answer goes on
+            chat.turn.wait_for(lambda mode=mode: chat.paused == mode)
+        go.set()
+        pausing.join()  # keep: returns once the turn is parked; abort: once it has ended
+        if mode == "keep":
+            assert chat.parked and not replies
+            chat.resume()
+            answering.join()
+            assert (replies[0].text, replies[0].finish_reason) == (whole.text, whole.finish_reason)
+        else:
+            answering.join()
+            chat.resume()
+            assert replies[0].finish_reason == "abort" and replies[0].completion_tokens < whole.completion_tokens
+            assert whole.text.startswith(replies[0].text)
