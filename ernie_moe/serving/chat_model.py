@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ from ..generation import (
     load_model_folder,
     prompt_encoder,
 )
+from ..moe.replay import moe_layer_ids, recording, rows_of_generation
 
 SIDE_BY_SIDE = 8  # requests answered together in one turn of the model, at most (serve --batch-size)
 
@@ -57,6 +59,9 @@ class Reply:
     token_ids: list[int] | None = None  # the sampled tokens, the end-of-sentence token last where it stopped there
     logprobs: list[TokenLogprob] | None = None  # theirs, where the request asked (``Sampling.logprobs``)
     policy_version: int = 0  # the weights' version its first token was sampled at (``ChatModel.policy_version``)
+    # with ``Sampling.routes``: ``[moe layers, prompt and answer positions, k]`` global expert ids each token went to
+    # (``moe.replay``: DROPPED, NOT_RECORDED for the answer's last token, which no forward read)
+    routes: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class Sampling(Decoding):
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # the sampled tokens' log-probabilities, with this many alternatives (None: none)
+    routes: bool = False  # the experts each token went to in every MoE layer (``Reply.routes``)
 
 
 class TextStream:
@@ -112,6 +118,7 @@ class _Request:
     answered: bool = False
     aborted: bool = False  # ended by a pause that aborts what is in flight
     version: int = 0  # the policy version its turn started at
+    routes: np.ndarray | None = None  # its routing, where its turn recorded it
 
 
 class ChatModel:
@@ -190,7 +197,8 @@ class ChatModel:
         finish = "abort" if request.aborted else "stop" if out.stop in ("eos", "caller") else "length"
         ids = out.ids + ([self.tokenizer.eos_id] if out.stop == "eos" else [])
         return Reply(text, finish, len(prompt.input_ids), len(out.ids), out.drafted, out.accepted, ids,
-                     self._logprobs(ids, out, sampling.logprobs), request.version)
+                     self._logprobs(ids, out, sampling.logprobs), request.version,
+                     request.routes if sampling.routes else None)
 
     def pause(self, mode: str) -> None:
         """Stop starting turns; ``wait``: return once the turn in flight has ended, ``keep``: once it is parked
@@ -207,10 +215,27 @@ class ChatModel:
             self.paused = None
             self.turn.notify_all()
 
+    def expert_pools(self) -> dict[str, list[int]]:
+        """Each modality's routed expert ids, ``[first, end)``: text experts first, then vision (ERNIE's numbering;
+        one shared pool is ``text``)."""
+        counts = self.cfg.moe_num_experts
+        names = ("text", "vision")[: len(counts)]
+        return {name: [sum(counts[:i]), sum(counts[: i + 1])] for i, name in enumerate(names)}
+
     def waiting(self) -> int:
         """Requests waiting for a turn."""
         with self.queue_lock:
             return len(self.queued)
+
+    def _keep_routes(self, turn: list[_Request], outs: list[Generated], records) -> None:
+        """Each request's routing, from the records of the turn that answered it side by side."""
+        lengths = [len(r.prompt) for r in turn]
+        answers = [len(out.ids) + (out.stop == "eos") for out in outs]
+        padding = np.array([max(lengths) - n for n in lengths])
+        table = rows_of_generation(records, moe_layer_ids(self.cfg), len(turn), padding, answers,
+                                   max(n + a for n, a in zip(lengths, answers)))
+        for row, request in enumerate(turn):
+            request.routes = table[row, :, : lengths[row] + answers[row]]
 
     def _between_tokens(self) -> bool:
         """Called between two tokens of a turn: parks while paused with keep; whether a pause aborts the turn."""
@@ -248,11 +273,15 @@ class ChatModel:
         prompts = [r.prompt for r in turn]
         samplings: list[Decoding] = [r.sampling for r in turn]
         asked = [r.sampling.logprobs for r in turn if r.sampling.logprobs is not None]
+        routed = any(r.sampling.routes for r in turn) and bool(self.model.moe_layers())
         try:
-            if asked:  # each token's figures come from the step that chose it: no drafts in this turn
-                outs = generate_batch(self.model, prompts, samplings, self.tokenizer.eos_id, never=never,
-                                      tokens=self.tokenizer.vocab_size, on_token=on_token,
-                                      top_logps=max(max(asked), 1))
+            if asked or routed:  # each token's figures come from the step that chose it: no drafts in this turn
+                with recording(self.model) if routed else nullcontext() as records:
+                    outs = generate_batch(self.model, prompts, samplings, self.tokenizer.eos_id, never=never,
+                                          tokens=self.tokenizer.vocab_size, on_token=on_token,
+                                          top_logps=max(max(asked), 1) if asked else 0)
+                if records is not None:
+                    self._keep_routes(turn, outs, records)
             else:
                 outs = generate_drafting(self.model, prompts, samplings, self.tokenizer.eos_id, never=never,
                                          tokens=self.tokenizer.vocab_size, on_token=on_token,

@@ -139,7 +139,8 @@ def parse_request(body, served: str, limits: Limits, image_root: Path | None, ma
             isinstance(s, str) and s for s in stop):
         raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings",
                        "stop")
-    logprobs, return_ids = _flag(body, "logprobs"), _flag(body, "return_token_ids")
+    logprobs, return_ids, routes = (_flag(body, key) for key in ("logprobs", "return_token_ids",
+                                                                  "return_routed_experts"))
     top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise ApiError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
@@ -148,11 +149,12 @@ def parse_request(body, served: str, limits: Limits, image_root: Path | None, ma
                         temperature=_number(body, "temperature", 0.0, 0, 2),
                         top_p=_number(body, "top_p", 1.0, 0, 1, low_included=False),
                         seed=_int(body, "seed", 0, 0, 2 ** 32 - 1), stop=tuple(stop),
-                        logprobs=top if logprobs else None)
+                        logprobs=top if logprobs else None, routes=routes)
     stream = _flag(body, "stream")
-    if stream and (logprobs or return_ids):
-        raise ApiError(400, "logprobs and return_token_ids come with whole answers: ask without stream",
-                       "logprobs" if logprobs else "return_token_ids")
+    asked = [key for key, on in (("logprobs", logprobs), ("return_token_ids", return_ids),
+                                 ("return_routed_experts", routes)) if on]
+    if stream and asked:
+        raise ApiError(400, f"{asked[0]} comes with whole answers: ask without stream", asked[0])
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict) or set(template_kwargs) - {"enable_thinking"} or not isinstance(
             template_kwargs.get("enable_thinking", False), bool):
@@ -181,8 +183,10 @@ def parse_request(body, served: str, limits: Limits, image_root: Path | None, ma
 class Completion:
     """One answer's identity, and its shapes: whole (``chat.completion``) or streamed (``chat.completion.chunk``)."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, pools: dict[str, list[int]] | None = None):
+        """``pools``: each modality's expert ids as ``[first, end)`` (text first, then vision)."""
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
+        self.pools = pools or {}
 
     def whole(self, reply: Reply, token_ids: bool = False) -> dict:
         """``token_ids``: the sampled tokens' ids in the choice (``return_token_ids``)."""
@@ -190,6 +194,8 @@ class Completion:
                   "finish_reason": reply.finish_reason, "logprobs": logprobs(reply.logprobs)}
         if token_ids:
             choice["token_ids"] = reply.token_ids
+        if reply.routes is not None:
+            choice["routed_experts"] = routed_experts(reply.routes, self.pools)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage(reply), "policy_version": reply.policy_version}
 
@@ -209,6 +215,15 @@ def logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
         return {"token": token.text, "logprob": token.logprob, "bytes": list(token.text.encode("utf-8"))}
 
     return {"content": [{**one(t), "top_logprobs": [one(a) for a in t.top]} for t in tokens], "refusal": None}
+
+
+def routed_experts(routes: np.ndarray, pools: dict[str, list[int]]) -> dict:
+    """``[moe layers, positions, k]`` expert ids as int16, little-endian, base64: the prompt's positions then the
+    answer's, each a global expert id of the pool its modality routes in, -1 a choice capacity dropped, -2 a position
+    no forward read (the answer's last token)."""
+    data = np.ascontiguousarray(routes, dtype="<i2")
+    return {"shape": list(data.shape), "dtype": "int16", "data": base64.b64encode(data.tobytes()).decode(),
+            "pools": pools}
 
 
 def usage(reply: Reply) -> dict:

@@ -132,7 +132,7 @@ class Handler(BaseHTTPRequestHandler):
                                code="queue_full")
             s.waiting += 1
         try:
-            completion = Completion(request.model)
+            completion = Completion(request.model, s.chat.expert_pools())
             if request.stream:
                 self._stream(completion, prompt, request)
             else:

@@ -82,12 +82,13 @@ def test_requests_are_checked_field_by_field():
            ({"messages": [{"role": "tool", "content": "x"}]}, "messages"), ({"messages": []}, "messages"),
            ({"model": None}, "model"), ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs"),
            ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs")]
-    asked = parse(logprobs=True, top_logprobs=3, return_token_ids=True)
-    assert asked.sampling.logprobs == 3 and asked.return_token_ids
+    asked = parse(logprobs=True, top_logprobs=3, return_token_ids=True, return_routed_experts=True)
+    assert asked.sampling.logprobs == 3 and asked.return_token_ids and asked.sampling.routes
     assert parse(logprobs=True).sampling.logprobs == 0 and parse().sampling.logprobs is None
     bad += [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
             ({"logprobs": "yes"}, "logprobs"), ({"logprobs": True, "stream": True}, "logprobs"),
-            ({"return_token_ids": True, "stream": True}, "return_token_ids")]
+            ({"return_token_ids": True, "stream": True}, "return_token_ids"),
+            ({"return_routed_experts": 1}, "return_routed_experts")]
     for fields, param in bad:
         with pytest.raises(ApiError) as err:
             parse(**fields)
@@ -165,19 +166,23 @@ def test_answers_equal_generates_greedy_answers_for_text_and_an_image(served, cl
 
 
 @pytest.mark.slow
-def test_log_probabilities_and_token_ids_are_the_models_at_the_served_weights(served, client):
-    """``logprobs`` / ``top_logprobs`` as the API defines them and the sampled ids (``return_token_ids``): the same
-    answer as without them, and each token's log-probability equal to a forward of the prompt and the answer
-    through the model at the served weights, as the trainer computes it (the answer's tokens as labels)."""
+def test_log_probabilities_token_ids_and_routes_are_the_models_at_the_served_weights(served, client):
+    """``logprobs`` / ``top_logprobs`` as the API defines them, the sampled ids (``return_token_ids``) and the
+    experts each position went to in every MoE layer (``return_routed_experts``): the same answer as without them,
+    each token's log-probability equal to a forward of the prompt and the answer through the model at the served
+    weights, as the trainer computes it (the answer's tokens as labels), and the routes those of that forward,
+    text positions in the text pool."""
     from ernie_moe.data import collate
     from ernie_moe.generation.decoding import log_softmax
+    from ernie_moe.moe.replay import NOT_RECORDED, moe_layer_ids, recording, routes_of_forward
     from ernie_moe.serving.chat_model import ChatModel
     from ernie_moe.serving.openai_api import Limits, parse_request
     from ernie_moe.training.rollouts import answer_row
 
     folder = served[0]
     plain = ask(client, PROMPT)
-    answer = ask(client, PROMPT, logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True})
+    answer = ask(client, PROMPT, logprobs=True, top_logprobs=3,
+                 extra_body={"return_token_ids": True, "return_routed_experts": True})
     choice = answer.choices[0]
     assert choice.message.content == plain.choices[0].message.content
     ids, content = choice.model_extra["token_ids"], choice.logprobs.content
@@ -192,10 +197,18 @@ def test_log_probabilities_and_token_ids_are_the_models_at_the_served_weights(se
     start = len(prompt) - 1  # the position whose label is the answer's first token
     batch = collate([answer_row(prompt, ids, len(prompt) + len(ids), chat.tokenizer.pad_id)])
     chat.model.eval()
-    logits = chat.model(batch, return_logits=True).logits.numpy()[0]
+    with recording(chat.model) as records:
+        logits = chat.model(batch, return_logits=True).logits.numpy()[0]
     expected = [log_softmax(logits[start + i], 1.0)[token] for i, token in enumerate(ids)]
     np.testing.assert_allclose([t.logprob for t in content], expected, rtol=0, atol=2e-5)
     assert [t.token for t in content] == [chat.tokenizer.decode([i]) for i in ids]
+    sent = choice.model_extra["routed_experts"]
+    routes = np.frombuffer(base64.b64decode(sent["data"]), "<i2").reshape(sent["shape"])
+    layers, length = moe_layer_ids(chat.cfg), len(prompt) + len(ids)
+    assert routes.shape == (len(layers), length, chat.cfg.moe_k) and sent["pools"] == {"text": [0, 4], "vision": [4, 8]}
+    forward = routes_of_forward(records, 0, layers, 1, length, chat.cfg.moe_k)[0]
+    np.testing.assert_array_equal(routes[:, :-1], forward[:, :-1])  # the last answer token: read by no forward
+    assert (routes[:, -1] == NOT_RECORDED).all() and ((routes[:, :-1] >= 0) & (routes[:, :-1] < 4)).all()
 
 
 @pytest.mark.slow
