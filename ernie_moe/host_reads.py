@@ -37,6 +37,8 @@ DECLARED = {
                    "work): no wait for the device",
     "decoding": "sampling answers (training.stage: grpo, in the steps that start a rollout): each new token's "
                 "logits for the host's sampler, once per new token, and the routing each forward recorded",
+    "nonfinite": "on a step skipped for inf/nan gradients, which of this rank's gradients held them, to name the "
+                 "layers: one read for all of them, on such steps only",
     "rollout": "whether any data rank still misses groups after a round of prompts: once per round of a rollout; "
                "with router_replay old_policy, the old policy's log-probabilities and routes, once per micro-batch "
                "and MoE layer of a rollout; the rollouts' figures and the window's largest sampler-trainer ratio, once "

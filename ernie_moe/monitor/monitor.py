@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import paddle
 
@@ -75,6 +77,10 @@ class TrainingMonitor:
             "data_wait_s": total("data_wait") / steps,  # the loop waiting for rows (data.num_workers hides it)
         }
         metrics.update(time_breakdown(results))
+        nonfinite: Counter = Counter()
+        for r in results:
+            nonfinite.update(r.nonfinite)
+        metrics.update({f"nonfinite/{part}": n for part, n in sorted(nonfinite.items())})
         mtp = [r.mtp for r in results if r.mtp is not None]
         if mtp:
             metrics.update(mtp_metrics(np.sum(mtp, axis=0)))

@@ -20,6 +20,7 @@ from typing import Any
 import paddle
 from paddle import nn
 
+from .. import host_reads
 from ..config.schema import TrainingConfig
 from ..moe.layer import MoEStatics
 from ..moe.router import Router
@@ -32,6 +33,23 @@ FLOAT32_LAYERS: list[nn.Layer | type[nn.Layer]] = [Router, RMSNorm, MoEStatics, 
 
 class NonFiniteGradients(RuntimeError):
     """Too many steps with inf/nan gradients (in a row, or in the whole run): training failed."""
+
+
+def layer_of(name: str) -> str:
+    """The part of the model a parameter's stable name belongs to: ``layers.<i>`` for a decoder layer (its MoE
+    block, attention, norms), else its first component (``vision_model``, ``lm_head``, ``embed_tokens``, ...)."""
+    parts = name.removeprefix("model.").split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 1 else parts[0]
+
+
+@paddle.no_grad()
+def nonfinite_gradients(named: list[tuple[str, paddle.Tensor]]) -> list[str]:
+    """The names of the parameters of ``named`` whose gradient holds inf or nan (one read back for all)."""
+    held = [(name, p.grad) for name, p in named if p.grad is not None]
+    if not held:
+        return []
+    finite = host_reads.read(paddle.stack([paddle.isfinite(g).all() for _, g in held]), "nonfinite")
+    return [name for (name, _), ok in zip(held, finite) if not ok]
 
 
 class Precision:

@@ -57,6 +57,8 @@ class StepResult:
     figures: list[float] | paddle.Tensor | None = None
     # *device* the multi-token prediction depths' loss sums, then their label counts (None: no MTP trains)
     mtp: list[float] | paddle.Tensor | None = None
+    # a step skipped for inf/nan gradients: how many tensors held them, by part of the model (``precision.layer_of``)
+    nonfinite: dict[str, int] = field(default_factory=dict)
 
     @property
     def skipped(self) -> bool:

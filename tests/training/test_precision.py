@@ -48,7 +48,9 @@ def test_fp16_loss_scaling_gives_the_float32_updates(tmp_path):
                                rtol=1e-5)
 
 
-def test_a_step_with_inf_gradients_is_skipped_counted_and_halves_the_scale(tmp_path):
+def test_a_step_with_inf_gradients_is_skipped_counted_and_halves_the_scale(tmp_path, capsys):
+    """The skipped step is said in one line naming the parts of the model whose gradients held inf (the poisoned
+    weight's decoder layer), counted in the step's ``nonfinite`` figures (``nonfinite/<part>`` in the metrics)."""
     tr = trainer(tmp_path, "training.max_steps=4", "training.fp16=true", "training.scale_loss=1024")
     poison_gradients(tr, {2})
     tr.step = 1
@@ -57,8 +59,15 @@ def test_a_step_with_inf_gradients_is_skipped_counted_and_halves_the_scale(tmp_p
     adam = tr.parts.optimizer._accumulators["moment1"]
     moments_before = {k: v.numpy().copy() for k, v in adam.items()}
     tr.step = 2
+    capsys.readouterr()
     result = tr.train_step()
     assert result.skipped and result.grad_norm is None
+    said = capsys.readouterr().out
+    assert "step 2 skipped: inf or nan gradients in 1 tensor(s), layers.0 1 " in said, said
+    assert "(first: model.layers.0.self_attn.o_proj.weight); loss scale now 512" in said, said
+    assert result.nonfinite == {"layers.0": 1}
+    metrics = tr.monitor.end_window(2, [result.read()], tr.parts.data_stats)
+    assert metrics["nonfinite/layers.0"] == 1 and metrics["skipped_steps"] == 1
     after = weights(tr)
     for name in before:  # no update at all
         np.testing.assert_array_equal(after[name], before[name], err_msg=name)
