@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from typing import Any
 
 import paddle
@@ -25,6 +26,7 @@ from ..config.schema import TrainingConfig
 from ..moe.layer import MoEStatics
 from ..moe.router import Router
 from ..nn.layers import RMSNorm
+from ..parallel.env import DistEnv
 from ..parallel.pipeline import TrainedModel
 
 # Layers whose weights stay float32 under O2
@@ -107,6 +109,20 @@ class Precision:
             for p in params:
                 if p.grad is not None:
                     p.grad.multiply_(paddle.to_tensor(1.0 / self.loss_scale, dtype=p.grad.dtype))
+
+    def nonfinite_parts(self, model: TrainedModel, env: DistEnv, step: int) -> dict[str, int]:
+        """On a skipped step (every rank together): the tensors whose gradients held inf or nan on any rank,
+        counted by part of the model, and said in one line by rank 0."""
+        names = nonfinite_gradients(model.stable_named_parameters())
+        if env.world_size > 1:  # each rank holds its own slices, experts and stages
+            names = [n for mine in env.all_gather_object(names) for n in mine]
+        named = sorted(set(names))
+        counts = dict(Counter(layer_of(n) for n in named))
+        if env.is_main:
+            parts = ", ".join(f"{part} {n}" for part, n in counts.items()) or "none named"
+            print(f"step {step} skipped: inf or nan gradients in {len(named)} tensor(s), {parts} (first: "
+                  f"{named[0] if named else '-'}); loss scale now {self.loss_scale:g}", flush=True)
+        return counts
 
     def step_is_finite(self, grad_norm: float, step: int) -> bool:
         """Whether the optimizer may step, given the step's global gradient norm (the same on every rank)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import Counter
 from pathlib import Path
 
 import paddle
@@ -31,7 +30,7 @@ from .best_model import BestModel
 from .final_model import export, serving_check
 from .memory_guard import Rung
 from .optimizer import clip_gradients, gradient_norms, optimizer_state_bytes
-from .precision import NonFiniteGradients, layer_of, nonfinite_gradients
+from .precision import NonFiniteGradients
 from .replica_check import ReplicaCheck, ReplicasDiffer
 from .run_folder import RUN_FILES, RunFolder
 from .saves import Saves
@@ -289,21 +288,8 @@ class Trainer:
         else:  # inf / nan somewhere: no update, and no bias update from this step's routing
             for moe in parts.model.moe_layers():
                 moe.stats.pop_usage()
-            result.nonfinite = self._nonfinite()
+            result.nonfinite = parts.precision.nonfinite_parts(parts.model, env, self.step)
         parts.optimizer.clear_grad()
-
-    def _nonfinite(self) -> dict[str, int]:
-        """The tensors whose gradients held inf or nan on every rank, counted by part of the model; said once."""
-        names = nonfinite_gradients(self.parts.model.stable_named_parameters())
-        if self.env.world_size > 1:  # each rank holds its own slices, experts and stages
-            names = [n for mine in self.env.all_gather_object(names) for n in mine]
-        counts = dict(Counter(layer_of(n) for n in sorted(set(names))))
-        if self.env.is_main:
-            print(f"step {self.step} skipped: inf or nan gradients in {len(set(names))} tensor(s), "
-                  f"{', '.join(f'{part} {n}' for part, n in counts.items()) or 'none named'}"
-                  f" (first: {min(names, default='-')}); loss scale now {self.parts.precision.loss_scale:g}",
-                  flush=True)
-        return counts
 
     def forward_backward(self, micro_batches) -> StepResult:
         """Accumulate the step's gradients; returns the step's loss sums and token counts over all ranks, on the
