@@ -610,6 +610,7 @@ def test_a_trainer_pauses_the_server_and_gives_it_new_weights_in_four_phases(ser
     assert process.wait(timeout=60) == 0
 
 
+@pytest.mark.slow
 def test_a_pause_keeps_a_turn_between_two_tokens_or_aborts_it(served):
     """In the process (no timing): a pause with ``keep`` returns once the answer in flight waits between two tokens
     and it goes on at the resume to the answer it would have given; ``abort`` ends it at its next token."""
