@@ -169,8 +169,10 @@ class ChatModel:
         with self.queue_lock:
             self.queued.append(request)
         while not request.answered:
-            with self.turn:
-                self.turn.wait_for(lambda: self.paused is None)
+            with self.turn:  # a turn that answers it while paused (wait, abort) notifies as it ends
+                self.turn.wait_for(lambda: self.paused is None or request.answered)
+            if request.answered:
+                break
             with self.lock:
                 with self.queue_lock:
                     if request not in self.queued:  # taken by an earlier turn, which has answered it
