@@ -11,7 +11,7 @@ from __future__ import annotations
 from .base import LanguageModelling, Objective
 from .head import Predictions, token_losses
 from .policy import PolicyGradient, PolicySettings
-from .preference import PreferenceLoss, PreferenceSettings
+from .preference import PreferenceLoss
 from .registry import build_objective, register
 
 __all__ = ["LanguageModelling", "Objective", "PolicyGradient", "PreferenceLoss", "Predictions", "build_objective",
@@ -20,5 +20,5 @@ __all__ = ["LanguageModelling", "Objective", "PolicyGradient", "PreferenceLoss",
 # language modelling (pretraining, SFT); the DPO family, whose sums over the pairs of other data ranks (kto_pair)
 # run over the data group; the GRPO family
 register("sft", lambda t, reduce_sum: LanguageModelling())
-register("dpo", lambda t, reduce_sum: PreferenceLoss(PreferenceSettings.of(t), reduce_sum))
+register("dpo", lambda t, reduce_sum: PreferenceLoss(t.dpo, reduce_sum))
 register("grpo", lambda t, reduce_sum: PolicyGradient(PolicySettings.of(t)))

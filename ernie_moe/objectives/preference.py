@@ -20,14 +20,12 @@ log ref)`` per answer (SimPO: ``b log pi / |answer|``), detached.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
 from ..batch import CHOSEN, IGNORE_INDEX, PAIR_SIDES, REJECTED
-from ..config.schema import TrainingConfig
+from ..config.schema import PreferenceConfig
 from .base import REFERENCE_LOGPS, Objective
 from .head import Predictions
 
@@ -39,26 +37,9 @@ FIGURES = ("pairs", "loss", "logps_chosen", "logps_rejected", "rewards_chosen", 
 LOGPS = slice(2, 4)  # the columns of the two answers' log-probabilities
 
 
-@dataclass(frozen=True)
-class PreferenceSettings:
-    loss: str = "sigmoid"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
-    dpop_lambda: float = 50.0
-    normalize_length: bool = False
-    sft_weight: float = 0.0
-    reference: str = "model"  # where the reference's log-probabilities come from (training.dpo.reference)
-
-    @classmethod
-    def of(cls, training_cfg: TrainingConfig) -> PreferenceSettings:
-        t = training_cfg
-        return cls(t.dpo.loss, t.dpo.beta, t.dpo.label_smoothing, t.dpo.simpo_gamma, t.dpo.dpop_lambda,
-                   t.dpo.normalize_length, t.dpo.sft_weight, t.dpo.reference)
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.loss != "simpo"
+def needs_reference(settings: PreferenceConfig) -> bool:
+    """Whether the loss compares with a reference model (SimPO needs none)."""
+    return settings.loss != "simpo"
 
 
 def _smoothed(logits: paddle.Tensor, smoothing: float) -> paddle.Tensor:
@@ -74,12 +55,12 @@ def answer_logps(token_losses: paddle.Tensor, labels: paddle.Tensor, sides: padd
     return logps, paddle.stack([m.sum(axis=1) for m in masks], axis=1)
 
 
-def pair_figures(settings: PreferenceSettings, policy: paddle.Tensor, lengths: paddle.Tensor,
+def pair_figures(settings: PreferenceConfig, policy: paddle.Tensor, lengths: paddle.Tensor,
                  reference: paddle.Tensor | None, reduce_sum=None) -> tuple[paddle.Tensor, paddle.Tensor]:
     """(summed loss over the pairs, the figures ``[rows, len(FIGURES)]`` detached) of a forward. Without
     ``reference`` where the loss needs one (the reference model's own pass) the loss and rewards are 0."""
     valid = paddle.logical_and(lengths[:, 0] > 0, lengths[:, 1] > 0).astype("float32")
-    if reference is None and settings.needs_reference:
+    if reference is None and needs_reference(settings):
         losses, rewards = paddle.zeros_like(valid), paddle.zeros_like(policy)
     else:
         losses, rewards = pair_losses(settings, policy, reference, lengths, valid, reduce_sum)
@@ -90,7 +71,7 @@ def pair_figures(settings: PreferenceSettings, policy: paddle.Tensor, lengths: p
     return losses.sum(), figures * valid[:, None]
 
 
-def pair_losses(settings: PreferenceSettings, policy: paddle.Tensor, reference: paddle.Tensor | None,
+def pair_losses(settings: PreferenceConfig, policy: paddle.Tensor, reference: paddle.Tensor | None,
                 lengths: paddle.Tensor, valid: paddle.Tensor | None = None,
                 reduce_sum=None) -> tuple[paddle.Tensor, paddle.Tensor]:
     """(losses ``[pairs]``, rewards ``[pairs, 2]`` detached). ``valid``: 1 for the rows that hold a pair (None:
@@ -149,12 +130,12 @@ class PreferenceLoss(Objective):
     figures = FIGURES
     trains_on = "pairs"
 
-    def __init__(self, settings: PreferenceSettings, reduce_sum=None):
+    def __init__(self, settings: PreferenceConfig, reduce_sum=None):
         self.settings, self.reduce_sum = settings, reduce_sum
 
     @property
     def needs_reference(self) -> bool:
-        return self.settings.needs_reference
+        return needs_reference(self.settings)
 
     @property
     def reference_source(self) -> str | None:

@@ -13,13 +13,14 @@ from support.runs import EARLIER_DEFAULT, ROOT, SMALL
 
 from ernie_moe.batch import IGNORE_INDEX
 from ernie_moe.config import ConfigError, load_config
+from ernie_moe.config.schema import PreferenceConfig
 from ernie_moe.data import RowStream, build_datasets, build_tokenizer, collate
 from ernie_moe.data.encoding.packing import make_row
 from ernie_moe.data.encoding.pairs import PairEncoder
 from ernie_moe.data.feeding.loader import sample_encoder
 from ernie_moe.data.formats.preference import PreferenceJsonl
 from ernie_moe.model.ernie_vl import ErnieMoEForConditionalGeneration
-from ernie_moe.objectives.preference import LOSSES, PreferenceLoss, PreferenceSettings, pair_losses
+from ernie_moe.objectives.preference import LOSSES, PreferenceLoss, pair_losses
 from ernie_moe.training.trainer import Trainer
 
 
@@ -27,7 +28,7 @@ def _logsig(x):
     return -np.logaddexp(0.0, -x)
 
 
-def numpy_losses(s: PreferenceSettings, p, ref, lengths, held=None):
+def numpy_losses(s: PreferenceConfig, p, ref, lengths, held=None):
     """Each loss as its paper writes it, per pair (float64); ``p``, ``ref``, ``lengths`` ``[pairs, 2]`` (chosen,
     rejected). ``held``: the policy log-probabilities kto_pair's KL estimates are taken from (constants)."""
     b, e = s.beta, s.label_smoothing
@@ -59,12 +60,12 @@ def numpy_losses(s: PreferenceSettings, p, ref, lengths, held=None):
     return loss
 
 
-SETTINGS = [PreferenceSettings(loss) for loss in LOSSES] + [
-    PreferenceSettings("sigmoid", beta=0.3, label_smoothing=0.2, sft_weight=0.5),
-    PreferenceSettings("dpop", beta=0.2, dpop_lambda=5.0, label_smoothing=0.1),
-    PreferenceSettings("ipo", beta=0.5, normalize_length=True),
-    PreferenceSettings("simpo", beta=2.0, simpo_gamma=1.0, label_smoothing=0.1, sft_weight=1.0),
-    PreferenceSettings("kto_pair", beta=0.5, normalize_length=True)]
+SETTINGS = [PreferenceConfig(loss) for loss in LOSSES] + [
+    PreferenceConfig("sigmoid", beta=0.3, label_smoothing=0.2, sft_weight=0.5),
+    PreferenceConfig("dpop", beta=0.2, dpop_lambda=5.0, label_smoothing=0.1),
+    PreferenceConfig("ipo", beta=0.5, normalize_length=True),
+    PreferenceConfig("simpo", beta=2.0, simpo_gamma=1.0, label_smoothing=0.1, sft_weight=1.0),
+    PreferenceConfig("kto_pair", beta=0.5, normalize_length=True)]
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{v}" for v in vars(s).values()))
@@ -107,7 +108,7 @@ def test_at_the_start_every_reference_loss_is_its_value_at_zero():
     lengths = paddle.to_tensor([[4.0, 5.0], [2.0, 2.0]])
     for loss, expected in (("sigmoid", math.log(2)), ("dpop", math.log(2)), ("ipo", 1 / (4 * 0.1 ** 2)),
                            ("kto_pair", 0.5)):
-        losses, rewards = pair_losses(PreferenceSettings(loss), p, p, lengths)
+        losses, rewards = pair_losses(PreferenceConfig(loss), p, p, lengths)
         np.testing.assert_allclose(losses.numpy(), expected, rtol=1e-6)
         assert not rewards.numpy().any()
 
@@ -124,7 +125,7 @@ def test_a_pair_row_gives_each_answer_the_log_probabilities_of_its_own_forward(t
     tok = build_tokenizer(cfg)
     train, _ = build_datasets(cfg)
     paddle.seed(0)
-    model = ErnieMoEForConditionalGeneration(cfg.model, objective=PreferenceLoss(PreferenceSettings()))
+    model = ErnieMoEForConditionalGeneration(cfg.model, objective=PreferenceLoss(PreferenceConfig()))
     model.eval()
     encoder = sample_encoder(tok, cfg, Counter())
     assert isinstance(encoder, PairEncoder)
@@ -332,7 +333,7 @@ def test_the_dpo_loss_of_a_batch_equals_paddleformers(tmp_path, loss):
     paddleformers("make", "dense", tmp_path / "dense", cwd=tmp_path)
     folder = tmp_path / "dense" / "hf"
     _, model, _ = imported(folder)
-    model.objective = PreferenceLoss(PreferenceSettings(loss, beta=0.2, dpop_lambda=5.0))
+    model.objective = PreferenceLoss(PreferenceConfig(loss, beta=0.2, dpop_lambda=5.0))
     model.eval()
     rng = np.random.default_rng(5)
     pairs, rows = [], []
