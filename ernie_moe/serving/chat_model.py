@@ -174,18 +174,17 @@ class ChatModel:
             if request.answered:
                 break
             with self.lock:
-                with self.queue_lock:
-                    if request not in self.queued:  # taken by an earlier turn, which has answered it
-                        continue
                 with self.turn:
                     if self.paused is not None:  # paused since: wait for the resume
                         continue
                     self.turning = True
-                with self.queue_lock:
-                    others = [r for r in self.queued if r is not request][: self.side_by_side - 1]
-                    turn = [request, *others]
-                    self.queued = [r for r in self.queued if r not in turn]
                 try:
+                    with self.queue_lock:
+                        if request not in self.queued:  # taken by an earlier turn, which has answered it
+                            continue
+                        others = [r for r in self.queued if r is not request][: self.side_by_side - 1]
+                        turn = [request, *others]
+                        self.queued = [r for r in self.queued if r not in turn]
                     self._answer(turn)
                 finally:
                     with self.turn:

@@ -15,6 +15,7 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
+from urllib.parse import parse_qs
 
 from ..data.encoding.packing import BadSample
 from ..generation import ContextTooLong, UsageError
@@ -142,8 +143,7 @@ class Handler(BaseHTTPRequestHandler):
                 s.waiting -= 1
 
     def _pause(self, query: str) -> dict:
-        fields = dict(part.partition("=")[::2] for part in query.split("&") if part)
-        mode = fields.get("mode", "abort")
+        mode = parse_qs(query).get("mode", ["abort"])[-1]
         if mode not in PAUSE_MODES:
             raise ApiError(400, f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode[:50]!r}", "mode")
         self.server.chat.pause(mode)
